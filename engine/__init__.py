@@ -1,0 +1,1 @@
+"""pdserve's engine: block pool, scheduler and model runner shared by both pools."""

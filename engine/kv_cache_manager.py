@@ -1,0 +1,127 @@
+"""Per-request block tables on top of the block pool, with prefix-cache lookups."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.block_pool import Block, BlockPool, chain_hash
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in and served from the prefix cache."""
+
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps request ids to their blocks; every block a request holds is in exactly one table."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.stats = PrefixCacheStats()
+        self._tables: dict[str, list[Block]] = {}
+        self._hashes: dict[str, list[int]] = {}  # chain hashes of the request's full blocks
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def holds(self, req_id: str) -> bool:
+        return req_id in self._tables
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(req_id, ())]
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[Block]:
+        """Longest run of cached full blocks matching the tokens.
+
+        At least one token is always left to compute: the runner needs a query
+        to produce the next token's logits.
+        """
+        if not self.enable_caching:
+            return []
+        hits: list[Block] = []
+        parent: int | None = None
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        for i in range(max_blocks):
+            chunk = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent = chain_hash(parent, chunk)
+            block = self.pool.lookup(parent, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self,
+        req_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        cached_prefix: Sequence[Block] = (),
+    ) -> list[int] | None:
+        """Blocks so the request can hold `num_computed + num_new` tokens; None if they don't fit.
+
+        `cached_prefix` (from find_cached_prefix, only when the request holds no blocks yet)
+        is shared, not copied. On None nothing changes.
+        """
+        table = self._tables.get(req_id, [])
+        if cached_prefix and table:
+            raise ValueError(f"request {req_id} already holds blocks; no prefix to attach")
+        num_needed = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_new_blocks = num_needed - len(table) - len(cached_prefix)
+        # A revived cached block leaves the free queue too, so it counts against what is free.
+        num_revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(cached_prefix)
+        fresh = self.pool.allocate(max(num_new_blocks, 0)) or []
+        table = [*table, *cached_prefix, *fresh]
+        self._tables[req_id] = table
+        if cached_prefix:
+            # Hits are cached blocks, so their chain hashes are known already.
+            self._hashes[req_id] = [b.block_hash for b in cached_prefix if b.block_hash is not None]
+        return [b.block_id for b in fresh]
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count a new request's prompt lookup for the hit-rate metric."""
+        self.stats.query_tokens += num_query_tokens
+        self.stats.hit_tokens += num_hit_tokens
+
+    def cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register the request's newly completed full blocks in the prefix cache."""
+        if not self.enable_caching:
+            return
+        table = self._tables.get(req_id)
+        if table is None:
+            return
+        hashes = self._hashes.setdefault(req_id, [])
+        num_full = min(num_computed // self.block_size, len(table))
+        for i in range(len(hashes), num_full):
+            chunk = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            block_hash = chain_hash(hashes[-1] if hashes else None, chunk)
+            hashes.append(block_hash)
+            self.pool.cache(table[i], block_hash, chunk)
+
+    def free(self, req_id: str) -> None:
+        """Return the request's blocks; idempotent. Tail blocks go first into the
+        eviction queue so a shared prefix outlives the suffixes that extend it."""
+        table = self._tables.pop(req_id, None)
+        self._hashes.pop(req_id, None)
+        if table:
+            self.pool.free(reversed(table))

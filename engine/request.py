@@ -1,0 +1,86 @@
+"""A request's state inside one engine: tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed inside the system
+    HANDOFF = "handoff"  # prefill pool: first token sampled, KV goes to decode
+
+
+@dataclass
+class Request:
+    """Mutable per-request state owned by one scheduler.
+
+    Progress is `num_computed_tokens` catching up with `num_tokens`: a prompt
+    chunk, a decode step and a recompute after preemption are the same thing.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # resolved seed: the sampler's randomness is a function of (seed, position)
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower value runs first under the priority policy
+    arrival_time: float = field(default_factory=time.monotonic)
+    max_model_len: int | None = None
+    # Decode pool: the prompt arrives with its KV already computed; the first
+    # sampled token travels with it (sampling state moves with the request).
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by every token sampled so far."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def check_stop(self) -> FinishReason | None:
+        """Token-level stop rules, applied after each sampled token."""
+        if not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        if not self.sampling.ignore_eos and last in self.eos_token_ids:
+            return FinishReason.STOP
+        if last in self.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if self.num_output_tokens >= self.sampling.max_tokens:
+            return FinishReason.LENGTH
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

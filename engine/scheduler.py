@@ -1,0 +1,237 @@
+"""Iteration-level scheduler: each call to `schedule()` decides one step for every request.
+
+Plain Python, no torch. Prefill and decode are not modes: a request runs
+`num_tokens - num_computed_tokens` tokens (capped by the budget and the chunk
+threshold), so chunked prefill, decode and recompute after preemption share one path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.batch import Batch, ScheduledSeq
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one step did for one request: new tokens and, at the end, why it finished."""
+
+    req_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    num_cached_tokens: int = 0
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every request's blocks."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CacheConfig,
+        *,
+        handoff_after_first_token: bool = False,
+    ) -> None:
+        self.config = config
+        self.block_size = cache.block_size
+        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching)
+        # Prefill pool: a request stops after its first token and keeps its blocks
+        # until the decode side acknowledges the KV hand-off.
+        self.handoff_after_first_token = handoff_after_first_token
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    # ---------------------------------------------------------------- queues
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _queue_key(self, req: Request) -> tuple[float, ...]:
+        if self.config.policy == "priority":
+            return (req.priority, req.arrival_time)
+        return (req.arrival_time,)
+
+    def _enqueue_waiting(self, req: Request) -> None:
+        # Sorted insert keeps the queue in policy order; a preempted request keeps
+        # its original arrival time, so under FCFS it resumes ahead of newcomers.
+        key = self._queue_key(req)
+        idx = len(self.waiting)
+        while idx > 0 and self._queue_key(self.waiting[idx - 1]) > key:
+            idx -= 1
+        self.waiting.insert(idx, req)
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request (its KV may already be present: see add_running)."""
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.requests[req.req_id] = req
+        req.status = RequestStatus.WAITING
+        self._enqueue_waiting(req)
+
+    def reserve(self, req_id: str, num_tokens: int) -> list[int] | None:
+        """Decode pool: hold blocks for an incoming hand-off before any byte moves."""
+        if req_id in self.requests or self.kv.holds(req_id):
+            raise ValueError(f"request id {req_id!r} already holds blocks here")
+        return self.kv.allocate_slots(req_id, 0, num_tokens)
+
+    def add_running(self, req: Request) -> None:
+        """Decode pool: admit a request whose KV was imported into its reserved blocks."""
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        if not self.kv.holds(req.req_id):
+            raise ValueError(f"request {req.req_id!r} has no reserved blocks")
+        self.requests[req.req_id] = req
+        req.status = RequestStatus.RUNNING
+        self.kv.cache_full_blocks(req.req_id, req.all_token_ids, req.num_computed_tokens)
+        self.running.append(req)
+
+    def release(self, req_id: str) -> None:
+        """Free blocks held outside the queues (a reservation or a finished hand-off)."""
+        if req_id not in self.requests:
+            self.kv.free(req_id)
+
+    def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
+        """End a request in any state (idempotent); its blocks return unless it is
+        handing off. Call between steps: the engine queues aborts until then."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            self.kv.free(req_id)  # a reservation that never became a request
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if reason is not FinishReason.HANDOFF:
+            self.kv.free(req_id)
+        return req
+
+    # ---------------------------------------------------------------- schedule
+    def _chunk(self, req: Request, budget: int) -> int:
+        num_new = req.num_tokens - req.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_new = min(num_new, threshold)
+        return min(num_new, budget)
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        # Lowest priority (largest value) first, then the latest arrival.
+        return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.req_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self._enqueue_waiting(req)
+
+    def schedule(self) -> Batch:
+        """Pick this step's work under the token budget, the seq limit and free blocks."""
+        budget = self.config.max_num_batched_tokens
+        chunks: dict[str, int] = {}
+        if self.config.prioritize_prefill:
+            budget = self._schedule_waiting(chunks, budget)
+            budget = self._schedule_running(chunks, budget)
+        else:
+            budget = self._schedule_running(chunks, budget)
+            budget = self._schedule_waiting(chunks, budget)
+        return self._build_batch(chunks)
+
+    def _schedule_running(self, chunks: dict[str, int], budget: int) -> int:
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.req_id in chunks or req.status is not RequestStatus.RUNNING:
+                continue
+            num_new = self._chunk(req, budget)
+            if num_new <= 0:
+                continue
+            while self.kv.allocate_slots(req.req_id, req.num_computed_tokens, num_new) is None:
+                victim = self._pick_victim(self.running)
+                if victim.req_id in chunks:
+                    budget += chunks.pop(victim.req_id)
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                chunks[req.req_id] = num_new
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, chunks: dict[str, int], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            is_new = req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
+            prefix = self.kv.find_cached_prefix(req.all_token_ids)
+            num_hit = len(prefix) * self.block_size
+            req.num_computed_tokens = num_hit
+            num_new = self._chunk(req, budget)
+            if self.kv.allocate_slots(req.req_id, num_hit, num_new, prefix) is None:
+                req.num_computed_tokens = 0
+                break  # head-of-line waits for blocks; running requests are never starved
+            if is_new:
+                req.num_cached_tokens = num_hit
+                self.kv.record_prefix_query(req.num_prompt_tokens, num_hit)
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks[req.req_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _build_batch(self, chunks: dict[str, int]) -> Batch:
+        seqs = []
+        for req in self.running:
+            num_new = chunks.get(req.req_id)
+            if not num_new:
+                continue
+            start = req.num_computed_tokens
+            end = start + num_new
+            seqs.append(
+                ScheduledSeq(
+                    req_id=req.req_id,
+                    token_ids=tuple(req.all_token_ids[start:end]),
+                    start_position=start,
+                    block_table=tuple(self.kv.block_ids(req.req_id)),
+                    sample=end == req.num_tokens,
+                    sampling=req.sampling,
+                    seed=req.seed,
+                )
+            )
+        return Batch(seqs=tuple(seqs), block_size=self.block_size)
+
+    # ---------------------------------------------------------------- update
+    def update(self, batch: Batch, sampled: dict[str, int]) -> list[RequestUpdate]:
+        """Apply a step's results: progress, new tokens, stop checks, finishing."""
+        updates: list[RequestUpdate] = []
+        for seq in batch.seqs:
+            req = self.requests.get(seq.req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            req.num_computed_tokens += seq.num_tokens
+            self.kv.cache_full_blocks(req.req_id, req.all_token_ids, req.num_computed_tokens)
+            if not seq.sample:
+                continue
+            token = sampled[seq.req_id]
+            req.output_token_ids.append(token)
+            reason = req.check_stop()
+            if reason is None and self.handoff_after_first_token:
+                reason = FinishReason.HANDOFF
+            if reason is not None:
+                self.finish_request(req.req_id, reason)
+            updates.append(RequestUpdate(req.req_id, (token,), reason, req.num_cached_tokens))
+        return updates
