@@ -107,7 +107,8 @@ class Scheduler:
         handing off. Call between steps: the engine queues aborts until then."""
         req = self.requests.pop(req_id, None)
         if req is None:
-            self.kv.free(req_id)  # a reservation that never became a request
+            # Unknown, already finished, or blocks held for a hand-off or reservation:
+            # those are released only by their owner through release().
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)

@@ -1,0 +1,320 @@
+"""Load generator for GenerationService: TTFT, TPOT, inter-token latency, throughput, goodput.
+
+Open loop (`--rate`, Poisson arrivals) or closed loop (`--concurrency`), a fixed
+number of requests, then it stops. Example:
+
+    python -m bench.load --target 127.0.0.1:50051 --rate 8 --num-requests 200 \\
+        --prompt-len 256:1024 --output-len 64:256 --ttft-slo 0.5 --tpot-slo 0.05 --out run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import grpc
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+# Words for --text-prompts; token counts per word vary by tokenizer, so prompt
+# lengths are approximate in that mode (usage.prompt_tokens reports the truth).
+_WORD_TEXT = (
+    "the of and to in is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were her she there one all we their can has been if more "
+    "when will would who so no time people year way day man thing woman life child world"
+)
+_WORDS = _WORD_TEXT.split()
+
+
+@dataclass
+class Outcome:
+    """What one request saw, in seconds since the benchmark started."""
+
+    index: int
+    prompt_len: int
+    max_tokens: int
+    sent_s: float = 0.0
+    first_token_s: float | None = None
+    done_s: float | None = None
+    chunk_times_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    finish_reason: str = ""
+    status: str = "OK"
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "OK" and self.done_s is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_s is None or not self.chunk_times_s or self.output_tokens < 2:
+            return None
+        return (self.chunk_times_s[-1] - self.first_token_s) / (self.output_tokens - 1)
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.done_s is None else self.done_s - self.sent_s
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'128:512' -> (128, 512); '256' -> (256, 256)."""
+    low, _, high = text.partition(":")
+    lo, hi = int(low), int(high or low)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def build_requests(args: argparse.Namespace) -> list[tuple[pb.GenerateRequest, Outcome]]:
+    """All requests up front (seeded), so generating them does not perturb arrival times."""
+    rng = random.Random(args.seed)
+    lo_id, hi_id = args.token_ids
+    requests = []
+    for i in range(args.num_requests):
+        prompt_len = rng.randint(*args.prompt_len)
+        max_tokens = rng.randint(*args.output_len)
+        request = pb.GenerateRequest(
+            request_id=f"bench-{args.seed}-{i}",
+            sampling=pb.SamplingParams(
+                max_tokens=max_tokens,
+                temperature=args.temperature,
+                seed=rng.getrandbits(32),
+                ignore_eos=not args.allow_eos,
+            ),
+        )
+        if args.text_prompts:
+            request.prompt = " ".join(rng.choice(_WORDS) for _ in range(prompt_len))
+        else:
+            request.prompt_token_ids.token_ids.extend(
+                rng.randrange(lo_id, hi_id) for _ in range(prompt_len)
+            )
+        requests.append((request, Outcome(i, prompt_len, max_tokens)))
+    return requests
+
+
+async def run_one(
+    stub: pb_grpc.GenerationServiceStub,
+    request: pb.GenerateRequest,
+    outcome: Outcome,
+    t0: float,
+    timeout: float,
+) -> None:
+    """Send one request and record token arrival times into `outcome`."""
+    outcome.sent_s = time.perf_counter() - t0
+    try:
+        async for response in stub.Generate(request, timeout=timeout):
+            now = time.perf_counter() - t0
+            if response.token_ids:
+                if outcome.first_token_s is None:
+                    outcome.first_token_s = now
+                outcome.chunk_times_s.append(now)
+                outcome.output_tokens += len(response.token_ids)
+            if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                outcome.done_s = now
+                name = pb.FinishReason.Name(response.finish_reason)
+                outcome.finish_reason = name.removeprefix("FINISH_REASON_").lower()
+                outcome.prompt_tokens = response.usage.prompt_tokens
+                outcome.cached_prompt_tokens = response.usage.cached_prompt_tokens
+    except grpc.aio.AioRpcError as exc:
+        outcome.status = exc.code().name
+        outcome.error = exc.details() or ""
+        outcome.done_s = None
+
+
+async def run_load(args: argparse.Namespace) -> list[Outcome]:
+    """Fire every request (open or closed loop) and wait for all of them."""
+    requests = build_requests(args)
+    channels = [grpc.aio.insecure_channel(args.target) for _ in range(args.channels)]
+    stubs = [pb_grpc.GenerationServiceStub(c) for c in channels]
+    rng = random.Random(args.seed + 1)
+    limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+    try:
+        for channel in channels:
+            await asyncio.wait_for(channel.channel_ready(), timeout=args.connect_timeout)
+        t0 = time.perf_counter()
+
+        async def guarded(i: int) -> None:
+            request, outcome = requests[i]
+            if limit is None:
+                await run_one(stubs[i % len(stubs)], request, outcome, t0, args.timeout)
+                return
+            async with limit:
+                await run_one(stubs[i % len(stubs)], request, outcome, t0, args.timeout)
+
+        tasks = []
+        for i in range(len(requests)):
+            tasks.append(asyncio.create_task(guarded(i)))
+            if args.rate and math.isfinite(args.rate) and i + 1 < len(requests):
+                # Poisson process: exponential gaps with mean 1/rate.
+                await asyncio.sleep(rng.expovariate(args.rate))
+        await asyncio.gather(*tasks)
+    finally:
+        for channel in channels:
+            await channel.close()
+    return [outcome for _, outcome in requests]
+
+
+def summarize(outcomes: list[Outcome], args: argparse.Namespace) -> dict[str, Any]:
+    """Aggregate metrics; latencies in milliseconds, rates per second."""
+    ok = [o for o in outcomes if o.ok]
+    start = min((o.sent_s for o in outcomes), default=0.0)
+    end = max((o.done_s for o in ok if o.done_s is not None), default=start)
+    duration = max(end - start, 1e-9)
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    tpots = [o.tpot_s for o in ok if o.tpot_s is not None]
+    # One inter-token sample per gap between chunks (decode sends one chunk per step).
+    itls = [b - a for o in ok for a, b in zip(o.chunk_times_s, o.chunk_times_s[1:], strict=False)]
+    latencies = [o.latency_s for o in ok if o.latency_s is not None]
+
+    def meets_slo(o: Outcome) -> bool:
+        if args.ttft_slo is not None and (o.ttft_s is None or o.ttft_s > args.ttft_slo):
+            return False
+        # A one-token answer has no TPOT and so cannot miss that SLO.
+        return args.tpot_slo is None or o.tpot_s is None or o.tpot_s <= args.tpot_slo
+
+    def dist(values: list[float]) -> dict[str, float]:
+        ms = [v * 1000 for v in values]
+        return {
+            "mean": sum(ms) / len(ms) if ms else math.nan,
+            "p50": percentile(ms, 50),
+            "p90": percentile(ms, 90),
+            "p99": percentile(ms, 99),
+        }
+
+    output_tokens = sum(o.output_tokens for o in ok)
+    return {
+        "num_requests": len(outcomes),
+        "num_ok": len(ok),
+        "errors": dict(Counter(o.status for o in outcomes if not o.ok)),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": output_tokens / duration,
+        "total_output_tokens": output_tokens,
+        "total_prompt_tokens": sum(o.prompt_tokens for o in ok),
+        "cached_prompt_tokens": sum(o.cached_prompt_tokens for o in ok),
+        "goodput": sum(meets_slo(o) for o in ok) / duration,
+        "ttft_ms": dist(ttfts),
+        "tpot_ms": dist(tpots),
+        "itl_ms": dist(itls),
+        "e2e_latency_ms": dist(latencies),
+    }
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """Human-readable report."""
+    lines = [
+        f"requests          {summary['num_ok']}/{summary['num_requests']} ok"
+        + (f"  errors {summary['errors']}" if summary["errors"] else ""),
+        f"duration          {summary['duration_s']:.2f} s",
+        f"request tput      {summary['request_throughput']:.2f} req/s",
+        f"output tok tput   {summary['output_token_throughput']:.1f} tok/s",
+        f"goodput           {summary['goodput']:.2f} req/s",
+        "",
+        f"{'metric (ms)':<16}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+    ]
+    for key, label in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2e_latency_ms", "E2E latency"),
+    ):
+        d = summary[key]
+        lines.append(
+            f"{label:<16}{d['mean']:>10.2f}{d['p50']:>10.2f}{d['p90']:>10.2f}{d['p99']:>10.2f}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line of the load generator."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--rate", type=float, help="Poisson arrival rate, req/s (inf = all at once)")
+    p.add_argument("--concurrency", type=int, help="max requests in flight (alone: closed loop)")
+    p.add_argument("--prompt-len", type=parse_range, default=(128, 512), help="MIN:MAX tokens")
+    p.add_argument("--output-len", type=parse_range, default=(64, 128), help="MIN:MAX tokens")
+    p.add_argument(
+        "--token-ids",
+        type=parse_range,
+        default=(1000, 30000),
+        help="MIN:MAX range random prompt token ids are drawn from (MAX exclusive); "
+        "stay inside the model's vocabulary and away from special tokens",
+    )
+    p.add_argument("--text-prompts", action="store_true", help="random words instead of ids")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--allow-eos",
+        action="store_true",
+        help="let the model stop early (default: ignore_eos, so output lengths are exact)",
+    )
+    p.add_argument("--ttft-slo", type=float, help="seconds, for goodput")
+    p.add_argument("--tpot-slo", type=float, help="seconds per output token, for goodput")
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, s")
+    p.add_argument("--connect-timeout", type=float, default=10.0)
+    p.add_argument("--channels", type=int, default=1, help="gRPC channels (connections)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write summary and per-request records as JSON here")
+    args = p.parse_args(argv)
+    if args.rate is None and args.concurrency is None:
+        p.error("give --rate, --concurrency, or both")
+    if args.rate is not None and not args.rate > 0:
+        p.error("--rate must be > 0")
+    if args.concurrency is not None and args.concurrency < 1:
+        p.error("--concurrency must be >= 1")
+    if args.num_requests < 1 or args.channels < 1:
+        p.error("--num-requests and --channels must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, print the table, optionally write JSON; exit 1 if any request failed."""
+    args = parse_args(argv)
+    outcomes = asyncio.run(run_load(args))
+    summary = summarize(outcomes, args)
+    print(format_table(summary))
+    if args.out:
+        config = {k: v for k, v in vars(args).items() if k != "out"}
+        record = {
+            "config": config,
+            "summary": summary,
+            "requests": [
+                {**asdict(o), "ttft_s": o.ttft_s, "tpot_s": o.tpot_s, "latency_s": o.latency_s}
+                for o in outcomes
+            ],
+        }
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0 if summary["num_ok"] == summary["num_requests"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

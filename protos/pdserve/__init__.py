@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf stubs for the pdserve API (see protos/*.proto)."""

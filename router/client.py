@@ -1,0 +1,200 @@
+"""Small async client for GenerationService, used by the `pdserve generate` CLI and tests."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import grpc
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+)
+
+Message = tuple[str, str] | dict[str, str]
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def build_request(
+    *,
+    prompt: str | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    messages: Iterable[Message] | None = None,
+    request_id: str = "",
+    priority: int = 0,
+    **sampling: Any,
+) -> pb.GenerateRequest:
+    """A GenerateRequest from Python values; sampling kwargs left at None stay unset."""
+    unknown = set(sampling) - set(_SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
+    request = pb.GenerateRequest(request_id=request_id, priority=priority)
+    # Leave the oneof unset unless a value was given, so the server's "no input"
+    # check is reachable from tests.
+    if prompt is not None:
+        request.prompt = prompt
+    if prompt_token_ids is not None:
+        request.prompt_token_ids.SetInParent()
+        request.prompt_token_ids.token_ids.extend(prompt_token_ids)
+    if messages is not None:
+        request.messages.SetInParent()
+        for m in messages:
+            role, content = (m["role"], m["content"]) if isinstance(m, dict) else m
+            request.messages.messages.add(role=role, content=content)
+    fields = {k: v for k, v in sampling.items() if v is not None}
+    request.sampling.CopyFrom(pb.SamplingParams(**fields))
+    return request
+
+
+async def stream_generate(
+    target: str | grpc.aio.Channel,
+    *,
+    prompt: str | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    messages: Iterable[Message] | None = None,
+    request_id: str = "",
+    priority: int = 0,
+    timeout: float | None = None,
+    metadata: Sequence[tuple[str, str]] | None = None,
+    **sampling: Any,
+) -> AsyncIterator[pb.GenerateResponse]:
+    """Yield every GenerateResponse of one call; raises grpc.aio.AioRpcError on failure.
+
+    `target` is "host:port" (a channel is opened and closed here) or an open
+    channel to reuse across calls.
+    """
+    request = build_request(
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        messages=messages,
+        request_id=request_id,
+        priority=priority,
+        **sampling,
+    )
+    if isinstance(target, str):
+        async with grpc.aio.insecure_channel(target) as channel:
+            async for response in _stream(channel, request, timeout, metadata):
+                yield response
+    else:
+        async for response in _stream(target, request, timeout, metadata):
+            yield response
+
+
+async def _stream(
+    channel: grpc.aio.Channel,
+    request: pb.GenerateRequest,
+    timeout: float | None,
+    metadata: Sequence[tuple[str, str]] | None,
+) -> AsyncIterator[pb.GenerateResponse]:
+    call = pb_grpc.GenerationServiceStub(channel).Generate(
+        request, timeout=timeout, metadata=metadata
+    )
+    try:
+        async for response in call:
+            yield response
+    finally:
+        # A consumer that stops early cancels the RPC, so the server frees the request.
+        call.cancel()
+
+
+async def get_server_info(target: str, timeout: float = 10.0) -> pb.GetServerInfoResponse:
+    """Call GetServerInfo once."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        return await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+
+
+async def get_pool_stats(target: str, timeout: float = 10.0) -> pb.GetPoolStatsResponse:
+    """Call GetPoolStats once (e.g. to check that blocks in use returned to 0)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        return await stub.GetPoolStats(pb.GetPoolStatsRequest(), timeout=timeout)
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `pdserve generate`."""
+    parser.add_argument("prompt", help="text prompt")
+    # No default: `pdserve generate` without --server generates offline in-process.
+    parser.add_argument("--server", help=f"router HOST:PORT (e.g. {DEFAULT_TARGET})")
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as one user turn")
+    parser.add_argument("--request-id", default="")
+    parser.add_argument("--timeout", type=float, help="deadline in seconds")
+
+
+async def run_generate(args: argparse.Namespace) -> int:
+    """Print text to stdout as it arrives, then a usage line to stderr; returns an exit code."""
+    inputs: dict[str, Any] = (
+        {"messages": [("user", args.prompt)]} if args.chat else {"prompt": args.prompt}
+    )
+    start = time.perf_counter()
+    final: pb.GenerateResponse | None = None
+    try:
+        async for response in stream_generate(
+            args.server or DEFAULT_TARGET,
+            **inputs,
+            request_id=args.request_id,
+            timeout=args.timeout,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos or None,
+        ):
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+            if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                final = response
+    except grpc.aio.AioRpcError as exc:
+        sys.stdout.write("\n")
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
+    if final is None:
+        print("error: stream ended without a final message", file=sys.stderr)
+        return 1
+    print(format_usage(final, time.perf_counter() - start), file=sys.stderr)
+    return 0
+
+
+def format_usage(final: pb.GenerateResponse, elapsed_s: float) -> str:
+    """One line: finish reason, token counts, TTFT and wall time."""
+    u, t = final.usage, final.timings
+    reason = pb.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+    return (
+        f"[{final.request_id}] finish={reason} prompt={u.prompt_tokens} "
+        f"completion={u.completion_tokens} cached={u.cached_prompt_tokens} "
+        f"ttft={t.time_to_first_token_seconds:.3f}s total={elapsed_s:.3f}s"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m router.client PROMPT [--server HOST:PORT] ...`"""
+    parser = argparse.ArgumentParser(prog="pdserve generate", description=__doc__)
+    add_generate_arguments(parser)
+    return asyncio.run(run_generate(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The router's public gRPC server: GenerationService, health, reflection, request ids, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import signal
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+from router.protocol import Generator
+from router.servicer import GenerationServicer, is_valid_request_id, request_id_var
+
+logger = logging.getLogger(__name__)
+
+GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+REQUEST_ID_HEADER = "x-request-id"
+DEFAULT_PORT = 50051
+
+
+class RequestIdInterceptor(grpc.aio.ServerInterceptor):
+    """Gives every unary-request RPC an id: body `request_id`, else `x-request-id`, else a uuid.
+
+    The id is visible to the handler through `request_id_var` and is sent back
+    as the `x-request-id` response header, so clients can quote it in reports.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        # Streaming-request RPCs (only reflection here) have no body id to prefer.
+        if handler is None or handler.request_streaming:
+            return handler
+        header = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == REQUEST_ID_HEADER and isinstance(value, str):
+                header = value
+        if handler.response_streaming:
+            behavior = _wrap_stream(handler.unary_stream, header)
+            return grpc.unary_stream_rpc_method_handler(
+                behavior, handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            _wrap_unary(handler.unary_unary, header),
+            handler.request_deserializer,
+            handler.response_serializer,
+        )
+
+
+async def _enter(request: Any, context: grpc.aio.ServicerContext, header: str) -> Any:
+    """Resolve, validate, publish and echo the request id; returns the contextvar token."""
+    body_id = getattr(request, "request_id", "")
+    request_id = body_id or header or uuid.uuid4().hex
+    if not is_valid_request_id(request_id):
+        field = "request_id" if body_id else REQUEST_ID_HEADER
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{field}: 1-128 printable ASCII characters, no spaces",
+        )
+    token = request_id_var.set(request_id)
+    await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
+    return token
+
+
+def _wrap_unary(behavior: Callable[..., Any], header: str) -> Callable[..., Any]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        token = await _enter(request, context, header)
+        try:
+            return await behavior(request, context)
+        finally:
+            request_id_var.reset(token)
+
+    return wrapped
+
+
+def _wrap_stream(behavior: Callable[..., Any], header: str) -> Callable[..., Any]:
+    # grpc.aio accepts either an async generator or a coroutine using context.write;
+    # the wrapper must have the same shape as what it wraps.
+    if inspect.isasyncgenfunction(behavior):
+
+        async def wrapped_gen(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            token = await _enter(request, context, header)
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            finally:
+                request_id_var.reset(token)
+
+        return wrapped_gen
+    return _wrap_unary(behavior, header)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class GrpcServer:
+    """Owns the grpc.aio server; NOT_SERVING until `set_serving()`, and again while draining."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        *,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        drain_grace_s: float = 30.0,
+        drain_notice_s: float = 0.0,
+    ) -> None:
+        self._generator = generator
+        self._host = host
+        self._requested_port = port
+        self.drain_grace_s = drain_grace_s
+        # Time between NOT_SERVING and refusing new calls, so load balancers and
+        # readiness probes stop routing here first (set to the probe period in k8s).
+        self.drain_notice_s = drain_notice_s
+        self._servicer = GenerationServicer(generator)
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._port: int | None = None
+        self._stop_task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when constructed with port 0)."""
+        if self._port is None:
+            raise RuntimeError("server not started")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """host:port to dial."""
+        return _host_port(self._host, self.port)
+
+    async def start(self) -> int:
+        """Bind, register services, start; health stays NOT_SERVING. Returns the bound port."""
+        server = grpc.aio.server(
+            interceptors=[RequestIdInterceptor()],
+            # grpc sets SO_REUSEPORT by default, which lets a second server bind an
+            # occupied port silently and steal half the traffic; fail loudly instead.
+            options=[("grpc.so_reuseport", 0)],
+        )
+        pb_grpc.add_GenerationServiceServicer_to_server(self._servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (
+                GENERATION_SERVICE,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        for service in ("", GENERATION_SERVICE):
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        target = _host_port(self._host, self._requested_port)
+        try:
+            port = server.add_insecure_port(target)
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind gRPC server to {target}: {exc}") from exc
+        if port == 0:  # older grpc reports a failed bind this way
+            raise OSError(f"cannot bind gRPC server to {target}")
+        await server.start()
+        self._server, self._port = server, port
+        logger.info("gRPC server listening on %s", self.address)
+        return port
+
+    async def set_serving(self) -> None:
+        """Report SERVING (call once the pools are warm); ignored after a drain started."""
+        for service in ("", GENERATION_SERVICE):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Generate calls being handled right now."""
+        return self._servicer.num_in_flight
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, notice period, refuse new Generates, wait `grace`, then stop.
+
+        The wait tracks Generate calls only: grpc's own `stop(grace)` would also
+        wait for long-lived health Watch streams and so always take the full grace.
+        Calls still running when the grace ends are cancelled, which closes their
+        core streams (blocks are released by the core's cleanup).
+        """
+        if self._server is None:
+            return
+        # Idempotent: a signal, the owner and `serve()`'s cleanup may all ask; the
+        # first drain wins and later callers wait for it.
+        if self._stop_task is None:
+            self._stop_task = asyncio.get_running_loop().create_task(self._drain(grace))
+        await asyncio.shield(self._stop_task)
+
+    async def _drain(self, grace: float | None) -> None:
+        assert self._server is not None
+        grace = self.drain_grace_s if grace is None else grace
+        await self._health.enter_graceful_shutdown()
+        logger.info(
+            "draining: %d in flight, notice %.1fs, grace %.1fs",
+            self.num_in_flight,
+            self.drain_notice_s,
+            grace,
+        )
+        if self.drain_notice_s > 0:
+            await asyncio.sleep(self.drain_notice_s)
+        self._servicer.start_draining()
+        if self.num_in_flight:
+            try:
+                await asyncio.wait_for(self._servicer.wait_idle(), timeout=grace)
+            except TimeoutError:
+                logger.warning("drain grace over; cancelling %d calls", self.num_in_flight)
+        await self._server.stop(0)
+
+    def request_stop(self) -> None:
+        """Start a drain from synchronous code (signal handlers); idempotent."""
+        if self._server is not None and self._stop_task is None:
+            self._stop_task = asyncio.get_running_loop().create_task(self._drain(None))
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT start a drain; a second signal is ignored until the drain ends."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+
+    async def wait_for_termination(self) -> None:
+        """Return once the server has stopped (after `stop()` or a signal-triggered drain)."""
+        if self._server is None:
+            return
+        await self._server.wait_for_termination()
+        if self._stop_task is not None:
+            await self._stop_task
+
+
+async def serve(
+    generator: Generator,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    *,
+    drain_grace_s: float = 30.0,
+    drain_notice_s: float = 0.0,
+    warm_up: Awaitable[None] | None = None,
+    on_started: Callable[[GrpcServer], None] | None = None,
+) -> None:
+    """Run until SIGTERM/SIGINT has drained the server; the caller then stops the workers.
+
+    The server listens (NOT_SERVING) while `warm_up` runs, so probes see the
+    process early; SERVING follows once `warm_up` completes.
+    """
+    server = GrpcServer(
+        generator,
+        host=host,
+        port=port,
+        drain_grace_s=drain_grace_s,
+        drain_notice_s=drain_notice_s,
+    )
+    await server.start()
+    server.install_signal_handlers()
+    if on_started is not None:
+        on_started(server)
+    warm_task = asyncio.ensure_future(warm_up) if warm_up is not None else None
+    try:
+        if warm_task is not None:
+            done = asyncio.ensure_future(server.wait_for_termination())
+            await asyncio.wait({warm_task, done}, return_when=asyncio.FIRST_COMPLETED)
+            if warm_task.done():
+                warm_task.result()  # a failed warm-up fails startup loudly
+                await server.set_serving()
+            await done
+        else:
+            await server.set_serving()
+            await server.wait_for_termination()
+    finally:
+        if warm_task is not None and not warm_task.done():
+            warm_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await warm_task
+        await server.stop(0)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,101 @@
+"""The seam between the gRPC edge and the serving core: plain dataclasses, no protobuf."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from engine.outputs import FinalResult, TextChunk
+from engine.sampling_params import SamplingParams
+
+PoolName = Literal["prefill", "decode", "colocated"]
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat turn, rendered by the core through the model's chat template."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """A validated Generate request; exactly one of the three inputs is not None."""
+
+    request_id: str  # "" = the core assigns one
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...] | None
+    messages: tuple[ChatMessage, ...] | None
+    sampling: SamplingParams
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        num_inputs = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))
+        if num_inputs != 1:
+            raise ValueError(
+                f"exactly one of prompt, prompt_token_ids or messages must be set, got {num_inputs}"
+            )
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """Static facts about a deployment."""
+
+    model: str
+    max_model_len: int
+    block_size: int
+    num_prefill_workers: int
+    num_decode_workers: int
+    max_in_flight: int
+    max_queue: int
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Occupancy of one worker's KV cache and scheduler."""
+
+    pool: PoolName
+    index: int
+    num_blocks_total: int
+    num_blocks_in_use: int
+    num_running: int
+    num_waiting: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Every worker's occupancy plus the router's own admission counts."""
+
+    workers: tuple[WorkerStats, ...]
+    num_in_flight: int
+    num_queued: int
+
+
+class Generator(Protocol):
+    """What the gRPC servicer needs from the serving core."""
+
+    def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
+        """Stream chunks, then exactly one FinalResult.
+
+        Raises (possibly on the first iteration) QueueFullError, NotReadyError
+        or ValueError. The servicer closes the iterator (`aclose()`) when the
+        client cancels or the deadline passes: the core must then abort the
+        request and release its blocks.
+        """
+        ...
+
+    def server_info(self) -> ServerInfo:
+        """Static facts about the deployment."""
+        ...
+
+    async def pool_stats(self) -> PoolStats:
+        """Live occupancy of every worker and the router queue."""
+        ...
+
+    def is_ready(self) -> bool:
+        """True once the pools are warm and accept requests."""
+        ...

@@ -1,0 +1,511 @@
+"""GenerationService over a real grpc.aio server on loopback, with a scripted core."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+from engine.outputs import FinalResult, PhaseTimings, TextChunk, Usage
+from engine.request import FinishReason
+from router.client import get_pool_stats, stream_generate
+from router.errors import NotReadyError, QueueFullError
+from router.grpc_server import GENERATION_SERVICE, GrpcServer, serve
+from router.protocol import GenerateCall, PoolStats, ServerInfo, WorkerStats
+
+MAX_MODEL_LEN = 64
+
+
+class FakeCore:
+    """Scripted Generator: `num_chunks` chunks `delay_s` apart, then a final result."""
+
+    def __init__(
+        self,
+        *,
+        num_chunks: int = 3,
+        delay_s: float = 0.0,
+        raise_exc: Exception | None = None,
+        finish: FinishReason = FinishReason.LENGTH,
+        error: str = "",
+    ) -> None:
+        self.num_chunks = num_chunks
+        self.delay_s = delay_s
+        self.raise_exc = raise_exc
+        self.finish = finish
+        self.error = error
+        self.ready = True
+        self.raise_sync: Exception | None = None  # raised by generate() itself
+        self.calls: list[GenerateCall] = []
+        self.num_closed = 0  # the stream's `finally` ran
+        self.num_aclose = 0  # the servicer called aclose(), as the core's contract asks
+        self.num_completed = 0
+        self.closed = asyncio.Event()
+        self.release: asyncio.Event | None = None  # when set, hold the final until released
+
+    def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
+        """Record the call and return its scripted stream."""
+        self.calls.append(call)
+        if self.raise_sync is not None:
+            raise self.raise_sync
+        return ClosableStream(self, self._stream())
+
+    async def _stream(self) -> AsyncGenerator[TextChunk | FinalResult, None]:
+        try:
+            if self.raise_exc is not None:
+                raise self.raise_exc
+            for i in range(self.num_chunks):
+                await asyncio.sleep(self.delay_s)
+                yield TextChunk(text=f"t{i} ", token_ids=(i,))
+            if self.release is not None:
+                await self.release.wait()
+            # Counted before the yield: the servicer closes the stream right after the final.
+            self.num_completed += 1
+            yield FinalResult(
+                finish_reason=self.finish,
+                usage=Usage(prompt_tokens=2, completion_tokens=self.num_chunks),
+                timings=PhaseTimings(time_to_first_token_s=0.01),
+                error=self.error,
+            )
+        finally:
+            self.num_closed += 1
+            self.closed.set()
+
+    def server_info(self) -> ServerInfo:
+        return ServerInfo("fake-model", MAX_MODEL_LEN, 16, 1, 2, 8, 32)
+
+    async def pool_stats(self) -> PoolStats:
+        worker = WorkerStats("decode", 1, 100, 7, 1, 0, 32, 64)
+        return PoolStats(workers=(worker,), num_in_flight=1, num_queued=0)
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+
+class ClosableStream:
+    """Counts explicit aclose() calls; a bare async generator would also be closed by GC,
+    which would hide a servicer that forgets to close (a real core's stream might not be)."""
+
+    def __init__(self, core: FakeCore, inner: AsyncGenerator[TextChunk | FinalResult, None]):
+        self._core = core
+        self._inner = inner
+
+    def __aiter__(self) -> ClosableStream:
+        return self
+
+    async def __anext__(self) -> TextChunk | FinalResult:
+        return await self._inner.__anext__()
+
+    async def aclose(self) -> None:
+        self._core.num_aclose += 1
+        await self._inner.aclose()
+
+
+Body = Callable[[GrpcServer, grpc.aio.Channel, FakeCore], Coroutine[Any, Any, None]]
+
+
+def run_with_server(core: FakeCore, body: Body, *, serving: bool = True) -> None:
+    """Start a server on 127.0.0.1:0 around `body`, then stop it (one event loop per test)."""
+
+    async def main() -> None:
+        server = GrpcServer(core, host="127.0.0.1", port=0, drain_grace_s=2.0)
+        await server.start()
+        if serving:
+            await server.set_serving()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                await body(server, channel, core)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
+    """Poll for a condition the handler reaches just after the client already saw its status."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def collect(channel: grpc.aio.Channel, **kwargs: Any) -> list[pb.GenerateResponse]:
+    return [r async for r in stream_generate(channel, **kwargs)]
+
+
+async def expect_code(code: grpc.StatusCode, channel: grpc.aio.Channel, **kwargs: Any) -> str:
+    """Run a Generate call that must fail with `code`; return its details."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(channel, **kwargs)
+    assert info.value.code() == code, info.value.details()
+    return info.value.details() or ""
+
+
+def test_streams_chunks_then_one_final() -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        responses = await collect(channel, prompt="Hello", max_tokens=3, temperature=0.7)
+        assert [r.text for r in responses[:-1]] == ["t0 ", "t1 ", "t2 "]
+        assert [list(r.token_ids) for r in responses[:-1]] == [[0], [1], [2]]
+        final = responses[-1]
+        assert final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert final.usage.completion_tokens == 3
+        assert final.timings.time_to_first_token_seconds == pytest.approx(0.01)
+        assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+        call = core.calls[0]
+        assert call.prompt == "Hello" and call.prompt_token_ids is None
+        # float32 on the wire, but the core sees what the user wrote.
+        assert call.sampling.temperature == 0.7
+        assert call.sampling.max_tokens == 3 and call.sampling.top_p == 1.0
+
+    run_with_server(FakeCore(), body)
+
+
+def test_unset_sampling_takes_engine_defaults_and_inputs_convert() -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        await collect(channel, prompt_token_ids=[5, 6, 7], priority=3)
+        await collect(channel, messages=[("system", "be brief"), ("user", "hi")])
+        tokens_call, chat_call = core.calls
+        assert tokens_call.prompt_token_ids == (5, 6, 7) and tokens_call.priority == 3
+        assert tokens_call.sampling.max_tokens == 16 and tokens_call.sampling.temperature == 1.0
+        assert tokens_call.sampling.seed is None
+        assert chat_call.messages is not None
+        assert [(m.role, m.content) for m in chat_call.messages] == [
+            ("system", "be brief"),
+            ("user", "hi"),
+        ]
+
+    run_with_server(FakeCore(), body)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1.0}, "temperature"),
+        ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "hi", "top_p": 0.0}, "top_p"),
+        ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ({"prompt": "hi", "top_k": -1}, "top_k"),
+        ({"prompt": "hi", "seed": 2**63}, "seed"),
+        ({"prompt": "hi", "stop": [""]}, "stop"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt_token_ids": []}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1] * MAX_MODEL_LEN}, "max_model_len"),
+        ({"messages": []}, "messages"),
+        ({"messages": [("", "hi")]}, "role"),
+        ({}, "prompt, prompt_token_ids or messages"),
+        ({"prompt": "hi", "request_id": "has space"}, "request_id"),
+    ],
+)
+def test_invalid_request_names_field_and_server_keeps_serving(
+    kwargs: dict[str, Any], field: str
+) -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        details = await expect_code(grpc.StatusCode.INVALID_ARGUMENT, channel, **kwargs)
+        assert field in details
+        assert core.calls == []  # rejected at the edge, the core never saw it
+        responses = await collect(channel, prompt="ok")
+        assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+    run_with_server(FakeCore(), body)
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (QueueFullError("queue full: 32 waiting"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (NotReadyError("decode pool restarting"), grpc.StatusCode.UNAVAILABLE),
+        (ValueError("prompt: 70 tokens exceed max_model_len 64"), grpc.StatusCode.INVALID_ARGUMENT),
+        (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_core_errors_map_to_status(exc: Exception, code: grpc.StatusCode) -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        details = await expect_code(code, channel, prompt="hi")
+        assert str(exc) in details
+        assert core.num_closed == 1 and core.num_aclose == 1
+
+    run_with_server(FakeCore(raise_exc=exc), body)
+
+
+def test_core_refusing_before_streaming_maps_to_status() -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        core.raise_sync = QueueFullError("queue full")
+        await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, channel, prompt="hi")
+        core.raise_sync = None
+        assert (await collect(channel, prompt="ok"))[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+    run_with_server(FakeCore(), body)
+
+
+def test_not_ready_core_is_unavailable() -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        core.ready = False
+        await expect_code(grpc.StatusCode.UNAVAILABLE, channel, prompt="hi")
+        assert core.calls == []
+
+    run_with_server(FakeCore(), body)
+
+
+def test_error_finish_sends_final_then_internal() -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        received: list[pb.GenerateResponse] = []
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for r in stream_generate(channel, prompt="hi"):
+                received.append(r)
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert "KV transfer failed" in (info.value.details() or "")
+        assert received[-1].finish_reason == pb.FINISH_REASON_ERROR
+        assert received[-1].error == "KV transfer failed"
+        assert received[-1].usage.completion_tokens == 2
+
+    run_with_server(
+        FakeCore(num_chunks=2, finish=FinishReason.ERROR, error="KV transfer failed"), body
+    )
+
+
+def test_deadline_closes_core_stream() -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        await expect_code(grpc.StatusCode.DEADLINE_EXCEEDED, channel, prompt="hi", timeout=0.3)
+        await asyncio.wait_for(core.closed.wait(), timeout=2.0)
+        await wait_until(lambda: core.num_aclose == 1)
+        assert core.num_completed == 0
+        await wait_until(lambda: server.num_in_flight == 0)
+
+    run_with_server(FakeCore(num_chunks=100, delay_s=0.05), body)
+
+
+def test_client_cancel_closes_core_stream() -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        call = pb_grpc.GenerationServiceStub(channel).Generate(pb.GenerateRequest(prompt="hi"))
+        assert (await call.read()).text == "t0 "
+        assert (await call.read()).text == "t1 "
+        call.cancel()
+        await asyncio.wait_for(core.closed.wait(), timeout=2.0)
+        assert core.num_completed == 0
+        await wait_until(lambda: server.num_in_flight == 0 and core.num_aclose == 1)
+
+    run_with_server(FakeCore(num_chunks=1000, delay_s=0.01), body)
+
+
+async def read_rest(call: Any) -> list[pb.GenerateResponse]:
+    """Read a call to its end with read() (grpc.aio forbids mixing read() and iteration)."""
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    return responses
+
+
+async def health_status(channel: grpc.aio.Channel, service: str) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return response.status
+
+
+def test_health_follows_warmup_and_drain() -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        for service in ("", GENERATION_SERVICE):
+            assert await health_status(channel, service) == not_serving
+        await server.set_serving()
+        for service in ("", GENERATION_SERVICE):
+            assert await health_status(channel, service) == serving
+
+        # A call in flight when the drain starts finishes normally.
+        core.release = asyncio.Event()
+        call = pb_grpc.GenerationServiceStub(channel).Generate(pb.GenerateRequest(prompt="hi"))
+        assert (await call.read()).text == "t0 "
+        server.drain_notice_s = 0.3
+        stop = asyncio.create_task(server.stop(grace=5.0))
+        await asyncio.sleep(0.1)  # inside the notice period: still answering, NOT_SERVING
+        assert await health_status(channel, GENERATION_SERVICE) == not_serving
+        await asyncio.sleep(0.4)  # notice over: new calls are refused
+        await expect_code(grpc.StatusCode.UNAVAILABLE, channel, prompt="late")
+        await server.set_serving()  # the owner cannot flip a drain back
+        assert not stop.done()
+        core.release.set()
+        rest = await read_rest(call)
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        await asyncio.wait_for(stop, timeout=2.0)
+        assert core.num_completed == 1
+
+    run_with_server(FakeCore(), body, serving=False)
+
+
+def test_drain_grace_cancels_stragglers() -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        core.release = asyncio.Event()  # never set: the call outlives the grace
+        call = pb_grpc.GenerationServiceStub(channel).Generate(pb.GenerateRequest(prompt="hi"))
+        await call.read()
+        await asyncio.wait_for(server.stop(grace=0.2), timeout=3.0)
+        await asyncio.wait_for(core.closed.wait(), timeout=2.0)
+        await wait_until(lambda: core.num_aclose == 1)
+        assert core.num_completed == 0
+        with pytest.raises(grpc.aio.AioRpcError):
+            await read_rest(call)
+
+    run_with_server(FakeCore(), body)
+
+
+def test_reflection_lists_services() -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        responses = [r async for r in stub.ServerReflectionInfo(iter([request]), timeout=5)]
+        names = {s.name for s in responses[0].list_services_response.service}
+        assert "pdserve.v1.GenerationService" in names
+        assert "grpc.health.v1.Health" in names
+
+    run_with_server(FakeCore(), body)
+
+
+def test_request_id_from_header_body_or_assigned() -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        stub = pb_grpc.GenerationServiceStub(channel)
+
+        call = stub.Generate(pb.GenerateRequest(prompt="a"), metadata=(("x-request-id", "hdr-1"),))
+        responses = [r async for r in call]
+        assert dict(await call.initial_metadata())["x-request-id"] == "hdr-1"
+        assert {r.request_id for r in responses} == {"hdr-1"}
+
+        call = stub.Generate(
+            pb.GenerateRequest(prompt="b", request_id="body-1"),
+            metadata=(("x-request-id", "hdr-2"),),
+        )
+        responses = [r async for r in call]
+        assert dict(await call.initial_metadata())["x-request-id"] == "body-1"
+        assert {r.request_id for r in responses} == {"body-1"}
+
+        call = stub.Generate(pb.GenerateRequest(prompt="c"))
+        responses = [r async for r in call]
+        assigned = dict(await call.initial_metadata())["x-request-id"]
+        assert len(assigned) == 32 and {r.request_id for r in responses} == {assigned}
+
+        assert [c.request_id for c in core.calls] == ["hdr-1", "body-1", assigned]
+
+        bad_header = (("x-request-id", "x" * 200),)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(channel, prompt="d", metadata=bad_header)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "x-request-id" in (info.value.details() or "")
+
+    run_with_server(FakeCore(), body)
+
+
+def test_server_info_and_pool_stats() -> None:
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        info = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+        assert (info.model, info.max_model_len, info.block_size) == ("fake-model", 64, 16)
+        assert (info.num_prefill_workers, info.num_decode_workers) == (1, 2)
+        assert (info.max_in_flight, info.max_queue) == (8, 32)
+        stats = await get_pool_stats(server.address)
+        (worker,) = stats.workers
+        assert worker.pool == pb.POOL_DECODE and worker.index == 1
+        assert (worker.num_blocks_total, worker.num_blocks_in_use) == (100, 7)
+        assert (worker.prefix_hit_tokens, worker.prefix_query_tokens) == (32, 64)
+        assert (stats.num_in_flight, stats.num_queued) == (1, 0)
+
+    run_with_server(FakeCore(), body)
+
+
+def test_port_in_use_fails_loudly() -> None:
+    async def main() -> None:
+        first = GrpcServer(FakeCore(), port=0)
+        port = await first.start()
+        try:
+            with pytest.raises(OSError, match=str(port)):
+                await GrpcServer(FakeCore(), port=port).start()
+        finally:
+            await first.stop(0)
+
+    asyncio.run(main())
+
+
+def test_serve_warms_up_then_drains_on_sigterm() -> None:
+    """serve(): NOT_SERVING during warm-up, SERVING after, SIGTERM drains and returns."""
+    core = FakeCore()
+    started: list[GrpcServer] = []
+
+    async def main() -> None:
+        warm = asyncio.Event()
+        core.release = asyncio.Event()
+        task = asyncio.create_task(
+            serve(
+                core,
+                "127.0.0.1",
+                0,
+                drain_grace_s=5.0,
+                warm_up=warm.wait(),
+                on_started=started.append,
+            )
+        )
+        while not started:
+            await asyncio.sleep(0.01)
+        async with grpc.aio.insecure_channel(started[0].address) as channel:
+            assert await health_status(channel, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+            warm.set()
+            for _ in range(200):  # serve() flips to SERVING once warm-up returns
+                if await health_status(channel, "") == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                await asyncio.sleep(0.01)
+            assert await health_status(channel, "") == health_pb2.HealthCheckResponse.SERVING
+            call = pb_grpc.GenerationServiceStub(channel).Generate(pb.GenerateRequest(prompt="x"))
+            await call.read()
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.05)
+            assert not task.done()  # draining: waits for the call in flight
+            core.release.set()
+            rest = await read_rest(call)
+            assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        await asyncio.wait_for(task, timeout=3.0)
+
+    asyncio.run(main())
+    assert core.num_completed == 1
+
+
+def test_bench_load_reports_every_request() -> None:
+    """bench/load.py end to end against the scripted core: counts and exact output lengths."""
+    from bench.load import parse_args, run_load, summarize
+
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        args = parse_args(
+            [
+                "--target",
+                server.address,
+                "--rate",
+                "200",
+                "--concurrency",
+                "4",
+                "--num-requests",
+                "12",
+                "--prompt-len",
+                "3:8",
+                "--output-len",
+                "5",
+                "--ttft-slo",
+                "5",
+            ]
+        )
+        outcomes = await run_load(args)
+        summary = summarize(outcomes, args)
+        assert summary["num_ok"] == 12 and summary["errors"] == {}
+        # The fake streams num_chunks tokens whatever max_tokens says.
+        assert summary["total_output_tokens"] == 12 * core.num_chunks
+        assert summary["goodput"] == pytest.approx(summary["request_throughput"])
+        assert all(
+            c.prompt_token_ids is not None and 3 <= len(c.prompt_token_ids) <= 8 for c in core.calls
+        )
+        assert all(c.sampling.ignore_eos and c.sampling.max_tokens == 5 for c in core.calls)
+
+    run_with_server(FakeCore(num_chunks=5, delay_s=0.001), body)
