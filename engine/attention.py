@@ -1,0 +1,307 @@
+"""Paged attention over one block-major KV cache, plugged into transformers' attention interface.
+
+KV cache layout: `kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`.
+Block-major, so a request's KV for a hand-off is one `index_select` on dim 0.
+Reads and writes address the cache as rows of `num_kv_heads * head_dim` contiguous
+values (`kv_cache.view(-1, KVH * D)`): one token's K (or V) of one layer is one row, and
+row-wise `index_select` / `index_copy_` move whole rows (5x faster on an H200 than
+advanced indexing with a (block, offset) index pair).
+
+All index tensors are built once per step (`PagedAttentionMetadata.build`) with tensor
+ops on the target device and shared by every layer; the forward pass has no per-request
+Python loop and no host sync. Sequences are split into a decode group (one query token
+each) and a prefill group (several), each run as one padded, masked, batched SDPA. A
+Triton kernel can later replace `_attend` behind the same metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.batch import Batch
+
+ATTN_IMPLEMENTATION = "pdserve_paged"
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Padded index tensors for `n` sequences attending as one batched SDPA."""
+
+    q_index: torch.Tensor  # [n, max_q] packed-token index; padding repeats a valid token
+    kv_rows: torch.Tensor  # [n, max_kv] cache row of layer 0's K per kv position (padding: pos 0)
+    block_table: torch.Tensor  # [n, max_blocks] for kernels that walk blocks themselves
+    context_lens: torch.Tensor  # [n] tokens in the cache after this step's writes
+    mask: torch.Tensor  # [n, 1, max_q, max_kv] bool, True = attend
+    out_rows: torch.Tensor  # [m] rows of the flattened [n * max_q] output that are real
+    out_tokens: torch.Tensor  # [m] packed-token index each real row belongs to
+
+
+@dataclass(frozen=True)
+class PagedAttentionMetadata:
+    """Per-step attention inputs shared by all layers."""
+
+    positions: torch.Tensor  # [T] position of every packed token (the model's position_ids)
+    slot_mapping: torch.Tensor  # [T] block_id * block_size + offset where each new K/V goes
+    slot_rows: torch.Tensor  # [T] cache row of layer 0's K for each new token
+    rows_per_layer: int  # add layer * rows_per_layer to reach a layer's K rows (V: + block_size)
+    block_size: int
+    groups: tuple[AttentionGroup, ...]  # decode group first, then prefill; empty ones left out
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        batch: Batch,
+        num_layers: int,
+        device: torch.device | str,
+        bucket_shapes: bool | None = None,
+    ) -> PagedAttentionMetadata:
+        """Index tensors for one step of `batch` (sequences packed in batch order)."""
+        for s in batch.seqs:
+            if s.num_tokens < 1:
+                raise ValueError(f"request {s.req_id}: a scheduled chunk needs >= 1 token")
+            if len(s.block_table) * batch.block_size < s.end_position:
+                raise ValueError(
+                    f"request {s.req_id}: {len(s.block_table)} blocks of {batch.block_size} "
+                    f"cannot hold {s.end_position} tokens"
+                )
+        device = torch.device(device)
+        return build_metadata(
+            [s.num_tokens for s in batch.seqs],
+            [s.start_position for s in batch.seqs],
+            [s.block_table for s in batch.seqs],
+            batch.block_size,
+            num_layers,
+            device,
+            bucket_shapes=device.type == "cuda" if bucket_shapes is None else bucket_shapes,
+        )
+
+
+def bucket_size(n: int, granule: int) -> int:
+    """Round n up to a power of two below `granule`, else to a multiple of `granule`."""
+    if n <= granule:
+        return 1 << max(n - 1, 0).bit_length()
+    return -(-n // granule) * granule
+
+
+# cuDNN's SDPA (what torch picks on CUDA for a masked GQA call) builds an execution
+# graph for every new shape, ~40 ms of host time on an H200, then caches it. Group
+# shapes change every step (contexts grow by one), so on CUDA they are rounded up
+# to buckets: few distinct graphs, each built once.
+_SEQ_GRANULE = 8
+_LEN_GRANULE = 256
+
+
+@dataclass(frozen=True)
+class _SeqTensors:
+    """Per-sequence facts of one step, on the device."""
+
+    num_q: torch.Tensor  # [n]
+    q_start: torch.Tensor  # [n] index of the sequence's first token in the packed batch
+    start: torch.Tensor  # [n] position of that token
+    table: torch.Tensor  # [n, max_blocks] block tables, zero-padded
+
+
+def build_metadata(
+    num_q: Sequence[int],
+    start_positions: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    num_layers: int,
+    device: torch.device,
+    bucket_shapes: bool = False,
+) -> PagedAttentionMetadata:
+    """Metadata from plain lists: per-sequence query counts, start positions and block tables."""
+    n = len(num_q)
+    num_tokens = sum(num_q)
+    q_start = [0] * n
+    for i in range(1, n):
+        q_start[i] = q_start[i - 1] + num_q[i - 1]
+    max_blocks = max((len(t) for t in block_tables), default=1)
+    # Small per-sequence tensors travel to the device; everything per token is
+    # derived there, so the host does O(num_seqs + num_blocks) work per step.
+    table = torch.zeros((n, max_blocks), dtype=torch.long)
+    for i, t in enumerate(block_tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    seqs = _SeqTensors(
+        num_q=torch.tensor(num_q, dtype=torch.long, device=device),
+        q_start=torch.tensor(q_start, dtype=torch.long, device=device),
+        start=torch.tensor(start_positions, dtype=torch.long, device=device),
+        table=table.to(device),
+    )
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(n, device=device), seqs.num_q, output_size=num_tokens
+    )
+    within = torch.arange(num_tokens, device=device) - seqs.q_start[seq_of_token]
+    positions = seqs.start[seq_of_token] + within
+    slot_block = seqs.table[seq_of_token, positions // block_size]
+    slot_offset = positions % block_size
+    # Row of (block b, layer l, k/v c, offset o) in the [-1, KVH*D] view of the cache.
+    rows_per_block = num_layers * 2 * block_size
+
+    groups = []
+    for ids in ([i for i in range(n) if num_q[i] == 1], [i for i in range(n) if num_q[i] > 1]):
+        if not ids:
+            continue
+        max_q = max(num_q[i] for i in ids)
+        max_kv = max(start_positions[i] + num_q[i] for i in ids)
+        num_rows = sum(num_q[i] for i in ids)
+        num_seqs = len(ids)
+        if bucket_shapes:
+            num_seqs = bucket_size(num_seqs, _SEQ_GRANULE)
+            max_q = bucket_size(max_q, _LEN_GRANULE) if max_q > 1 else 1
+            max_kv = bucket_size(max_kv, _LEN_GRANULE)
+        # Padding sequences repeat the group's first one: real, finite data whose
+        # outputs are never read back.
+        num_real = len(ids)
+        ids = ids + [ids[0]] * (num_seqs - num_real)
+        groups.append(
+            _build_group(ids, num_real, seqs, max_q, max_kv, num_rows, block_size, rows_per_block)
+        )
+    return PagedAttentionMetadata(
+        positions=positions,
+        slot_mapping=slot_block * block_size + slot_offset,
+        slot_rows=slot_block * rows_per_block + slot_offset,
+        rows_per_layer=2 * block_size,
+        block_size=block_size,
+        groups=tuple(groups),
+    )
+
+
+def _build_group(
+    ids: list[int],
+    num_real: int,
+    seqs: _SeqTensors,
+    max_q: int,
+    max_kv: int,
+    num_rows: int,
+    block_size: int,
+    rows_per_block: int,
+) -> AttentionGroup:
+    """Padded index tensors for the sequences `ids` (the first `num_real` are real)."""
+    device = seqs.table.device
+    sel = torch.tensor(ids, dtype=torch.long, device=device)
+    g_num_q, g_q_start, g_start = seqs.num_q[sel], seqs.q_start[sel], seqs.start[sel]
+    context_len = g_start + g_num_q
+
+    j = torch.arange(max_q, device=device)
+    q_valid = j[None, :] < g_num_q[:, None]  # [n, max_q]
+    q_index = torch.where(q_valid, g_q_start[:, None] + j[None, :], g_q_start[:, None])
+    # Padded query rows get position 0: they see kv 0 only, so their softmax has
+    # one finite entry (no NaN); their outputs are dropped.
+    q_pos = torch.where(q_valid, g_start[:, None] + j[None, :], 0)
+
+    kv_pos = torch.arange(max_kv, device=device)
+    kv_valid = kv_pos[None, :] < context_len[:, None]  # [n, max_kv]
+    # Padding reads position 0 of the same sequence, a slot it always owns and has
+    # written: never a foreign or uninitialised slot (which could hold NaN/inf).
+    kv_pos_safe = torch.where(kv_valid, kv_pos[None, :], 0)
+    g_table = seqs.table[sel]
+    kv_block = g_table[torch.arange(len(ids), device=device)[:, None], kv_pos_safe // block_size]
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+
+    row_seq = torch.repeat_interleave(
+        torch.arange(num_real, device=device), g_num_q[:num_real], output_size=num_rows
+    )
+    row_start = torch.cumsum(g_num_q[:num_real], 0) - g_num_q[:num_real]
+    row_within = torch.arange(num_rows, device=device) - row_start[row_seq]
+    return AttentionGroup(
+        q_index=q_index,
+        kv_rows=kv_block * rows_per_block + kv_pos_safe % block_size,
+        block_table=g_table,
+        context_lens=context_len,
+        mask=mask[:, None, :, :],
+        out_rows=row_seq * max_q + row_within,
+        out_tokens=g_q_start[row_seq] + row_within,
+    )
+
+
+def write_kv(
+    kv_cache: torch.Tensor,
+    layer_idx: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: PagedAttentionMetadata,
+) -> None:
+    """Store the step's new K/V ([T, KVH, D] each) into their slots of layer `layer_idx`."""
+    rows = kv_cache.view(-1, key.shape[1] * key.shape[2])
+    k_rows = meta.slot_rows + layer_idx * meta.rows_per_layer
+    rows.index_copy_(0, k_rows, key.reshape(key.shape[0], -1))
+    rows.index_copy_(0, k_rows + meta.block_size, value.reshape(value.shape[0], -1))
+
+
+def _attend(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer_idx: int,
+    meta: PagedAttentionMetadata,
+    group: AttentionGroup,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One padded SDPA for a group; writes the real rows of its result into `out` [T, H, D]."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[4]
+    n, max_kv = group.kv_rows.shape
+    rows = kv_cache.view(-1, num_kv_heads * head_dim)
+    k_rows = (group.kv_rows + layer_idx * meta.rows_per_layer).view(-1)
+    k = rows.index_select(0, k_rows).view(n, max_kv, num_kv_heads, head_dim).transpose(1, 2)
+    v = rows.index_select(0, k_rows + meta.block_size)
+    v = v.view(n, max_kv, num_kv_heads, head_dim).transpose(1, 2)
+    q = query[group.q_index].transpose(1, 2)  # [n, H, max_q, D]
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=num_kv_heads != num_heads
+    )
+    out_rows = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
+    out.index_copy_(0, group.out_tokens, out_rows.index_select(0, group.out_rows))
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    *,
+    paged_metadata: PagedAttentionMetadata | None = None,
+    paged_kv_cache: torch.Tensor | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention fn: query [1, H, T, D], key/value [1, KVH, T, D] → [1, T, H, D]."""
+    if paged_metadata is None or paged_kv_cache is None:
+        raise RuntimeError(
+            f"{ATTN_IMPLEMENTATION} attention needs paged_metadata= and paged_kv_cache= "
+            "passed to model(...); use engine.model_runner.ModelRunner"
+        )
+    layer_idx: int = module.layer_idx  # type: ignore[assignment]
+    scale = scaling if scaling is not None else float(module.scaling)  # type: ignore[arg-type]
+    # Write first: a sequence's new tokens must see their own K/V.
+    write_kv(
+        paged_kv_cache, layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), paged_metadata
+    )
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    out = torch.empty_like(q)
+    for group in paged_metadata.groups:  # at most two: decode, prefill
+        _attend(q, paged_kv_cache, layer_idx, paged_metadata, group, scale, out)
+    return out.unsqueeze(0), None
+
+
+def register_paged_attention() -> str:
+    """Register the attention fn with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    # No mask function is registered on purpose: in transformers 5.24 mask creation
+    # exits early, returning None without building a T×T mask, for any
+    # implementation absent from AttentionMaskInterface (masking_utils.py,
+    # _preprocess_mask_arguments). Registering one would only add work.
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

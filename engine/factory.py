@@ -1,0 +1,120 @@
+"""Build a ready engine (model runner + scheduler + tokenizer) from user-facing arguments."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.engine import EngineCore
+from engine.kv_transfer import KVLayout
+from engine.model_spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything needed to build one engine; shared by the offline API and both pools."""
+
+    model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
+    dtype: str | None = None  # None = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto = cuda if this process sees a GPU
+    load_format: str = "auto"  # "dummy" = random weights from config.json
+    block_size: int = 16
+    num_blocks: int | None = None  # None = sized from kv_cache_gib / gpu_memory_utilization
+    kv_cache_gib: float | None = None
+    gpu_memory_utilization: float = 0.85
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_model_path(self) -> Path:
+        if self.model is not None:
+            path = Path(self.model)
+            if not (path / "config.json").is_file():
+                raise ValueError(f"--model {self.model}: no config.json in that folder")
+            return path
+        from engine.embedded import ensure_embedded_model
+
+        return ensure_embedded_model()
+
+
+@dataclass
+class BuiltEngine:
+    core: EngineCore
+    runner: Any  # engine.model_runner.ModelRunner
+    tokenizer: Any | None
+    spec: ModelSpec
+    layout: KVLayout
+
+
+def _kv_budget_bytes(args: EngineArgs, device: torch.device) -> int:
+    if args.kv_cache_gib is not None:
+        return int(args.kv_cache_gib * 2**30)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free
+        return max(int(total * args.gpu_memory_utilization) - used_by_others, 0)
+    return int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
+
+
+def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -> BuiltEngine:
+    """Load the model, size and allocate the KV cache, and wire the scheduler to it."""
+    from engine.model_loader import has_tokenizer, load_tokenizer
+    from engine.model_runner import ModelRunner
+
+    path = args.resolve_model_path()
+    device = args.resolve_device()
+    runner = ModelRunner(
+        str(path),
+        dtype=args.dtype,
+        device=str(device),
+        load_format=args.load_format,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        kv_cache_bytes=None if args.num_blocks else _kv_budget_bytes(args, device),
+    )
+    spec: ModelSpec = runner.spec
+    tokenizer = load_tokenizer(str(path)) if has_tokenizer(path) else None
+    core = EngineCore(
+        runner,
+        args.scheduler,
+        CacheConfig(num_blocks=runner.num_blocks, block_size=args.block_size),
+        max_model_len=spec.max_model_len,
+        vocab_size=spec.vocab_size,
+        eos_token_ids=frozenset(spec.eos_token_ids),
+        handoff_after_first_token=handoff_after_first_token,
+    )
+    layout = KVLayout(
+        model=spec.name,
+        dtype=spec.dtype,
+        block_size=args.block_size,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+    )
+    log.info(
+        "engine ready: %s (%s) on %s, %d KV blocks of %d tokens",
+        spec.name, spec.dtype, device, runner.num_blocks, args.block_size,
+    )
+    return BuiltEngine(core, runner, tokenizer, spec, layout)

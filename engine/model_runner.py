@@ -1,0 +1,154 @@
+"""Runs one scheduled Batch as one packed forward pass over the paged KV cache."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.attention import PagedAttentionMetadata, register_paged_attention
+from engine.batch import Batch
+from engine.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
+from engine.model_spec import ModelSpec
+from engine.sampler import SamplingBatch, sample
+
+
+def _as_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    return DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+class ModelRunner:
+    """Owns the model and the KV cache of one worker; turns a Batch into sampled tokens."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str | None = None,
+        device: str | torch.device = "cpu",
+        load_format: LoadFormat = "auto",
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        block_size: int = 16,
+        bucket_shapes: bool | None = None,
+    ) -> None:
+        if (num_blocks is None) == (kv_cache_bytes is None):
+            raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        # None: pad attention shapes to buckets on CUDA only (see engine.attention).
+        self.bucket_shapes = bucket_shapes
+        self.model, self.spec = load_model(model_path, dtype, self.device, load_format)
+        self.model.set_attn_implementation(register_paged_attention())
+        if num_blocks is None:
+            assert kv_cache_bytes is not None
+            num_blocks = self.num_blocks_for_bytes(
+                self.spec, self.dtype, block_size, kv_cache_bytes
+            )
+            if num_blocks < 1:
+                per_block = self.bytes_per_block(self.spec, self.dtype, block_size)
+                raise ValueError(
+                    f"a KV cache budget of {kv_cache_bytes} bytes holds no block of "
+                    f"{per_block} bytes; raise the budget or lower block_size"
+                )
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv_cache = torch.zeros(
+            self.kv_cache_shape(self.spec, num_blocks, block_size),
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @staticmethod
+    def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
+        return (num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
+
+    @staticmethod
+    def bytes_per_block(spec: ModelSpec, dtype: str | torch.dtype, block_size: int) -> int:
+        """Bytes one KV block takes (all layers, K and V)."""
+        itemsize = _as_torch_dtype(dtype).itemsize
+        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+
+    @staticmethod
+    def num_blocks_for_bytes(
+        spec: ModelSpec, dtype: str | torch.dtype, block_size: int, nbytes: int
+    ) -> int:
+        """How many KV blocks fit in `nbytes`."""
+        return nbytes // ModelRunner.bytes_per_block(spec, dtype, block_size)
+
+    def _block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad} outside [0, {self.num_blocks})")
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def gather_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A contiguous copy of these blocks' KV, [len(block_ids), *kv_cache.shape[1:]]."""
+        # Block-major layout: one index_select, ready to send as one message.
+        return self.kv_cache.index_select(0, self._block_index(block_ids))
+
+    def scatter_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Write `data` (as from `gather_blocks`) into these blocks of the cache."""
+        expected = (len(block_ids), *self.kv_cache.shape[1:])
+        if tuple(data.shape) != expected:
+            raise ValueError(f"KV data of shape {tuple(data.shape)}, expected {expected}")
+        if data.dtype != self.kv_cache.dtype:
+            raise ValueError(f"KV data in {data.dtype}, cache in {self.kv_cache.dtype}")
+        self.kv_cache.index_copy_(0, self._block_index(block_ids), data.to(self.device))
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> dict[str, int]:
+        """One packed forward pass for every scheduled token; req_id → sampled token."""
+        if batch.is_empty:
+            return {}
+        if batch.block_size != self.block_size:
+            raise ValueError(f"batch block_size {batch.block_size} != cache's {self.block_size}")
+        for s in batch.seqs:
+            bad = [b for b in s.block_table if not 0 <= b < self.num_blocks]
+            if bad:
+                raise ValueError(
+                    f"request {s.req_id}: block ids {bad} outside [0, {self.num_blocks})"
+                )
+        meta = PagedAttentionMetadata.build(
+            batch, self.spec.num_layers, self.device, self.bucket_shapes
+        )
+        input_ids = torch.tensor(
+            list(itertools.chain.from_iterable(s.token_ids for s in batch.seqs)),
+            dtype=torch.long,
+            device=self.device,
+        )
+        # Only the last token of each sampling sequence needs the (vocab-wide) lm_head.
+        sampled_seqs = []
+        last_token_idx = []
+        end = 0
+        for s in batch.seqs:
+            end += s.num_tokens
+            if s.sample:
+                sampled_seqs.append(s)
+                last_token_idx.append(end - 1)
+        logits = self.model(
+            input_ids=input_ids[None],
+            position_ids=meta.positions[None],
+            use_cache=False,
+            logits_to_keep=torch.tensor(last_token_idx, dtype=torch.long, device=self.device),
+            paged_metadata=meta,
+            paged_kv_cache=self.kv_cache,
+        ).logits[0]
+        if not sampled_seqs:
+            return {}
+        params = SamplingBatch.build(
+            [s.sampling for s in sampled_seqs],
+            [s.seed for s in sampled_seqs],
+            [s.end_position for s in sampled_seqs],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        tokens = sample(logits, params).tolist()
+        return {s.req_id: int(t) for s, t in zip(sampled_seqs, tokens, strict=True)}

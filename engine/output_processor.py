@@ -1,0 +1,51 @@
+"""Frontend side of a request: token updates in, text chunks and stop-string finishes out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import TextChunk
+from engine.request import FinishReason
+
+
+@dataclass(frozen=True)
+class ProcessedOutput:
+    """A chunk for the client (None when nothing new is printable) and, at the end,
+    the finish reason. `stopped_by_string` tells the caller to abort the engine side."""
+
+    chunk: TextChunk | None
+    finish_reason: FinishReason | None
+    stopped_by_string: bool = False
+
+
+class OutputProcessor:
+    """Detokenizes each request's tokens and applies stop strings."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+
+    def add(self, req_id: str, prompt_token_ids: Sequence[int], stop: Sequence[str]) -> None:
+        self._detoks[req_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop)
+
+    def remove(self, req_id: str) -> None:
+        self._detoks.pop(req_id, None)
+
+    def process(
+        self, req_id: str, new_token_ids: Sequence[int], finish_reason: FinishReason | None
+    ) -> ProcessedOutput:
+        """Turn one engine update into client output; removes the request when it ends."""
+        detok = self._detoks[req_id]
+        text = detok.add(new_token_ids)
+        stopped = detok.stopped
+        if stopped:
+            finish_reason = FinishReason.STOP
+        elif finish_reason is not None:
+            text += detok.flush()
+        if finish_reason is not None:
+            self.remove(req_id)
+        chunk = TextChunk(text, tuple(new_token_ids)) if (text or new_token_ids) else None
+        return ProcessedOutput(chunk, finish_reason, stopped and finish_reason is not None)

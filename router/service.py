@@ -1,0 +1,86 @@
+"""The main job: start the pools, serve gRPC, drain on SIGTERM, stop the pools."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from engine.model_loader import has_tokenizer, load_tokenizer
+from engine.outputs import FinalResult, TextChunk
+from router.cluster import Cluster, ClusterConfig
+from router.errors import NotReadyError
+from router.grpc_server import GrpcServer, serve
+from router.orchestrator import DisaggregatedGenerator, RouterConfig
+from router.protocol import GenerateCall, PoolStats, ServerInfo
+
+log = logging.getLogger("pdserve")
+
+
+class WarmingGenerator:
+    """Stands in for the serving core while the pools start: every call is UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.inner: DisaggregatedGenerator | None = None
+
+    def _core(self) -> DisaggregatedGenerator:
+        if self.inner is None:
+            raise NotReadyError("pools are still starting")
+        return self.inner
+
+    def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
+        return self._core().generate(call)
+
+    def server_info(self) -> ServerInfo:
+        return self._core().server_info()
+
+    async def pool_stats(self) -> PoolStats:
+        return await self._core().pool_stats()
+
+    def is_ready(self) -> bool:
+        return self.inner is not None and self.inner.is_ready()
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    host: str = "127.0.0.1"
+    port: int = 50051
+    drain_grace_s: float = 30.0
+
+
+async def run_service(
+    config: ServeConfig, on_started: Callable[[GrpcServer], None] | None = None
+) -> None:
+    """Serve until SIGTERM/SIGINT, then drain in-flight requests and stop the workers."""
+    front = WarmingGenerator()
+    cluster = Cluster(config.cluster)
+    loop = asyncio.get_running_loop()
+
+    async def warm_up() -> None:
+        await loop.run_in_executor(None, cluster.start)
+        model_path = config.cluster.prefill_args.resolve_model_path()
+        tokenizer = None
+        if has_tokenizer(model_path):
+            tokenizer = await loop.run_in_executor(None, load_tokenizer, str(model_path))
+        core = DisaggregatedGenerator(cluster.prefill, cluster.decode, tokenizer, config.router)
+        core.start()
+        front.inner = core
+        log.info("pools warm; SERVING")
+
+    try:
+        await serve(
+            front,
+            config.host,
+            config.port,
+            drain_grace_s=config.drain_grace_s,
+            warm_up=warm_up(),
+            on_started=on_started,
+        )
+    finally:
+        if front.inner is not None:
+            await front.inner.stop()
+        await loop.run_in_executor(None, cluster.stop)
+        log.info("stopped")

@@ -1,0 +1,52 @@
+"""Incremental detokenization: whole UTF-8 only, stop strings cut and never shown."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True)
+
+
+def stream(
+    tokenizer, text: str, stop: tuple[str, ...] = ()
+) -> tuple[list[str], IncrementalDetokenizer]:  # type: ignore[no-untyped-def]
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt, stop)
+    deltas = [detok.add([t]) for t in ids]
+    if not detok.stopped:
+        deltas.append(detok.flush())
+    return deltas, detok
+
+
+def test_stream_reassembles_exact_text_with_multibyte_characters(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    text = " naïve café — 日本語 🙂 emoji, ok"
+    deltas, _ = stream(tokenizer, text)
+    assert "".join(deltas) == tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_string_is_cut_and_never_emitted(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    deltas, detok = stream(tokenizer, " one two STOP three four", stop=("STOP",))
+    assert detok.stopped
+    assert "".join(deltas) == " one two "
+    assert not any("S" in d and "T" in d for d in deltas)
+
+
+def test_stop_string_spanning_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    deltas, detok = stream(tokenizer, " alpha beta gamma", stop=("a gam",))
+    assert detok.stopped
+    assert "".join(deltas) == " alpha bet"
+
+
+def test_no_stop_match_flushes_everything(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    deltas, detok = stream(tokenizer, " hello world", stop=("zzz",))
+    assert not detok.stopped
+    assert "".join(deltas) == " hello world"
