@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from engine.kv_transfer import Handoff
 from engine.outputs import GenerationInput
 from engine.request import FinishReason
@@ -50,6 +52,15 @@ class PrefillAborted(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _Prefilled:
+    """A finished prefill step for one request, with its KV already gathered for hand-off."""
+
+    update: RequestUpdate
+    src_block_ids: list[int]
+    payload: torch.Tensor | None
+
+
 class PrefillWorker(WorkerBase):
     role = "prefill"
     handoff_after_first_token = True
@@ -63,11 +74,24 @@ class PrefillWorker(WorkerBase):
         """Decode actors by rank, so this worker can call import_kv directly."""
         self._decode_handles = dict(decode_handles)
 
-    def on_updates(self, updates: list[RequestUpdate]) -> None:
+    def _updates_from_thread(self, updates: list[RequestUpdate]) -> None:
+        # Engine thread, between two steps: snapshot each hand-off's blocks right here
+        # (ordered after the step that wrote them, and no later engine round trip).
+        prefilled = []
         for upd in updates:
-            waiter = self._waiters.pop(upd.req_id, None)
+            src_ids: list[int] = []
+            payload = None
+            if upd.finish_reason is FinishReason.HANDOFF:
+                src_ids = self.core.scheduler.kv.block_ids(upd.req_id)
+                payload = self.runner.gather_blocks(src_ids)
+            prefilled.append(_Prefilled(upd, src_ids, payload))
+        self._loop.call_soon_threadsafe(self._deliver, prefilled)
+
+    def _deliver(self, prefilled: list[_Prefilled]) -> None:
+        for item in prefilled:
+            waiter = self._waiters.pop(item.update.req_id, None)
             if waiter is not None and not waiter.done():
-                waiter.set_result(upd)
+                waiter.set_result(item)
 
     async def prefill(self, inp: GenerationInput, target: DecodeTarget | None) -> PrefillResult:
         """Run the prompt; if it continues, send its KV to `target` and wait for the ack."""
@@ -77,16 +101,17 @@ class PrefillWorker(WorkerBase):
         if inp.sampling.seed is None:
             # Decode continues the request's randomness, so the seed must be fixed here.
             inp = replace(inp, sampling=replace(inp.sampling, seed=random.getrandbits(63)))
-        waiter: asyncio.Future[RequestUpdate] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[_Prefilled] = asyncio.get_running_loop().create_future()
         self._waiters[inp.req_id] = waiter
         try:
             await self.on_engine(lambda: self.core.add_request(inp))
-            upd = await waiter
+            done = await waiter
         except PrefillAborted:
             return PrefillResult(None, FinishReason.ABORT, 0, time.perf_counter() - start)
         finally:
             self._waiters.pop(inp.req_id, None)
         prefill_s = time.perf_counter() - start
+        upd = done.update
         token = upd.new_token_ids[0]
         reason = upd.finish_reason or FinishReason.HANDOFF
         if reason is not FinishReason.HANDOFF:
@@ -96,7 +121,7 @@ class PrefillWorker(WorkerBase):
             return PrefillResult(token, FinishReason.ABORT, upd.num_cached_tokens, prefill_s)
         t0 = time.perf_counter()
         try:
-            nbytes, src_ids = await self._handoff(inp, token, target)
+            nbytes = await self._handoff(inp, token, target, done)
         except Exception as exc:  # noqa: BLE001 - reported to the router as this request's error
             log.warning("hand-off of %s failed: %s", inp.req_id, exc)
             return PrefillResult(
@@ -105,15 +130,16 @@ class PrefillWorker(WorkerBase):
             )
         return PrefillResult(
             token, FinishReason.HANDOFF, upd.num_cached_tokens, prefill_s,
-            time.perf_counter() - t0, nbytes, src_block_ids=tuple(src_ids),
+            time.perf_counter() - t0, nbytes, src_block_ids=tuple(done.src_block_ids),
         )
 
     async def _handoff(
-        self, inp: GenerationInput, token: int, target: DecodeTarget
-    ) -> tuple[int, list[int]]:
+        self, inp: GenerationInput, token: int, target: DecodeTarget, done: _Prefilled
+    ) -> int:
         req_id = inp.req_id
+        src_ids, payload = done.src_block_ids, done.payload
         try:
-            src_ids = await self.on_engine(lambda: self.core.scheduler.kv.block_ids(req_id))
+            assert payload is not None
             if len(src_ids) != len(target.block_ids):
                 raise RuntimeError(
                     f"block count mismatch for {req_id}: {len(src_ids)} here, "
@@ -122,7 +148,6 @@ class PrefillWorker(WorkerBase):
             handle = self._decode_handles.get(target.rank)
             if handle is None:
                 raise RuntimeError(f"no decode worker at rank {target.rank}")
-            payload = await self.on_engine(lambda: self.runner.gather_blocks(src_ids))
             assert self.agent is not None
             seq = self.agent.next_seq(target.rank)
             sent = asyncio.wrap_future(self.agent.send(target.rank, payload, seq))
@@ -143,7 +168,7 @@ class PrefillWorker(WorkerBase):
             )
             # Both must finish: the decode side acknowledges only after receiving.
             await asyncio.gather(handle.import_kv.remote(handoff), sent)
-            return int(payload.numel() * payload.element_size()), src_ids
+            return int(payload.numel() * payload.element_size())
         finally:
             # Acknowledged or failed: the blocks come back here either way (into
             # the prefix cache, where later prompts sharing the prefix hit them).
