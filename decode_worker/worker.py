@@ -12,6 +12,7 @@ Block ownership on this side:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,8 @@ class Reservation:
 class TokenBatch:
     """All new tokens of one or more steps, for every request, in one message."""
 
-    updates: tuple[tuple[str, tuple[int, ...], str | None], ...]  # (req_id, tokens, finish)
+    # (req_id, new tokens, finish reason, prompt tokens served from the prefix cache)
+    updates: tuple[tuple[str, tuple[int, ...], str | None, int], ...]
 
 
 class HandoffRefused(RuntimeError):
@@ -55,7 +57,7 @@ class DecodeWorker(WorkerBase):
         self._leases: dict[str, asyncio.TimerHandle] = {}
         self._importing: set[str] = set()
         self._aborted: set[str] = set()
-        self._outbox: list[tuple[str, tuple[int, ...], str | None]] = []
+        self._outbox: list[tuple[str, tuple[int, ...], str | None, int]] = []
         self._outbox_ready = asyncio.Event()
         # Per source rank: the sequence number whose receive must be posted next.
         self._next_seq: dict[int, int] = {}
@@ -94,11 +96,20 @@ class DecodeWorker(WorkerBase):
     async def import_kv(self, h: Handoff) -> None:
         """Receive a request's KV into its reservation and start decoding it."""
         if h.dst_rank != self.rank:
-            raise HandoffRefused(f"hand-off for {h.req_id} addressed to rank {h.dst_rank}, not {self.rank}")
+            raise HandoffRefused(
+                f"hand-off for {h.req_id} addressed to rank {h.dst_rank}, not {self.rank}"
+            )
         layout = self.built.layout if self.built else None
         assert layout is not None and self.agent is not None
         staging = torch.empty(
-            (len(h.src_block_ids), layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim),
+            (
+                len(h.src_block_ids),
+                layout.num_layers,
+                2,
+                layout.block_size,
+                layout.num_kv_heads,
+                layout.head_dim,
+            ),
             dtype=self.runner.kv_cache.dtype,
             device=self.runner.kv_cache.device,
         )
@@ -142,7 +153,9 @@ class DecodeWorker(WorkerBase):
         if h.req_id in self._importing:
             return "already importing"
         if tuple(h.dst_block_ids) != reserved:
-            return f"destination blocks {list(h.dst_block_ids)} are not the reserved {list(reserved)}"
+            return (
+                f"destination blocks {list(h.dst_block_ids)} are not the reserved {list(reserved)}"
+            )
         if len(h.src_block_ids) != len(reserved):
             return f"{len(h.src_block_ids)} source blocks for {len(reserved)} reserved"
         needed = -(-h.num_computed_tokens // self.built.layout.block_size)  # type: ignore[union-attr]
@@ -172,17 +185,15 @@ class DecodeWorker(WorkerBase):
     def on_updates(self, updates: list[RequestUpdate]) -> None:
         for upd in updates:
             reason = upd.finish_reason.value if upd.finish_reason else None
-            self._outbox.append((upd.req_id, upd.new_token_ids, reason))
+            self._outbox.append((upd.req_id, upd.new_token_ids, reason, upd.num_cached_tokens))
         self._outbox_ready.set()
 
     async def next_tokens(self, wait_s: float = 1.0) -> TokenBatch:
         """Long-poll: every token produced since the last call (empty after wait_s)."""
         if not self._outbox:
             self._outbox_ready.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._outbox_ready.wait(), wait_s)
-            except TimeoutError:
-                pass
         out, self._outbox = self._outbox, []
         return TokenBatch(tuple(out))
 

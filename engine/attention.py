@@ -10,8 +10,10 @@ advanced indexing with a (block, offset) index pair).
 All index tensors are built once per step (`PagedAttentionMetadata.build`) with tensor
 ops on the target device and shared by every layer; the forward pass has no per-request
 Python loop and no host sync. Sequences are split into a decode group (one query token
-each) and a prefill group (several), each run as one padded, masked, batched SDPA. A
-Triton kernel can later replace `_attend` behind the same metadata.
+each) and a prefill group (several), each run as one padded, masked, batched SDPA. On
+CUDA (with Triton) the decode group instead runs `engine.triton_attention`'s paged kernel,
+which reads K/V through the block tables itself; its metadata carries no gather rows or
+mask, and its shapes do not depend on context lengths (what CUDA graphs need).
 """
 
 from __future__ import annotations
@@ -23,21 +25,33 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import Batch
+from engine.triton_attention import num_splits_for, paged_decode_attention, triton_available
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Padded index tensors for `n` sequences attending as one batched SDPA."""
+    """Padded index tensors for `n` sequences attending as one batch.
+
+    A group with `kv_rows`/`mask` runs as one batched SDPA over gathered rows; one
+    without (`paged` True: decode groups on CUDA) runs the Triton paged kernel.
+    """
 
     q_index: torch.Tensor  # [n, max_q] packed-token index; padding repeats a valid token
-    kv_rows: torch.Tensor  # [n, max_kv] cache row of layer 0's K per kv position (padding: pos 0)
+    kv_rows: torch.Tensor | None  # [n, max_kv] cache row of layer 0's K per kv position
     block_table: torch.Tensor  # [n, max_blocks] for kernels that walk blocks themselves
     context_lens: torch.Tensor  # [n] tokens in the cache after this step's writes
-    mask: torch.Tensor  # [n, 1, max_q, max_kv] bool, True = attend
+    mask: torch.Tensor | None  # [n, 1, max_q, max_kv] bool, True = attend
     out_rows: torch.Tensor  # [m] rows of the flattened [n * max_q] output that are real
     out_tokens: torch.Tensor  # [m] packed-token index each real row belongs to
+    max_context: int = 0  # a bound on context_lens (sizes the paged kernel's split count)
+    identity: bool = False  # token i is sequence i, all real: no gather/scatter needed
+
+    @property
+    def paged(self) -> bool:
+        """True when the Triton kernel walks the block tables (no gathered rows)."""
+        return self.kv_rows is None
 
 
 @dataclass(frozen=True)
@@ -62,8 +76,13 @@ class PagedAttentionMetadata:
         num_layers: int,
         device: torch.device | str,
         bucket_shapes: bool | None = None,
+        paged_decode: bool | None = None,
     ) -> PagedAttentionMetadata:
-        """Index tensors for one step of `batch` (sequences packed in batch order)."""
+        """Index tensors for one step of `batch` (sequences packed in batch order).
+
+        `paged_decode` (None: on CUDA when Triton imports) sends the decode group to the
+        Triton kernel instead of SDPA.
+        """
         for s in batch.seqs:
             if s.num_tokens < 1:
                 raise ValueError(f"request {s.req_id}: a scheduled chunk needs >= 1 token")
@@ -81,6 +100,11 @@ class PagedAttentionMetadata:
             num_layers,
             device,
             bucket_shapes=device.type == "cuda" if bucket_shapes is None else bucket_shapes,
+            paged_decode=(
+                device.type == "cuda" and triton_available()
+                if paged_decode is None
+                else paged_decode
+            ),
         )
 
 
@@ -117,6 +141,7 @@ def build_metadata(
     num_layers: int,
     device: torch.device,
     bucket_shapes: bool = False,
+    paged_decode: bool = False,
 ) -> PagedAttentionMetadata:
     """Metadata from plain lists: per-sequence query counts, start positions and block tables."""
     n = len(num_q)
@@ -147,9 +172,12 @@ def build_metadata(
     rows_per_block = num_layers * 2 * block_size
 
     groups = []
-    for ids in ([i for i in range(n) if num_q[i] == 1], [i for i in range(n) if num_q[i] > 1]):
+    decode_ids = [i for i in range(n) if num_q[i] == 1]
+    prefill_ids = [i for i in range(n) if num_q[i] > 1]
+    for ids in (decode_ids, prefill_ids):
         if not ids:
             continue
+        paged = paged_decode and ids is decode_ids
         max_q = max(num_q[i] for i in ids)
         max_kv = max(start_positions[i] + num_q[i] for i in ids)
         num_rows = sum(num_q[i] for i in ids)
@@ -163,7 +191,9 @@ def build_metadata(
         num_real = len(ids)
         ids = ids + [ids[0]] * (num_seqs - num_real)
         groups.append(
-            _build_group(ids, num_real, seqs, max_q, max_kv, num_rows, block_size, rows_per_block)
+            _build_group(
+                ids, num_real, seqs, max_q, max_kv, num_rows, block_size, rows_per_block, paged
+            )
         )
     return PagedAttentionMetadata(
         positions=positions,
@@ -184,8 +214,12 @@ def _build_group(
     num_rows: int,
     block_size: int,
     rows_per_block: int,
+    paged: bool = False,
 ) -> AttentionGroup:
-    """Padded index tensors for the sequences `ids` (the first `num_real` are real)."""
+    """Padded index tensors for the sequences `ids` (the first `num_real` are real).
+
+    `paged`: for the Triton kernel, which needs no gathered rows and no mask.
+    """
     device = seqs.table.device
     sel = torch.tensor(ids, dtype=torch.long, device=device)
     g_num_q, g_q_start, g_start = seqs.num_q[sel], seqs.q_start[sel], seqs.start[sel]
@@ -198,20 +232,30 @@ def _build_group(
     # one finite entry (no NaN); their outputs are dropped.
     q_pos = torch.where(q_valid, g_start[:, None] + j[None, :], 0)
 
-    kv_pos = torch.arange(max_kv, device=device)
-    kv_valid = kv_pos[None, :] < context_len[:, None]  # [n, max_kv]
-    # Padding reads position 0 of the same sequence, a slot it always owns and has
-    # written: never a foreign or uninitialised slot (which could hold NaN/inf).
-    kv_pos_safe = torch.where(kv_valid, kv_pos[None, :], 0)
-    g_table = seqs.table[sel]
-    kv_block = g_table[torch.arange(len(ids), device=device)[:, None], kv_pos_safe // block_size]
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
-
     row_seq = torch.repeat_interleave(
         torch.arange(num_real, device=device), g_num_q[:num_real], output_size=num_rows
     )
     row_start = torch.cumsum(g_num_q[:num_real], 0) - g_num_q[:num_real]
     row_within = torch.arange(num_rows, device=device) - row_start[row_seq]
+    g_table = seqs.table[sel]
+    if paged:
+        return AttentionGroup(
+            q_index=q_index,
+            kv_rows=None,
+            block_table=g_table,
+            context_lens=context_len,
+            mask=None,
+            out_rows=row_seq * max_q + row_within,
+            out_tokens=g_q_start[row_seq] + row_within,
+            max_context=max_kv,
+        )
+    kv_pos = torch.arange(max_kv, device=device)
+    kv_valid = kv_pos[None, :] < context_len[:, None]  # [n, max_kv]
+    # Padding reads position 0 of the same sequence, a slot it always owns and has
+    # written: never a foreign or uninitialised slot (which could hold NaN/inf).
+    kv_pos_safe = torch.where(kv_valid, kv_pos[None, :], 0)
+    kv_block = g_table[torch.arange(len(ids), device=device)[:, None], kv_pos_safe // block_size]
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
     return AttentionGroup(
         q_index=q_index,
         kv_rows=kv_block * rows_per_block + kv_pos_safe % block_size,
@@ -220,6 +264,7 @@ def _build_group(
         mask=mask[:, None, :, :],
         out_rows=row_seq * max_q + row_within,
         out_tokens=g_q_start[row_seq] + row_within,
+        max_context=max_kv,
     )
 
 
@@ -247,6 +292,11 @@ def _attend(
     out: torch.Tensor,
 ) -> None:
     """One padded SDPA for a group; writes the real rows of its result into `out` [T, H, D]."""
+    if group.paged:
+        o = _attend_paged(query, kv_cache, layer_idx, group, scale)
+        out.index_copy_(0, group.out_tokens, o.index_select(0, group.out_rows))
+        return
+    assert group.kv_rows is not None and group.mask is not None
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[4]
     n, max_kv = group.kv_rows.shape
@@ -261,6 +311,22 @@ def _attend(
     )
     out_rows = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
     out.index_copy_(0, group.out_tokens, out_rows.index_select(0, group.out_rows))
+
+
+def _attend_paged(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer_idx: int,
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:
+    """The Triton paged kernel for a decode group: [n, H, D] for its n sequences."""
+    q = query if group.identity else query.index_select(0, group.q_index[:, 0])
+    n = q.shape[0]
+    splits = num_splits_for(n, kv_cache.shape[4], group.max_context, q.device)
+    return paged_decode_attention(
+        q, kv_cache, layer_idx, group.block_table, group.context_lens, scale, splits
+    )
 
 
 def paged_attention_forward(
@@ -289,6 +355,10 @@ def paged_attention_forward(
         paged_kv_cache, layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), paged_metadata
     )
     q = query[0].transpose(0, 1)  # [T, H, D]
+    groups = paged_metadata.groups
+    if len(groups) == 1 and groups[0].identity:  # a pure decode step (CUDA graphs)
+        out = _attend_paged(q, paged_kv_cache, layer_idx, groups[0], scale)
+        return out.unsqueeze(0), None
     out = torch.empty_like(q)
     for group in paged_metadata.groups:  # at most two: decode, prefill
         _attend(q, paged_kv_cache, layer_idx, paged_metadata, group, scale, out)

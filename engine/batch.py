@@ -17,7 +17,9 @@ class ScheduledSeq:
     block_table: tuple[int, ...]  # every block the request holds, in order
     sample: bool  # True when this chunk reaches the last known token
     sampling: SamplingParams
-    seed: int  # randomness of the token at position `end_position` derives from (seed, end_position)
+    seed: (
+        int  # randomness of the token at position `end_position` derives from (seed, end_position)
+    )
 
     @property
     def num_tokens(self) -> int:

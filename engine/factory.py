@@ -31,6 +31,7 @@ class EngineArgs:
     num_blocks: int | None = None  # None = sized from kv_cache_gib / gpu_memory_utilization
     kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.85
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -92,7 +93,9 @@ def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -
         load_format=args.load_format,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
-        kv_cache_bytes=None if args.num_blocks else _kv_budget_bytes(args, device),
+        kv_cache_bytes=None if args.num_blocks else (lambda: _kv_budget_bytes(args, device)),
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.scheduler.max_num_seqs,
     )
     spec: ModelSpec = runner.spec
     tokenizer = load_tokenizer(str(path)) if has_tokenizer(path) else None
@@ -115,6 +118,10 @@ def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -
     )
     log.info(
         "engine ready: %s (%s) on %s, %d KV blocks of %d tokens",
-        spec.name, spec.dtype, device, runner.num_blocks, args.block_size,
+        spec.name,
+        spec.dtype,
+        device,
+        runner.num_blocks,
+        args.block_size,
     )
     return BuiltEngine(core, runner, tokenizer, spec, layout)

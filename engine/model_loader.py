@@ -24,6 +24,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# Seed of `load_format="dummy"` weights (fixed: see load_model).
+DUMMY_WEIGHTS_SEED = 0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -69,8 +71,17 @@ def load_model(
     )
     if load_format == "dummy":
         # Allocating and initialising under the target device keeps big shapes off
-        # the CPU (an 8B model's init on 2 cores would take minutes).
-        with torch.device(device):
+        # the CPU (an 8B model's init on 2 cores would take minutes). A fixed seed gives
+        # every process the same weights on the same device type: prefill and decode
+        # workers must agree, and tests compare a service with a colocated engine.
+        # (CPU and CUDA generators differ: a CPU and a CUDA model still differ.)
+        rng_devices = (
+            [device.index if device.index is not None else torch.cuda.current_device()]
+            if device.type == "cuda"
+            else []
+        )
+        with torch.random.fork_rng(devices=rng_devices), torch.device(device):
+            torch.manual_seed(DUMMY_WEIGHTS_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     elif load_format == "auto":
         kwargs: dict[str, object] = {}

@@ -1,18 +1,27 @@
-"""Runs one scheduled Batch as one packed forward pass over the paged KV cache."""
+"""Runs one scheduled Batch as one packed forward pass over the paged KV cache.
+
+On CUDA, pure-decode steps replay captured CUDA graphs (engine.cuda_graphs) unless
+`enforce_eager`; every other step (prefill chunks, mixed steps) runs eagerly.
+"""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from engine.attention import PagedAttentionMetadata, register_paged_attention
-from engine.batch import Batch
+from engine.batch import Batch, ScheduledSeq
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
 from engine.model_spec import ModelSpec
-from engine.sampler import SamplingBatch, sample
+from engine.sampler import SamplingBatch, is_greedy, sample
+from engine.triton_attention import triton_available
+
+log = logging.getLogger(__name__)
 
 
 def _as_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -30,10 +39,15 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         load_format: LoadFormat = "auto",
         num_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
+        kv_cache_bytes: int | Callable[[], int] | None = None,
         block_size: int = 16,
         bucket_shapes: bool | None = None,
+        enforce_eager: bool = False,
+        max_num_seqs: int = 128,
+        cuda_graph_batch_sizes: Sequence[int] | None = None,
     ) -> None:
+        """`enforce_eager` turns CUDA graphs off; they are captured here (CUDA only) for
+        decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`)."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         if block_size < 1:
@@ -42,10 +56,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         # None: pad attention shapes to buckets on CUDA only (see engine.attention).
         self.bucket_shapes = bucket_shapes
+        # None: decode groups use the Triton paged kernel on CUDA when Triton imports.
+        self.paged_decode: bool | None = None
         self.model, self.spec = load_model(model_path, dtype, self.device, load_format)
         self.model.set_attn_implementation(register_paged_attention())
         if num_blocks is None:
             assert kv_cache_bytes is not None
+            if callable(kv_cache_bytes):
+                # Measured now that the weights are resident (a GPU budget must see them).
+                kv_cache_bytes = kv_cache_bytes()
             num_blocks = self.num_blocks_for_bytes(
                 self.spec, self.dtype, block_size, kv_cache_bytes
             )
@@ -59,11 +78,40 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv_cache = torch.zeros(
-            self.kv_cache_shape(self.spec, num_blocks, block_size),
+        use_graphs = self.device.type == "cuda" and not enforce_eager
+        if use_graphs and not triton_available():
+            log.warning("triton does not import: CUDA graphs off, attention runs SDPA")
+            use_graphs = False
+        # With graphs, one extra block past `num_blocks` takes the padding rows' K/V;
+        # the scheduler never sees it. `kv_cache` is the part requests own.
+        self._kv_storage = torch.zeros(
+            self.kv_cache_shape(self.spec, num_blocks + int(use_graphs), block_size),
             dtype=self.dtype,
             device=self.device,
         )
+        self.kv_cache = self._kv_storage[:num_blocks]
+        self.cuda_graphs: DecodeGraphs | None = None
+        if use_graphs:
+            sizes = cuda_graph_batch_sizes or graph_batch_sizes(max_num_seqs)
+            max_blocks = min(-(-self.spec.max_model_len // block_size), num_blocks)
+            self.capture_cuda_graphs(sizes, max_blocks)
+
+    def capture_cuda_graphs(self, batch_sizes: Sequence[int], max_blocks_per_seq: int) -> None:
+        """Capture decode graphs now (start-up), or stay eager with a warning if that fails."""
+        graphs = DecodeGraphs(
+            self.model,
+            self._kv_storage,
+            scratch_block=self.num_blocks,
+            block_size=self.block_size,
+            max_blocks_per_seq=max_blocks_per_seq,
+            batch_sizes=batch_sizes,
+        )
+        try:
+            graphs.capture()
+        except Exception:
+            log.warning("CUDA graph capture failed; decode runs eagerly", exc_info=True)
+            return
+        self.cuda_graphs = graphs
 
     @staticmethod
     def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -110,14 +158,41 @@ class ModelRunner:
             return {}
         if batch.block_size != self.block_size:
             raise ValueError(f"batch block_size {batch.block_size} != cache's {self.block_size}")
+        self._check_block_ids(batch)
+        sampled_seqs = [s for s in batch.seqs if s.sample]
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            for s in batch.seqs:  # the eager path checks these in PagedAttentionMetadata.build
+                if len(s.block_table) * batch.block_size < s.end_position:
+                    raise ValueError(f"request {s.req_id}: blocks cannot hold {s.end_position}")
+            logits = self.cuda_graphs.run(batch)
+            if len(sampled_seqs) < len(batch.seqs):
+                rows = [i for i, s in enumerate(batch.seqs) if s.sample]
+                logits = logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        else:
+            logits = self._forward_eager(batch)
+        if not sampled_seqs:
+            return {}
+        return self._sample(logits, sampled_seqs)
+
+    def _check_block_ids(self, batch: Batch) -> None:
+        ids = list(itertools.chain.from_iterable(s.block_table for s in batch.seqs))
+        if not ids or (min(ids) >= 0 and max(ids) < self.num_blocks):
+            return
         for s in batch.seqs:
             bad = [b for b in s.block_table if not 0 <= b < self.num_blocks]
             if bad:
                 raise ValueError(
                     f"request {s.req_id}: block ids {bad} outside [0, {self.num_blocks})"
                 )
+
+    def _forward_eager(self, batch: Batch) -> torch.Tensor:
+        """Logits [num sampling seqs, V] from one packed forward (no graph)."""
         meta = PagedAttentionMetadata.build(
-            batch, self.spec.num_layers, self.device, self.bucket_shapes
+            batch,
+            self.spec.num_layers,
+            self.device,
+            self.bucket_shapes,
+            paged_decode=self.paged_decode,
         )
         input_ids = torch.tensor(
             list(itertools.chain.from_iterable(s.token_ids for s in batch.seqs)),
@@ -125,24 +200,26 @@ class ModelRunner:
             device=self.device,
         )
         # Only the last token of each sampling sequence needs the (vocab-wide) lm_head.
-        sampled_seqs = []
         last_token_idx = []
         end = 0
         for s in batch.seqs:
             end += s.num_tokens
             if s.sample:
-                sampled_seqs.append(s)
                 last_token_idx.append(end - 1)
-        logits = self.model(
+        return self.model(
             input_ids=input_ids[None],
             position_ids=meta.positions[None],
             use_cache=False,
             logits_to_keep=torch.tensor(last_token_idx, dtype=torch.long, device=self.device),
             paged_metadata=meta,
-            paged_kv_cache=self.kv_cache,
+            paged_kv_cache=self._kv_storage,
         ).logits[0]
-        if not sampled_seqs:
-            return {}
+
+    def _sample(self, logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> dict[str, int]:
+        if all(is_greedy(s.sampling) for s in sampled_seqs):
+            # sample()'s greedy result without building per-row parameter tensors.
+            tokens = logits.argmax(dim=-1).tolist()
+            return {s.req_id: int(t) for s, t in zip(sampled_seqs, tokens, strict=True)}
         params = SamplingBatch.build(
             [s.sampling for s in sampled_seqs],
             [s.seed for s in sampled_seqs],

@@ -33,7 +33,9 @@ def encode_prompt(
             raise ValueError("prompt_token_ids is empty: give at least one token")
         return list(prompt_token_ids)
     if tokenizer is None:
-        raise ValueError(f"{given[0]} needs a tokenizer; this model has none: send prompt_token_ids")
+        raise ValueError(
+            f"{given[0]} needs a tokenizer; this model has none: send prompt_token_ids"
+        )
     if prompt is not None:
         if not prompt:
             raise ValueError("prompt is empty: give at least one character")

@@ -89,7 +89,7 @@ class SamplingBatch:
     ) -> SamplingBatch:
         """Tensors for rows with these params, seeds and sampled-token positions."""
         # Temperatures this small would overflow logits / T; they mean greedy anyway.
-        greedy = [p.greedy or p.temperature < _MIN_TEMPERATURE for p in params]
+        greedy = [is_greedy(p) for p in params]
         top_k = [
             p.top_k if 0 < p.top_k < vocab_size and not g else 0
             for p, g in zip(params, greedy, strict=True)
@@ -113,6 +113,11 @@ class SamplingBatch:
             any_top_k=any(top_k),
             any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True)),
         )
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """True when `params` picks the argmax (greedy, or a temperature too small to matter)."""
+    return params.greedy or params.temperature < _MIN_TEMPERATURE
 
 
 def _kth_largest(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -101,14 +101,19 @@ class WorkerBase:
             torch.set_num_threads(threads)
         self.rank = rank
         built = await loop.run_in_executor(
-            None, lambda: build_engine(self.args, handoff_after_first_token=self.handoff_after_first_token)
+            None,
+            lambda: build_engine(
+                self.args, handoff_after_first_token=self.handoff_after_first_token
+            ),
         )
         self.built = built
         device = torch.device(built.runner.device)
         self.agent = TransferAgent(rank, world_size, init_method, device)
         if world_size > 1:
             await loop.run_in_executor(None, self.agent.init)
-        self.loop_thread = EngineLoop(built.core, self._updates_from_thread, name=f"{self.role}{self.index}")
+        self.loop_thread = EngineLoop(
+            built.core, self._updates_from_thread, name=f"{self.role}{self.index}"
+        )
         self.loop_thread.start()
         return WorkerInfo(
             role=self.role,

@@ -125,12 +125,22 @@ class PrefillWorker(WorkerBase):
         except Exception as exc:  # noqa: BLE001 - reported to the router as this request's error
             log.warning("hand-off of %s failed: %s", inp.req_id, exc)
             return PrefillResult(
-                token, FinishReason.ERROR, upd.num_cached_tokens, prefill_s,
-                time.perf_counter() - t0, 0, f"KV hand-off failed: {exc}",
+                token,
+                FinishReason.ERROR,
+                upd.num_cached_tokens,
+                prefill_s,
+                time.perf_counter() - t0,
+                0,
+                f"KV hand-off failed: {exc}",
             )
         return PrefillResult(
-            token, FinishReason.HANDOFF, upd.num_cached_tokens, prefill_s,
-            time.perf_counter() - t0, nbytes, src_block_ids=tuple(done.src_block_ids),
+            token,
+            FinishReason.HANDOFF,
+            upd.num_cached_tokens,
+            prefill_s,
+            time.perf_counter() - t0,
+            nbytes,
+            src_block_ids=tuple(done.src_block_ids),
         )
 
     async def _handoff(

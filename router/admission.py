@@ -24,12 +24,11 @@ class Admission:
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         """Hold an in-flight slot for the body; raises QueueFullError when over capacity."""
-        if self._slots.locked():
-            if self.num_queued >= self.max_queue:
-                raise QueueFullError(
-                    f"server is at capacity: {self.num_in_flight} requests in flight and "
-                    f"{self.num_queued} queued (max_queue {self.max_queue}); retry later"
-                )
+        if self._slots.locked() and self.num_queued >= self.max_queue:
+            raise QueueFullError(
+                f"server is at capacity: {self.num_in_flight} requests in flight and "
+                f"{self.num_queued} queued (max_queue {self.max_queue}); retry later"
+            )
         self.num_queued += 1
         try:
             await self._slots.acquire()

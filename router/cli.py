@@ -17,7 +17,9 @@ from router.orchestrator import RouterConfig
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", help="local HF model folder (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model", help="local HF model folder (default: embedded SmolLM2-135M-Instruct)"
+    )
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
     g.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
@@ -75,13 +77,14 @@ def _engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from router.cluster import StartupError
+    from router.cluster import Cluster, StartupError
     from router.service import ServeConfig, run_service
 
     config = ServeConfig(
         cluster=ClusterConfig(
             num_prefill_workers=ns.prefill_workers,
             num_decode_workers=ns.decode_workers,
+            num_colocated_workers=ns.colocated_workers,
             prefill_args=_engine_args(ns, "prefill"),
             decode_args=_engine_args(ns, "decode"),
             ray_address=ns.ray_address,
@@ -91,11 +94,15 @@ def _serve(ns: argparse.Namespace) -> int:
         port=ns.port,
         drain_grace_s=ns.drain_grace_s,
     )
+    cluster = Cluster(config.cluster)
+    cluster.init_ray()
     try:
-        asyncio.run(run_service(config))
+        asyncio.run(run_service(config, cluster))
     except StartupError as exc:
         print(f"pdserve: startup failed: {exc}", file=sys.stderr)
         return 1
+    finally:
+        cluster.shutdown_ray()
     return 0
 
 
@@ -140,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument("--prefill-workers", type=int, default=1)
     serve.add_argument("--decode-workers", type=int, default=1)
+    serve.add_argument(
+        "--colocated-workers",
+        type=int,
+        default=0,
+        help="N > 0: N replicas that run both phases (with the --decode-* knobs), no pools",
+    )
     serve.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     serve.add_argument("--max-in-flight", type=int, default=RouterConfig.max_in_flight)
     serve.add_argument("--max-queue", type=int, default=RouterConfig.max_queue)

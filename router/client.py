@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import grpc
+
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 

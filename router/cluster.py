@@ -17,6 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine.factory import EngineArgs
 from prefill_worker.worker import PrefillWorker
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 class ClusterConfig:
     num_prefill_workers: int = 1
     num_decode_workers: int = 1
+    # > 0: replicas that run both phases (take decode_args); no prefill/decode pools.
+    num_colocated_workers: int = 0
     prefill_args: EngineArgs = field(default_factory=EngineArgs)
     decode_args: EngineArgs = field(default_factory=EngineArgs)
     ray_address: str | None = None  # None = start a local Ray instance
@@ -39,8 +42,21 @@ class ClusterConfig:
     cpu_threads_per_worker: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
+        if self.num_colocated_workers < 0:
+            raise ValueError("num_colocated_workers must be >= 0")
+        if self.num_colocated_workers == 0 and (
+            self.num_prefill_workers < 1 or self.num_decode_workers < 1
+        ):
             raise ValueError("need at least one prefill and one decode worker")
+
+    @property
+    def roles(self) -> list[tuple[str, int]]:
+        """(pool, index) of every worker, in rank order."""
+        if self.num_colocated_workers:
+            return [("colocated", i) for i in range(self.num_colocated_workers)]
+        return [("prefill", i) for i in range(self.num_prefill_workers)] + [
+            ("decode", i) for i in range(self.num_decode_workers)
+        ]
 
 
 class StartupError(RuntimeError):
@@ -54,12 +70,21 @@ class Cluster:
         self.config = config
         self.prefill: list[WorkerRef] = []
         self.decode: list[WorkerRef] = []
+        self.colocated: list[WorkerRef] = []
         self._pg: PlacementGroup | None = None
         self._started_ray = False
 
     @property
     def num_workers(self) -> int:
-        return self.config.num_prefill_workers + self.config.num_decode_workers
+        return len(self.config.roles)
+
+    @property
+    def workers(self) -> list[WorkerRef]:
+        return self.prefill + self.decode + self.colocated
+
+    def init_ray(self) -> None:
+        """Start or join Ray; call from the main thread (so is shutdown_ray)."""
+        self._init_ray()
 
     def _init_ray(self) -> None:
         if ray.is_initialized():
@@ -89,18 +114,20 @@ class Cluster:
             ray.get(self._pg.ready(), timeout=cfg.placement_timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
             available = ray.available_resources()
-            self.stop()
+            self.stop(shutdown_ray=False)
             raise StartupError(
                 f"could not place {self.num_workers} workers with {bundle} each within "
                 f"{cfg.placement_timeout_s:.0f}s; available: {available}"
             ) from exc
         threads = cfg.cpu_threads_per_worker or max(1, (os.cpu_count() or 1) // self.num_workers)
         env = {"OMP_NUM_THREADS": str(threads), "PDSERVE_TORCH_THREADS": str(threads)}
+        classes = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
         roles: list[tuple[str, type, EngineArgs, int]] = [
-            ("prefill", PrefillWorker, cfg.prefill_args, i) for i in range(cfg.num_prefill_workers)
-        ] + [("decode", DecodeWorker, cfg.decode_args, i) for i in range(cfg.num_decode_workers)]
+            (pool, classes[pool], cfg.prefill_args if pool == "prefill" else cfg.decode_args, idx)
+            for pool, idx in cfg.roles
+        ]
         handles = []
-        for bundle_idx, (role, cls, args, idx) in enumerate(roles):
+        for bundle_idx, (_, cls, args, idx) in enumerate(roles):
             actor_cls = ray.remote(cls)
             handle = actor_cls.options(  # type: ignore[attr-defined]
                 name=None,
@@ -114,9 +141,16 @@ class Cluster:
             ).remote(args, idx)
             handles.append(handle)
         # Rank 0 hosts the rendezvous store, on a port free on its own host.
-        host, port = ray.get(handles[0].rendezvous_address.remote(self._started_ray), timeout=cfg.startup_timeout_s)
+        host, port = ray.get(
+            handles[0].rendezvous_address.remote(self._started_ray), timeout=cfg.startup_timeout_s
+        )
         init_method = f"tcp://{host}:{port}"
-        starts = [h.start.remote(rank, len(handles), init_method) for rank, h in enumerate(handles)]
+        # Colocated replicas exchange no KV: each is a process group of one (none needed).
+        world = 1 if cfg.num_colocated_workers else len(handles)
+        starts = [
+            h.start.remote(0 if world == 1 else rank, world, init_method)
+            for rank, h in enumerate(handles)
+        ]
         role_of = {ref: roles[i] for i, ref in enumerate(starts)}
         pending = list(starts)
         while pending:
@@ -130,39 +164,44 @@ class Cluster:
             except Exception as exc:  # noqa: BLE001 - re-raised with the worker named
                 role, _, _, idx = role_of[done[0]]
                 self._kill(handles)
-                raise StartupError(f"{role} worker {idx} failed to start: {_root_cause(exc)}") from exc
+                raise StartupError(
+                    f"{role} worker {idx} failed to start: {_root_cause(exc)}"
+                ) from exc
         infos = ray.get(starts)
+        pools = {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}
         for (role, _, _, idx), handle, info in zip(roles, handles, infos, strict=True):
-            ref = WorkerRef(role, idx, handle, info)
-            (self.prefill if role == "prefill" else self.decode).append(ref)
+            pools[role].append(WorkerRef(role, idx, handle, info))
         self._check_pairing()
         decode_by_rank = {w.info.rank: w.handle for w in self.decode}
         ray.get([w.handle.set_peers.remote(decode_by_rank) for w in self.prefill])
         log.info(
-            "cluster ready: %d prefill + %d decode workers on %s",
-            len(self.prefill), len(self.decode), "GPUs" if use_gpus else "CPUs",
+            "cluster ready: %d prefill + %d decode + %d colocated workers on %s",
+            len(self.prefill),
+            len(self.decode),
+            len(self.colocated),
+            "GPUs" if use_gpus else "CPUs",
         )
 
     def _check_pairing(self) -> None:
-        first = self.prefill[0].info
-        for ref in self.prefill[1:] + self.decode:
+        first = self.workers[0].info
+        for ref in self.workers[1:]:
             problem = first.layout.mismatch(ref.info.layout)
             if problem is not None:
-                self.stop()
+                self.stop(shutdown_ray=False)
                 raise StartupError(
-                    f"KV layout mismatch between prefill worker 0 and {ref.pool} worker "
-                    f"{ref.index}: {problem}"
+                    f"KV layout mismatch between {self.workers[0].pool} worker 0 and "
+                    f"{ref.pool} worker {ref.index}: {problem}"
                 )
 
     def _kill(self, handles: list[Any]) -> None:
         for handle in handles:
             ray.kill(handle, no_restart=True)
-        self.prefill, self.decode = [], []
-        self.stop()
+        self.prefill, self.decode, self.colocated = [], [], []
+        self.stop(shutdown_ray=False)
 
-    def stop(self) -> None:
+    def stop(self, shutdown_ray: bool = True) -> None:
         """Shut the workers down and release the placement group (idempotent)."""
-        refs = self.prefill + self.decode
+        refs = self.workers
         if refs:
             try:
                 ray.get([w.handle.shutdown.remote() for w in refs], timeout=30)
@@ -170,10 +209,15 @@ class Cluster:
                 log.warning("worker shutdown: %s", exc)
         for ref in refs:
             ray.kill(ref.handle, no_restart=True)
-        self.prefill, self.decode = [], []
+        self.prefill, self.decode, self.colocated = [], [], []
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
+        if shutdown_ray:
+            self.shutdown_ray()
+
+    def shutdown_ray(self) -> None:
+        """Stop the local Ray instance if this cluster started it."""
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

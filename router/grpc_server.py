@@ -14,9 +14,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-
 from router.protocol import Generator
 from router.servicer import GenerationServicer, is_valid_request_id, request_id_var
 

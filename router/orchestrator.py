@@ -59,7 +59,7 @@ class WorkerRef:
 class _Stream:
     """Per-request inbox for the decode worker's token batches."""
 
-    queue: asyncio.Queue[tuple[tuple[int, ...], str | None] | BaseException] = field(
+    queue: asyncio.Queue[tuple[tuple[int, ...], str | None, int] | BaseException] = field(
         default_factory=asyncio.Queue
     )
     decode_index: int = -1
@@ -74,9 +74,11 @@ class DisaggregatedGenerator:
         decode: list[WorkerRef],
         tokenizer: Any,
         config: RouterConfig = RouterConfig(),
+        colocated: list[WorkerRef] | None = None,
     ) -> None:
-        if not prefill or not decode:
-            raise ValueError("need at least one prefill and one decode worker")
+        self.colocated = colocated or []
+        if not self.colocated and (not prefill or not decode):
+            raise ValueError("need at least one prefill and one decode worker, or colocated ones")
         self.prefill = prefill
         self.decode = decode
         self.tokenizer = tokenizer
@@ -87,7 +89,7 @@ class DisaggregatedGenerator:
         self._pollers: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._ready = False
-        infos = [w.info for w in prefill + decode]
+        infos = [w.info for w in prefill + decode + self.colocated]
         self.max_model_len = min(i.max_model_len for i in infos)
         self.vocab_size = min(i.vocab_size for i in infos)
         block_size = infos[0].layout.block_size
@@ -98,7 +100,7 @@ class DisaggregatedGenerator:
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Start one long-poll per decode worker; mark ready."""
-        for ref in self.decode:
+        for ref in self.decode + self.colocated:
             self._pollers.append(asyncio.create_task(self._poll(ref)))
         self._ready = True
 
@@ -109,7 +111,11 @@ class DisaggregatedGenerator:
         await asyncio.gather(*self._pollers, return_exceptions=True)
 
     def is_ready(self) -> bool:
-        return self._ready and any(w.alive for w in self.prefill) and any(w.alive for w in self.decode)
+        if self.colocated:
+            return self._ready and any(w.alive for w in self.colocated)
+        return (
+            self._ready and any(w.alive for w in self.prefill) and any(w.alive for w in self.decode)
+        )
 
     def server_info(self) -> ServerInfo:
         return ServerInfo(
@@ -117,14 +123,16 @@ class DisaggregatedGenerator:
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             num_prefill_workers=len(self.prefill),
-            num_decode_workers=len(self.decode),
+            num_decode_workers=len(self.decode) + len(self.colocated),
             max_in_flight=self.admission.max_in_flight,
             max_queue=self.admission.max_queue,
         )
 
     async def pool_stats(self) -> PoolStats:
-        refs = [w for w in self.prefill + self.decode if w.alive]
-        loads = await asyncio.gather(*(w.handle.load.remote() for w in refs), return_exceptions=True)
+        refs = [w for w in self.prefill + self.decode + self.colocated if w.alive]
+        loads = await asyncio.gather(
+            *(w.handle.load.remote() for w in refs), return_exceptions=True
+        )
         workers = []
         for ref, load in zip(refs, loads, strict=True):
             if isinstance(load, BaseException):
@@ -154,17 +162,17 @@ class DisaggregatedGenerator:
             except RayActorError as exc:
                 self._mark_dead(ref, exc)
                 return
-            for req_id, tokens, reason in batch.updates:
+            for req_id, tokens, reason, cached in batch.updates:
                 stream = self._streams.get(req_id)
                 if stream is not None:
-                    stream.queue.put_nowait((tokens, reason))
+                    stream.queue.put_nowait((tokens, reason, cached))
 
     def _mark_dead(self, ref: WorkerRef, exc: BaseException) -> None:
         if not ref.alive:
             return
         ref.alive = False
         log.error("%s worker %d died: %s", ref.pool, ref.index, exc)
-        if ref.pool == "decode":
+        if ref.pool in ("decode", "colocated"):
             for stream in list(self._streams.values()):
                 if stream.decode_index == ref.index:
                     stream.queue.put_nowait(RuntimeError(f"decode worker {ref.index} died"))
@@ -216,18 +224,46 @@ class DisaggregatedGenerator:
             if idx is None:
                 raise NotReadyError("no decode worker is alive")
             ref = self.decode[idx]
+            # Counted before the call, so concurrent arrivals spread instead of all
+            # picking the worker that looked idle a moment ago.
+            ref.num_assigned += 1
             try:
                 res = await ref.handle.reserve.remote(
                     inp.req_id, len(inp.prompt_token_ids), self.config.lease_s
                 )
             except RayActorError as exc:
+                ref.num_assigned -= 1
                 self._mark_dead(ref, exc)
                 continue
+            except BaseException:
+                ref.num_assigned -= 1
+                raise
             if res is not None:
                 return ref, res
+            ref.num_assigned -= 1
             await asyncio.sleep(self.config.reserve_poll_s)
 
-    async def _prefill(self, inp: GenerationInput, target: DecodeTarget) -> tuple[WorkerRef, PrefillResult]:
+    async def _submit_colocated(self, inp: GenerationInput, stream: _Stream) -> WorkerRef:
+        while True:
+            idx = pick_least_loaded([w.view() for w in self.colocated])
+            if idx is None:
+                raise NotReadyError("no worker is alive")
+            ref = self.colocated[idx]
+            stream.decode_index = ref.index  # before submit: tokens may come back at once
+            ref.num_assigned += 1
+            try:
+                await ref.handle.submit.remote(inp)
+                return ref
+            except RayActorError as exc:
+                ref.num_assigned -= 1
+                self._mark_dead(ref, exc)
+            except BaseException:
+                ref.num_assigned -= 1
+                raise
+
+    async def _prefill(
+        self, inp: GenerationInput, target: DecodeTarget
+    ) -> tuple[WorkerRef, PrefillResult]:
         while True:
             idx = pick_least_loaded([w.view() for w in self.prefill])
             if idx is None:
@@ -268,27 +304,40 @@ class DisaggregatedGenerator:
                 decode_s=end - t_decoding if t_decoding else 0.0,
                 time_to_first_token_s=(t_first or end) - arrival,
             )
-            result = FinalResult(reason, Usage(len(inp.prompt_token_ids), num_out, num_cached), t, error)
+            result = FinalResult(
+                reason, Usage(len(inp.prompt_token_ids), num_out, num_cached), t, error
+            )
             self._log(user_id, result)
             return result
 
         t_decoding = 0.0
         try:
             async with self.admission.slot():
-                decode_ref, reservation = await self._reserve(inp)
-                stream.decode_index = decode_ref.index
-                decode_ref.num_assigned += 1
-                queued_s = time.perf_counter() - arrival
-                target = DecodeTarget(reservation.rank, reservation.epoch, reservation.block_ids)
-                prefill_ref, result = await self._prefill(inp, target)
-                t_decoding = time.perf_counter()
-                num_cached = result.num_cached_tokens
-                timings = PhaseTimings(queued_s, result.prefill_s, result.transfer_s)
-                if result.finish_reason is FinishReason.ERROR:
-                    raise RuntimeError(result.error)
-                # HANDOFF: decode continues; any other reason: the first token ended it.
-                reason = None if result.finish_reason is FinishReason.HANDOFF else result.finish_reason
-                tokens = () if result.first_token is None else (result.first_token,)
+                result: PrefillResult | None = None
+                reason: FinishReason | None = None
+                tokens: tuple[int, ...] = ()
+                if self.colocated:
+                    # One worker runs both phases: submit, then read its token stream.
+                    decode_ref = await self._submit_colocated(inp, stream)
+                    timings = PhaseTimings(queued_s=time.perf_counter() - arrival)
+                    t_decoding = time.perf_counter()
+                else:
+                    decode_ref, reservation = await self._reserve(inp)
+                    stream.decode_index = decode_ref.index
+                    queued_s = time.perf_counter() - arrival
+                    target = DecodeTarget(
+                        reservation.rank, reservation.epoch, reservation.block_ids
+                    )
+                    prefill_ref, result = await self._prefill(inp, target)
+                    t_decoding = time.perf_counter()
+                    num_cached = result.num_cached_tokens
+                    timings = PhaseTimings(queued_s, result.prefill_s, result.transfer_s)
+                    if result.finish_reason is FinishReason.ERROR:
+                        raise RuntimeError(result.error)
+                    # HANDOFF: decode continues; any other reason: the first token ended it.
+                    if result.finish_reason is not FinishReason.HANDOFF:
+                        reason = result.finish_reason
+                    tokens = () if result.first_token is None else (result.first_token,)
                 while True:
                     out = self.outputs.process(req_id, tokens, reason)
                     num_out += len(tokens)
@@ -299,14 +348,17 @@ class DisaggregatedGenerator:
                         finished = True
                         if reason is None:  # stop string: the decode side is still going
                             self._spawn(self._abort_on(decode_ref, req_id))
-                        elif result.finish_reason is not FinishReason.HANDOFF:
+                        elif (
+                            result is not None and result.finish_reason is not FinishReason.HANDOFF
+                        ):
                             self._spawn(self._abort_on(decode_ref, req_id))  # unused reservation
                         yield final(out.finish_reason)
                         return
                     item = await stream.queue.get()
                     if isinstance(item, BaseException):
                         raise item
-                    tokens, reason_name = item
+                    tokens, reason_name, cached = item
+                    num_cached = max(num_cached, cached)
                     reason = FinishReason(reason_name) if reason_name else None
         except (QueueFullError, NotReadyError):
             raise
@@ -325,7 +377,7 @@ class DisaggregatedGenerator:
                 # be. Background tasks, since this generator may be closing on cancellation.
                 for ref in self.prefill if prefill_ref is None else [prefill_ref]:
                     self._spawn(self._abort_on(ref, req_id))
-                for ref in self.decode if decode_ref is None else [decode_ref]:
+                for ref in self.decode + self.colocated if decode_ref is None else [decode_ref]:
                     self._spawn(self._abort_on(ref, req_id))
                 log.info("request %s cancelled after %d tokens", user_id, num_out)
 
@@ -334,7 +386,14 @@ class DisaggregatedGenerator:
         log.info(
             "request %s finished=%s prompt=%d out=%d cached=%d queued=%.3fs prefill=%.3fs "
             "kv=%.4fs decode=%.3fs ttft=%.3fs",
-            req_id, final.finish_reason.value, final.usage.prompt_tokens,
-            final.usage.completion_tokens, final.usage.cached_prompt_tokens, t.queued_s,
-            t.prefill_s, t.kv_transfer_s, t.decode_s, t.time_to_first_token_s,
+            req_id,
+            final.finish_reason.value,
+            final.usage.prompt_tokens,
+            final.usage.completion_tokens,
+            final.usage.cached_prompt_tokens,
+            t.queued_s,
+            t.prefill_s,
+            t.kv_transfer_s,
+            t.decode_s,
+            t.time_to_first_token_s,
         )

@@ -52,20 +52,27 @@ class ServeConfig:
 
 
 async def run_service(
-    config: ServeConfig, on_started: Callable[[GrpcServer], None] | None = None
+    config: ServeConfig,
+    cluster: Cluster,
+    on_started: Callable[[GrpcServer], None] | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then drain in-flight requests and stop the workers."""
+    """Serve until SIGTERM/SIGINT, then drain in-flight requests and stop the workers.
+
+    The caller owns Ray: `cluster.init_ray()` before and `cluster.shutdown_ray()` after,
+    on the main thread (Ray's driver aborts at exit when torn down from a worker thread).
+    """
     front = WarmingGenerator()
-    cluster = Cluster(config.cluster)
     loop = asyncio.get_running_loop()
 
     async def warm_up() -> None:
         await loop.run_in_executor(None, cluster.start)
-        model_path = config.cluster.prefill_args.resolve_model_path()
+        model_path = config.cluster.decode_args.resolve_model_path()
         tokenizer = None
         if has_tokenizer(model_path):
             tokenizer = await loop.run_in_executor(None, load_tokenizer, str(model_path))
-        core = DisaggregatedGenerator(cluster.prefill, cluster.decode, tokenizer, config.router)
+        core = DisaggregatedGenerator(
+            cluster.prefill, cluster.decode, tokenizer, config.router, cluster.colocated
+        )
         core.start()
         front.inner = core
         log.info("pools warm; SERVING")
@@ -82,5 +89,5 @@ async def run_service(
     finally:
         if front.inner is not None:
             await front.inner.stop()
-        await loop.run_in_executor(None, cluster.stop)
+        await loop.run_in_executor(None, lambda: cluster.stop(shutdown_ray=False))
         log.info("stopped")

@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 from contextvars import ContextVar
 
 import grpc
-from pdserve.v1 import generation_pb2 as pb
-from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 from engine.outputs import FinalResult, TextChunk
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.errors import InvalidRequestError, NotReadyError, QueueFullError
 from router.protocol import ChatMessage, GenerateCall, Generator, PoolStats, ServerInfo
 

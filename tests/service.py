@@ -64,7 +64,9 @@ class ServiceProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"service exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"service exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             status = self.health()
             if status is not None and (not self.health_seen or self.health_seen[-1] != status):
                 self.health_seen.append(status)

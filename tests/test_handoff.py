@@ -38,7 +38,9 @@ def _blocks_in_use(cluster: Cluster) -> list[int]:
 
 def _input(req_id: str, num_tokens: int) -> GenerationInput:
     prompt = tuple(100 + (i * 37) % 5000 for i in range(num_tokens))
-    return GenerationInput(req_id, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    return GenerationInput(
+        req_id, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )
 
 
 def test_decode_blocks_are_bit_identical_to_prefill_blocks(cluster: Cluster) -> None:
@@ -46,7 +48,11 @@ def test_decode_blocks_are_bit_identical_to_prefill_blocks(cluster: Cluster) -> 
     block_size = cluster.prefill[0].info.layout.block_size
     for req_id, n in (("a", 70), ("b", 16), ("c", 5)):
         res = ray.get(decode.reserve.remote(req_id, n))
-        result = ray.get(prefill.prefill.remote(_input(req_id, n), DecodeTarget(res.rank, res.epoch, res.block_ids)))
+        result = ray.get(
+            prefill.prefill.remote(
+                _input(req_id, n), DecodeTarget(res.rank, res.epoch, res.block_ids)
+            )
+        )
         assert result.finish_reason is FinishReason.HANDOFF, result.error
         src = ray.get(prefill.read_blocks.remote(list(result.src_block_ids)))
         dst = ray.get(decode.read_blocks.remote(list(res.block_ids)))
@@ -88,7 +94,11 @@ def test_stale_or_mismatched_handoff_is_refused_and_frees_both_sides(
     assert _wait_zero(cluster)
     # The pair's channel is still in step: a good hand-off right after works.
     res = ray.get(decode.reserve.remote(f"after-{tamper}", 20))
-    ok = ray.get(prefill.prefill.remote(_input(f"after-{tamper}", 20), DecodeTarget(res.rank, res.epoch, res.block_ids)))
+    ok = ray.get(
+        prefill.prefill.remote(
+            _input(f"after-{tamper}", 20), DecodeTarget(res.rank, res.epoch, res.block_ids)
+        )
+    )
     assert ok.finish_reason is FinishReason.HANDOFF
     ray.get(decode.abort.remote(f"after-{tamper}"))
     assert _wait_zero(cluster)

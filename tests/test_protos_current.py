@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2
+
 from pdserve.v1 import generation_pb2
 
 ROOT = Path(__file__).resolve().parents[1]

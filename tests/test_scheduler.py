@@ -29,7 +29,9 @@ def make_engine(
 def add(core: EngineCore, req_id: str, prompt_len: int, max_tokens: int, **kw: object) -> None:
     prompt = tuple((hash((req_id, i)) % 900) + 10 for i in range(prompt_len))
     core.add_request(
-        GenerationInput(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw)  # type: ignore[arg-type]
+        GenerationInput(
+            req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw
+        )  # type: ignore[arg-type]
     )
 
 
@@ -158,7 +160,9 @@ def test_stop_token_and_eos_finish_with_stop() -> None:
     core.add_request(GenerationInput("eos", prompt, SamplingParams(max_tokens=5)))
     core.add_request(
         GenerationInput(
-            "stop", prompt, SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=(expected[3],))
+            "stop",
+            prompt,
+            SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=(expected[3],)),
         )
     )
     core.add_request(GenerationInput("len", prompt, SamplingParams(max_tokens=5, ignore_eos=True)))

@@ -91,7 +91,9 @@ def test_random_workloads_keep_blocks_consistent(
     for op in script:
         if op[0] == "add":
             _, plen, max_tokens, priority, prefix = op
-            prompt = [100 + prefix] * (8 if prefix else 0) + [(next_id * 13 + i) % 900 + 5 for i in range(plen)]
+            prompt = [100 + prefix] * (8 if prefix else 0) + [
+                (next_id * 13 + i) % 900 + 5 for i in range(plen)
+            ]
             if len(prompt) + max_tokens > 4 * num_blocks:
                 continue
             req_id = f"r{next_id}"

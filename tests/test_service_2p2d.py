@@ -19,13 +19,19 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Iterator[ServiceProcess]:
+def service(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+) -> Iterator[ServiceProcess]:
     svc = ServiceProcess(
         [
-            "--prefill-workers", "2",
-            "--decode-workers", "2",
-            "--prefill-kv-cache-gib", "0.1",
-            "--decode-kv-cache-gib", "0.1",
+            "--prefill-workers",
+            "2",
+            "--decode-workers",
+            "2",
+            "--prefill-kv-cache-gib",
+            "0.1",
+            "--decode-kv-cache-gib",
+            "0.1",
         ],
         tmp_path_factory.mktemp("svc2") / "service.log",
     )
@@ -53,7 +59,11 @@ def test_requests_spread_over_both_pairs(service: ServiceProcess, smollm2_path: 
             busy |= {(w.pool, w.index) for w in stats.workers if w.num_running > 0}
             await asyncio.sleep(0.05)
         stats = await get_pool_stats(service.address)
-        prefill_used = {w.index for w in stats.workers if w.pool == pb.POOL_PREFILL and w.prefix_query_tokens > 0}
+        prefill_used = {
+            w.index
+            for w in stats.workers
+            if w.pool == pb.POOL_PREFILL and w.prefix_query_tokens > 0
+        }
         busy |= {(pb.POOL_PREFILL, i) for i in prefill_used}
         return [await t for t in tasks], busy
 
@@ -62,5 +72,43 @@ def test_requests_spread_over_both_pairs(service: ServiceProcess, smollm2_path: 
     assert {(pb.POOL_DECODE, 0), (pb.POOL_DECODE, 1)} <= busy
     reference = LLM(EngineArgs(kv_cache_gib=0.1)).generate(
         prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )
+    assert outputs == [list(r.token_ids) for r in reference]
+
+
+@pytest.fixture(scope="module")
+def colocated_service(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+) -> Iterator[ServiceProcess]:
+    svc = ServiceProcess(
+        ["--colocated-workers", "2", "--decode-kv-cache-gib", "0.1"],
+        tmp_path_factory.mktemp("svc-colo") / "service.log",
+    )
+    svc.wait_serving()
+    yield svc
+    assert svc.stop() == 0, svc.log_tail()
+
+
+def test_colocated_replicas_behind_the_router(colocated_service: ServiceProcess) -> None:
+    prompts = [f"Tell me about the number {i}." for i in range(6)]
+
+    async def scenario() -> list[list[int]]:
+        async def one(p: str) -> list[int]:
+            tokens: list[int] = []
+            async for resp in stream_generate(
+                colocated_service.address, prompt=p, max_tokens=12, temperature=0.0, ignore_eos=True
+            ):
+                tokens.extend(resp.token_ids)
+            return tokens
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    outputs = asyncio.run(scenario())
+    stats = asyncio.run(get_pool_stats(colocated_service.address))
+    assert {w.pool for w in stats.workers} == {pb.POOL_COLOCATED}
+    assert all(w.prefix_query_tokens > 0 for w in stats.workers), "both replicas served"
+    assert all(w.num_blocks_in_use == 0 for w in stats.workers)
+    reference = LLM(EngineArgs(kv_cache_gib=0.1)).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     )
     assert outputs == [list(r.token_ids) for r in reference]

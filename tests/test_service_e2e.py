@@ -48,16 +48,24 @@ MAX_TOKENS = [12, 20, 8, 16, 10, 24, 14, 6, 18, 9, 11, 7, 22, 13, 5, 15]
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Iterator[ServiceProcess]:
+def service(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+) -> Iterator[ServiceProcess]:
     log = tmp_path_factory.mktemp("svc") / "service.log"
     svc = ServiceProcess(
         [
-            "--prefill-long-prefill-token-threshold", str(CHUNK),
-            "--prefill-kv-cache-gib", "0.25",
-            "--decode-kv-cache-gib", "0.25",
-            "--max-in-flight", "24",
-            "--max-queue", "64",
-            "--drain-grace-s", "20",
+            "--prefill-long-prefill-token-threshold",
+            str(CHUNK),
+            "--prefill-kv-cache-gib",
+            "0.25",
+            "--decode-kv-cache-gib",
+            "0.25",
+            "--max-in-flight",
+            "24",
+            "--max-queue",
+            "64",
+            "--drain-grace-s",
+            "20",
         ],
         log,
     )
@@ -148,7 +156,9 @@ def test_seeded_sampling_reproducible_and_equal_to_colocated(
     assert first[0] == second[0]
     ref = colocated.generate(
         ["Tell me a story"],
-        SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True),
+        SamplingParams(
+            max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True
+        ),
     )[0]
     assert first[0] == list(ref.token_ids)
     other = asyncio.run(_collect(service.address, prompt="Tell me a story", **{**kw, "seed": 99}))
@@ -199,7 +209,9 @@ def test_cancellations_and_deadlines_free_every_block(service: ServiceProcess) -
 
     async def cancel_mid_stream() -> int:
         n = 0
-        async for resp in stream_generate(address, prompt="Count to one hundred:", max_tokens=300, ignore_eos=True):
+        async for resp in stream_generate(
+            address, prompt="Count to one hundred:", max_tokens=300, ignore_eos=True
+        ):
             n += len(resp.token_ids)
             if n >= 3:
                 break  # leaving the iterator cancels the RPC
@@ -221,7 +233,9 @@ def test_cancellations_and_deadlines_free_every_block(service: ServiceProcess) -
 
     async def deadline() -> grpc.StatusCode:
         try:
-            await _collect(address, prompt="Write a long essay.", max_tokens=400, ignore_eos=True, timeout=1.0)
+            await _collect(
+                address, prompt="Write a long essay.", max_tokens=400, ignore_eos=True, timeout=1.0
+            )
         except grpc.aio.AioRpcError as exc:
             return exc.code()
         return grpc.StatusCode.OK

@@ -20,9 +20,13 @@ def test_mismatched_pairing_fails_startup_naming_the_field(smollm2_path: Path) -
     )
     with pytest.raises(StartupError, match="dtype differs"):
         bad.start()
+    bad.shutdown_ray()
 
 
 def test_bad_model_path_fails_startup_with_the_workers_error(tmp_path: Path) -> None:
-    bad = Cluster(ClusterConfig(prefill_args=EngineArgs(model=str(tmp_path / "nope")), decode_args=ARGS))
+    bad = Cluster(
+        ClusterConfig(prefill_args=EngineArgs(model=str(tmp_path / "nope")), decode_args=ARGS)
+    )
     with pytest.raises(StartupError, match="prefill worker 0 failed to start.*config.json"):
         bad.start()
+    bad.shutdown_ray()
