@@ -38,6 +38,10 @@ class RouterConfig:
     max_queue: int = 1024
     lease_s: float = 30.0  # a decode reservation not filled by then is freed
     reserve_poll_s: float = 0.02  # how often a request waiting for decode blocks retries
+    # Upper bounds on phases with no client deadline, so a hung worker cannot hang a
+    # request forever: prefill + hand-off, and the gap between two token batches.
+    prefill_timeout_s: float = 600.0
+    token_stall_timeout_s: float = 300.0
 
 
 @dataclass
@@ -328,7 +332,14 @@ class DisaggregatedGenerator:
                     target = DecodeTarget(
                         reservation.rank, reservation.epoch, reservation.block_ids
                     )
-                    prefill_ref, result = await self._prefill(inp, target)
+                    try:
+                        prefill_ref, result = await asyncio.wait_for(
+                            self._prefill(inp, target), self.config.prefill_timeout_s
+                        )
+                    except TimeoutError as exc:
+                        raise RuntimeError(
+                            f"prefill took over {self.config.prefill_timeout_s:.0f}s"
+                        ) from exc
                     t_decoding = time.perf_counter()
                     num_cached = result.num_cached_tokens
                     timings = PhaseTimings(queued_s, result.prefill_s, result.transfer_s)
@@ -354,7 +365,14 @@ class DisaggregatedGenerator:
                             self._spawn(self._abort_on(decode_ref, req_id))  # unused reservation
                         yield final(out.finish_reason)
                         return
-                    item = await stream.queue.get()
+                    try:
+                        item = await asyncio.wait_for(
+                            stream.queue.get(), self.config.token_stall_timeout_s
+                        )
+                    except TimeoutError as exc:
+                        raise RuntimeError(
+                            f"no token for {self.config.token_stall_timeout_s:.0f}s"
+                        ) from exc
                     if isinstance(item, BaseException):
                         raise item
                     tokens, reason_name, cached = item
@@ -365,7 +383,7 @@ class DisaggregatedGenerator:
         except Exception as exc:  # noqa: BLE001 - becomes this request's terminal message
             log.error("request %s failed: %s", user_id, exc)
             finished = True
-            self._spawn(self._abort_on(decode_ref, req_id))
+            self._abort_everywhere(req_id, prefill_ref, decode_ref)
             yield final(FinishReason.ERROR, str(exc))
         finally:
             self._streams.pop(req_id, None)
@@ -375,11 +393,17 @@ class DisaggregatedGenerator:
             if not finished:
                 # Cancelled or timed out, possibly mid-call: abort wherever the request may
                 # be. Background tasks, since this generator may be closing on cancellation.
-                for ref in self.prefill if prefill_ref is None else [prefill_ref]:
-                    self._spawn(self._abort_on(ref, req_id))
-                for ref in self.decode + self.colocated if decode_ref is None else [decode_ref]:
-                    self._spawn(self._abort_on(ref, req_id))
+                self._abort_everywhere(req_id, prefill_ref, decode_ref)
                 log.info("request %s cancelled after %d tokens", user_id, num_out)
+
+    def _abort_everywhere(
+        self, req_id: str, prefill_ref: WorkerRef | None, decode_ref: WorkerRef | None
+    ) -> None:
+        """Abort on every worker the request may have reached (idempotent there)."""
+        for ref in self.prefill if prefill_ref is None else [prefill_ref]:
+            self._spawn(self._abort_on(ref, req_id))
+        for ref in self.decode + self.colocated if decode_ref is None else [decode_ref]:
+            self._spawn(self._abort_on(ref, req_id))
 
     def _log(self, req_id: str, final: FinalResult) -> None:
         t = final.timings
