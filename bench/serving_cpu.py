@@ -49,7 +49,9 @@ def run_engine(requests: list[Any], concurrency: int, kv_gib: float) -> dict[str
     def admit() -> None:
         while pending and len(added) - len(done) < concurrency:
             i, (req, _) = pending.pop(0)
-            sp = SamplingParams(max_tokens=req.sampling.max_tokens, temperature=0.0, ignore_eos=True)
+            sp = SamplingParams(
+                max_tokens=req.sampling.max_tokens, temperature=0.0, ignore_eos=True
+            )
             ids = tuple(req.prompt_token_ids.token_ids)
             core.add_request(GenerationInput(f"r{i}", ids, sp))
             added[f"r{i}"] = time.perf_counter()
@@ -65,9 +67,7 @@ def run_engine(requests: list[Any], concurrency: int, kv_gib: float) -> dict[str
         admit()
     duration = time.perf_counter() - start
     ttfts = [(first[r] - added[r]) * 1000 for r in added]
-    tpots = [
-        (done[r] - first[r]) * 1000 / (counts[r] - 1) for r in added if counts.get(r, 0) > 1
-    ]
+    tpots = [(done[r] - first[r]) * 1000 / (counts[r] - 1) for r in added if counts.get(r, 0) > 1]
     return {
         "output_token_throughput": sum(counts.values()) / duration,
         "duration_s": duration,
@@ -99,11 +99,16 @@ def main() -> int:
     p.add_argument("--out", default="bench/results/serving_cpu.json")
     ns = p.parse_args()
     argv = [
-        "--concurrency", str(ns.concurrency),
-        "--num-requests", str(ns.num_requests),
-        "--prompt-len", ns.prompt_len,
-        "--output-len", ns.output_len,
-        "--token-ids", "100:30000",
+        "--concurrency",
+        str(ns.concurrency),
+        "--num-requests",
+        str(ns.num_requests),
+        "--prompt-len",
+        ns.prompt_len,
+        "--output-len",
+        ns.output_len,
+        "--token-ids",
+        "100:30000",
     ]
     workload = load_args(argv)
     requests = build_requests(workload)
@@ -112,16 +117,26 @@ def main() -> int:
     sched = ["--decode-max-num-seqs", str(ns.concurrency)]
     with tempfile.TemporaryDirectory() as tmp:
         results["colocated"] = run_service(
-            ["--colocated-workers", "1", "--decode-kv-cache-gib", kv, *sched], argv, Path(tmp), "colo"
+            ["--colocated-workers", "1", "--decode-kv-cache-gib", kv, *sched],
+            argv,
+            Path(tmp),
+            "colo",
         )
         results["1p1d"] = run_service(
-            ["--prefill-kv-cache-gib", kv, "--decode-kv-cache-gib", kv, *sched], argv, Path(tmp), "pd"
+            ["--prefill-kv-cache-gib", kv, "--decode-kv-cache-gib", kv, *sched],
+            argv,
+            Path(tmp),
+            "pd",
         )
     base = results["engine"]
-    print(f"\nconcurrency {ns.concurrency}, {ns.num_requests} requests, prompts {ns.prompt_len}, "
-          f"outputs {ns.output_len}")
-    print(f"{'system':<10} {'out tok/s':>10} {'vs engine':>10} {'TTFT p50':>10} {'TTFT p99':>10} "
-          f"{'TPOT p50':>10}")
+    print(
+        f"\nconcurrency {ns.concurrency}, {ns.num_requests} requests, prompts {ns.prompt_len}, "
+        f"outputs {ns.output_len}"
+    )
+    print(
+        f"{'system':<10} {'out tok/s':>10} {'vs engine':>10} {'TTFT p50':>10} {'TTFT p99':>10} "
+        f"{'TPOT p50':>10}"
+    )
     for name, r in results.items():
         print(
             f"{name:<10} {r['output_token_throughput']:>10.1f} "

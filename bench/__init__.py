@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput and gRPC load generation."""
