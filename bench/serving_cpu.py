@@ -141,7 +141,8 @@ def main() -> int:
         print(
             f"{name:<10} {r['output_token_throughput']:>10.1f} "
             f"{r['output_token_throughput'] / base['output_token_throughput']:>10.2f} "
-            f"{r['ttft_ms']['p50']:>9.0f}ms {r['ttft_ms']['p99']:>9.0f}ms {r['tpot_ms']['p50']:>8.1f}ms"
+            f"{r['ttft_ms']['p50']:>9.0f}ms {r['ttft_ms']['p99']:>9.0f}ms "
+            f"{r['tpot_ms']['p50']:>8.1f}ms"
         )
     overhead = results["colocated"]["ttft_ms"]["p50"] - base["ttft_ms"]["p50"]
     print(f"router + Ray TTFT overhead (colocated service - engine, p50): {overhead:.0f} ms")

@@ -1,0 +1,282 @@
+"""Decode-step micro-benchmark: eager SDPA vs Triton paged attention vs Triton + CUDA graphs.
+
+For each model shape (random bf16 weights from a shipped config.json), batch size and
+context length, times `ModelRunner.execute` on a pure-decode batch (host work, H2D
+copies, forward, greedy sampling and the read of the tokens: one engine step) in three
+modes, plus the GPU time of one graph replay. The KV cache holds random values, block
+tables are shuffled. Each step rewrites the same positions, so the batch stays fixed.
+
+The memory floor of a step is (weight bytes + KV bytes the attention must read) divided
+by the device-to-device copy bandwidth measured in the same run (bytes read + written
+per second of a large `copy_`). Example (on the GPU machine):
+
+    python -m bench.decode_step --out $OUT/decode_step.json
+
+Not a test: numbers depend on the card; compare only numbers from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "deploy" / "model_configs"
+BLOCK_SIZE = 16
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Bytes moved (read + written) per second by a large device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    times = _event_times(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / (statistics.median(times) / 1e3)
+
+
+def _event_times(fn: Any, reps: int, warmup: int = 3) -> list[float]:
+    """Milliseconds per call of fn, timed with CUDA events, `reps` times."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def _wall_times(fn: Any, reps: int, warmup: int = 3) -> list[float]:
+    """Milliseconds per call of fn (which must end in a host sync), by the host clock."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _stats(times: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    return {"median": statistics.median(times), "p10": q[0], "p90": q[-1]}
+
+
+def bench_model(
+    name: str, batch_sizes: list[int], contexts: list[int], steps: int
+) -> list[dict[str, Any]]:
+    """Time every (batch, context) of one model shape in each mode."""
+    from engine.batch import Batch, ScheduledSeq
+    from engine.model_runner import ModelRunner
+    from engine.sampling_params import GREEDY
+
+    max_blocks = -(-(max(contexts) + 1) // BLOCK_SIZE)
+    num_blocks = max(batch_sizes) * max_blocks
+    t0 = time.perf_counter()
+    runner = ModelRunner(
+        CONFIGS / name,
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        cuda_graph_batch_sizes=batch_sizes,
+    )
+    load_s = time.perf_counter() - t0
+    graphs = runner.cuda_graphs
+    if graphs is None:
+        raise RuntimeError("CUDA graph capture failed (see the log)")
+    runner._kv_storage.normal_()  # random K/V: never time on zeros
+    spec = runner.spec
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_token_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+    vocab = spec.vocab_size
+    rng = random.Random(0)
+    rows = []
+    for ctx in contexts:
+        for n in batch_sizes:
+            ids = list(range(num_blocks))
+            rng.shuffle(ids)
+            per_seq = -(-ctx // BLOCK_SIZE)
+            batch = Batch(
+                tuple(
+                    ScheduledSeq(
+                        f"r{i}",
+                        (rng.randrange(vocab),),
+                        ctx - 1,  # the new token's position: ctx tokens after its write
+                        tuple(ids[i * per_seq : (i + 1) * per_seq]),
+                        True,
+                        GREEDY,
+                        0,
+                    )
+                    for i in range(n)
+                ),
+                BLOCK_SIZE,
+            )
+            kv_bytes = n * ctx * kv_token_bytes
+            row: dict[str, Any] = {
+                "model": name,
+                "batch": n,
+                "context": ctx,
+                "weight_bytes": weight_bytes,
+                "kv_bytes": kv_bytes,
+                "load_s": round(load_s, 1),
+            }
+            for mode in ("sdpa", "triton", "graphs"):
+                runner.cuda_graphs = graphs if mode == "graphs" else None
+                runner.paged_decode = False if mode == "sdpa" else None
+                try:
+                    row[f"{mode}_ms"] = _stats(
+                        _wall_times(lambda b=batch: runner.execute(b), steps)
+                    )
+                except Exception as exc:  # keep the other numbers of this run
+                    traceback.print_exc()
+                    row[f"{mode}_error"] = repr(exc)
+            runner.cuda_graphs = graphs
+            runner.paged_decode = None
+            graphs.run(batch)  # fill the static inputs for this batch
+            size = next(s for s in graphs.batch_sizes if s >= n)
+            graph = graphs._graphs[size][0]
+            row["graph_gpu_ms"] = _stats(_event_times(graph.replay, steps))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def bench_kernel(batch_sizes: list[int], context: int) -> list[dict[str, Any]]:
+    """One layer of the Triton decode kernel on the Llama-3.1-8B shape, per tile size."""
+    from engine import triton_attention as ta
+
+    rows = []
+    default_block_n = ta._BLOCK_N
+    try:
+        for n in batch_sizes:
+            for block_n in (16, 32, 64):
+                ta._BLOCK_N = block_n
+                try:
+                    rows.append(_kernel_row(n, context, block_n))
+                except Exception as exc:
+                    traceback.print_exc()
+                    rows.append({"batch": n, "block_n": block_n, "error": repr(exc)})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        ta._BLOCK_N = default_block_n
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _kernel_row(n: int, context: int, block_n: int) -> dict[str, Any]:
+    from engine import triton_attention as ta
+
+    heads, kv_heads, head_dim = 32, 8, 128
+    per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = n * per_seq
+    cache = torch.randn(
+        (num_blocks, 1, 2, BLOCK_SIZE, kv_heads, head_dim), device="cuda", dtype=torch.bfloat16
+    )
+    table = torch.randperm(num_blocks, device="cuda").view(n, per_seq).to(torch.int32)
+    ctx = torch.full((n,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn((n, heads, head_dim), device="cuda", dtype=torch.bfloat16)
+    splits = ta.num_splits_for(n, kv_heads, context, q.device)
+    times = _event_times(
+        lambda: ta.paged_decode_attention(q, cache, 0, table, ctx, head_dim**-0.5, splits), 50
+    )
+    ms = statistics.median(times)
+    kv_bytes = n * context * 2 * kv_heads * head_dim * 2
+    return {
+        "batch": n,
+        "context": context,
+        "block_n": block_n,
+        "splits": splits,
+        "ms": ms,
+        "kv_GBps": kv_bytes / (ms / 1e3) / 1e9,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 32, 128])
+    p.add_argument("--contexts", type=_ints, default=[512, 2048])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default: $OUT or bench/)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    out = args.out or (
+        Path(os.environ["OUT"]) / "decode_step.json"
+        if os.environ.get("OUT")
+        else REPO / "bench" / "results" / "decode_step.json"
+    )
+    import triton
+
+    bandwidth = copy_bandwidth()
+    print(f"device-to-device copy: {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_GBps": bandwidth / 1e9,
+        "steps": [],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.models.split(","):
+        try:
+            result["steps"] += bench_model(name, args.batch_sizes, args.contexts, args.steps)
+        except Exception as exc:
+            traceback.print_exc()
+            result.setdefault("errors", []).append(f"{name}: {exc!r}")
+        gc.collect()  # the runner of this model goes before the next one loads
+        torch.cuda.empty_cache()
+        for row in result["steps"]:
+            row["floor_ms"] = (row["weight_bytes"] + row["kv_bytes"]) / bandwidth * 1e3
+        out.write_text(json.dumps(result, indent=2))  # partial results survive a timeout
+    result["kernel"] = bench_kernel(args.batch_sizes, max(args.contexts))
+    out.write_text(json.dumps(result, indent=2))
+
+    print(f"\n{result['device']}, copy {bandwidth / 1e9:.0f} GB/s; ms per decode step (median)")
+    head = f"{'model':14} {'batch':>5} {'ctx':>5} {'floor':>7} {'sdpa':>7} {'triton':>7}"
+    print(head + f" {'graphs':>7} {'gpu':>7} {'floor/graphs':>12}")
+    for r in result["steps"]:
+
+        def ms(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key]['median']:7.2f}" if key in r else "    err"
+
+        eff = r["floor_ms"] / r["graphs_ms"]["median"] if "graphs_ms" in r else float("nan")
+        print(
+            f"{r['model']:14} {r['batch']:5d} {r['context']:5d} {r['floor_ms']:7.2f} "
+            f"{ms('sdpa_ms')} {ms('triton_ms')} {ms('graphs_ms')} {ms('graph_gpu_ms')} "
+            f"{eff:12.2f}"
+        )
+    print("\nTriton kernel, one 8B layer: batch ctx block_n splits ms GB/s")
+    for k in result["kernel"]:
+        if "ms" in k:
+            print(
+                f"  {k['batch']:5d} {k['context']:5d} {k['block_n']:4d} {k['splits']:3d} "
+                f"{k['ms']:.4f} {k['kv_GBps']:.0f}"
+            )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

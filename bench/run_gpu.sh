@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# What the lent GPU machine runs (see /work/shared/GPU.md): install the carried wheels,
+# keep NVLink multicast off, run the CUDA tests, then the benchmark suite. Everything it
+# writes goes under $OUT (the device tool brings that folder back).
+#
+#   bench/run_gpu.sh [all|tests|suite] [bench.gpu_suite arguments...]
+#
+# e.g. `bench/run_gpu.sh all --quick` (smoke) or `bench/run_gpu.sh suite --shapes 8b`.
+set -uo pipefail
+what=${1:-all}
+shift || true
+OUT=${OUT:-$PWD/bench/results/gpu-run}
+mkdir -p "$OUT"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# NVLink multicast can put the shared host's GPUs out of service: off, in every process.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The package is not installed there: the repository and the generated stubs go on the path.
+export PYTHONPATH=$PWD:$PWD/protos${PYTHONPATH:+:$PYTHONPATH}
+
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
+rc=0
+if [[ $what == all || $what == tests ]]; then
+  # Only tests/test_gpu.py: other modules need packages the device does not have.
+  timeout 420 python3 -m pytest -m gpu tests/test_gpu.py -v -rs -p no:cacheprovider \
+    --basetemp=/tmp/pdserve-pytest-gpu 2>&1 | tee "$OUT/pytest_gpu.log"
+  rc=${PIPESTATUS[0]}
+fi
+if [[ $what == all || $what == suite ]]; then
+  python3 -m bench.gpu_suite --workdir /tmp/pdserve-gpu-suite --out "$OUT/gpu_suite.json" "$@" \
+    2>&1 | tee "$OUT/gpu_suite.log"
+  suite_rc=${PIPESTATUS[0]}
+  [[ $rc == 0 ]] && rc=$suite_rc
+fi
+# Service and worker logs, for whoever reads a failure.
+tar czf "$OUT/logs.tgz" -C /tmp $(cd /tmp && ls -d pdserve-gpu-suite pdserve-pytest-gpu 2>/dev/null) \
+  2>/dev/null || true
+exit "$rc"

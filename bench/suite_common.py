@@ -1,0 +1,164 @@
+"""What the GPU suite's parts share: model shapes, workloads, per-request timings, stats."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "1b": REPO / "deploy" / "model_configs" / "llama-3.2-1b",
+    "8b": REPO / "deploy" / "model_configs" / "llama-3.1-8b",
+}
+# A CPU-sized Llama for smoke runs of the suite itself (`--shapes tiny --device cpu`).
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 4096,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def shape_path(name: str, workdir: Path) -> Path:
+    """The model folder (config.json only) of a named shape."""
+    if name in SHAPES:
+        return SHAPES[name]
+    if name == "tiny":
+        path = workdir / "tiny-llama"
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(TINY_CONFIG))
+        return path
+    raise ValueError(f"unknown shape {name!r}: use {', '.join([*SHAPES, 'tiny'])}")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """KV bytes of a model shape (bf16 on GPU, as the service runs it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    itemsize: int = 2
+
+    @classmethod
+    def of(cls, path: Path, itemsize: int = 2) -> KVGeometry:
+        cfg = json.loads((path / "config.json").read_text())
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        return cls(
+            cfg["num_hidden_layers"],
+            cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            head_dim,
+            cfg["vocab_size"],
+            itemsize,
+        )
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def handoff_bytes(self, prompt_len: int, block_size: int = 16) -> int:
+        """Bytes of one request's hand-off message: its whole blocks, all layers, K and V."""
+        return -(-prompt_len // block_size) * block_size * self.bytes_per_token
+
+
+def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids, away from the low ids and the special tokens at the top."""
+    rng = random.Random(seed)
+    lo, hi = (1000, 120_000) if vocab_size > 120_000 else (10, vocab_size - 10)
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+def workload_seed(shape: str, concurrency: int, prompt_len: int) -> int:
+    """The same prompts for every system at one (shape, concurrency); different across."""
+    return sum(map(ord, shape)) * 1_000_003 + concurrency * 7919 + prompt_len
+
+
+@dataclass
+class ReqTiming:
+    """One request, times in seconds on one clock."""
+
+    sent_s: float
+    first_s: float | None = None
+    last_s: float | None = None
+    num_tokens: int = 0
+    ok: bool = True
+    kv_transfer_s: float | None = None
+    prefill_s: float | None = None
+    error: str = ""
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_s is None else self.first_s - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_s is None or self.last_s is None or self.num_tokens < 2:
+            return None
+        return (self.last_s - self.first_s) / (self.num_tokens - 1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def dist_ms(values_s: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values_s]
+    return {
+        "p50": round(percentile(ms, 50), 3),
+        "p99": round(percentile(ms, 99), 3),
+        "mean": round(sum(ms) / len(ms), 3) if ms else math.nan,
+    }
+
+
+def summarize(
+    system: str, concurrency: int, timings: list[ReqTiming], wall_s: float, **extra: Any
+) -> dict[str, Any]:
+    """Output tokens/s over the wall time, TTFT and TPOT percentiles (ms)."""
+    ok = [t for t in timings if t.ok]
+    tokens = sum(t.num_tokens for t in ok)
+    return {
+        "system": system,
+        "concurrency": concurrency,
+        "num_requests": len(timings),
+        "num_ok": len(ok),
+        "output_tokens": tokens,
+        "wall_s": round(wall_s, 4),
+        "output_tok_s": round(tokens / wall_s, 2) if wall_s > 0 else math.nan,
+        "ttft_ms": dist_ms([t.ttft_s for t in ok if t.ttft_s is not None]),
+        "tpot_ms": dist_ms([t.tpot_s for t in ok if t.tpot_s is not None]),
+        "errors": sorted({t.error for t in timings if not t.ok})[:5],
+        **extra,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def error_record(exc: BaseException) -> dict[str, str]:
+    return {"error": f"{type(exc).__name__}: {exc}"[:2000]}

@@ -1,0 +1,366 @@
+"""GPU suite, one-GPU parts, for one model shape in its own process (so that each shape's
+memory is returned to the driver when it exits):
+
+* floor: device-to-device copy bandwidth (the memory floor's denominator);
+* b:  pdserve's colocated engine (engine.llm.LLM), with per-step timings;
+* a:  transformers `generate()` with static batches (one batch per concurrency);
+* a2: transformers' continuous batching, `model.generate_batch(...)` (paged attention).
+
+All use the same random weights (`load_format="dummy"`, seeded) and the same prompts.
+Writes one JSON (`--out`); `bench.gpu_suite` starts this and reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.suite_common import (
+    KVGeometry,
+    ReqTiming,
+    error_record,
+    make_prompts,
+    summarize,
+    workload_seed,
+)
+
+
+def workload(
+    shape: str, concurrency: int, prompt_len: int, vocab_size: int, rounds_at_c1: int
+) -> list[list[list[int]]]:
+    """Rounds of prompts: `rounds_at_c1` single prompts at concurrency 1, else one round."""
+    seed = workload_seed(shape, concurrency, prompt_len)
+    if concurrency == 1:
+        return [make_prompts(1, prompt_len, vocab_size, seed + r) for r in range(rounds_at_c1)]
+    return [make_prompts(concurrency, prompt_len, vocab_size, seed)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- floor
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> dict[str, Any]:
+    """Device-to-device copy; GB/s counts bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    _sync(device)
+    seconds = (time.perf_counter() - t0) / iters
+    del src, dst
+    _free(device)
+    return {
+        "bytes": nbytes,
+        "seconds": seconds,
+        "read_write_gb_s": round(2 * nbytes / seconds / 1e9, 1),
+    }
+
+
+def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
+    """Parameter bytes a decode step reads: all of them, except an untied input embedding
+    table (a step reads only its batch's rows of it)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    if out is None or out.weight.data_ptr() != emb.data_ptr():
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+# ---------------------------------------------------------------- b: pdserve engine
+
+
+def run_engine(
+    ns: argparse.Namespace, device: torch.device, dtype: str, bandwidth: dict | None
+) -> dict[str, Any]:
+    from bench.offline import StepProfile
+    from engine.config import SchedulerConfig
+    from engine.factory import EngineArgs
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        EngineArgs(
+            model=ns.model,
+            load_format="dummy",
+            device=str(device),
+            dtype=dtype,
+            kv_cache_gib=ns.kv_cache_gib,
+            scheduler=SchedulerConfig(max_num_seqs=max(128, *ns.concurrency)),
+        )
+    )
+    startup_s = time.perf_counter() - t0
+    geo = KVGeometry.of(Path(ns.model), torch.empty((), dtype=llm.runner.dtype).element_size())
+    weight_bytes = weight_bytes_read_per_step(llm.runner.model)
+    # Warm-up: the largest batch's prefill and a few decode steps, then one alone.
+    warm = make_prompts(max(ns.concurrency), ns.prompt_len, geo.vocab_size, seed=99)
+    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    llm.generate(warm[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
+    runs = []
+    for c in ns.concurrency:
+        profile = StepProfile()
+        uninstall = profile.install(llm)
+        timings: list[ReqTiming] = []
+        wall = 0.0
+        try:
+            for prompts in workload(ns.shape, c, ns.prompt_len, geo.vocab_size, ns.rounds_at_c1):
+                start = time.perf_counter()
+                round_t = [ReqTiming(start) for _ in prompts]
+                for ev in llm.stream(prompts, params):
+                    if ev.chunk is not None and ev.chunk.token_ids:
+                        now = time.perf_counter()
+                        t = round_t[ev.index]
+                        t.first_s = now if t.first_s is None else t.first_s
+                        t.last_s = now
+                        t.num_tokens += len(ev.chunk.token_ids)
+                wall += time.perf_counter() - start
+                timings += round_t
+        finally:
+            uninstall()
+        runs.append(
+            summarize(
+                "b_pdserve_engine",
+                c,
+                timings,
+                wall,
+                decode_step=decode_step_stats(profile, c, weight_bytes, geo, bandwidth),
+            )
+        )
+    info = {
+        "startup_s": round(startup_s, 2),
+        "num_blocks": llm.runner.num_blocks,
+        "cuda_graphs": getattr(llm.runner, "cuda_graphs", None) is not None,
+        "weight_bytes_read_per_step": weight_bytes,
+        "kv_bytes_per_token": geo.bytes_per_token,
+        "runs": runs,
+    }
+    del llm
+    _free(device)
+    return info
+
+
+def decode_step_stats(
+    profile: Any, batch: int, weight_bytes: int, geo: KVGeometry, bandwidth: dict | None
+) -> dict[str, Any]:
+    """Median full-batch decode-only step vs the memory floor (bytes read / copy bandwidth)."""
+    steps = [r for r in profile.records if r.num_seqs == batch and r.num_prefill_seqs == 0]
+    if not steps:
+        return {"steps": 0}
+    step_s = statistics.median(r.step_s for r in steps)
+    exec_s = statistics.median(r.execute_s for r in steps)
+    context = statistics.median(r.max_context for r in steps)
+    kv_bytes = int(batch * context * geo.bytes_per_token)
+    out: dict[str, Any] = {
+        "steps": len(steps),
+        "step_ms": round(step_s * 1000, 3),
+        "execute_ms": round(exec_s * 1000, 3),
+        "median_context": context,
+        "bytes_read": weight_bytes + kv_bytes,
+        "kv_bytes_read": kv_bytes,
+    }
+    if bandwidth:
+        floor_s = (weight_bytes + kv_bytes) / (bandwidth["read_write_gb_s"] * 1e9)
+        out["floor_ms"] = round(floor_s * 1000, 4)
+        out["step_over_floor"] = round(step_s / floor_s, 2)
+    return out
+
+
+# ---------------------------------------------------------------- a, a2: transformers
+
+
+class _StepStamps:
+    """A generate() streamer that only notes when each step's tokens reach the host."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() first hands over the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def run_hf_static(model: Any, ns: argparse.Namespace, device: torch.device) -> list[dict]:
+    vocab = model.config.vocab_size
+    runs = []
+    for c in ns.concurrency:
+        prompts = workload(ns.shape, c, ns.prompt_len, vocab, 1)[0]
+        ids = torch.tensor(prompts, device=device)
+        mask = torch.ones_like(ids)
+        kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0)
+        model.generate(**kw, max_new_tokens=2, min_new_tokens=2)  # warm-up, same shapes
+        stamps = _StepStamps()
+        _sync(device)
+        start = time.perf_counter()
+        out = model.generate(
+            **kw, max_new_tokens=ns.output_len, min_new_tokens=ns.output_len, streamer=stamps
+        )
+        _sync(device)
+        wall = time.perf_counter() - start
+        n = out.shape[1] - ids.shape[1]
+        first, last = stamps.times[0], stamps.times[-1]
+        timings = [ReqTiming(start, first, last, n) for _ in prompts]
+        runs.append(summarize("a_hf_generate_static", c, timings, wall, steps=len(stamps.times)))
+        del ids, mask, out
+        _free(device)
+    return runs
+
+
+def _cb_round(manager: Any, prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
+    """Submit prompts to a running continuous-batching manager and wait for all of them."""
+    ids = manager.add_requests(
+        inputs=prompts, max_new_tokens=max_new_tokens, record_timestamps=True
+    )
+    wanted, done = set(ids), {}
+    deadline = time.monotonic() + 600
+    while len(done) < len(ids):
+        res = manager.get_result(timeout=1)
+        if res is None:
+            if not manager.is_running():
+                raise RuntimeError("the continuous batching thread stopped")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(ids) - len(done)} requests unfinished after 600 s")
+            continue
+        if res.request_id in wanted and res.is_finished():
+            done[res.request_id] = res
+    return [done[i] for i in ids]
+
+
+def run_hf_continuous(model: Any, ns: argparse.Namespace, device: torch.device) -> dict:
+    """One manager (sized for the largest concurrency, warmed once) serves every round,
+    as a server would; set-up is reported, not timed into the rounds."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    vocab = model.config.vocab_size
+    # eos -1: no EOS (ignore_eos), every request makes exactly output_len tokens.
+    gen = GenerationConfig(max_new_tokens=ns.output_len, do_sample=False, eos_token_id=-1)
+    hints = WorkloadHints(
+        max_prompt_length=ns.prompt_len,
+        max_generated_length=ns.output_len,
+        num_requests=max(ns.concurrency),
+    )
+    runs = []
+    t0 = time.perf_counter()
+    with model.continuous_batching_context_manager(
+        generation_config=gen, block=True, timeout=10, workload_hints=hints
+    ) as manager:
+        setup_s = time.perf_counter() - t0
+        _cb_round(manager, make_prompts(2, ns.prompt_len, vocab, seed=98), 4)  # warm-up
+        for c in ns.concurrency:
+            prompts = workload(ns.shape, c, ns.prompt_len, vocab, 1)[0]
+            start = time.perf_counter()
+            results = _cb_round(manager, prompts, ns.output_len)
+            wall = time.perf_counter() - start
+            timings = []
+            for res in results:
+                stamps = res.timestamps or []
+                timings.append(
+                    ReqTiming(
+                        res.created_time,
+                        stamps[0] if stamps else None,
+                        stamps[-1] if stamps else None,
+                        len(res.generated_tokens),
+                        ok=res.error is None and len(res.generated_tokens) == ns.output_len,
+                        error=str(res.error or ""),
+                    )
+                )
+            runs.append(summarize("a2_hf_generate_batch", c, timings, wall))
+    return {"setup_s": round(setup_s, 2), "runs": runs}
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", required=True, help="name used in the report and the seeds")
+    p.add_argument("--model", required=True, help="folder with config.json")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--parts", default="floor,b,a,a2")
+    p.add_argument("--concurrency", default="1,32,128")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--kv-cache-gib", type=float, default=8.0)
+    p.add_argument("--rounds-at-c1", type=int, default=3)
+    p.add_argument("--copy-bytes", type=int, default=1 << 30)
+    p.add_argument("--out", required=True)
+    ns = p.parse_args(argv)
+    ns.parts = set(ns.parts.split(","))
+    ns.concurrency = [int(c) for c in ns.concurrency.split(",")]
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    device = torch.device(ns.device)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    result: dict[str, Any] = {"shape": ns.shape, "device": str(device), "dtype": dtype}
+    if device.type == "cuda":
+        result["device_name"] = torch.cuda.get_device_name(device)
+
+    def save() -> None:
+        Path(ns.out).write_text(json.dumps(result, indent=1))
+
+    bandwidth = None
+    if "floor" in ns.parts:
+        try:
+            bandwidth = result["copy_bandwidth"] = copy_bandwidth(device, ns.copy_bytes)
+        except Exception as exc:  # noqa: BLE001 - recorded, the other parts still run
+            result["copy_bandwidth"] = error_record(exc)
+        save()
+    if "b" in ns.parts:
+        try:
+            result["b"] = run_engine(ns, device, dtype, bandwidth)
+        except Exception as exc:  # noqa: BLE001
+            result["b"] = error_record(exc)
+        _free(device)
+        save()
+    if ns.parts & {"a", "a2"}:
+        from engine.model_loader import load_model
+
+        model, _ = load_model(ns.model, dtype, device, "dummy")  # the engine's weights
+        for part, fn in (("a", run_hf_static), ("a2", run_hf_continuous)):
+            if part in ns.parts:
+                try:
+                    result[part] = fn(model, ns, device)
+                except Exception as exc:  # noqa: BLE001
+                    result[part] = error_record(exc)
+                _free(device)
+                save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
