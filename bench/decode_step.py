@@ -80,8 +80,51 @@ def _stats(times: list[float]) -> dict[str, float]:
     return {"median": statistics.median(times), "p10": q[0], "p90": q[-1]}
 
 
+def _classify(name: str) -> str:
+    if "_decode_split" in name or "_merge_splits" in name:
+        return "attention (triton)"
+    if any(k in name.lower() for k in ("gemm", "gemv", "cutlass", "sm90_", "cublas", "nvjet")):
+        return "matmul"
+    if "index" in name.lower() or "scatter" in name.lower():
+        return "index/copy"
+    return "other (elementwise, norms, rope...)"
+
+
+def profile_step(fn: Any, label: str, log: list[str]) -> dict[str, float]:
+    """GPU time per kernel class (ms) over one call of fn; appends the op table to log."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_class: dict[str, float] = {}
+    count = 0
+    for evt in prof.events():
+        if str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            us = getattr(evt, "device_time", None) or getattr(evt, "cuda_time", 0.0)
+            key = _classify(evt.name)
+            by_class[key] = by_class.get(key, 0.0) + us / 1e3
+            count += 1
+    by_class["kernels"] = count
+    sort = "self_device_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=sort, row_limit=20)
+    except Exception:
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
+    log.append(f"==== {label}\n{json.dumps(by_class)}\n{table}\n")
+    print(f"profile {label}: {json.dumps({k: round(v, 3) for k, v in by_class.items()})}")
+    return by_class
+
+
 def bench_model(
-    name: str, batch_sizes: list[int], contexts: list[int], steps: int
+    name: str,
+    batch_sizes: list[int],
+    contexts: list[int],
+    steps: int,
+    profile_at: set[tuple[int, int]] | None = None,
+    profile_log: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Time every (batch, context) of one model shape in each mode."""
     from engine.batch import Batch, ScheduledSeq
@@ -156,6 +199,18 @@ def bench_model(
             size = next(s for s in graphs.batch_sizes if s >= n)
             graph = graphs._graphs[size][0]
             row["graph_gpu_ms"] = _stats(_event_times(graph.replay, steps))
+            if profile_at and (n, ctx) in profile_at and profile_log is not None:
+                for mode in ("triton", "graphs"):
+                    runner.cuda_graphs = graphs if mode == "graphs" else None
+                    try:
+                        row[f"{mode}_profile_ms"] = profile_step(
+                            lambda b=batch: runner.execute(b),
+                            f"{name} batch {n} ctx {ctx} {mode}",
+                            profile_log,
+                        )
+                    except Exception:
+                        traceback.print_exc()
+                runner.cuda_graphs = graphs
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -217,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", type=_ints, default=[1, 32, 128])
     p.add_argument("--contexts", type=_ints, default=[512, 2048])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--profile",
+        default="llama-3.2-1b:128:512,llama-3.1-8b:1:512,llama-3.1-8b:128:2048",
+        help="model:batch:context triples to profile (GPU time per kernel class)",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: $OUT or bench/)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -239,9 +299,14 @@ def main(argv: list[str] | None = None) -> int:
         "steps": [],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
+    profiles = [t.split(":") for t in args.profile.split(",") if t]
+    profile_log: list[str] = []
     for name in args.models.split(","):
+        at = {(int(b), int(c)) for m, b, c in profiles if m == name}
         try:
-            result["steps"] += bench_model(name, args.batch_sizes, args.contexts, args.steps)
+            result["steps"] += bench_model(
+                name, args.batch_sizes, args.contexts, args.steps, at, profile_log
+            )
         except Exception as exc:
             traceback.print_exc()
             result.setdefault("errors", []).append(f"{name}: {exc!r}")
@@ -250,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in result["steps"]:
             row["floor_ms"] = (row["weight_bytes"] + row["kv_bytes"]) / bandwidth * 1e3
         out.write_text(json.dumps(result, indent=2))  # partial results survive a timeout
+        if profile_log:
+            out.with_name("decode_profile.txt").write_text("\n".join(profile_log))
     result["kernel"] = bench_kernel(args.batch_sizes, max(args.contexts))
     out.write_text(json.dumps(result, indent=2))
 

@@ -69,9 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--handoff-lens", default="512,2048")
     p.add_argument("--handoff-samples", type=int, help="default 5 (quick: 3)")
     p.add_argument("--goodput-shape", help="default 8b (quick: the first shape)")
-    p.add_argument("--goodput-rates", help="req/s, increasing; default 1,2,4,8,16 (quick: 2,8)")
-    p.add_argument("--goodput-duration", type=float, help="s of arrivals per rate; default 8")
-    p.add_argument("--goodput-min-requests", type=int, help="per rate; default 16 (quick: 8)")
+    p.add_argument("--goodput-rates", help="req/s, increasing; default 2,4,8,16 (quick: 2,8)")
+    p.add_argument("--goodput-duration", type=float, help="s of arrivals per rate; default 6")
+    p.add_argument("--goodput-min-requests", type=int, help="per rate; default 12 (quick: 8)")
     p.add_argument("--goodput-prompt-len", type=int, default=2048)
     p.add_argument("--goodput-output-len", type=int, default=128)
     p.add_argument("--ttft-slo", type=float, default=1.0, help="seconds")
@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attainment", type=float, default=0.9)
     p.add_argument("--startup-timeout", type=float, default=300.0, help="per service start, s")
     p.add_argument("--offline-timeout", type=float, default=900.0, help="per shape, s")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        help="s for the whole suite: parts that would start past it are skipped (noted in "
+        "the JSON); goodput stops before a rate that would overrun it",
+    )
     p.add_argument("--workdir", default="/tmp/pdserve-gpu-suite", help="logs, scratch")
     p.add_argument("--out", help=f"JSON path (default {DEFAULT_OUT})")
     ns = p.parse_args(argv)
@@ -98,9 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns.handoff_lens = [int(x) for x in ns.handoff_lens.split(",")]
     ns.handoff_samples = pick(ns.handoff_samples, 5, 3)
     ns.goodput_shape = pick(ns.goodput_shape, "8b", ns.shapes[0])
-    ns.goodput_rates = [float(r) for r in pick(ns.goodput_rates, "1,2,4,8,16", "2,8").split(",")]
-    ns.goodput_duration = pick(ns.goodput_duration, 8.0, 3.0)
-    ns.goodput_min_requests = pick(ns.goodput_min_requests, 16, 8)
+    ns.goodput_rates = [float(r) for r in pick(ns.goodput_rates, "2,4,8,16", "2,8").split(",")]
+    ns.goodput_duration = pick(ns.goodput_duration, 6.0, 3.0)
+    ns.goodput_min_requests = pick(ns.goodput_min_requests, 12, 8)
     kv = dict(DEFAULT_KV_GIB)
     for item in (ns.kv_cache_gib or "").split(","):
         if item:
@@ -113,7 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- parts
 
 
-def run_offline(ns: argparse.Namespace, shape: str, model: Path, workdir: Path) -> dict:
+def run_offline(
+    ns: argparse.Namespace, shape: str, model: Path, workdir: Path, timeout_s: float
+) -> dict:
     """a, a2, b, floor for one shape in a subprocess (bench.suite_offline)."""
     out = workdir / f"offline-{shape}.json"
     log = workdir / f"offline-{shape}.log"
@@ -136,9 +144,7 @@ def run_offline(ns: argparse.Namespace, shape: str, model: Path, workdir: Path) 
     start = time.perf_counter()
     with open(log, "wb") as f:
         try:
-            proc = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=ns.offline_timeout
-            )
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s)
             code: int | str = proc.returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
@@ -167,7 +173,7 @@ def run_nccl_raw(ns: argparse.Namespace, workdir: Path) -> dict:
     return send_bandwidth(sorted(sizes), use_cuda=ns.device == "cuda")
 
 
-def run_goodput_curves(ns: argparse.Namespace, workdir: Path) -> dict:
+def run_goodput_curves(ns: argparse.Namespace, workdir: Path, deadline: float) -> dict:
     from bench.suite_service import run_goodput, serve_help
 
     model = shape_path(ns.goodput_shape, workdir)
@@ -184,6 +190,7 @@ def run_goodput_curves(ns: argparse.Namespace, workdir: Path) -> dict:
         tpot_slo_s=ns.tpot_slo,
         attainment=ns.attainment,
         startup_timeout_s=ns.startup_timeout,
+        deadline=deadline,
     )
     out: dict[str, Any] = {
         "shape": ns.goodput_shape,
@@ -199,6 +206,9 @@ def run_goodput_curves(ns: argparse.Namespace, workdir: Path) -> dict:
     for system, args in systems.items():
         if system.startswith("colocated") and not has_colocated:
             out[system] = {"skipped": "`pdserve serve --colocated-workers` is not in this checkout"}
+            continue
+        if time.perf_counter() + 60 > deadline:
+            out[system] = {"skipped": "time budget"}
             continue
         try:
             out[system] = run_goodput(system, args, model, **kwargs)  # type: ignore[arg-type]
@@ -230,6 +240,8 @@ def format_tables(result: dict) -> str:
     head += f"{'TPOT p50':>10}{'p99':>9}{'ok':>8}"
     lines += ["== throughput and latency (ms) ==", head]
     for shape, rec in result.get("shapes", {}).items():
+        if rec.get("skipped"):
+            lines.append(f"{shape:<6} skipped: {rec['skipped']}")
         off = rec.get("offline", {})
         sections = [off.get("a"), off.get("a2"), off.get("b"), rec.get("service")]
         for section in sections:
@@ -265,17 +277,21 @@ def format_tables(result: dict) -> str:
     raw = {row["bytes"]: row for row in result.get("nccl_raw", {}).get("sizes", [])}
     lines += ["", "== KV hand-off vs raw dist.send (same bytes) =="]
     lines.append(
-        f"{'shape':<6}{'prompt':>7}{'MiB':>8}{'ms p50':>9}{'GiB/s':>8}{'raw GiB/s':>11}{'ratio':>7}"
+        f"{'shape':<6}{'prompt':>7}{'MiB':>8}{'ms p50':>9}{'GiB/s':>8}{'wire GiB/s':>11}"
+        f"{'raw GiB/s':>11}{'ratio':>7}{'wire ratio':>11}"
     )
     for shape, rec in result.get("shapes", {}).items():
         svc = rec.get("service") or {}
         for h in svc.get("handoff", []) if isinstance(svc, dict) else []:
             r = raw.get(h["bytes"], {})
             ratio = h.get("gib_s_p50") / r["gib_s"] if r and h.get("gib_s_p50") else None
+            wire = h.get("wire_gib_s_p50")
+            wire_ratio = wire / r["gib_s"] if r and wire else None
             lines.append(
                 f"{shape:<6}{h['prompt_len']:>7}{h['bytes'] / 2**20:>8.1f}"
                 f"{_fmt((h.get('seconds_p50') or 0) * 1000, 2):>9}{_fmt(h.get('gib_s_p50')):>8}"
-                f"{_fmt(r.get('gib_s')):>11}{_fmt(ratio, 2):>7}"
+                f"{_fmt(wire):>11}{_fmt(r.get('gib_s')):>11}{_fmt(ratio, 2):>7}"
+                f"{_fmt(wire_ratio, 2):>11}"
             )
     lines += ["", "== TTFT at concurrency 1: c (1P1D, gRPC) vs b (engine in-process), ms p50 =="]
     for shape, rec in result.get("shapes", {}).items():
@@ -301,6 +317,8 @@ def format_tables(result: dict) -> str:
             lines.append(
                 f"{system:<14} max rate meeting SLO: {rec.get('max_rate_meeting_slo')} req/s"
             )
+            if rec.get("stopped"):
+                lines.append(f"{'':<14} {rec['stopped']}")
             for pt in rec["points"]:
                 lines.append(
                     f"{'':<14} rate {pt['rate']:>5}  attained {pt['slo_attainment']:.2f}  "
@@ -361,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         "shapes": {},
     }
     t_start = time.perf_counter()
+    deadline = t_start + (ns.time_budget or float("inf"))
+
+    def out_of_time(needed_s: float) -> bool:
+        return time.perf_counter() + needed_s > deadline
 
     def save() -> None:
         result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -378,11 +400,18 @@ def main(argv: list[str] | None = None) -> int:
     for shape in ns.shapes:
         model = shape_path(shape, workdir)
         rec: dict[str, Any] = result["shapes"].setdefault(shape, {})
+        if (parts & OFFLINE_PARTS or parts & {"c", "handoff"}) and out_of_time(60):
+            rec["skipped"] = "time budget"
+            continue
         if parts & OFFLINE_PARTS:
             print(f"[{time.perf_counter() - t_start:6.0f}s] {shape}: one-GPU parts", flush=True)
-            rec["offline"] = run_offline(ns, shape, model, workdir)
+            left = deadline - time.perf_counter()
+            timeout = min(ns.offline_timeout, left)
+            rec["offline"] = run_offline(ns, shape, model, workdir, timeout)
             save()
-        if parts & {"c", "handoff"}:
+        if parts & {"c", "handoff"} and out_of_time(45):
+            rec["service"] = {"skipped": "time budget"}
+        elif parts & {"c", "handoff"}:
             from bench.suite_service import run_disaggregated
 
             print(f"[{time.perf_counter() - t_start:6.0f}s] {shape}: 1P1D service", flush=True)
@@ -407,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
     if "goodput" in parts:
         print(f"[{time.perf_counter() - t_start:6.0f}s] goodput", flush=True)
-        result["goodput"] = run_goodput_curves(ns, workdir)
+        result["goodput"] = run_goodput_curves(ns, workdir, deadline)
         save()
     result["tables"] = format_tables(result)
     save()

@@ -99,6 +99,7 @@ class ReqTiming:
     num_tokens: int = 0
     ok: bool = True
     kv_transfer_s: float | None = None
+    kv_wire_s: float | None = None
     prefill_s: float | None = None
     error: str = ""
 

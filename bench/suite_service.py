@@ -124,6 +124,7 @@ async def _call(
                 t.num_tokens += len(resp.token_ids)
             if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 t.kv_transfer_s = resp.timings.kv_transfer_seconds
+                t.kv_wire_s = resp.timings.kv_wire_seconds
                 t.prefill_s = resp.timings.prefill_seconds
                 if resp.finish_reason not in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP):
                     t.ok = False
@@ -273,7 +274,12 @@ def handoff_stats(address: str, geo: KVGeometry, prompt_len: int, samples: int) 
     if not secs:
         return {"prompt_len": prompt_len, "bytes": nbytes, "error": timings[0].error}
     med = statistics.median(secs)
+    wires = [t.kv_wire_s for t in timings if t.ok and t.kv_wire_s]
+    wire = statistics.median(wires) if wires else None
     return {
+        # The data movement alone (receive posted → complete on the decode side).
+        "wire_seconds_p50": wire,
+        "wire_gib_s_p50": round(nbytes / wire / 2**30, 2) if wire else None,
         "prompt_len": prompt_len,
         "bytes": nbytes,
         "samples": len(secs),
@@ -303,8 +309,10 @@ def run_goodput(
     tpot_slo_s: float,
     attainment: float,
     startup_timeout_s: float,
+    deadline: float = float("inf"),
 ) -> dict[str, Any]:
-    """Rates in increasing order until attainment drops below the target."""
+    """Rates in increasing order until attainment drops below the target (or the
+    `deadline`, a time.perf_counter() value, would be passed by the next rate)."""
     geo = KVGeometry.of(model)
     svc = Service(
         ["--model", str(model), "--load-format", "dummy", *serve_args],
@@ -319,6 +327,9 @@ def run_goodput(
         best = 0.0
         for rate in rates:
             n = max(min_requests, round(rate * duration_s))
+            if time.perf_counter() + n / rate + 10 > deadline:
+                out["stopped"] = f"time budget: rate {rate} and above not run"
+                break
             prompts = make_prompts(n, prompt_len, geo.vocab_size, seed=int(rate * 1000) + 7)
             timings, wall = asyncio.run(
                 drive(svc.address, prompts, output_len, rate=rate, seed=int(rate * 100))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +94,9 @@ class DecodeWorker(WorkerBase):
         await self.on_engine(lambda: self.core.scheduler.release(req_id))
 
     # ---------------------------------------------------------------- import
-    async def import_kv(self, h: Handoff) -> None:
-        """Receive a request's KV into its reservation and start decoding it."""
+    async def import_kv(self, h: Handoff) -> float:
+        """Receive a request's KV into its reservation and start decoding it; returns the
+        seconds the receive took once posted (the data movement alone)."""
         if h.dst_rank != self.rank:
             raise HandoffRefused(
                 f"hand-off for {h.req_id} addressed to rank {h.dst_rank}, not {self.rank}"
@@ -123,18 +125,26 @@ class DecodeWorker(WorkerBase):
                 received = asyncio.wrap_future(self.agent.recv(h.src_rank, staging, h.seq_no))
                 self._next_seq[h.src_rank] = h.seq_no + 1
                 self._turn.notify_all()
+            posted = time.perf_counter()
             await received
+            wire_s = time.perf_counter() - posted
             if problem is None and h.req_id in self._aborted:
                 problem = "request was aborted during the transfer"
             if problem is not None:
                 raise HandoffRefused(f"refused hand-off of {h.req_id}: {problem}")
-            await self.on_engine(lambda: self._admit(h, staging))
             self._reserved.pop(h.req_id, None)
             lease = self._leases.pop(h.req_id, None)
             if lease is not None:
                 lease.cancel()
-            if h.req_id in self._aborted:  # the abort overtook the admission
+            # Acknowledge as soon as the bytes are here: admission runs at the next step
+            # boundary without holding up the sender. Engine commands run in order, so
+            # any abort issued from now on is applied after the admission.
+            self.loop_thread.submit(lambda: self._admit(h, staging)).add_done_callback(
+                lambda fut: self._admit_failed(h.req_id, fut.exception())
+            )
+            if h.req_id in self._aborted:
                 await self.on_engine(lambda: self.core.abort(h.req_id))
+            return wire_s
         except BaseException:
             if owns_reservation:
                 await self._release_reservation(h.req_id)
@@ -143,6 +153,18 @@ class DecodeWorker(WorkerBase):
             if owns_reservation:
                 self._importing.discard(h.req_id)
                 self._aborted.discard(h.req_id)
+
+    def _admit_failed(self, req_id: str, exc: BaseException | None) -> None:
+        # Engine thread. Never expected; if it happens, free the blocks and tell the router.
+        if exc is None:
+            return
+        log.error("admitting %s after its hand-off failed: %r", req_id, exc)
+        self.core.scheduler.release(req_id)
+        self._loop.call_soon_threadsafe(self._outbox_error, req_id)
+
+    def _outbox_error(self, req_id: str) -> None:
+        self._outbox.append((req_id, (), "error", 0))
+        self._outbox_ready.set()
 
     def _check(self, h: Handoff) -> str | None:
         if h.dst_epoch != self.epoch:

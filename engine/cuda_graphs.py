@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionGroup, PagedAttentionMetadata
-from engine.batch import Batch
+from engine.batch import Batch, ScheduledSeq
 
 log = logging.getLogger(__name__)
 
@@ -145,21 +145,27 @@ class DecodeGraphs:
         )
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """Replay the graph for this decode batch; logits [len(batch.seqs), V] (a view)."""
+        """Replay the graph for this decode batch; logits [len(batch.seqs), V] (a view).
+
+        Raises ValueError (naming the request) for a block id outside the cache or a
+        block table too short for the position, before anything reaches the device.
+        """
         seqs = batch.seqs
         n = len(seqs)
         size = next(s for s in self.batch_sizes if s >= n)
         lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
-        width = max(int(lens.max()), 1)
-        self._host_free.synchronize()
-        host = self._host.numpy()[: size * (_ROWS + width)].reshape(size, _ROWS + width)
-        table = host[:, _ROWS:]
-        table[:n][np.arange(width)[None, :] < lens[:, None]] = np.fromiter(
+        pos = np.fromiter((s.start_position for s in seqs), dtype=np.int64, count=n)
+        flat = np.fromiter(
             itertools.chain.from_iterable(s.block_table for s in seqs),
             dtype=np.int64,
             count=int(lens.sum()),
         )
-        pos = np.fromiter((s.start_position for s in seqs), dtype=np.int64, count=n)
+        self._validate(seqs, lens, pos, flat)
+        width = max(int(lens.max()), 1)
+        self._host_free.synchronize()
+        host = self._host.numpy()[: size * (_ROWS + width)].reshape(size, _ROWS + width)
+        table = host[:, _ROWS:]
+        table[:n][np.arange(width)[None, :] < lens[:, None]] = flat
         block = table[np.arange(n), pos // self.block_size]
         offset = pos % self.block_size
         host[:n, 0] = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=n)
@@ -184,3 +190,22 @@ class DecodeGraphs:
         graph.replay()
         self.num_replays += 1
         return logits[:n]
+
+    def _validate(
+        self, seqs: Sequence[ScheduledSeq], lens: np.ndarray, pos: np.ndarray, flat: np.ndarray
+    ) -> None:
+        """The eager path's checks, vectorised (the scratch block id = num_blocks)."""
+        short = np.flatnonzero(lens * self.block_size <= pos)
+        if short.size:
+            s = seqs[int(short[0])]
+            raise ValueError(
+                f"request {s.req_id}: {len(s.block_table)} blocks of {self.block_size} "
+                f"cannot hold {s.end_position} tokens"
+            )
+        if flat.size and (flat.min() < 0 or flat.max() >= self.scratch_block):
+            for s in seqs:
+                bad = [b for b in s.block_table if not 0 <= b < self.scratch_block]
+                if bad:
+                    raise ValueError(
+                        f"request {s.req_id}: block ids {bad} outside [0, {self.scratch_block})"
+                    )

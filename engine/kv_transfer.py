@@ -91,7 +91,11 @@ class TransferAgent:
         """Join the process group (blocks until every worker has joined)."""
         kwargs = {}
         if self.backend == "nccl":
-            kwargs["device_id"] = self.device
+            # NCCL wants an indexed device; a worker's runner may just say "cuda".
+            index = self.device.index
+            kwargs["device_id"] = torch.device(
+                "cuda", torch.cuda.current_device() if index is None else index
+            )
         dist.init_process_group(
             self.backend,
             init_method=self.init_method,

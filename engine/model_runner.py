@@ -158,17 +158,14 @@ class ModelRunner:
             return {}
         if batch.block_size != self.block_size:
             raise ValueError(f"batch block_size {batch.block_size} != cache's {self.block_size}")
-        self._check_block_ids(batch)
         sampled_seqs = [s for s in batch.seqs if s.sample]
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
-            for s in batch.seqs:  # the eager path checks these in PagedAttentionMetadata.build
-                if len(s.block_table) * batch.block_size < s.end_position:
-                    raise ValueError(f"request {s.req_id}: blocks cannot hold {s.end_position}")
-            logits = self.cuda_graphs.run(batch)
+            logits = self.cuda_graphs.run(batch)  # validates the block tables itself
             if len(sampled_seqs) < len(batch.seqs):
                 rows = [i for i, s in enumerate(batch.seqs) if s.sample]
                 logits = logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
         else:
+            self._check_block_ids(batch)
             logits = self._forward_eager(batch)
         if not sampled_seqs:
             return {}

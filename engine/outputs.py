@@ -39,6 +39,7 @@ class PhaseTimings:
     kv_transfer_s: float = 0.0
     decode_s: float = 0.0
     time_to_first_token_s: float = 0.0
+    kv_wire_s: float = 0.0  # the data movement inside kv_transfer_s
 
 
 @dataclass(frozen=True)

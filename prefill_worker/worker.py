@@ -45,6 +45,7 @@ class PrefillResult:
     transfer_s: float = 0.0
     transfer_bytes: int = 0
     error: str = ""
+    wire_s: float = 0.0  # receive posted to complete on the decode side
     src_block_ids: tuple[int, ...] = ()  # where the KV was here (diagnostics, tests)
 
 
@@ -121,7 +122,7 @@ class PrefillWorker(WorkerBase):
             return PrefillResult(token, FinishReason.ABORT, upd.num_cached_tokens, prefill_s)
         t0 = time.perf_counter()
         try:
-            nbytes = await self._handoff(inp, token, target, done)
+            nbytes, wire_s = await self._handoff(inp, token, target, done)
         except Exception as exc:  # noqa: BLE001 - reported to the router as this request's error
             log.warning("hand-off of %s failed: %s", inp.req_id, exc)
             return PrefillResult(
@@ -140,12 +141,13 @@ class PrefillWorker(WorkerBase):
             prefill_s,
             time.perf_counter() - t0,
             nbytes,
+            wire_s=wire_s,
             src_block_ids=tuple(done.src_block_ids),
         )
 
     async def _handoff(
         self, inp: GenerationInput, token: int, target: DecodeTarget, done: _Prefilled
-    ) -> int:
+    ) -> tuple[int, float]:
         req_id = inp.req_id
         src_ids, payload = done.src_block_ids, done.payload
         try:
@@ -177,8 +179,8 @@ class PrefillWorker(WorkerBase):
                 priority=inp.priority,
             )
             # Both must finish: the decode side acknowledges only after receiving.
-            await asyncio.gather(handle.import_kv.remote(handoff), sent)
-            return int(payload.numel() * payload.element_size())
+            wire_s, _ = await asyncio.gather(handle.import_kv.remote(handoff), sent)
+            return int(payload.numel() * payload.element_size()), wire_s
         finally:
             # Acknowledged or failed: the blocks come back here either way (into
             # the prefix cache, where later prompts sharing the prefix hit them).

@@ -342,7 +342,9 @@ class DisaggregatedGenerator:
                         ) from exc
                     t_decoding = time.perf_counter()
                     num_cached = result.num_cached_tokens
-                    timings = PhaseTimings(queued_s, result.prefill_s, result.transfer_s)
+                    timings = PhaseTimings(
+                        queued_s, result.prefill_s, result.transfer_s, kv_wire_s=result.wire_s
+                    )
                     if result.finish_reason is FinishReason.ERROR:
                         raise RuntimeError(result.error)
                     # HANDOFF: decode continues; any other reason: the first token ended it.
@@ -409,7 +411,7 @@ class DisaggregatedGenerator:
         t = final.timings
         log.info(
             "request %s finished=%s prompt=%d out=%d cached=%d queued=%.3fs prefill=%.3fs "
-            "kv=%.4fs decode=%.3fs ttft=%.3fs",
+            "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs",
             req_id,
             final.finish_reason.value,
             final.usage.prompt_tokens,
@@ -418,6 +420,7 @@ class DisaggregatedGenerator:
             t.queued_s,
             t.prefill_s,
             t.kv_transfer_s,
+            t.kv_wire_s,
             t.decode_s,
             t.time_to_first_token_s,
         )

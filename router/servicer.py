@@ -166,6 +166,7 @@ def final_response(request_id: str, result: FinalResult) -> pb.GenerateResponse:
             kv_transfer_seconds=t.kv_transfer_s,
             decode_seconds=t.decode_s,
             time_to_first_token_seconds=t.time_to_first_token_s,
+            kv_wire_seconds=t.kv_wire_s,
         ),
         error=result.error,
     )

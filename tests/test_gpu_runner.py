@@ -1,0 +1,257 @@
+"""CUDA tests of the fast decode path (run with `pytest -m gpu`; skipped without CUDA).
+
+* The Triton paged decode kernel against a float64 reference and against the SDPA group
+  path, on random caches and shuffled block tables (GQA, splits, block boundaries).
+* Decode steps replayed from CUDA graphs give the eager runner's tokens (tiny float32
+  Llama, padded and unpadded batch sizes) and, on the Llama-3.2-1B shape with random
+  bf16 weights, the eager logits; padding never touches a block no request owns.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import build_metadata, paged_attention_forward
+from engine.batch import Batch, ScheduledSeq
+from engine.model_runner import ModelRunner
+from engine.sampling_params import GREEDY
+from engine.triton_attention import paged_decode_attention, triton_available
+from tests.conftest import tiny_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton"
+    ),
+]
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_1B = REPO / "deploy" / "model_configs" / "llama-3.2-1b"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random float32 Llama folder (no tokenizer: the runner needs none)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    path = tmp_path_factory.mktemp("gpu_tiny") / "tiny-llama"
+    AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32).save_pretrained(
+        path
+    )
+    return path
+
+
+def _reference(q, cache, layer, table, ctx, scale):  # type: ignore[no-untyped-def]
+    """float64 attention of one query per sequence over its paged context."""
+    n, num_heads, _ = q.shape
+    block_size, num_kv_heads = cache.shape[3], cache.shape[4]
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    for i in range(n):
+        pos = torch.arange(int(ctx[i]), device=q.device)
+        blocks = table[i, pos // block_size].long()
+        k = cache[blocks, layer, 0, pos % block_size].double()  # [c, KVH, D]
+        v = cache[blocks, layer, 1, pos % block_size].double()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,chd->hc", q[i].double(), k) * scale
+        out[i] = torch.einsum("hc,chd->hd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size,dtype",
+    [
+        (32, 8, 128, 16, torch.bfloat16),  # Llama-3.1-8B
+        (32, 8, 64, 16, torch.bfloat16),  # Llama-3.2-1B
+        (4, 2, 16, 8, torch.float32),  # the tiny test models
+        (12, 4, 96, 32, torch.float16),  # head_dim not a power of two
+        (8, 8, 64, 16, torch.bfloat16),  # no GQA
+    ],
+)
+@pytest.mark.parametrize("num_splits", [1, 4, 32])
+def test_decode_kernel_matches_reference(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_splits: int,
+) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(num_heads * 1000 + head_dim + num_splits)
+    num_blocks, num_layers, max_blocks, n = 600, 3, 80, 7
+    cache = torch.randn(
+        (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
+        generator=gen,
+        device="cuda",
+    ).to(dtype)
+    q = torch.randn((n, num_heads, head_dim), generator=gen, device="cuda").to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen, device="cuda")
+    table = perm[: n * max_blocks].view(n, max_blocks).to(torch.int32)
+    # 1 token, a block boundary, mid-block, the whole table, random.
+    ctx = torch.tensor(
+        [1, block_size, block_size + 3, max_blocks * block_size, 777, 2, 1000],
+        dtype=torch.int32,
+        device="cuda",
+    ).clamp(max=max_blocks * block_size)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    paged_decode_attention(q, cache, 2, table, ctx, head_dim**-0.5, num_splits, out=out)
+    ref = _reference(q, cache, 2, table, ctx, head_dim**-0.5)
+    assert torch.isfinite(out).all()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+def test_paged_group_matches_sdpa_group_on_a_mixed_step() -> None:
+    # The same forward call through the SDPA groups and through the Triton decode group.
+    random.seed(3)
+    num_heads, num_kv_heads, head_dim, block_size, num_layers = 32, 8, 128, 16, 2
+    cache = torch.randn((200, num_layers, 2, block_size, num_kv_heads, head_dim), device="cuda")
+    cache = cache.to(torch.bfloat16)
+    blocks = list(range(200))
+    random.shuffle(blocks)
+    num_q = [1, 1, 37, 1, 5, 1]
+    starts = [700, 0, 100, 31, 0, 1500]
+    tables = []
+    for q_len, start in zip(num_q, starts, strict=True):
+        need = -(-(start + q_len) // block_size)
+        tables.append([blocks.pop() for _ in range(need)])
+    num_tokens = sum(num_q)
+    query = torch.randn((1, num_heads, num_tokens, head_dim), device="cuda").to(torch.bfloat16)
+    key = torch.randn((1, num_kv_heads, num_tokens, head_dim), device="cuda").to(torch.bfloat16)
+    value = torch.randn_like(key)
+
+    class Layer(torch.nn.Module):
+        layer_idx = 1
+        scaling = head_dim**-0.5
+
+    outs = []
+    for paged in (False, True):
+        kv = cache.clone()
+        meta = build_metadata(
+            num_q,
+            starts,
+            tables,
+            block_size,
+            num_layers,
+            torch.device("cuda"),
+            bucket_shapes=True,
+            paged_decode=paged,
+        )
+        assert any(g.paged for g in meta.groups) == paged
+        out, _ = paged_attention_forward(
+            Layer(), query, key, value, None, paged_metadata=meta, paged_kv_cache=kv
+        )
+        outs.append(out.float())
+    assert torch.isfinite(outs[1]).all()
+    err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
+    assert err < 1e-2, err
+
+
+def _decode_run(
+    runner: ModelRunner, prompts: list[list[int]], tables: list[tuple[int, ...]], steps: int
+) -> list[list[int]]:
+    """Prefill every prompt in one step, then `steps` pure-decode steps; the new tokens."""
+    bs = runner.block_size
+    seqs = tuple(
+        ScheduledSeq(f"r{i}", tuple(p), 0, tables[i], True, GREEDY, 0)
+        for i, p in enumerate(prompts)
+    )
+    first = runner.execute(Batch(seqs, bs))
+    tokens = [list(p) + [first[f"r{i}"]] for i, p in enumerate(prompts)]
+    for _ in range(steps):
+        batch = Batch(
+            tuple(
+                ScheduledSeq(f"r{i}", (t[-1],), len(t) - 1, tables[i], True, GREEDY, 0)
+                for i, t in enumerate(tokens)
+            ),
+            bs,
+        )
+        out = runner.execute(batch)
+        for i, t in enumerate(tokens):
+            t.append(out[f"r{i}"])
+    return [t[len(p) :] for t, p in zip(tokens, prompts, strict=True)]
+
+
+def test_cuda_graphs_give_eager_tokens_on_tiny_llama(tiny_llama_path: Path) -> None:
+    path = tiny_llama_path
+    num_blocks, bs = 64, 8
+    common = dict(device="cuda", dtype="float32", num_blocks=num_blocks, block_size=bs)
+    graphed = ModelRunner(path, cuda_graph_batch_sizes=[1, 2, 4, 8], **common)
+    eager = ModelRunner(path, enforce_eager=True, **common)
+    sdpa = ModelRunner(path, enforce_eager=True, **common)
+    sdpa.paged_decode = False
+    assert graphed.cuda_graphs is not None and eager.cuda_graphs is None
+    assert graphed.cuda_graphs.batch_sizes == [1, 2, 4, 8]
+    rng = random.Random(5)
+    for n in (3, 8, 1):  # 3 pads to the graph of 4
+        prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+        ids = rng.sample(range(num_blocks), k=n * 7)  # 7 blocks: 40 + 12 tokens fit
+        tables = [tuple(ids[i * 7 : (i + 1) * 7]) for i in range(n)]
+        results = []
+        for runner in (graphed, eager, sdpa):
+            runner.kv_cache.fill_(float("nan"))
+            results.append(_decode_run(runner, prompts, tables, steps=12))
+        assert results[0] == results[1] == results[2]
+        # Padding rows wrote only the scratch block: unused blocks are still poisoned.
+        unused = sorted(set(range(num_blocks)) - set(ids))
+        assert torch.isnan(graphed.kv_cache[unused]).all()
+    assert graphed.cuda_graphs.num_replays == 3 * 12
+    # The graph path validates block tables like the eager one, before any replay.
+    with pytest.raises(ValueError, match="outside"):
+        graphed.execute(Batch((ScheduledSeq("a", (5,), 0, (num_blocks,), True, GREEDY, 0),), bs))
+    with pytest.raises(ValueError, match="cannot hold"):
+        graphed.execute(Batch((ScheduledSeq("a", (5,), bs, (0,), True, GREEDY, 0),), bs))
+    assert graphed.cuda_graphs.num_replays == 3 * 12
+
+
+def test_cuda_graphs_match_eager_logits_on_llama_1b_shape() -> None:
+    runner = ModelRunner(
+        CONFIG_1B,
+        device="cuda",
+        load_format="dummy",
+        num_blocks=512,
+        block_size=16,
+        cuda_graph_batch_sizes=[1, 4, 8],
+    )
+    assert runner.cuda_graphs is not None
+    graphs = runner.cuda_graphs
+    rng = random.Random(9)
+    n = 5  # pads to 8
+    prompts = [[rng.randrange(0, 128000) for _ in range(rng.randrange(100, 700))] for _ in range(n)]
+    ids = rng.sample(range(512), k=n * 48)
+    tables = [tuple(ids[i * 48 : (i + 1) * 48]) for i in range(n)]
+    seqs = tuple(
+        ScheduledSeq(f"r{i}", tuple(p), 0, tables[i], True, GREEDY, 0)
+        for i, p in enumerate(prompts)
+    )
+    first = runner.execute(Batch(seqs, 16))
+    tokens = [list(p) + [first[f"r{i}"]] for i, p in enumerate(prompts)]
+    for _ in range(4):
+        batch = Batch(
+            tuple(
+                ScheduledSeq(f"r{i}", (t[-1],), len(t) - 1, tables[i], True, GREEDY, 0)
+                for i, t in enumerate(tokens)
+            ),
+            16,
+        )
+        assert graphs.can_run(batch)
+        with torch.inference_mode():
+            eager = runner._forward_eager(batch).float()
+            graph = graphs.run(batch).float()
+        assert torch.isfinite(eager).all() and torch.isfinite(graph).all()
+        scale = eager.abs().max().item()
+        diff = (graph - eager).abs().max().item()
+        assert diff < 0.05 * scale, (diff, scale)
+        # Greedy picks agree wherever the eager top-2 margin is above the difference.
+        top2 = eager.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
+        assert torch.equal(eager.argmax(-1)[clear], graph.argmax(-1)[clear])
+        out = runner.execute(batch)  # the graph path end to end
+        for i, t in enumerate(tokens):
+            t.append(out[f"r{i}"])
+    assert graphs.num_replays == 4 * 2
