@@ -94,7 +94,9 @@ def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         kv_cache_bytes=None if args.num_blocks else (lambda: _kv_budget_bytes(args, device)),
-        enforce_eager=args.enforce_eager,
+        # A prefill engine stops after the first token: decode graphs would only cost
+        # start-up time and memory there.
+        enforce_eager=args.enforce_eager or handoff_after_first_token,
         max_num_seqs=args.scheduler.max_num_seqs,
     )
     spec: ModelSpec = runner.spec

@@ -60,14 +60,19 @@ class ModelRunner:
         self.paged_decode: bool | None = None
         self.model, self.spec = load_model(model_path, dtype, self.device, load_format)
         self.model.set_attn_implementation(register_paged_attention())
+        use_graphs = self.device.type == "cuda" and not enforce_eager
+        if use_graphs and not triton_available():
+            log.warning("triton does not import: CUDA graphs off, attention runs SDPA")
+            use_graphs = False
         if num_blocks is None:
             assert kv_cache_bytes is not None
             if callable(kv_cache_bytes):
                 # Measured now that the weights are resident (a GPU budget must see them).
                 kv_cache_bytes = kv_cache_bytes()
+            # With graphs the budget also holds the scratch block (below).
             num_blocks = self.num_blocks_for_bytes(
                 self.spec, self.dtype, block_size, kv_cache_bytes
-            )
+            ) - int(use_graphs)
             if num_blocks < 1:
                 per_block = self.bytes_per_block(self.spec, self.dtype, block_size)
                 raise ValueError(
@@ -78,10 +83,6 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        use_graphs = self.device.type == "cuda" and not enforce_eager
-        if use_graphs and not triton_available():
-            log.warning("triton does not import: CUDA graphs off, attention runs SDPA")
-            use_graphs = False
         # With graphs, one extra block past `num_blocks` takes the padding rows' K/V;
         # the scheduler never sees it. `kv_cache` is the part requests own.
         self._kv_storage = torch.zeros(

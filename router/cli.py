@@ -23,6 +23,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
     g.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    g.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (CUDA only)"
+    )
     g.add_argument("--block-size", type=int, default=16)
 
 
@@ -62,6 +65,7 @@ def _engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
         device=ns.device,
         load_format=ns.load_format,
         block_size=ns.block_size,
+        enforce_eager=ns.enforce_eager,
         num_blocks=get("num_blocks"),  # type: ignore[arg-type]
         kv_cache_gib=get("kv_cache_gib"),  # type: ignore[arg-type]
         gpu_memory_utilization=get("gpu_memory_utilization"),  # type: ignore[arg-type]
