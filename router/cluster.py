@@ -183,15 +183,16 @@ class Cluster:
         )
 
     def _check_pairing(self) -> None:
-        first = self.workers[0].info
+        first = self.workers[0]
         for ref in self.workers[1:]:
-            problem = first.layout.mismatch(ref.info.layout)
+            problem = first.info.layout.mismatch(ref.info.layout)
             if problem is not None:
-                self.stop(shutdown_ray=False)
-                raise StartupError(
-                    f"KV layout mismatch between {self.workers[0].pool} worker 0 and "
+                message = (
+                    f"KV layout mismatch between {first.pool} worker {first.index} and "
                     f"{ref.pool} worker {ref.index}: {problem}"
                 )
+                self.stop(shutdown_ray=False)
+                raise StartupError(message)
 
     def _kill(self, handles: list[Any]) -> None:
         for handle in handles:
