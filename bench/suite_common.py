@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.load import percentile
+
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {
     "1b": REPO / "deploy" / "model_configs" / "llama-3.2-1b",
@@ -112,17 +114,6 @@ class ReqTiming:
         if self.first_s is None or self.last_s is None or self.num_tokens < 2:
             return None
         return (self.last_s - self.first_s) / (self.num_tokens - 1)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def dist_ms(values_s: list[float]) -> dict[str, float]:
