@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,19 @@ def tiny_model_paths(
         tokenizer.save_pretrained(path)
         paths[arch] = path
     return paths
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One in-process Ray instance for every test that starts a Cluster here.
+
+    Starting and stopping Ray per module costs seconds and, on a loaded 2-core machine,
+    can time out; the CPU count is a scheduling token (clusters place several actors).
+    """
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()

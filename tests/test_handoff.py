@@ -24,7 +24,7 @@ ARGS = EngineArgs(kv_cache_gib=0.1, scheduler=SchedulerConfig(long_prefill_token
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_path: Path) -> Iterator[Cluster]:
+def cluster(smollm2_path: Path, ray_session: None) -> Iterator[Cluster]:
     c = Cluster(ClusterConfig(prefill_args=ARGS, decode_args=ARGS))
     c.start()
     yield c
