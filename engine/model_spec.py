@@ -6,7 +6,6 @@ No torch here: the router and the pairing check use `ModelSpec` without a GPU.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,17 +26,6 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-
-# The fields whose equality makes a KV block of one worker readable by another.
-# Block size is not a model property; callers add it to the key themselves.
-PAIRING_FIELDS: tuple[str, ...] = (
-    "name",
-    "architecture",
-    "dtype",
-    "num_layers",
-    "num_kv_heads",
-    "head_dim",
-)
 
 
 def check_architecture(architecture: str) -> None:
@@ -154,11 +142,6 @@ class ModelSpec:
         )
 
     @property
-    def pairing_key(self) -> dict[str, object]:
-        """The fields two workers must agree on to exchange KV blocks (add block_size yourself)."""
-        return {field_name: getattr(self, field_name) for field_name in PAIRING_FIELDS}
-
-    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_SIZES[self.dtype]
@@ -174,19 +157,3 @@ def read_generation_eos(path: str | Path) -> tuple[int, ...]:
         return ()
     with gen_path.open() as f:
         return _as_id_tuple(json.load(f).get("eos_token_id"))
-
-
-def describe_mismatch(
-    a: ModelSpec | Mapping[str, object], b: ModelSpec | Mapping[str, object]
-) -> str | None:
-    """Name the first pairing field on which `a` and `b` differ, or None when they pair."""
-    key_a = a.pairing_key if isinstance(a, ModelSpec) else dict(a)
-    key_b = b.pairing_key if isinstance(b, ModelSpec) else dict(b)
-    for field_name in [*key_a, *(k for k in key_b if k not in key_a)]:
-        missing = object()
-        value_a, value_b = key_a.get(field_name, missing), key_b.get(field_name, missing)
-        if value_a != value_b:
-            shown_a = "<missing>" if value_a is missing else repr(value_a)
-            shown_b = "<missing>" if value_b is missing else repr(value_b)
-            return f"KV pairing mismatch on {field_name}: {shown_a} vs {shown_b}"
-    return None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.model_loader import has_tokenizer, load_model, load_tokenizer, resolve_dtype
-from engine.model_spec import SUPPORTED_ARCHITECTURES, ModelSpec, describe_mismatch
+from engine.model_spec import SUPPORTED_ARCHITECTURES, ModelSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -73,17 +73,15 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     assert all(arch in str(info.value) for arch in SUPPORTED_ARCHITECTURES)
 
 
-def test_describe_mismatch_names_first_differing_field(tmp_path: Path) -> None:
-    a = ModelSpec.from_pretrained_dir(_write_config(tmp_path / "m"))
-    assert describe_mismatch(a, a) is None
-    b = ModelSpec.from_pretrained_dir(_write_config(tmp_path / "x" / "m", num_key_value_heads=4))
-    assert describe_mismatch(a, b) == "KV pairing mismatch on num_kv_heads: 2 vs 4"
-    # The key travels between workers as a plain dict; block size is added by the caller.
-    remote = {**a.pairing_key, "block_size": 32}
-    assert describe_mismatch({**a.pairing_key, "block_size": 16}, remote) == (
-        "KV pairing mismatch on block_size: 16 vs 32"
+def test_kv_layout_mismatch_names_first_differing_field(tmp_path: Path) -> None:
+    from engine.kv_transfer import KVLayout
+
+    a = KVLayout("m", "bfloat16", 16, 2, 2, 16)
+    assert a.mismatch(a) is None
+    assert a.mismatch(KVLayout("m", "bfloat16", 16, 2, 4, 16)) == "num_kv_heads differs: 2 vs 4"
+    assert a.mismatch(KVLayout("m", "float32", 32, 2, 2, 16)) == (
+        "dtype differs: 'bfloat16' vs 'float32'"
     )
-    assert "block_size: <missing> vs 32" in (describe_mismatch(a, remote) or "")
 
 
 def test_deploy_configs_describe_the_real_models() -> None:
