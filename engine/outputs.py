@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -57,3 +58,20 @@ class FinalResult:
     usage: Usage
     timings: PhaseTimings = field(default_factory=PhaseTimings)
     error: str = ""  # set when finish_reason is ERROR
+
+
+PoolName = Literal["prefill", "decode", "colocated"]
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Occupancy of one worker's KV cache and scheduler."""
+
+    pool: PoolName
+    index: int
+    num_blocks_total: int
+    num_blocks_in_use: int
+    num_running: int
+    num_waiting: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int

@@ -21,6 +21,7 @@ import torch
 from engine.engine_loop import EngineLoop
 from engine.factory import BuiltEngine, EngineArgs, build_engine
 from engine.kv_transfer import KVLayout, TransferAgent
+from engine.outputs import WorkerStats
 from engine.scheduler import RequestUpdate
 
 log = logging.getLogger(__name__)
@@ -44,21 +45,6 @@ class WorkerInfo:
     model_name: str
     device: str
     pid: int
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    """Live counters for routing and for GetPoolStats."""
-
-    role: str
-    index: int
-    num_blocks_total: int
-    num_blocks_in_use: int
-    num_running: int
-    num_waiting: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    num_steps: int
 
 
 class WorkerBase:
@@ -175,13 +161,13 @@ class WorkerBase:
         """Called on the event loop with each step's updates."""
         raise NotImplementedError
 
-    async def load(self) -> WorkerLoad:
+    async def load(self) -> WorkerStats:
         """Blocks in use, queue lengths and prefix-cache counters."""
 
-        def read() -> WorkerLoad:
+        def read() -> WorkerStats:
             sched = self.core.scheduler
-            return WorkerLoad(
-                role=self.role,
+            return WorkerStats(
+                pool=self.role,  # type: ignore[arg-type]
                 index=self.index,
                 num_blocks_total=sched.kv.pool.num_blocks,
                 num_blocks_in_use=sched.kv.num_blocks_in_use,
@@ -189,7 +175,6 @@ class WorkerBase:
                 num_waiting=sched.num_waiting,
                 prefix_hit_tokens=sched.kv.stats.hit_tokens,
                 prefix_query_tokens=sched.kv.stats.query_tokens,
-                num_steps=self.loop_thread.num_steps if self.loop_thread else 0,
             )
 
         return await self.on_engine(read)

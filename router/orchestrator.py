@@ -27,7 +27,7 @@ from prefill_worker.worker import DecodeTarget, PrefillResult
 from router.admission import Admission
 from router.errors import NotReadyError, QueueFullError
 from router.policy import WorkerLoadView, pick_least_loaded
-from router.protocol import GenerateCall, PoolStats, ServerInfo, WorkerStats
+from router.protocol import GenerateCall, PoolStats, ServerInfo
 
 log = logging.getLogger("pdserve.router")
 
@@ -137,22 +137,7 @@ class DisaggregatedGenerator:
         loads = await asyncio.gather(
             *(w.handle.load.remote() for w in refs), return_exceptions=True
         )
-        workers = []
-        for ref, load in zip(refs, loads, strict=True):
-            if isinstance(load, BaseException):
-                continue
-            workers.append(
-                WorkerStats(
-                    pool=ref.pool,  # type: ignore[arg-type]
-                    index=ref.index,
-                    num_blocks_total=load.num_blocks_total,
-                    num_blocks_in_use=load.num_blocks_in_use,
-                    num_running=load.num_running,
-                    num_waiting=load.num_waiting,
-                    prefix_hit_tokens=load.prefix_hit_tokens,
-                    prefix_query_tokens=load.prefix_query_tokens,
-                )
-            )
+        workers = [load for load in loads if not isinstance(load, BaseException)]
         return PoolStats(tuple(workers), self.admission.num_in_flight, self.admission.num_queued)
 
     # ---------------------------------------------------------------- token delivery

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-from engine.outputs import FinalResult, TextChunk
+from engine.outputs import FinalResult, TextChunk, WorkerStats
 from engine.sampling_params import SamplingParams
-
-PoolName = Literal["prefill", "decode", "colocated"]
 
 
 @dataclass(frozen=True)
@@ -50,20 +48,6 @@ class ServerInfo:
     num_decode_workers: int
     max_in_flight: int
     max_queue: int
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    """Occupancy of one worker's KV cache and scheduler."""
-
-    pool: PoolName
-    index: int
-    num_blocks_total: int
-    num_blocks_in_use: int
-    num_running: int
-    num_waiting: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
 
 
 @dataclass(frozen=True)
