@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from engine.config import SchedulerConfig
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
-from router.cluster import ClusterConfig
-from router.orchestrator import RouterConfig
+from router.config import RouterConfig, keep_ray_on_loopback
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -81,7 +80,9 @@ def _engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from router.cluster import Cluster, StartupError
+    if not ns.ray_address:
+        keep_ray_on_loopback()  # before Ray is imported below
+    from router.cluster import Cluster, ClusterConfig, StartupError
     from router.service import ServeConfig, run_service
 
     config = ServeConfig(

@@ -97,7 +97,9 @@ class Cluster:
             ray.init(
                 num_cpus=max(os.cpu_count() or 1, self.num_workers + 1),
                 include_dashboard=False,
-                _node_ip_address="127.0.0.1",  # a local deployment stays on loopback
+                # With router.config.keep_ray_on_loopback() (the CLI calls it) Ray keeps
+                # this; otherwise Ray swaps loopback for the host's address.
+                _node_ip_address="127.0.0.1",
             )
             self._started_ray = True
 

@@ -25,23 +25,12 @@ from engine.request import FinishReason
 from engine.validation import validate_prompt
 from prefill_worker.worker import DecodeTarget, PrefillResult
 from router.admission import Admission
+from router.config import RouterConfig
 from router.errors import NotReadyError, QueueFullError
 from router.policy import WorkerLoadView, pick_least_loaded
 from router.protocol import GenerateCall, PoolStats, ServerInfo
 
 log = logging.getLogger("pdserve.router")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    max_in_flight: int = 256
-    max_queue: int = 1024
-    lease_s: float = 30.0  # a decode reservation not filled by then is freed
-    reserve_poll_s: float = 0.02  # how often a request waiting for decode blocks retries
-    # Upper bounds on phases with no client deadline, so a hung worker cannot hang a
-    # request forever: prefill + hand-off, and the gap between two token batches.
-    prefill_timeout_s: float = 600.0
-    token_stall_timeout_s: float = 300.0
 
 
 @dataclass
@@ -77,7 +66,7 @@ class DisaggregatedGenerator:
         prefill: list[WorkerRef],
         decode: list[WorkerRef],
         tokenizer: Any,
-        config: RouterConfig = RouterConfig(),
+        config: RouterConfig | None = None,
         colocated: list[WorkerRef] | None = None,
     ) -> None:
         self.colocated = colocated or []
@@ -86,8 +75,8 @@ class DisaggregatedGenerator:
         self.prefill = prefill
         self.decode = decode
         self.tokenizer = tokenizer
-        self.config = config
-        self.admission = Admission(config.max_in_flight, config.max_queue)
+        self.config = config or RouterConfig()
+        self.admission = Admission(self.config.max_in_flight, self.config.max_queue)
         self.outputs = OutputProcessor(tokenizer)
         self._streams: dict[str, _Stream] = {}
         self._pollers: list[asyncio.Task[None]] = []

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from engine.model_loader import has_tokenizer, load_tokenizer
 from engine.outputs import FinalResult, TextChunk
 from router.cluster import Cluster, ClusterConfig
+from router.config import RouterConfig
 from router.errors import NotReadyError
 from router.grpc_server import GrpcServer, serve
-from router.orchestrator import DisaggregatedGenerator, RouterConfig
+from router.orchestrator import DisaggregatedGenerator
 from router.protocol import GenerateCall, PoolStats, ServerInfo
 
 log = logging.getLogger("pdserve")

@@ -11,6 +11,9 @@ import torch
 
 # Everything under test loads from local folders; fail loudly if anything tries the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tests talk to loopback only: local Ray instances (here and in services started by the
+# tests, which inherit this environment) bind 127.0.0.1, not the host's address.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from engine.embedded import default_cache_dir, ensure_embedded_model  # noqa: E402

@@ -1,0 +1,27 @@
+"""Router settings (no Ray or gRPC imports: the CLI reads defaults before Ray loads)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    max_in_flight: int = 256
+    max_queue: int = 1024
+    lease_s: float = 30.0  # a decode reservation not filled by then is freed
+    reserve_poll_s: float = 0.02  # how often a request waiting for decode blocks retries
+    # Upper bounds on phases with no client deadline, so a hung worker cannot hang a
+    # request forever: prefill + hand-off, and the gap between two token batches.
+    prefill_timeout_s: float = 600.0
+    token_stall_timeout_s: float = 300.0
+
+
+def keep_ray_on_loopback() -> None:
+    """Make a local Ray instance use 127.0.0.1 instead of this host's network address.
+
+    Ray reads this once, when it is first imported, so call it before importing ray.
+    Only for a one-machine deployment: a cluster (--ray-address) needs real addresses.
+    """
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
