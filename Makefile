@@ -26,6 +26,8 @@ run: model
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: model lint
 	$(PY) -m pytest -q

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,9 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import EngineCore
 from engine.kv_transfer import KVLayout
 from engine.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from engine.model_loader import LoadFormat
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ class EngineArgs:
     model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
     dtype: str | None = None  # None = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto = cuda if this process sees a GPU
-    load_format: str = "auto"  # "dummy" = random weights from config.json
+    load_format: LoadFormat = "auto"  # "dummy" = random weights from config.json
     block_size: int = 16
     num_blocks: int | None = None  # None = sized from kv_cache_gib / gpu_memory_utilization
     kv_cache_gib: float | None = None

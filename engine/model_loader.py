@@ -92,7 +92,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, local_files_only=True, **kwargs
         )
-        model = model.to(device)
+        model = model.to(device)  # type: ignore[arg-type]  # transformers' stub for .to
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     model.eval()

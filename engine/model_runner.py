@@ -59,7 +59,8 @@ class ModelRunner:
         # None: decode groups use the Triton paged kernel on CUDA when Triton imports.
         self.paged_decode: bool | None = None
         self.model, self.spec = load_model(model_path, dtype, self.device, load_format)
-        self.model.set_attn_implementation(register_paged_attention())
+        # nn.Module's __getattr__ types every attribute as Tensor | Module.
+        self.model.set_attn_implementation(register_paged_attention())  # type: ignore[operator]
         use_graphs = self.device.type == "cuda" and not enforce_eager
         if use_graphs and not triton_available():
             log.warning("triton does not import: CUDA graphs off, attention runs SDPA")
