@@ -231,6 +231,3 @@ class DecodeWorker(WorkerBase):
             await self._release_reservation(req_id)
             return
         await self.on_engine(lambda: self.core.abort(req_id))
-
-    async def num_reserved(self) -> int:
-        return len(self._reserved)

@@ -48,10 +48,6 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
     def lookup(self, block_hash: int, token_ids: Sequence[int]) -> Block | None:
         """A cached block for this hash whose tokens really match (hash collisions are refused)."""
         if not self.enable_caching:
@@ -106,9 +102,3 @@ class BlockPool:
                 del self._cached[block.block_hash]
             block.block_hash = None
             block.token_ids = None
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no request holds."""
-        for block in list(self._cached.values()):
-            if block.ref_cnt == 0:
-                self._evict(block)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -35,8 +34,6 @@ class EngineLoop:
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.num_steps = 0
-        self.busy_s = 0.0
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -79,10 +76,7 @@ class EngineLoop:
                 self._drain(block=not self.core.has_unfinished)
                 if not self.core.has_unfinished:
                     continue
-                start = time.perf_counter()
                 updates = self.core.step()
-                self.busy_s += time.perf_counter() - start
-                self.num_steps += 1
                 if updates:
                     self._on_updates(updates)
         except BaseException as exc:

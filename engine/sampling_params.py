@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Largest seed the counter-based sampler mixes without overflow surprises (63 bits).
 MAX_SEED = 2**63 - 1
@@ -45,10 +45,3 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@dataclass(frozen=True)
-class StopConditions:
-    """Token-level stop rules the scheduler checks after every sampled token."""
-
-    eos_token_ids: frozenset[int] = field(default_factory=frozenset)

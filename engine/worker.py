@@ -122,10 +122,6 @@ class WorkerBase:
         if self.agent is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.agent.close)
 
-    async def health(self) -> bool:
-        """Liveness: False once the engine thread has died."""
-        return self.loop_thread is not None and self.loop_thread.error is None
-
     def bury(self, req_id: str) -> None:
         """Remember an aborted id so a late-arriving call for it is refused."""
         now = time.monotonic()

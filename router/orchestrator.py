@@ -12,9 +12,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from ray.exceptions import RayActorError
 
@@ -31,6 +31,7 @@ from router.policy import WorkerLoadView, pick_least_loaded
 from router.protocol import GenerateCall, PoolStats, ServerInfo
 
 log = logging.getLogger("pdserve.router")
+T = TypeVar("T")
 
 
 @dataclass
@@ -195,20 +196,23 @@ class DisaggregatedGenerator:
             sampling = replace(sampling, seed=uuid.uuid4().int >> 65)
         return GenerationInput(req_id, tuple(token_ids), sampling, call.priority)
 
-    async def _reserve(self, inp: GenerationInput) -> tuple[WorkerRef, Any]:
-        """Wait (queued in the router, not dropped) until a decode worker has room."""
+    async def _call_least_loaded(
+        self, pool: list[WorkerRef], call: Callable[[WorkerRef], Awaitable[T]], *, hold: bool
+    ) -> tuple[WorkerRef, T]:
+        """Call the least-loaded live worker of `pool`; a dead one is marked and the next tried.
+
+        The worker counts the request as assigned from before the call, so concurrent
+        arrivals spread instead of all picking the one that looked idle a moment ago; with
+        `hold` the count stays until the caller gives it back (the request lives there).
+        """
         while True:
-            idx = pick_least_loaded([w.view() for w in self.decode])
+            idx = pick_least_loaded([w.view() for w in pool])
             if idx is None:
-                raise NotReadyError("no decode worker is alive")
-            ref = self.decode[idx]
-            # Counted before the call, so concurrent arrivals spread instead of all
-            # picking the worker that looked idle a moment ago.
+                raise NotReadyError(f"no {pool[0].pool if pool else ''} worker is alive")
+            ref = pool[idx]
             ref.num_assigned += 1
             try:
-                res = await ref.handle.reserve.remote(
-                    inp.req_id, len(inp.prompt_token_ids), self.config.lease_s
-                )
+                result = await call(ref)
             except RayActorError as exc:
                 ref.num_assigned -= 1
                 self._mark_dead(ref, exc)
@@ -216,45 +220,40 @@ class DisaggregatedGenerator:
             except BaseException:
                 ref.num_assigned -= 1
                 raise
+            if not hold:
+                ref.num_assigned -= 1
+            return ref, result
+
+    async def _reserve(self, inp: GenerationInput) -> tuple[WorkerRef, Any]:
+        """Wait (queued in the router, not dropped) until a decode worker has room."""
+        while True:
+            ref, res = await self._call_least_loaded(
+                self.decode,
+                lambda r: r.handle.reserve.remote(
+                    inp.req_id, len(inp.prompt_token_ids), self.config.lease_s
+                ),
+                hold=True,
+            )
             if res is not None:
                 return ref, res
             ref.num_assigned -= 1
             await asyncio.sleep(self.config.reserve_poll_s)
 
     async def _submit_colocated(self, inp: GenerationInput, stream: _Stream) -> WorkerRef:
-        while True:
-            idx = pick_least_loaded([w.view() for w in self.colocated])
-            if idx is None:
-                raise NotReadyError("no worker is alive")
-            ref = self.colocated[idx]
+        def submit(ref: WorkerRef) -> Any:
             stream.decode_index = ref.index  # before submit: tokens may come back at once
-            ref.num_assigned += 1
-            try:
-                await ref.handle.submit.remote(inp)
-                return ref
-            except RayActorError as exc:
-                ref.num_assigned -= 1
-                self._mark_dead(ref, exc)
-            except BaseException:
-                ref.num_assigned -= 1
-                raise
+            return ref.handle.submit.remote(inp)
+
+        ref, _ = await self._call_least_loaded(self.colocated, submit, hold=True)
+        return ref
 
     async def _prefill(
         self, inp: GenerationInput, target: DecodeTarget
     ) -> tuple[WorkerRef, PrefillResult]:
-        while True:
-            idx = pick_least_loaded([w.view() for w in self.prefill])
-            if idx is None:
-                raise NotReadyError("no prefill worker is alive")
-            ref = self.prefill[idx]
-            ref.num_assigned += 1
-            try:
-                return ref, await ref.handle.prefill.remote(inp, target)
-            except RayActorError as exc:
-                # A prefill worker that died before handing off: retry on another one.
-                self._mark_dead(ref, exc)
-            finally:
-                ref.num_assigned -= 1
+        # A prefill worker that dies before handing off is retried on another one.
+        return await self._call_least_loaded(
+            self.prefill, lambda r: r.handle.prefill.remote(inp, target), hold=False
+        )
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
         """Stream one request's chunks, then exactly one FinalResult."""
