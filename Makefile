@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 model: setup
-	$(PY) -m engine.embedded
+	$(PY) -m engine.model.embedded
 
 run: model
 	$(VENV)/bin/pdserve serve

@@ -127,8 +127,8 @@ def bench_model(
     profile_log: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Time every (batch, context) of one model shape in each mode."""
-    from engine.batch import Batch, ScheduledSeq
-    from engine.model_runner import ModelRunner
+    from engine.core.batch import Batch, ScheduledSeq
+    from engine.model.model_runner import ModelRunner
     from engine.sampling_params import GREEDY
 
     max_blocks = -(-(max(contexts) + 1) // BLOCK_SIZE)
@@ -218,7 +218,7 @@ def bench_model(
 
 def bench_kernel(batch_sizes: list[int], context: int) -> list[dict[str, Any]]:
     """One layer of the Triton decode kernel on the Llama-3.1-8B shape, per tile size."""
-    from engine import triton_attention as ta
+    from engine.model import triton_attention as ta
 
     rows = []
     default_block_n = ta._BLOCK_N
@@ -239,7 +239,7 @@ def bench_kernel(batch_sizes: list[int], context: int) -> list[dict[str, Any]]:
 
 
 def _kernel_row(n: int, context: int, block_n: int) -> dict[str, Any]:
-    from engine import triton_attention as ta
+    from engine.model import triton_attention as ta
 
     heads, kv_heads, head_dim = 32, 8, 128
     per_seq = -(-context // BLOCK_SIZE)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.batch import Batch
+    from engine.core.batch import Batch
     from engine.llm import LLM
 
 DEFAULT_OUT = Path("bench/results/offline.json")
@@ -531,10 +531,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--check-ratio needs the baseline", file=sys.stderr)
         return 2
 
-    from engine.config import SchedulerConfig
+    from engine.core.config import SchedulerConfig
     from engine.factory import EngineArgs
     from engine.llm import LLM
-    from engine.model_loader import load_tokenizer, resolve_dtype
+    from engine.model.model_loader import load_tokenizer, resolve_dtype
     from engine.sampling_params import SamplingParams
 
     if args.threads is not None:
@@ -547,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine["loadavg_at_start"] = _loadavg()
     dtype = resolve_dtype(args.dtype, device)
     if args.model is None:
-        from engine.embedded import ensure_embedded_model
+        from engine.model.embedded import ensure_embedded_model
 
         model_path = ensure_embedded_model()
     else:

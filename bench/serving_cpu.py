@@ -24,10 +24,10 @@ from typing import Any
 
 from bench.load import build_requests, percentile, run_load, summarize
 from bench.load import parse_args as load_args
-from engine.config import SchedulerConfig
+from engine.core.config import SchedulerConfig
+from engine.core.outputs import GenerationInput
 from engine.factory import EngineArgs
 from engine.llm import LLM
-from engine.outputs import GenerationInput
 from engine.sampling_params import SamplingParams
 from tests.service import ServiceProcess
 

@@ -96,7 +96,7 @@ def run_engine(
     ns: argparse.Namespace, device: torch.device, dtype: str, bandwidth: dict | None
 ) -> dict[str, Any]:
     from bench.offline import StepProfile
-    from engine.config import SchedulerConfig
+    from engine.core.config import SchedulerConfig
     from engine.factory import EngineArgs
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         _free(device)
         save()
     if ns.parts & {"a", "a2"}:
-        from engine.model_loader import load_model
+        from engine.model.model_loader import load_model
 
         model, _ = load_model(ns.model, dtype, device, "dummy")  # the engine's weights
         for part, fn in (("a", run_hf_static), ("a2", run_hf_continuous)):

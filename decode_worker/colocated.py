@@ -9,7 +9,7 @@ outbox and abort handling and adds `submit`.
 from __future__ import annotations
 
 from decode_worker.worker import DecodeWorker
-from engine.outputs import GenerationInput
+from engine.core.outputs import GenerationInput
 
 
 class ColocatedWorker(DecodeWorker):

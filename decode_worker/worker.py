@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from engine.kv_transfer import Handoff
-from engine.request import Request, RequestStatus
-from engine.scheduler import RequestUpdate
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import RequestUpdate
+from engine.transfer.kv_transfer import Handoff
 from engine.worker import WorkerBase
 
 log = logging.getLogger(__name__)

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.engine import EngineCore
-from engine.kv_transfer import KVLayout
-from engine.model_spec import ModelSpec
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.engine_core import EngineCore
+from engine.model.model_spec import ModelSpec
+from engine.transfer.kv_transfer import KVLayout
 
 if TYPE_CHECKING:
-    from engine.model_loader import LoadFormat
+    from engine.model.model_loader import LoadFormat
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class EngineArgs:
             if not (path / "config.json").is_file():
                 raise ValueError(f"--model {self.model}: no config.json in that folder")
             return path
-        from engine.embedded import ensure_embedded_model
+        from engine.model.embedded import ensure_embedded_model
 
         return ensure_embedded_model()
 
@@ -66,7 +66,7 @@ class EngineArgs:
 @dataclass
 class BuiltEngine:
     core: EngineCore
-    runner: Any  # engine.model_runner.ModelRunner
+    runner: Any  # engine.model.model_runner.ModelRunner
     tokenizer: Any | None
     spec: ModelSpec
     layout: KVLayout
@@ -84,8 +84,8 @@ def _kv_budget_bytes(args: EngineArgs, device: torch.device) -> int:
 
 def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -> BuiltEngine:
     """Load the model, size and allocate the KV cache, and wire the scheduler to it."""
-    from engine.model_loader import has_tokenizer, load_tokenizer
-    from engine.model_runner import ModelRunner
+    from engine.model.model_loader import has_tokenizer, load_tokenizer
+    from engine.model.model_runner import ModelRunner
 
     path = args.resolve_model_path()
     device = args.resolve_device()

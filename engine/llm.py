@@ -6,11 +6,11 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from engine.core.outputs import GenerationInput, TextChunk
+from engine.core.request import FinishReason
 from engine.factory import EngineArgs, build_engine
-from engine.output_processor import OutputProcessor
-from engine.outputs import GenerationInput, TextChunk
-from engine.prompt import encode_prompt
-from engine.request import FinishReason
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.prompt import encode_prompt
 from engine.sampling_params import SamplingParams
 
 PromptLike = str | Sequence[int]

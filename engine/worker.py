@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine.engine_loop import EngineLoop
+from engine.core.engine_loop import EngineLoop
+from engine.core.outputs import WorkerStats
+from engine.core.scheduler import RequestUpdate
 from engine.factory import BuiltEngine, EngineArgs, build_engine
-from engine.kv_transfer import KVLayout, TransferAgent
-from engine.outputs import WorkerStats
-from engine.scheduler import RequestUpdate
+from engine.transfer.kv_transfer import KVLayout, TransferAgent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

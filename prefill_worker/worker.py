@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from engine.kv_transfer import Handoff
-from engine.outputs import GenerationInput
-from engine.request import FinishReason
-from engine.scheduler import RequestUpdate
+from engine.core.outputs import GenerationInput
+from engine.core.request import FinishReason
+from engine.core.scheduler import RequestUpdate
+from engine.transfer.kv_transfer import Handoff
 from engine.worker import WorkerBase
 
 log = logging.getLogger(__name__)

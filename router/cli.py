@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from engine.config import SchedulerConfig
+from engine.core.config import SchedulerConfig
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
 from router.config import RouterConfig, keep_ray_on_loopback
@@ -126,7 +126,7 @@ def _generate_offline(ns: argparse.Namespace) -> int:
     )
     prompt: str | list[int] = ns.prompt
     if ns.chat:
-        from engine.prompt import encode_prompt
+        from engine.frontend.prompt import encode_prompt
 
         prompt = encode_prompt(llm.tokenizer, messages=[("user", ns.prompt)])
     final = None

@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 
 from ray.exceptions import RayActorError
 
-from engine.output_processor import OutputProcessor
-from engine.outputs import FinalResult, GenerationInput, PhaseTimings, TextChunk, Usage
-from engine.prompt import encode_prompt
-from engine.request import FinishReason
-from engine.validation import validate_prompt
+from engine.core.outputs import FinalResult, GenerationInput, PhaseTimings, TextChunk, Usage
+from engine.core.request import FinishReason
+from engine.core.validation import validate_prompt
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.prompt import encode_prompt
 from prefill_worker.worker import DecodeTarget, PrefillResult
 from router.admission import Admission
 from router.config import RouterConfig

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.outputs import FinalResult, TextChunk, WorkerStats
+from engine.core.outputs import FinalResult, TextChunk, WorkerStats
 from engine.sampling_params import SamplingParams
 
 

@@ -7,8 +7,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from engine.model_loader import has_tokenizer, load_tokenizer
-from engine.outputs import FinalResult, TextChunk
+from engine.core.outputs import FinalResult, TextChunk
+from engine.model.model_loader import has_tokenizer, load_tokenizer
 from router.cluster import Cluster, ClusterConfig
 from router.config import RouterConfig
 from router.errors import NotReadyError

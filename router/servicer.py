@@ -11,8 +11,8 @@ from contextvars import ContextVar
 
 import grpc
 
-from engine.outputs import FinalResult, TextChunk
-from engine.request import FinishReason
+from engine.core.outputs import FinalResult, TextChunk
+from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc

@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from engine.embedded import default_cache_dir, ensure_embedded_model  # noqa: E402
+from engine.model.embedded import default_cache_dir, ensure_embedded_model  # noqa: E402
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.batch import Batch
+from engine.core.batch import Batch
 
 
 def next_token(last_token: int, position: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

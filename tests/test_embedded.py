@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import embedded
-from engine.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
-from engine.model_spec import ModelSpec
+from engine.model import embedded
+from engine.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from engine.model.model_spec import ModelSpec
 
 
 def test_second_call_is_instant_and_folder_loads_offline(smollm2_path: Path) -> None:

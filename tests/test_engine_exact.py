@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import SchedulerConfig
+from engine.core.config import SchedulerConfig
+from engine.core.outputs import GenerationInput
 from engine.factory import EngineArgs
 from engine.llm import LLM
-from engine.outputs import GenerationInput
 from engine.sampling_params import SamplingParams
 
 SHARED = (

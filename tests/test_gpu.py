@@ -3,7 +3,7 @@
 * The engine in bfloat16 on CUDA against the float32 CPU engine, same random weights:
   greedy outputs agree under the close-logprobs rule, nothing is NaN, and the paged cache
   is written exactly where the slot mapping says.
-* The NCCL KV hand-off (engine.kv_transfer.TransferAgent) between two GPUs is bit-exact.
+* The NCCL KV hand-off (engine.transfer.kv_transfer.TransferAgent) between two GPUs is bit-exact.
 * A 1P1D service on two GPUs answers like the colocated engine on one.
 """
 
@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from engine.factory import EngineArgs
-from engine.kv_transfer import TransferAgent
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.transfer.kv_transfer import TransferAgent
 from tests.service import ServiceProcess, free_port
 
 pytestmark = pytest.mark.gpu

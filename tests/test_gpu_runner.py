@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import build_metadata, paged_attention_forward
-from engine.batch import Batch, ScheduledSeq
-from engine.model_runner import ModelRunner
+from engine.core.batch import Batch, ScheduledSeq
+from engine.model.attention import build_metadata, paged_attention_forward
+from engine.model.model_runner import ModelRunner
+from engine.model.triton_attention import paged_decode_attention, triton_available
 from engine.sampling_params import GREEDY
-from engine.triton_attention import paged_decode_attention, triton_available
 from tests.conftest import tiny_config
 
 pytestmark = [

@@ -10,10 +10,10 @@ import pytest
 import ray
 import torch
 
-from engine.config import SchedulerConfig
+from engine.core.config import SchedulerConfig
+from engine.core.outputs import GenerationInput
+from engine.core.request import FinishReason
 from engine.factory import EngineArgs
-from engine.outputs import GenerationInput
-from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from prefill_worker.worker import DecodeTarget
 from router.cluster import Cluster, ClusterConfig

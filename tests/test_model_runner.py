@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import ATTN_IMPLEMENTATION
-from engine.batch import Batch, ScheduledSeq
-from engine.model_runner import ModelRunner
-from engine.model_spec import ModelSpec
+from engine.core.batch import Batch, ScheduledSeq
+from engine.model.attention import ATTN_IMPLEMENTATION
+from engine.model.model_runner import ModelRunner
+from engine.model.model_spec import ModelSpec
 from engine.sampling_params import GREEDY, SamplingParams
 
 MODELS = ("llama", "mistral", "qwen2", "qwen3", "smollm2")  # conftest.TINY_ARCHS + embedded

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_loader import has_tokenizer, load_model, load_tokenizer, resolve_dtype
-from engine.model_spec import SUPPORTED_ARCHITECTURES, ModelSpec
+from engine.model.model_loader import has_tokenizer, load_model, load_tokenizer, resolve_dtype
+from engine.model.model_spec import SUPPORTED_ARCHITECTURES, ModelSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,7 +74,7 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 
 
 def test_kv_layout_mismatch_names_first_differing_field(tmp_path: Path) -> None:
-    from engine.kv_transfer import KVLayout
+    from engine.transfer.kv_transfer import KVLayout
 
     a = KVLayout("m", "bfloat16", 16, 2, 2, 16)
     assert a.mismatch(a) is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import SamplingBatch, bits_to_uniform, sample, uniform_noise
+from engine.model.sampler import SamplingBatch, bits_to_uniform, sample, uniform_noise
 from engine.sampling_params import MAX_SEED, SamplingParams
 
 M31 = 0x7FFFFFFF

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.engine import EngineCore
-from engine.outputs import GenerationInput
-from engine.request import FinishReason
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.engine_core import EngineCore
+from engine.core.outputs import GenerationInput
+from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 from tests.fakes import FakeRunner, expected_output
 

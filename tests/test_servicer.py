@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.outputs import FinalResult, PhaseTimings, TextChunk, Usage
-from engine.request import FinishReason
+from engine.core.outputs import FinalResult, PhaseTimings, TextChunk, Usage
+from engine.core.request import FinishReason
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.client import get_pool_stats, stream_generate

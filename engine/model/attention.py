@@ -11,7 +11,7 @@ All index tensors are built once per step (`PagedAttentionMetadata.build`) with 
 ops on the target device and shared by every layer; the forward pass has no per-request
 Python loop and no host sync. Sequences are split into a decode group (one query token
 each) and a prefill group (several), each run as one padded, masked, batched SDPA. On
-CUDA (with Triton) the decode group instead runs `engine.triton_attention`'s paged kernel,
+CUDA (with Triton) the decode group instead runs `engine.model.triton_attention`'s paged kernel,
 which reads K/V through the block tables itself; its metadata carries no gather rows or
 mask, and its shapes do not depend on context lengths (what CUDA graphs need).
 """
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.batch import Batch
-from engine.triton_attention import num_splits_for, paged_decode_attention, triton_available
+from engine.core.batch import Batch
+from engine.model.triton_attention import num_splits_for, paged_decode_attention, triton_available
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -346,7 +346,7 @@ def paged_attention_forward(
     if paged_metadata is None or paged_kv_cache is None:
         raise RuntimeError(
             f"{ATTN_IMPLEMENTATION} attention needs paged_metadata= and paged_kv_cache= "
-            "passed to model(...); use engine.model_runner.ModelRunner"
+            "passed to model(...); use engine.model.model_runner.ModelRunner"
         )
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     scale = scaling if scaling is not None else float(module.scaling)  # type: ignore[arg-type]

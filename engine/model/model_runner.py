@@ -1,6 +1,6 @@
 """Runs one scheduled Batch as one packed forward pass over the paged KV cache.
 
-On CUDA, pure-decode steps replay captured CUDA graphs (engine.cuda_graphs) unless
+On CUDA, pure-decode steps replay captured CUDA graphs (engine.model.cuda_graphs) unless
 `enforce_eager`; every other step (prefill chunks, mixed steps) runs eagerly.
 """
 
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import PagedAttentionMetadata, register_paged_attention
-from engine.batch import Batch, ScheduledSeq
-from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from engine.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
-from engine.model_spec import ModelSpec
-from engine.sampler import SamplingBatch, is_greedy, sample
-from engine.triton_attention import triton_available
+from engine.core.batch import Batch, ScheduledSeq
+from engine.model.attention import PagedAttentionMetadata, register_paged_attention
+from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine.model.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
+from engine.model.model_spec import ModelSpec
+from engine.model.sampler import SamplingBatch, is_greedy, sample
+from engine.model.triton_attention import triton_available
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class ModelRunner:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        # None: pad attention shapes to buckets on CUDA only (see engine.attention).
+        # None: pad attention shapes to buckets on CUDA only (see engine.model.attention).
         self.bucket_shapes = bucket_shapes
         # None: decode groups use the Triton paged kernel on CUDA when Triton imports.
         self.paged_decode: bool | None = None

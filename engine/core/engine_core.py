@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
-from engine.batch import Batch
-from engine.config import CacheConfig, SchedulerConfig
-from engine.outputs import GenerationInput
-from engine.request import FinishReason, Request
+from engine.core.batch import Batch
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.outputs import GenerationInput
+from engine.core.request import FinishReason, Request
+from engine.core.scheduler import RequestUpdate, Scheduler
+from engine.core.validation import validate_prompt
 from engine.sampling_params import MAX_SEED
-from engine.scheduler import RequestUpdate, Scheduler
-from engine.validation import validate_prompt
 
 
 class Runner(Protocol):

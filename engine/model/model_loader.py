@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from engine.model_spec import DTYPE_NAMES, ModelSpec, read_generation_eos
+from engine.model.model_spec import DTYPE_NAMES, ModelSpec, read_generation_eos
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

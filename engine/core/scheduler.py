@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.batch import Batch, ScheduledSeq
-from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, Request, RequestStatus
+from engine.core.batch import Batch, ScheduledSeq
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True)

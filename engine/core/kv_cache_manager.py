@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import Block, BlockPool, chain_hash
+from engine.core.block_pool import Block, BlockPool, chain_hash
 
 
 @dataclass

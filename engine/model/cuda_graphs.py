@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.attention import AttentionGroup, PagedAttentionMetadata
-from engine.batch import Batch, ScheduledSeq
+from engine.core.batch import Batch, ScheduledSeq
+from engine.model.attention import AttentionGroup, PagedAttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from engine.engine import EngineCore
-from engine.scheduler import RequestUpdate
+from engine.core.engine_core import EngineCore
+from engine.core.scheduler import RequestUpdate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

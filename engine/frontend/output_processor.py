@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import TextChunk
-from engine.request import FinishReason
+from engine.core.outputs import TextChunk
+from engine.core.request import FinishReason
+from engine.frontend.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

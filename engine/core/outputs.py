@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.request import FinishReason
+from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 
 

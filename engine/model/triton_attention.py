@@ -8,7 +8,7 @@ A second kernel merges the splits by their log-sum-exp. Nothing is gathered into
 padded tensors, and the launch grid depends only on (batch size, kv heads, splits),
 never on the context lengths, so a captured CUDA graph replays it for any context.
 
-Cache layout (engine.attention): `[num_blocks, num_layers, 2, block_size, KVH, D]`.
+Cache layout (engine.model.attention): `[num_blocks, num_layers, 2, block_size, KVH, D]`.
 """
 
 from __future__ import annotations
