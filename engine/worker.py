@@ -171,6 +171,7 @@ class WorkerBase:
                 num_waiting=sched.num_waiting,
                 prefix_hit_tokens=sched.kv.stats.hit_tokens,
                 prefix_query_tokens=sched.kv.stats.query_tokens,
+                num_preemptions=sched.num_preemptions,
             )
 
         return await self.on_engine(read)

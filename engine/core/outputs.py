@@ -75,3 +75,4 @@ class WorkerStats:
     num_waiting: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    num_preemptions: int = 0  # since this worker started

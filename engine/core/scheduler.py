@@ -44,6 +44,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.num_preemptions = 0  # since start, for metrics
 
     # ---------------------------------------------------------------- queues
     @property
@@ -138,6 +139,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self._enqueue_waiting(req)
 
     def schedule(self) -> Batch:
