@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 REQUEST_ID_HEADER = "x-request-id"
 DEFAULT_PORT = 50051
+# After a drain's grace: how long calls get to write their final ABORT message.
+_ABORT_FLUSH_S = 2.0
 
 
 class RequestIdInterceptor(grpc.aio.ServerInterceptor):
@@ -130,6 +132,7 @@ class GrpcServer:
         self._server: grpc.aio.Server | None = None
         self._port: int | None = None
         self._stop_task: asyncio.Task[None] | None = None
+        self._stop_now = asyncio.Event()
 
     @property
     def port(self) -> int:
@@ -190,8 +193,8 @@ class GrpcServer:
 
         The wait tracks Generate calls only: grpc's own `stop(grace)` would also
         wait for long-lived health Watch streams and so always take the full grace.
-        Calls still running when the grace ends are cancelled, which closes their
-        core streams (blocks are released by the core's cleanup).
+        Calls still running when the grace ends get a final ABORT message naming the
+        reason; their core streams are closed (blocks are released by the core's cleanup).
         """
         if self._server is None:
             return
@@ -212,25 +215,58 @@ class GrpcServer:
             grace,
         )
         if self.drain_notice_s > 0:
-            await asyncio.sleep(self.drain_notice_s)
+            await self._wait_unless_stopped_now(self._stop_now.wait(), self.drain_notice_s)
         self._servicer.start_draining()
-        if self.num_in_flight:
-            try:
-                await asyncio.wait_for(self._servicer.wait_idle(), timeout=grace)
-            except TimeoutError:
-                logger.warning("drain grace over; cancelling %d calls", self.num_in_flight)
+        if self.num_in_flight and not await self._wait_unless_stopped_now(
+            self._servicer.wait_idle(), grace
+        ):
+            stopped_now = self._stop_now.is_set()
+            why = "stopped at once by a second signal" if stopped_now else None
+            await self._abort_in_flight(why or f"drain grace of {grace:g}s is over")
         await self._server.stop(0)
+
+    async def _wait_unless_stopped_now(self, waiter: Awaitable[Any], timeout: float) -> bool:
+        """Await `waiter` for up to `timeout`; False on timeout or stop_now()."""
+        tasks = {asyncio.ensure_future(waiter), asyncio.ensure_future(self._stop_now.wait())}
+        done, pending = await asyncio.wait(
+            tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in pending:
+            task.cancel()
+        return bool(done) and not self._stop_now.is_set()
+
+    async def _abort_in_flight(self, why: str) -> None:
+        """Give every call still running its final ABORT message, then let it return."""
+        logger.warning("%s: ending %d calls with ABORT", why, self.num_in_flight)
+        self._servicer.abort_in_flight(f"server shutting down: {why}")
+        # Each handler only writes one message now; a client that does not read cannot
+        # hold the shutdown.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._servicer.wait_idle(), timeout=_ABORT_FLUSH_S)
 
     def request_stop(self) -> None:
         """Start a drain from synchronous code (signal handlers); idempotent."""
         if self._server is not None and self._stop_task is None:
             self._stop_task = asyncio.get_running_loop().create_task(self._drain(None))
 
+    def stop_now(self) -> None:
+        """Cut a drain short: no notice, no grace; in-flight calls end with ABORT at once."""
+        self._stop_now.set()
+        self.request_stop()
+
+    def _on_signal(self) -> None:
+        # The first SIGTERM/SIGINT drains; another one means "stop now", as users expect.
+        if self._stop_task is None:
+            self.request_stop()
+        else:
+            logger.warning("second signal: stopping without waiting for in-flight requests")
+            self.stop_now()
+
     def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT start a drain; a second signal is ignored until the drain ends."""
+        """SIGTERM/SIGINT start a drain; a second signal ends it at once."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(sig, self._on_signal)
 
     async def wait_for_termination(self) -> None:
         """Return once the server has stopped (after `stop()` or a signal-triggered drain)."""

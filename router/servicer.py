@@ -11,7 +11,7 @@ from contextvars import ContextVar
 
 import grpc
 
-from engine.core.outputs import FinalResult, TextChunk
+from engine.core.outputs import FinalResult, TextChunk, Usage
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
@@ -239,6 +239,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self._num_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        # Handler tasks of in-flight Generate calls, so a drain past its grace can end them.
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._abort_reason: str | None = None
 
     @property
     def num_in_flight(self) -> int:
@@ -253,6 +256,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         """Return once no Generate call is in flight."""
         await self._idle.wait()
 
+    def abort_in_flight(self, reason: str) -> None:
+        """End every in-flight Generate with a final ABORT message carrying `reason`.
+
+        The calls are cancelled like a client cancel (closing the core's stream frees the
+        request's blocks), but the stream still gets its final message and status OK.
+        """
+        self._abort_reason = reason
+        for task in self._handlers:
+            task.cancel()
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
@@ -263,9 +276,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is not ready")
         self._num_in_flight += 1
         self._idle.clear()
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)  # type: ignore[arg-type]
         try:
             await self._generate(request, context)
         finally:
+            self._handlers.discard(task)  # type: ignore[arg-type]
             self._num_in_flight -= 1
             if self._num_in_flight == 0:
                 self._idle.set()
@@ -296,9 +313,20 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         # None = no deadline; grpc also cancels the handler at the deadline, but
         # timing out here first lets us close the core's stream and say why.
         timeout = asyncio.timeout(context.time_remaining())
+        num_sent = [0]  # completion tokens the client already has, for an ABORT's usage
         try:
             async with timeout:
-                return await self._forward(stream, call.request_id, context)
+                return await self._forward(stream, call.request_id, context, num_sent)
+        except asyncio.CancelledError:
+            if self._abort_reason is None:
+                raise  # the client cancelled or went away: nobody to tell
+            # Our own cancel (abort_in_flight): the stream still gets its final message;
+            # the `finally` below closes the core's stream as on any cancel.
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            abort = FinalResult(FinishReason.ABORT, Usage(0, num_sent[0]), error=self._abort_reason)
+            await context.write(final_response(call.request_id, abort))
+            logger.info("request %s aborted: %s", call.request_id, self._abort_reason)
+            return None
         except TimeoutError:
             if not timeout.expired():
                 raise
@@ -315,6 +343,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         stream: AsyncIterator[TextChunk | FinalResult],
         request_id: str,
         context: grpc.aio.ServicerContext,
+        num_sent: list[int],
     ) -> _Status | None:
         async for out in stream:
             if isinstance(out, TextChunk):
@@ -324,6 +353,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                             request_id=request_id, text=out.text, token_ids=out.token_ids
                         )
                     )
+                    num_sent[0] += len(out.token_ids)
                 continue
             if out.finish_reason not in _FINISH_TO_PROTO:
                 return grpc.StatusCode.INTERNAL, f"unexpected finish reason {out.finish_reason}"
