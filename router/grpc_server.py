@@ -17,7 +17,9 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.metrics import MetricsInterceptor, RouterMetrics
 from router.protocol import Generator
+from router.security import EdgeSecurity
 from router.servicer import GenerationServicer, is_valid_request_id, request_id_var
 
 logger = logging.getLogger(__name__)
@@ -119,8 +121,12 @@ class GrpcServer:
         port: int = DEFAULT_PORT,
         drain_grace_s: float = 30.0,
         drain_notice_s: float = 0.0,
+        security: EdgeSecurity | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._generator = generator
+        self.security = security or EdgeSecurity()
+        self.metrics = metrics
         self._host = host
         self._requested_port = port
         self.drain_grace_s = drain_grace_s
@@ -148,11 +154,13 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Bind, register services, start; health stays NOT_SERVING. Returns the bound port."""
+        # Metrics first, so they count the auth interceptor's refusals too.
+        metrics = [MetricsInterceptor(self.metrics)] if self.metrics is not None else []
         server = grpc.aio.server(
-            interceptors=[RequestIdInterceptor()],
+            interceptors=[*metrics, *self.security.interceptors(), RequestIdInterceptor()],
             # grpc sets SO_REUSEPORT by default, which lets a second server bind an
             # occupied port silently and steal half the traffic; fail loudly instead.
-            options=[("grpc.so_reuseport", 0)],
+            options=[("grpc.so_reuseport", 0), *self.security.server_options()],
         )
         pb_grpc.add_GenerationServiceServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -167,8 +175,13 @@ class GrpcServer:
         for service in ("", GENERATION_SERVICE):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         target = _host_port(self._host, self._requested_port)
+        self.security.warn_if_exposed(self._host)
+        credentials = self.security.server_credentials()
         try:
-            port = server.add_insecure_port(target)
+            if credentials is None:
+                port = server.add_insecure_port(target)
+            else:
+                port = server.add_secure_port(target, credentials)
         except RuntimeError as exc:
             raise OSError(f"cannot bind gRPC server to {target}: {exc}") from exc
         if port == 0:  # older grpc reports a failed bind this way
@@ -286,6 +299,8 @@ async def serve(
     drain_notice_s: float = 0.0,
     warm_up: Awaitable[None] | None = None,
     on_started: Callable[[GrpcServer], None] | None = None,
+    security: EdgeSecurity | None = None,
+    metrics: RouterMetrics | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT has drained the server; the caller then stops the workers.
 
@@ -298,6 +313,8 @@ async def serve(
         port=port,
         drain_grace_s=drain_grace_s,
         drain_notice_s=drain_notice_s,
+        security=security,
+        metrics=metrics,
     )
     await server.start()
     server.install_signal_handlers()

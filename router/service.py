@@ -13,8 +13,10 @@ from router.cluster import Cluster, ClusterConfig
 from router.config import RouterConfig
 from router.errors import NotReadyError
 from router.grpc_server import GrpcServer, serve
+from router.metrics import DEFAULT_METRICS_PORT, get_metrics
 from router.orchestrator import DisaggregatedGenerator
 from router.protocol import GenerateCall, PoolStats, ServerInfo
+from router.security import EdgeSecurity
 
 log = logging.getLogger("pdserve")
 
@@ -50,6 +52,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     drain_grace_s: float = 30.0
+    security: EdgeSecurity = field(default_factory=EdgeSecurity)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = DEFAULT_METRICS_PORT  # 0 = no metrics endpoint
 
 
 async def run_service(
@@ -64,6 +69,19 @@ async def run_service(
     """
     front = WarmingGenerator()
     loop = asyncio.get_running_loop()
+    metrics = get_metrics()
+    stop_metrics = None
+    if config.metrics_port:
+        stop_metrics = metrics.serve(config.metrics_host, config.metrics_port)
+
+        def read_pool_stats() -> PoolStats | None:
+            # Called on the metrics server's thread at scrape time.
+            if not front.is_ready():
+                return None
+            future = asyncio.run_coroutine_threadsafe(front.pool_stats(), loop)
+            return future.result(timeout=metrics.pools.timeout_s)
+
+        metrics.pools.set_source(read_pool_stats)
 
     async def warm_up() -> None:
         await loop.run_in_executor(None, cluster.start)
@@ -86,8 +104,13 @@ async def run_service(
             drain_grace_s=config.drain_grace_s,
             warm_up=warm_up(),
             on_started=on_started,
+            security=config.security,
+            metrics=metrics,
         )
     finally:
+        metrics.pools.set_source(None)
+        if stop_metrics is not None:
+            stop_metrics()
         if front.inner is not None:
             await front.inner.stop()
         await loop.run_in_executor(None, lambda: cluster.stop(shutdown_ray=False))

@@ -10,10 +10,31 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from engine.core.kv_events import KVEventBuffer, KVEvents
+
+# Parent of the first block. Python hashes ints and tuples of ints the same in every
+# process (None and str are not), so a router hashes a prompt exactly as the engine does.
+ROOT_HASH = 0x5EED
+
 
 def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     """Hash of a full block that also commits to every block before it."""
-    return hash((parent_hash, tuple(token_ids)))
+    return hash((ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chain hashes of the full blocks a prefix-cache lookup considers for a prompt.
+
+    The last token is never served from the cache (its logits are needed), so a
+    prompt of exactly k blocks yields k - 1 hashes: the same blocks
+    KVCacheManager.find_cached_prefix can hit.
+    """
+    hashes: list[int] = []
+    parent: int | None = None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
 
 
 @dataclass
@@ -39,6 +60,7 @@ class BlockPool:
         # Front = evicted first. OrderedDict gives O(1) removal of a revived block.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, Block] = {}
+        self._events = KVEventBuffer(max_pending=4 * num_blocks + 64)
 
     @property
     def num_free_blocks(self) -> int:
@@ -95,10 +117,16 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+        self._events.stored(block_hash)
+
+    def take_events(self) -> KVEvents:
+        """Prefix-cache hashes stored and evicted since the last call (a snapshot at first)."""
+        return self._events.take(self._cached)
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                self._events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = None

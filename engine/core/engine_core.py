@@ -7,6 +7,7 @@ from typing import Protocol
 
 from engine.core.batch import Batch
 from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.kv_events import KVEvents
 from engine.core.outputs import GenerationInput
 from engine.core.request import FinishReason, Request
 from engine.core.scheduler import RequestUpdate, Scheduler
@@ -82,6 +83,10 @@ class EngineCore:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def take_kv_events(self) -> KVEvents:
+        """Prefix-cache changes since the last call, for a cache-aware router."""
+        return self.scheduler.kv.take_kv_events()
 
     def step(self) -> list[RequestUpdate]:
         """Run one iteration; returns the new tokens and finishes of this step."""

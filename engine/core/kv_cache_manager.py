@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.core.block_pool import Block, BlockPool, chain_hash
+from engine.core.kv_events import KVEvents
 
 
 @dataclass
@@ -29,6 +30,8 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[int]] = {}  # chain hashes of the request's full blocks
+        # Each table's block ids as the tuple a batch carries, rebuilt only when it grows.
+        self._block_tables: dict[str, tuple[int, ...]] = {}
 
     @property
     def enable_caching(self) -> bool:
@@ -48,21 +51,30 @@ class KVCacheManager:
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(req_id, ())]
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[Block]:
+    def block_table(self, req_id: str) -> tuple[int, ...]:
+        """The request's block ids in order (the same tuple until its table changes)."""
+        return self._block_tables.get(req_id, ())
+
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], block_hashes: list[int] | None = None
+    ) -> list[Block]:
         """Longest run of cached full blocks matching the tokens.
 
         At least one token is always left to compute: the runner needs a query
-        to produce the next token's logits.
+        to produce the next token's logits. `block_hashes` (chain hashes of the
+        tokens' first full blocks) is extended in place as far as the lookup goes,
+        so a caller that keeps it hashes each block once, however often it asks.
         """
         if not self.enable_caching:
             return []
         hits: list[Block] = []
-        parent: int | None = None
+        hashes = [] if block_hashes is None else block_hashes
         max_blocks = (len(token_ids) - 1) // self.block_size
         for i in range(max_blocks):
             chunk = token_ids[i * self.block_size : (i + 1) * self.block_size]
-            parent = chain_hash(parent, chunk)
-            block = self.pool.lookup(parent, chunk)
+            if i == len(hashes):
+                hashes.append(chain_hash(hashes[-1] if hashes else None, chunk))
+            block = self.pool.lookup(hashes[i], chunk)
             if block is None:
                 break
             hits.append(block)
@@ -85,6 +97,8 @@ class KVCacheManager:
             raise ValueError(f"request {req_id} already holds blocks; no prefix to attach")
         num_needed = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
         num_new_blocks = num_needed - len(table) - len(cached_prefix)
+        if num_new_blocks <= 0 and not cached_prefix and req_id in self._tables:
+            return []  # most decode steps: the table already has room
         # A revived cached block leaves the free queue too, so it counts against what is free.
         num_revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
@@ -93,10 +107,15 @@ class KVCacheManager:
         fresh = self.pool.allocate(max(num_new_blocks, 0)) or []
         table = [*table, *cached_prefix, *fresh]
         self._tables[req_id] = table
+        self._block_tables[req_id] = tuple(b.block_id for b in table)
         if cached_prefix:
             # Hits are cached blocks, so their chain hashes are known already.
             self._hashes[req_id] = [b.block_hash for b in cached_prefix if b.block_hash is not None]
         return [b.block_id for b in fresh]
+
+    def take_kv_events(self) -> KVEvents:
+        """Prefix-cache hashes stored and evicted since the last call (a snapshot at first)."""
+        return self.pool.take_events()
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count a new request's prompt lookup for the hit-rate metric."""
@@ -123,5 +142,6 @@ class KVCacheManager:
         eviction queue so a shared prefix outlives the suffixes that extend it."""
         table = self._tables.pop(req_id, None)
         self._hashes.pop(req_id, None)
+        self._block_tables.pop(req_id, None)
         if table:
             self.pool.free(reversed(table))
