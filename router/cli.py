@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -12,6 +13,9 @@ from engine.core.config import SchedulerConfig
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
 from router.config import RouterConfig, keep_ray_on_loopback
+from router.security import DEFAULT_MAX_MESSAGE_BYTES, EdgeSecurity
+
+DEFAULT_METRICS_PORT = 9400  # router.metrics.DEFAULT_METRICS_PORT (not imported: keeps --help fast)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -52,6 +56,54 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     g.add_argument(f"--{dash}gpu-memory-utilization", type=float, default=0.85)
 
 
+def _resources(text: str) -> dict[str, float]:
+    """A JSON object of Ray resource amounts, e.g. '{\"prefill_node\": 1}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and v >= 0 for k, v in value.items()
+    ):
+        raise argparse.ArgumentTypeError('expected an object of amounts, e.g. {"prefill_node": 1}')
+    return {k: float(v) for k, v in value.items()}
+
+
+def _add_deploy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("placement (Ray resources each worker of a pool requires)")
+    for pool in ("prefill", "decode", "colocated"):
+        g.add_argument(
+            f"--{pool}-resources",
+            type=_resources,
+            default={},
+            metavar="JSON",
+            help=f"e.g. '{{\"{pool}_node\": 1}}': {pool} workers go to nodes that offer it",
+        )
+    g = p.add_argument_group("security")
+    g.add_argument("--tls-cert", help="PEM server certificate: serve gRPC over TLS")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates (mTLS)")
+    g.add_argument(
+        "--auth-token-file",
+        help="bearer tokens, one per line; calls without one get UNAUTHENTICATED "
+        "(health and reflection stay open)",
+    )
+    g.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest request or response message",
+    )
+    g = p.add_argument_group("metrics")
+    g.add_argument("--metrics-host", default="127.0.0.1")
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="Prometheus /metrics port (0 = off)",
+    )
+
+
 def _engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
     pre = f"{prefix}_" if prefix else ""
 
@@ -85,6 +137,22 @@ def _serve(ns: argparse.Namespace) -> int:
     from router.cluster import Cluster, ClusterConfig, StartupError
     from router.service import ServeConfig, run_service
 
+    try:
+        security = EdgeSecurity(
+            tls_cert=ns.tls_cert,
+            tls_key=ns.tls_key,
+            tls_client_ca=ns.tls_client_ca,
+            auth_token_file=ns.auth_token_file,
+            max_message_bytes=ns.max_message_bytes,
+        )
+    except ValueError as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
+        return 2
+    pool_resources = {
+        pool: getattr(ns, f"{pool}_resources")
+        for pool in ("prefill", "decode", "colocated")
+        if getattr(ns, f"{pool}_resources")
+    }
     config = ServeConfig(
         cluster=ClusterConfig(
             num_prefill_workers=ns.prefill_workers,
@@ -93,11 +161,15 @@ def _serve(ns: argparse.Namespace) -> int:
             prefill_args=_engine_args(ns, "prefill"),
             decode_args=_engine_args(ns, "decode"),
             ray_address=ns.ray_address,
+            pool_resources=pool_resources,
         ),
         router=RouterConfig(max_in_flight=ns.max_in_flight, max_queue=ns.max_queue),
         host=ns.host,
         port=ns.port,
         drain_grace_s=ns.drain_grace_s,
+        security=security,
+        metrics_host=ns.metrics_host,
+        metrics_port=ns.metrics_port,
     )
     cluster = Cluster(config.cluster)
     cluster.init_ray()
@@ -162,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-in-flight", type=int, default=RouterConfig.max_in_flight)
     serve.add_argument("--max-queue", type=int, default=RouterConfig.max_queue)
     serve.add_argument("--drain-grace-s", type=float, default=30.0)
+    _add_deploy_args(serve)
     _add_model_args(serve)
     _add_engine_args(serve, "prefill")
     _add_engine_args(serve, "decode")

@@ -40,6 +40,9 @@ class ClusterConfig:
     placement_timeout_s: float = 60.0  # resources that are not there will not appear
     # CPU workers: torch threads each (0 = share this machine's cores evenly).
     cpu_threads_per_worker: int = 0
+    # Extra Ray resources each worker of a pool requires, e.g. {"prefill": {"prefill_node": 1}}:
+    # with node types that offer them, each pool lands on its own kind of node.
+    pool_resources: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_colocated_workers < 0:
@@ -48,6 +51,11 @@ class ClusterConfig:
             self.num_prefill_workers < 1 or self.num_decode_workers < 1
         ):
             raise ValueError("need at least one prefill and one decode worker")
+        for pool, resources in self.pool_resources.items():
+            if pool not in ("prefill", "decode", "colocated"):
+                raise ValueError(f"pool_resources: unknown pool {pool!r}")
+            if any(amount < 0 for amount in resources.values()):
+                raise ValueError(f"pool_resources[{pool!r}]: amounts must be >= 0")
 
     @property
     def roles(self) -> list[tuple[str, int]]:
@@ -111,14 +119,15 @@ class Cluster:
         if use_gpus is None:
             use_gpus = ray.cluster_resources().get("GPU", 0) >= self.num_workers
         bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpus else {"CPU": 1.0}
-        self._pg = placement_group([dict(bundle) for _ in range(self.num_workers)], strategy="PACK")
+        bundles = [{**bundle, **cfg.pool_resources.get(pool, {})} for pool, _ in cfg.roles]
+        self._pg = placement_group(bundles, strategy="PACK")
         try:
             ray.get(self._pg.ready(), timeout=cfg.placement_timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
             available = ray.available_resources()
             self.stop(shutdown_ray=False)
             raise StartupError(
-                f"could not place {self.num_workers} workers with {bundle} each within "
+                f"could not place {self.num_workers} workers as {bundles} within "
                 f"{cfg.placement_timeout_s:.0f}s; available: {available}"
             ) from exc
         threads = cfg.cpu_threads_per_worker or max(1, (os.cpu_count() or 1) // self.num_workers)
@@ -129,12 +138,13 @@ class Cluster:
             for pool, idx in cfg.roles
         ]
         handles = []
-        for bundle_idx, (_, cls, args, idx) in enumerate(roles):
+        for bundle_idx, (pool, cls, args, idx) in enumerate(roles):
             actor_cls = ray.remote(cls)
             handle = actor_cls.options(  # type: ignore[attr-defined]
                 name=None,
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
+                resources=dict(cfg.pool_resources.get(pool, {})),
                 max_restarts=0,
                 runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
