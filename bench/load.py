@@ -24,6 +24,7 @@ import grpc
 
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.client import ClientSecurity, add_security_arguments
 
 # Words for --text-prompts; token counts per word vary by tokenizer, so prompt
 # lengths are approximate in that mode (usage.prompt_tokens reports the truth).
@@ -126,11 +127,12 @@ async def run_one(
     outcome: Outcome,
     t0: float,
     timeout: float,
+    metadata: tuple[tuple[str, str], ...] | None = None,
 ) -> None:
     """Send one request and record token arrival times into `outcome`."""
     outcome.sent_s = time.perf_counter() - t0
     try:
-        async for response in stub.Generate(request, timeout=timeout):
+        async for response in stub.Generate(request, timeout=timeout, metadata=metadata):
             now = time.perf_counter() - t0
             if response.token_ids:
                 if outcome.first_token_s is None:
@@ -152,7 +154,9 @@ async def run_one(
 async def run_load(args: argparse.Namespace) -> list[Outcome]:
     """Fire every request (open or closed loop) and wait for all of them."""
     requests = build_requests(args)
-    channels = [grpc.aio.insecure_channel(args.target) for _ in range(args.channels)]
+    security = ClientSecurity.from_args(args)
+    metadata = security.metadata()
+    channels = [security.channel(args.target) for _ in range(args.channels)]
     stubs = [pb_grpc.GenerationServiceStub(c) for c in channels]
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
@@ -163,11 +167,12 @@ async def run_load(args: argparse.Namespace) -> list[Outcome]:
 
         async def guarded(i: int) -> None:
             request, outcome = requests[i]
+            stub = stubs[i % len(stubs)]
             if limit is None:
-                await run_one(stubs[i % len(stubs)], request, outcome, t0, args.timeout)
+                await run_one(stub, request, outcome, t0, args.timeout, metadata)
                 return
             async with limit:
-                await run_one(stubs[i % len(stubs)], request, outcome, t0, args.timeout)
+                await run_one(stub, request, outcome, t0, args.timeout, metadata)
 
         tasks = []
         for i in range(len(requests)):
@@ -283,6 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--channels", type=int, default=1, help="gRPC channels (connections)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write summary and per-request records as JSON here")
+    add_security_arguments(p)
     args = p.parse_args(argv)
     if args.rate is None and args.concurrency is None:
         p.error("give --rate, --concurrency, or both")

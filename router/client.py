@@ -7,6 +7,8 @@ import asyncio
 import sys
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,6 +29,75 @@ _SAMPLING_FIELDS = (
 
 Message = tuple[str, str] | dict[str, str]
 DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How to reach a router that uses TLS, mTLS or bearer tokens; defaults: plaintext."""
+
+    tls: bool = False  # TLS with the system's trusted roots
+    tls_ca: str | None = None  # PEM CA bundle that signed the server's certificate (TLS on)
+    tls_cert: str | None = None  # PEM client certificate, for a server that requires mTLS
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tls_server_name: str | None = None  # name to check the certificate against
+    token: str | None = None  # bearer token
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or bool(self.tls_ca or self.tls_cert)
+
+    def channel(self, target: str) -> grpc.aio.Channel:
+        """An open channel to `target` (host:port) with these settings."""
+        if not self.uses_tls:
+            return grpc.aio.insecure_channel(target)
+
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=read(self.tls_ca),
+            private_key=read(self.tls_key),
+            certificate_chain=read(self.tls_cert),
+        )
+        options = []
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return grpc.aio.secure_channel(target, credentials, options=options)
+
+    def metadata(
+        self, extra: Sequence[tuple[str, str]] | None = None
+    ) -> tuple[tuple[str, str], ...] | None:
+        """Call metadata: `extra` plus the bearer token, if any."""
+        items = tuple(extra or ())
+        if self.token:
+            items += (("authorization", f"Bearer {self.token}"),)
+        return items or None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClientSecurity:
+        """From the options of `add_security_arguments`."""
+        token = None
+        if args.auth_token_file:
+            token = Path(args.auth_token_file).read_text().strip().splitlines()[0].strip()
+        return cls(
+            tls=args.tls,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_server_name=args.tls_server_name,
+            token=token,
+        )
+
+
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """Client-side TLS and token options (`pdserve generate`, `bench.load`)."""
+    g = parser.add_argument_group("security")
+    g.add_argument("--tls", action="store_true", help="TLS, trusting the system's roots")
+    g.add_argument("--tls-ca", help="PEM CA bundle that signed the server certificate")
+    g.add_argument("--tls-cert", help="PEM client certificate (server requires mTLS)")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-server-name", help="expected name in the server certificate")
+    g.add_argument("--auth-token-file", help="file whose first line is the bearer token")
 
 
 def build_request(
@@ -70,13 +141,17 @@ async def stream_generate(
     priority: int = 0,
     timeout: float | None = None,
     metadata: Sequence[tuple[str, str]] | None = None,
+    security: ClientSecurity | None = None,
     **sampling: Any,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """Yield every GenerateResponse of one call; raises grpc.aio.AioRpcError on failure.
 
     `target` is "host:port" (a channel is opened and closed here) or an open
-    channel to reuse across calls.
+    channel to reuse across calls. `security` adds TLS (to a channel opened here)
+    and the bearer token.
     """
+    security = security or ClientSecurity()
+    metadata = security.metadata(metadata)
     request = build_request(
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
@@ -86,7 +161,7 @@ async def stream_generate(
         **sampling,
     )
     if isinstance(target, str):
-        async with grpc.aio.insecure_channel(target) as channel:
+        async with security.channel(target) as channel:
             async for response in _stream(channel, request, timeout, metadata):
                 yield response
     else:
@@ -111,18 +186,28 @@ async def _stream(
         call.cancel()
 
 
-async def get_server_info(target: str, timeout: float = 10.0) -> pb.GetServerInfoResponse:
+async def get_server_info(
+    target: str, timeout: float = 10.0, security: ClientSecurity | None = None
+) -> pb.GetServerInfoResponse:
     """Call GetServerInfo once."""
-    async with grpc.aio.insecure_channel(target) as channel:
+    security = security or ClientSecurity()
+    async with security.channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
-        return await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+        return await stub.GetServerInfo(
+            pb.GetServerInfoRequest(), timeout=timeout, metadata=security.metadata()
+        )
 
 
-async def get_pool_stats(target: str, timeout: float = 10.0) -> pb.GetPoolStatsResponse:
+async def get_pool_stats(
+    target: str, timeout: float = 10.0, security: ClientSecurity | None = None
+) -> pb.GetPoolStatsResponse:
     """Call GetPoolStats once (e.g. to check that blocks in use returned to 0)."""
-    async with grpc.aio.insecure_channel(target) as channel:
+    security = security or ClientSecurity()
+    async with security.channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
-        return await stub.GetPoolStats(pb.GetPoolStatsRequest(), timeout=timeout)
+        return await stub.GetPoolStats(
+            pb.GetPoolStatsRequest(), timeout=timeout, metadata=security.metadata()
+        )
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +225,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="send the prompt as one user turn")
     parser.add_argument("--request-id", default="")
     parser.add_argument("--timeout", type=float, help="deadline in seconds")
+    add_security_arguments(parser)
 
 
 async def run_generate(args: argparse.Namespace) -> int:
@@ -155,6 +241,7 @@ async def run_generate(args: argparse.Namespace) -> int:
             **inputs,
             request_id=args.request_id,
             timeout=args.timeout,
+            security=ClientSecurity.from_args(args),
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,

@@ -36,6 +36,10 @@ class ServiceProcess:
     def __init__(self, args: list[str], log_path: Path) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        # Each service gets its own metrics port, so services (and `make run`) can coexist.
+        if "--metrics-port" not in args:
+            args = ["--metrics-port", str(free_port()), *args]
+        self.metrics_port = int(args[args.index("--metrics-port") + 1])
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
