@@ -1,0 +1,108 @@
+"""Cache-aware routing: pick the worker whose prefix cache holds most of the prompt,
+minus a penalty for its load, unless that worker is overloaded.
+
+Pure functions over a PrefixIndex and each worker's load; no Ray, no gRPC.
+
+Score of a live candidate = cached prompt tokens - load_penalty_tokens x requests in
+flight on it. A candidate whose load exceeds the bound (more than
+max(min_load x overload_ratio, min_load + overload_slack), min_load taken over live
+workers) is left out for this request only: a hot worker that holds a popular
+prefix loses that prefix's traffic to the others until it cools down, while every
+other request is still routed by its cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from router.kv_index import PrefixIndex
+
+RoutingPolicy = Literal["least-loaded", "prefix-aware"]
+ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("least-loaded", "prefix-aware")
+
+
+class LoadView(Protocol):
+    """What routing reads of a worker (router.policy.WorkerLoadView fits)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def num_assigned(self) -> int: ...
+    @property
+    def num_blocks_free(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How the router trades cache hits against load."""
+
+    policy: RoutingPolicy = "prefix-aware"
+    # Cached prompt tokens that one request in flight on a worker is worth giving up.
+    load_penalty_tokens: float = 128.0
+    # Load bound: a worker above max(min_load * ratio, min_load + slack) is skipped.
+    overload_ratio: float = 1.5
+    overload_slack: int = 4
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(
+                f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, got {self.policy!r}"
+            )
+        if self.load_penalty_tokens < 0:
+            raise ValueError(f"load_penalty_tokens must be >= 0, got {self.load_penalty_tokens}")
+        if self.overload_ratio < 1.0:
+            raise ValueError(f"overload_ratio must be >= 1.0, got {self.overload_ratio}")
+        if self.overload_slack < 0:
+            raise ValueError(f"overload_slack must be >= 0, got {self.overload_slack}")
+
+    def load_bound(self, min_load: int) -> float:
+        """Most requests in flight a worker may have and still be chosen for its cache."""
+        return max(min_load * self.overload_ratio, min_load + self.overload_slack)
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    """The chosen worker and the prompt tokens its cache is expected to serve."""
+
+    index: int
+    num_cached_tokens: int
+
+
+def _load_key(w: LoadView) -> tuple[int, int, int]:
+    # Same order as least-loaded routing: fewest in flight, most free blocks, lowest index.
+    return (w.num_assigned, -w.num_blocks_free, w.index)
+
+
+def choose_worker(
+    workers: Sequence[LoadView],
+    index: PrefixIndex,
+    block_hashes: Sequence[int],
+    config: RoutingConfig,
+) -> RouteChoice | None:
+    """The live worker to run a prompt with these block hashes; None if none is alive.
+
+    `block_hashes` comes from index.hash_prompt(prompt_token_ids). Under
+    least-loaded the cache is ignored for the choice but still reported.
+    """
+    live = [w for w in workers if w.alive]
+    if not live:
+        return None
+    if config.policy == "least-loaded":
+        best = min(live, key=_load_key)
+        return RouteChoice(best.index, index.num_cached_tokens(best.index, block_hashes))
+    bound = config.load_bound(min(w.num_assigned for w in live))
+    best_key: tuple[float, int, int, int] | None = None
+    choice: RouteChoice | None = None
+    for w in live:
+        if w.num_assigned > bound:
+            continue  # the least-loaded worker is never above the bound
+        cached = index.num_cached_tokens(w.index, block_hashes)
+        score = cached - config.load_penalty_tokens * w.num_assigned
+        key = (-score, *_load_key(w))
+        if best_key is None or key < best_key:
+            best_key, choice = key, RouteChoice(w.index, cached)
+    return choice

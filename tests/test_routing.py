@@ -1,0 +1,124 @@
+"""Prefix-aware routing over fake workers: the index follows events, dead workers are
+never chosen, and the load bound sends a hot worker's traffic elsewhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_events import KVEvents
+from router.kv_index import PrefixIndex
+from router.routing import RouteChoice, RoutingConfig, choose_worker
+
+BLOCK = 4
+
+
+@dataclass(frozen=True)
+class FakeWorker:
+    index: int
+    alive: bool = True
+    num_assigned: int = 0
+    num_blocks_free: int = 100
+
+
+def prompt(system: int, n: int) -> list[int]:
+    """`n` tokens that start with a system prompt shared by every prompt of that `system`."""
+    return [1000 * system + i for i in range(n)]
+
+
+def index_with(holdings: dict[int, list[int]]) -> PrefixIndex:
+    """An index where worker w holds the full blocks of holdings[w] (its cached prompt)."""
+    idx = PrefixIndex(BLOCK)
+    for w, tokens in holdings.items():
+        idx.apply(w, KVEvents(stored=tuple(idx.hash_prompt(tokens)), full=True))
+    return idx
+
+
+def test_prompt_goes_to_the_worker_holding_its_prefix() -> None:
+    idx = index_with({0: prompt(1, 41), 1: prompt(2, 41)})
+    workers = [FakeWorker(0), FakeWorker(1)]
+    hashes = idx.hash_prompt(prompt(2, 60))
+    assert choose_worker(workers, idx, hashes, RoutingConfig()) == RouteChoice(1, 40)
+    # Least-loaded ignores the cache for the choice (ties go to the lower index).
+    least = choose_worker(workers, idx, hashes, RoutingConfig(policy="least-loaded"))
+    assert least == RouteChoice(0, 0)
+
+
+def test_eviction_events_remove_entries() -> None:
+    idx = index_with({0: prompt(1, 41), 1: prompt(1, 21)})
+    hashes = idx.hash_prompt(prompt(1, 60))
+    workers = [FakeWorker(1), FakeWorker(0)]
+    assert choose_worker(workers, idx, hashes, RoutingConfig()) == RouteChoice(0, 40)
+    # Worker 0 evicts its third block: the chain breaks there, so only 8 tokens remain.
+    idx.apply(0, KVEvents(removed=(hashes[2],)))
+    assert idx.num_cached_tokens(0, hashes) == 8
+    assert choose_worker(workers, idx, hashes, RoutingConfig()) == RouteChoice(1, 20)
+
+
+def test_index_follows_a_real_engine_cache() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=BLOCK)
+    idx = PrefixIndex(BLOCK)
+    for req_id, tokens in (("a", prompt(1, 21)), ("b", prompt(2, 21))):
+        prefix = kv.find_cached_prefix(tokens)
+        hit = len(prefix) * BLOCK
+        assert kv.allocate_slots(req_id, hit, len(tokens) - hit, prefix) is not None
+        kv.cache_full_blocks(req_id, tokens, len(tokens))
+        kv.free(req_id)
+        idx.apply(7, kv.take_kv_events())
+    # "b" needed all 6 blocks, so every block of "a" was evicted and reported.
+    assert idx.num_cached_tokens(7, idx.hash_prompt(prompt(1, 30))) == 0
+    assert idx.num_cached_tokens(7, idx.hash_prompt(prompt(2, 30))) == 20
+    assert idx.num_blocks(7) == 5
+
+
+def test_a_dead_worker_is_never_chosen() -> None:
+    idx = index_with({0: prompt(1, 80)})
+    hashes = idx.hash_prompt(prompt(1, 80))
+    workers = [FakeWorker(0, alive=False), FakeWorker(1, num_assigned=50)]
+    assert choose_worker(workers, idx, hashes, RoutingConfig()) == RouteChoice(1, 0)
+    assert choose_worker([FakeWorker(0, alive=False)], idx, hashes, RoutingConfig()) is None
+
+
+def test_a_removed_worker_drops_out_of_the_index_at_once() -> None:
+    idx = index_with({0: prompt(1, 41), 1: prompt(1, 41)})
+    idx.remove_worker(0)
+    idx.remove_worker(0)
+    assert idx.workers == frozenset({1})
+    assert idx.num_cached_tokens(0, idx.hash_prompt(prompt(1, 41))) == 0
+
+
+def test_a_full_batch_replaces_what_a_restarted_worker_held() -> None:
+    idx = index_with({0: prompt(1, 41)})
+    idx.apply(0, KVEvents(full=True))
+    assert idx.num_blocks(0) == 0
+
+
+def test_load_penalty_trades_hits_for_load() -> None:
+    idx = index_with({0: prompt(1, 41)})
+    hashes = idx.hash_prompt(prompt(1, 41))  # 40 cached tokens on worker 0
+    workers = [FakeWorker(0, num_assigned=2), FakeWorker(1, num_assigned=1)]
+    cheap = RoutingConfig(load_penalty_tokens=10)  # 40 - 20 beats 0 - 10
+    assert choose_worker(workers, idx, hashes, cheap) == RouteChoice(0, 40)
+    dear = RoutingConfig(load_penalty_tokens=50)  # 40 - 100 loses to 0 - 50
+    assert choose_worker(workers, idx, hashes, dear) == RouteChoice(1, 0)
+
+
+def test_load_bound_moves_only_the_hot_workers_prefix() -> None:
+    idx = index_with({0: prompt(1, 401), 1: prompt(2, 401)})
+    config = RoutingConfig(load_penalty_tokens=1, overload_ratio=1.5, overload_slack=4)
+    hot = [FakeWorker(0, num_assigned=10), FakeWorker(1, num_assigned=2), FakeWorker(2)]
+    # Worker 0 holds 400 cached tokens but 10 > max(0 * 1.5, 0 + 4): over the bound.
+    assert choose_worker(hot, idx, idx.hash_prompt(prompt(1, 500)), config) == RouteChoice(2, 0)
+    # Worker 1 is under the bound, so its own prefix still goes to it.
+    assert choose_worker(hot, idx, idx.hash_prompt(prompt(2, 500)), config) == RouteChoice(1, 400)
+    # Just at the bound counts as not overloaded.
+    at_bound = [FakeWorker(0, num_assigned=4), FakeWorker(2)]
+    choice = choose_worker(at_bound, idx, idx.hash_prompt(prompt(1, 500)), config)
+    assert choice is not None and choice.index == 0
+
+
+def test_config_rejects_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="least-loaded, prefix-aware"):
+        RoutingConfig(policy="random")  # type: ignore[arg-type]
