@@ -1,0 +1,189 @@
+"""TLS, mutual TLS, bearer tokens and message limits at the router's gRPC edge.
+
+A real grpc.aio server on loopback with a scripted core; certificates are made per run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from router.client import ClientSecurity, get_server_info, stream_generate
+from router.grpc_server import GrpcServer
+from router.security import EdgeSecurity
+from tests.certs import CertificateAuthority, Issued
+from tests.test_servicer import FakeCore
+
+TOKEN = "s3cret-token-for-tests"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    folder = tmp_path_factory.mktemp("pki")
+    ca = CertificateAuthority(folder)
+    rogue = CertificateAuthority(folder, "rogue CA")
+    tokens = folder / "tokens"
+    tokens.write_text(f"# rotated tokens, one per line\nold-token\n{TOKEN}\n")
+    return {
+        "ca": ca.cert_path,
+        "server": ca.issue("server", server=True),
+        "client": ca.issue("client", server=False),
+        "rogue_ca": rogue.cert_path,
+        "rogue_client": rogue.issue("rogue-client", server=False),
+        "tokens": tokens,
+    }
+
+
+def with_server(security: EdgeSecurity, body: Callable[[str], Awaitable[None]]) -> None:
+    async def main() -> None:
+        server = GrpcServer(FakeCore(num_chunks=2), host="127.0.0.1", port=0, security=security)
+        await server.start()
+        await server.set_serving()
+        try:
+            await body(server.address)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+async def generate(address: str, security: ClientSecurity, **kwargs: object) -> str:
+    texts = [
+        r.text
+        async for r in stream_generate(
+            address, prompt="hi", max_tokens=2, timeout=10, security=security, **kwargs
+        )
+    ]
+    return "".join(texts)
+
+
+async def fails_with(address: str, security: ClientSecurity) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(address, security)
+    return info.value.code()
+
+
+def test_tls_serves_clients_that_trust_its_ca_only(pki: dict) -> None:
+    server: Issued = pki["server"]
+
+    async def body(address: str) -> None:
+        assert await generate(address, ClientSecurity(tls_ca=str(pki["ca"]))) == "t0 t1 "
+        # A plaintext client, and one that trusts another CA, never get a response.
+        assert await fails_with(address, ClientSecurity()) == grpc.StatusCode.UNAVAILABLE
+        wrong_ca = ClientSecurity(tls_ca=str(pki["rogue_ca"]))
+        assert await fails_with(address, wrong_ca) == grpc.StatusCode.UNAVAILABLE
+
+    with_server(EdgeSecurity(tls_cert=str(server.cert), tls_key=str(server.key)), body)
+
+
+def test_mtls_requires_a_client_certificate_from_the_client_ca(pki: dict) -> None:
+    server: Issued = pki["server"]
+    client: Issued = pki["client"]
+    rogue: Issued = pki["rogue_client"]
+    security = EdgeSecurity(
+        tls_cert=str(server.cert), tls_key=str(server.key), tls_client_ca=str(pki["ca"])
+    )
+
+    async def body(address: str) -> None:
+        good = ClientSecurity(
+            tls_ca=str(pki["ca"]), tls_cert=str(client.cert), tls_key=str(client.key)
+        )
+        assert await generate(address, good) == "t0 t1 "
+        no_cert = ClientSecurity(tls_ca=str(pki["ca"]))
+        assert await fails_with(address, no_cert) == grpc.StatusCode.UNAVAILABLE
+        other = ClientSecurity(
+            tls_ca=str(pki["ca"]), tls_cert=str(rogue.cert), tls_key=str(rogue.key)
+        )
+        assert await fails_with(address, other) == grpc.StatusCode.UNAVAILABLE
+
+    with_server(security, body)
+
+
+def test_token_auth_refuses_missing_or_wrong_tokens_but_not_probes(pki: dict) -> None:
+    async def body(address: str) -> None:
+        assert await generate(address, ClientSecurity(token=TOKEN)) == "t0 t1 "
+        assert await generate(address, ClientSecurity(token="old-token")) == "t0 t1 "
+        assert await fails_with(address, ClientSecurity()) == grpc.StatusCode.UNAUTHENTICATED
+        wrong = ClientSecurity(token=TOKEN + "x")
+        assert await fails_with(address, wrong) == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await get_server_info(address)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert (await get_server_info(address, security=ClientSecurity(token=TOKEN))).model
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            async for reply in reflection.ServerReflectionInfo(iter([request]), timeout=5):
+                names = {s.name for s in reply.list_services_response.service}
+                assert "pdserve.v1.GenerationService" in names
+
+    with_server(EdgeSecurity(auth_token_file=str(pki["tokens"])), body)
+
+
+def test_tls_and_token_together(pki: dict) -> None:
+    server: Issued = pki["server"]
+    security = EdgeSecurity(
+        tls_cert=str(server.cert), tls_key=str(server.key), auth_token_file=str(pki["tokens"])
+    )
+
+    async def body(address: str) -> None:
+        good = ClientSecurity(tls_ca=str(pki["ca"]), token=TOKEN)
+        assert await generate(address, good) == "t0 t1 "
+        no_token = ClientSecurity(tls_ca=str(pki["ca"]))
+        assert await fails_with(address, no_token) == grpc.StatusCode.UNAUTHENTICATED
+
+    with_server(security, body)
+
+
+def test_oversized_messages_are_refused() -> None:
+    async def body(address: str) -> None:
+        assert await generate(address, ClientSecurity(), stop=["x"] * 16) == "t0 t1 "
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(address, ClientSecurity(), stop=["x"] * 17)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at most 16" in (info.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(address, ClientSecurity(), stop_token_ids=list(range(65)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            big = "word " * 2000  # 10 kB, over the 8 kB limit below
+            async for _ in stream_generate(address, prompt=big, max_tokens=2, timeout=10):
+                pass
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    with_server(EdgeSecurity(max_message_bytes=8192), body)
+
+
+def test_bad_settings_are_refused_with_a_reason(tmp_path: Path, pki: dict) -> None:
+    server: Issued = pki["server"]
+    with pytest.raises(ValueError, match="together"):
+        EdgeSecurity(tls_cert=str(server.cert))
+    with pytest.raises(ValueError, match="mTLS"):
+        EdgeSecurity(tls_client_ca=str(pki["ca"]))
+    with pytest.raises(ValueError, match="no such file"):
+        EdgeSecurity(auth_token_file=str(tmp_path / "missing"))
+    empty = tmp_path / "empty"
+    empty.write_text("\n# nothing\n")
+    with pytest.raises(ValueError, match="no token"):
+        EdgeSecurity(auth_token_file=str(empty)).interceptors()
+
+
+def test_plaintext_on_a_public_address_warns(pki: dict, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="router.security")
+    for host in ("127.0.0.1", "localhost", "::1"):
+        EdgeSecurity().warn_if_exposed(host)
+    EdgeSecurity(auth_token_file=str(pki["tokens"])).warn_if_exposed("0.0.0.0")
+    assert not caplog.records
+    EdgeSecurity().warn_if_exposed("0.0.0.0")
+    assert len(caplog.records) == 1
+    assert "without TLS or authentication" in caplog.records[0].getMessage()
