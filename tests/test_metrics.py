@@ -1,0 +1,198 @@
+"""/metrics: names, types and labels, and counters that match the calls a client made.
+
+A real grpc.aio server with a scripted core and the metrics HTTP endpoint on loopback;
+the end-to-end service's worker gauges are checked in test_service_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router import metrics as router_metrics
+from router.client import ClientSecurity, stream_generate
+from router.grpc_server import GrpcServer
+from router.metrics import RouterMetrics
+from router.protocol import PoolStats, WorkerStats
+from router.security import EdgeSecurity
+from tests.service import free_port
+from tests.test_servicer import FakeCore
+
+HISTOGRAMS = (
+    "pdserve_time_to_first_token_seconds",
+    "pdserve_inter_token_latency_seconds",
+    "pdserve_e2e_request_latency_seconds",
+    "pdserve_request_queue_time_seconds",
+    "pdserve_request_prefill_time_seconds",
+    "pdserve_kv_transfer_seconds",
+    "pdserve_request_prompt_tokens",
+    "pdserve_request_generation_tokens",
+)
+COUNTERS = {
+    "pdserve_requests": {"finish_reason"},
+    "pdserve_request_errors": {"code"},
+    "pdserve_prompt_tokens": set(),
+    "pdserve_generation_tokens": set(),
+    "pdserve_prefix_cache_queries": {"pool"},
+    "pdserve_prefix_cache_hits": {"pool"},
+    "pdserve_kv_transfer_bytes": set(),
+    "pdserve_kv_transfer_failures": set(),
+    "pdserve_preemptions": {"pool"},
+    "pdserve_worker_restarts": {"pool"},
+}
+GAUGES = {
+    "pdserve_num_requests_running": {"pool", "worker"},
+    "pdserve_num_requests_waiting": {"pool", "worker"},
+    "pdserve_kv_cache_usage_ratio": {"pool", "worker"},
+    "pdserve_router_in_flight": set(),
+    "pdserve_router_queued": set(),
+}
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(port: int) -> tuple[dict[str, str], Samples, dict[str, set[str]]]:
+    """(family -> type, (sample, labels) -> value, family -> label names seen)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    types, samples, labels = {}, {}, {}
+    for family in text_string_to_metric_families(text):
+        types[family.name] = family.type
+        labels[family.name] = set()
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+            labels[family.name] |= set(s.labels) - {"le"}
+    return types, samples, labels
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def worker(pool: str, index: int, **kw: int) -> WorkerStats:
+    base = WorkerStats(pool, index, 100, 25, 2, 1, 32, 64, 0)  # type: ignore[arg-type]
+    return replace(base, **kw)
+
+
+def test_metrics_count_what_clients_sent(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok\n")
+    metrics = RouterMetrics()
+    stats = [PoolStats((worker("prefill", 0), worker("decode", 0, num_preemptions=3)), 1, 2)]
+    metrics.pools.set_source(lambda: stats[0])
+    port = free_port()
+    stop_http = metrics.serve("127.0.0.1", port)
+    core = FakeCore(num_chunks=3)
+    good = ClientSecurity(token="tok")
+
+    async def main() -> None:
+        server = GrpcServer(
+            core,
+            host="127.0.0.1",
+            port=0,
+            security=EdgeSecurity(auth_token_file=str(tokens)),
+            metrics=metrics,
+        )
+        await server.start()
+        await server.set_serving()
+        try:
+            for _ in range(4):
+                async for _ in stream_generate(server.address, prompt="p", security=good):
+                    pass
+            for security, kwargs in ((good, {}), (ClientSecurity(), {"prompt": "p"})):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    async for _ in stream_generate(server.address, security=security, **kwargs):
+                        pass
+        finally:
+            await server.stop(0)
+
+    try:
+        asyncio.run(main())
+        types, samples, labels = scrape(port)
+        for name in HISTOGRAMS:
+            assert types.get(name) == "histogram", name
+        for name, names in COUNTERS.items():
+            assert types.get(name) == "counter", name
+            assert labels[name] <= names, (name, labels[name])
+        for name, names in GAUGES.items():
+            assert types.get(name) == "gauge", name
+            assert labels[name] == names, (name, labels[name])
+
+        # 4 requests of 3 tokens in 3 chunks (prompt of 2 tokens), 2 refused calls.
+        assert value(samples, "pdserve_requests_total", finish_reason="length") == 4
+        assert value(samples, "pdserve_requests_total", finish_reason="stop") == 0
+        assert value(samples, "pdserve_request_errors_total", code="INVALID_ARGUMENT") == 1
+        assert value(samples, "pdserve_request_errors_total", code="UNAUTHENTICATED") == 1
+        assert value(samples, "pdserve_prompt_tokens_total") == 8
+        assert value(samples, "pdserve_generation_tokens_total") == 12
+        assert value(samples, "pdserve_time_to_first_token_seconds_count") == 4
+        assert value(samples, "pdserve_inter_token_latency_seconds_count") == 8
+        assert value(samples, "pdserve_e2e_request_latency_seconds_count") == 4
+        assert value(samples, "pdserve_request_generation_tokens_sum") == 12
+
+        # Worker numbers, through pool_stats.
+        assert value(samples, "pdserve_num_requests_running", pool="decode", worker="0") == 2
+        assert value(samples, "pdserve_num_requests_waiting", pool="prefill", worker="0") == 1
+        assert value(samples, "pdserve_kv_cache_usage_ratio", pool="decode", worker="0") == 0.25
+        assert value(samples, "pdserve_router_in_flight") == 1
+        assert value(samples, "pdserve_router_queued") == 2
+        assert value(samples, "pdserve_prefix_cache_hits_total", pool="prefill") == 32
+        assert value(samples, "pdserve_prefix_cache_queries_total", pool="decode") == 64
+        assert value(samples, "pdserve_preemptions_total", pool="decode") == 3
+
+        # A restarted worker counts from zero again; the pool's counter does not go back.
+        stats[0] = PoolStats(
+            (worker("prefill", 0, prefix_hit_tokens=40), worker("decode", 0, num_preemptions=1)),
+            0,
+            0,
+        )
+        _, samples, _ = scrape(port)
+        assert value(samples, "pdserve_prefix_cache_hits_total", pool="prefill") == 40
+        assert value(samples, "pdserve_preemptions_total", pool="decode") == 4
+
+        # No pools yet (warming up) or a failing read: the scrape still works.
+        def broken() -> PoolStats:
+            raise RuntimeError("pools are still starting")
+
+        metrics.pools.set_source(broken)
+        types, samples, _ = scrape(port)
+        assert value(samples, "pdserve_router_in_flight") == 0
+        assert ("pdserve_num_requests_running", frozenset()) not in samples
+        assert value(samples, "pdserve_preemptions_total", pool="decode") == 4
+    finally:
+        stop_http()
+
+
+def test_router_events_reach_the_process_metrics() -> None:
+    registry = router_metrics.get_metrics().registry
+
+    def read(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
+    before = (
+        read("pdserve_kv_transfer_bytes_total"),
+        read("pdserve_kv_transfer_failures_total"),
+        read("pdserve_worker_restarts_total", pool="decode"),
+    )
+    router_metrics.observe_kv_transfer(4096)
+    router_metrics.kv_transfer_failed()
+    router_metrics.worker_restarted("decode")
+    assert read("pdserve_kv_transfer_bytes_total") == before[0] + 4096
+    assert read("pdserve_kv_transfer_failures_total") == before[1] + 1
+    assert read("pdserve_worker_restarts_total", pool="decode") == before[2] + 1
+
+
+def test_metrics_port_in_use_fails_loudly() -> None:
+    port = free_port()
+    stop = RouterMetrics().serve("127.0.0.1", port)
+    try:
+        with pytest.raises(OSError, match="metrics"):
+            RouterMetrics().serve("127.0.0.1", port)
+    finally:
+        stop()
