@@ -20,6 +20,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     policy: Policy = "fcfs"
     prioritize_prefill: bool = False
+    # Priority policy: a waiting request gains one priority level per this many seconds
+    # it has waited (0 = no aging). See engine/core/priority.py.
+    priority_aging_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -35,6 +38,10 @@ class SchedulerConfig:
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.priority_aging_s < 0:
+            raise ValueError(
+                f"priority_aging_s must be >= 0 (0 = no aging), got {self.priority_aging_s}"
+            )
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.priority import PriorityAging
 from engine.core.request import FinishReason, Request, RequestStatus
 
 
@@ -44,6 +45,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.aging = PriorityAging(config.priority_aging_s if config.policy == "priority" else 0)
         self.num_preemptions = 0  # since start, for metrics
 
     # ---------------------------------------------------------------- queues
@@ -61,12 +63,13 @@ class Scheduler:
 
     def _queue_key(self, req: Request) -> tuple[float, ...]:
         if self.config.policy == "priority":
-            return (req.priority, req.arrival_time)
+            return (self.aging.effective_priority(req), req.arrival_time)
         return (req.arrival_time,)
 
     def _enqueue_waiting(self, req: Request) -> None:
         # Sorted insert keeps the queue in policy order; a preempted request keeps
         # its original arrival time, so under FCFS it resumes ahead of newcomers.
+        self.aging.start_waiting(req.req_id)
         key = self._queue_key(req)
         idx = len(self.waiting)
         while idx > 0 and self._queue_key(self.waiting[idx - 1]) > key:
@@ -115,6 +118,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
+        self.aging.forget(req_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if reason is not FinishReason.HANDOFF:
@@ -131,7 +135,20 @@ class Scheduler:
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         # Lowest priority (largest value) first, then the latest arrival.
-        return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return max(candidates, key=lambda r: (self.aging.effective_priority(r), r.arrival_time))
+
+    def _preempt_for(self, req: Request, chunks: dict[str, int]) -> int | None:
+        """Priority policy: make room for `req` by preempting the least urgent running
+        request, if it is strictly less urgent than `req`. Returns the step budget the
+        victim gave back, or None when there is no such victim."""
+        if self.config.policy != "priority" or not self.running:
+            return None
+        victim = self._pick_victim(self.running)
+        if self.aging.effective_priority(victim) <= self.aging.effective_priority(req):
+            return None
+        freed = chunks.pop(victim.req_id, 0)
+        self._preempt(victim)
+        return freed
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -176,8 +193,15 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, chunks: dict[str, int], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if self.aging.enabled:
+            self.waiting.sort(key=self._queue_key)  # waiting time reorders the queue
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if len(self.running) >= self.config.max_num_seqs:
+                freed = self._preempt_for(req, chunks)
+                if freed is None:
+                    break
+                budget += freed
             is_new = req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
             prefix = self.kv.find_cached_prefix(req.all_token_ids)
             num_hit = len(prefix) * self.block_size
@@ -185,11 +209,16 @@ class Scheduler:
             num_new = self._chunk(req, budget)
             if self.kv.allocate_slots(req.req_id, num_hit, num_new, prefix) is None:
                 req.num_computed_tokens = 0
-                break  # head-of-line waits for blocks; running requests are never starved
+                freed = self._preempt_for(req, chunks)
+                if freed is None:
+                    break  # head-of-line waits for blocks; running requests are never starved
+                budget += freed
+                continue
             if is_new:
                 req.num_cached_tokens = num_hit
                 self.kv.record_prefix_query(req.num_prompt_tokens, num_hit)
             self.waiting.pop(0)
+            self.aging.stop_waiting(req.req_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks[req.req_id] = num_new
