@@ -17,6 +17,8 @@ from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 from router.client import get_pool_stats, stream_generate
 from tests.service import ServiceProcess
+from tests.test_metrics import scrape
+from tests.test_metrics import value as metric_value
 
 pytestmark = pytest.mark.e2e
 
@@ -283,3 +285,32 @@ def test_queue_full_is_resource_exhausted(service: ServiceProcess) -> None:
     assert grpc.StatusCode.OK in codes
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
     asyncio.run(_wait_pools_empty(service.address))
+
+
+def test_metrics_endpoint_shows_requests_and_every_worker(service: ServiceProcess) -> None:
+    before = scrape(service.metrics_port)[1]
+
+    async def run() -> None:
+        for prompt in ("One", "Two", SHARED + "Three"):
+            await _collect(service.address, prompt=prompt, max_tokens=5, ignore_eos=True)
+
+    asyncio.run(run())
+    types, after, _ = scrape(service.metrics_port)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+
+    assert delta("pdserve_requests_total", finish_reason="length") == 3
+    assert delta("pdserve_generation_tokens_total") == 15
+    assert delta("pdserve_time_to_first_token_seconds_count") == 3
+    assert delta("pdserve_request_prefill_time_seconds_count") == 3
+    assert delta("pdserve_kv_transfer_seconds_count") == 3  # one hand-off per request
+    assert delta("pdserve_prefix_cache_queries_total", pool="prefill") > 0
+    for pool in ("prefill", "decode"):
+        ratio = metric_value(after, "pdserve_kv_cache_usage_ratio", pool=pool, worker="0")
+        assert 0 <= ratio <= 1
+        assert (
+            "pdserve_num_requests_running",
+            frozenset({("pool", pool), ("worker", "0")}),
+        ) in after
+    assert types["pdserve_router_in_flight"] == "gauge"
