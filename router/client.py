@@ -210,21 +210,50 @@ async def get_pool_stats(
         )
 
 
+def parse_target(value: str) -> str:
+    """argparse type of --server/--target: HOST:PORT or [IPv6]:PORT, port required."""
+    host, sep, port = value.rpartition(":")
+    if value.startswith("unix:"):
+        return value
+    bracketed = host.startswith("[") and host.endswith("]")
+    if not sep or not host or (":" in host and not bracketed) or not port.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT (e.g. {DEFAULT_TARGET}), got {value!r}"
+        )
+    if not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"port must be 1-65535, got {port}")
+    return value
+
+
+# One set of defaults, offline and against a server: the CLI sends them explicitly.
+DEFAULT_MAX_TOKENS = 256
+
+
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `pdserve generate`."""
     parser.add_argument("prompt", help="text prompt")
     # No default: `pdserve generate` without --server generates offline in-process.
-    parser.add_argument("--server", help=f"router HOST:PORT (e.g. {DEFAULT_TARGET})")
-    parser.add_argument("--max-tokens", type=int)
-    parser.add_argument("--temperature", type=float)
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--server",
+        type=parse_target,
+        help=f"router HOST:PORT, e.g. {DEFAULT_TARGET} (default: generate offline, in-process)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most"
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
+    parser.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    parser.add_argument("--stop", action="append", help="stop string, repeatable (default: none)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-text")
     parser.add_argument("--chat", action="store_true", help="send the prompt as one user turn")
-    parser.add_argument("--request-id", default="")
-    parser.add_argument("--timeout", type=float, help="deadline in seconds")
+    parser.add_argument(
+        "--request-id", default="", help="with --server: id to quote (default: assigned)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, help="with --server: deadline in seconds (default: none)"
+    )
     add_security_arguments(parser)
 
 
@@ -281,7 +310,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m router.client PROMPT [--server HOST:PORT] ...`"""
     parser = argparse.ArgumentParser(prog="pdserve generate", description=__doc__)
     add_generate_arguments(parser)
-    return asyncio.run(run_generate(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    try:
+        return asyncio.run(run_generate(args))
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)  # Ctrl-C: no traceback
+        return 130
 
 
 if __name__ == "__main__":

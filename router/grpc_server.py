@@ -316,7 +316,12 @@ async def serve(
         security=security,
         metrics=metrics,
     )
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:
+        if inspect.iscoroutine(warm_up):
+            warm_up.close()  # never started: no "coroutine was never awaited" warning
+        raise
     server.install_signal_handlers()
     if on_started is not None:
         on_started(server)

@@ -1,0 +1,173 @@
+"""`pdserve` command line: usage per subcommand, defaults in help, clear errors before work."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from router.cli import _sampling_params, build_parser, main
+from router.grpc_server import GrpcServer
+from tests.service import REPO, service_env
+from tests.test_servicer import FakeCore, run_with_server
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run `pdserve argv` in-process; it must exit 2 (usage error). Returns stderr."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_unknown_flag_shows_the_subcommands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _fails(["serve", "--bogus"], capsys)
+    assert "usage: pdserve serve" in err
+    assert "pdserve serve: error: unrecognized arguments: --bogus" in err
+    err = _fails(["generate", "hi", "--bogus", "1"], capsys)
+    assert "usage: pdserve generate" in err and "--bogus" in err
+
+
+def test_abbreviated_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # Abbreviations would silently change meaning as flags are added.
+    assert "unrecognized arguments: --prefill-work" in _fails(
+        ["serve", "--prefill-work", "2"], capsys
+    )
+
+
+def test_log_level_before_or_after_the_subcommand() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).log_level == "INFO"
+    assert parser.parse_args(["--log-level", "debug", "serve"]).log_level == "DEBUG"
+    assert parser.parse_args(["serve", "--log-level", "warning"]).log_level == "WARNING"
+    assert parser.parse_args(["generate", "x", "--log-level", "error"]).log_level == "ERROR"
+
+
+def test_bad_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--log-level" in _fails(["serve", "--log-level", "loud"], capsys)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_flag_help_gives_its_default(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    # One entry per option: a line starting with "  -", plus its indented continuation.
+    entries = re.split(r"\n(?=  -)", text.split("options:", 1)[1])
+    flags = [e for e in entries if e.lstrip().startswith("--")]
+    assert len(flags) > 10
+    missing = [e.split()[0] for e in flags if "default" not in e]
+    assert missing == []
+    if command == "generate":
+        assert re.search(
+            r"--max-tokens MAX_TOKENS\s+tokens to generate at most \(default: 256\)", text
+        )
+
+
+def test_server_without_port_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _fails(["generate", "--server", "127.0.0.1", "hi"], capsys)
+    assert "expected HOST:PORT" in err
+    assert "port must be 1-65535" in _fails(["generate", "--server", "h:70000", "hi"], capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--server", "127.0.0.1:50051", "--model", "/x"], "--model: only for offline"),
+        (["--server", "127.0.0.1:50051", "--prefill-policy", "fcfs"], "unrecognized"),
+        (["--server", "127.0.0.1:50051", "--max-num-seqs", "4"], "--max-num-seqs: only for"),
+        (["--timeout", "3"], "--timeout: only with --server"),
+        (["--request-id", "r1"], "--request-id: only with --server"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+    ],
+)
+def test_inapplicable_or_bad_generate_flags_fail_before_any_work(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start = time.monotonic()
+    err = _fails(["generate", "hi", *argv], capsys)
+    assert message in err and "Traceback" not in err
+    assert time.monotonic() - start < 5  # refused before a model loads
+
+
+def test_missing_model_folder_fails_before_loading(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _fails(["generate", "hi", "--model", str(tmp_path)], capsys)
+    assert "no config.json" in err
+
+
+def test_generate_defaults_are_the_same_offline_and_served() -> None:
+    """The request the CLI sends carries exactly the sampling the offline path uses."""
+    ns = build_parser().parse_args(["generate", "hi"])
+    offline = _sampling_params(ns)
+    assert (offline.max_tokens, offline.temperature) == (256, 0.0)
+
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        rc = await asyncio.get_running_loop().run_in_executor(
+            None, main, ["generate", "--server", server.address, "hi"]
+        )
+        assert rc == 0
+
+    core = FakeCore()
+    run_with_server(core, body)
+    assert core.calls[0].sampling == offline
+
+
+def _one_line_failure(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_port_in_use_is_one_line_and_nonzero_exit() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "router.cli", "serve", "--port", str(port)],
+            cwd=REPO,
+            env=service_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert _one_line_failure(proc) == f"pdserve: startup failed: 127.0.0.1:{port} is in use"
+    assert proc.returncode == 1
+
+
+def test_ctrl_c_in_the_client_exits_quietly() -> None:
+    # A server that accepts connections but never answers: the call waits until Ctrl-C.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "generate", "--server", target, "hi"],
+            cwd=REPO,
+            env=service_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        silent.settimeout(30)
+        conn, _ = silent.accept()  # the client is up and waiting for an answer
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        conn.close()
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "interrupted" in err
