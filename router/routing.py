@@ -4,7 +4,8 @@ minus a penalty for its load, unless that worker is overloaded.
 Pure functions over a PrefixIndex and each worker's load; no Ray, no gRPC.
 
 Score of a live candidate = cached prompt tokens - load_penalty_tokens x requests in
-flight on it. A candidate whose load exceeds the bound (more than
+flight on it - cache_balance_tokens x (blocks its cache holds / blocks the fullest
+live cache holds). A candidate whose load exceeds the bound (more than
 max(min_load x overload_ratio, min_load + overload_slack), min_load taken over live
 workers) is left out for this request only: a hot worker that holds a popular
 prefix loses that prefix's traffic to the others until it cools down, while every
@@ -43,6 +44,11 @@ class RoutingConfig:
     policy: RoutingPolicy = "prefix-aware"
     # Cached prompt tokens that one request in flight on a worker is worth giving up.
     load_penalty_tokens: float = 128.0
+    # Cached prompt tokens given up to avoid the worker whose cache holds the most
+    # (scaled by its share of the fullest cache): without it a prefix every prompt
+    # shares pins new sessions to one worker, whose cache then thrashes while the
+    # others stay empty.
+    cache_balance_tokens: float = 256.0
     # Load bound: a worker above max(min_load * ratio, min_load + slack) is skipped.
     overload_ratio: float = 1.5
     overload_slack: int = 4
@@ -54,6 +60,8 @@ class RoutingConfig:
             )
         if self.load_penalty_tokens < 0:
             raise ValueError(f"load_penalty_tokens must be >= 0, got {self.load_penalty_tokens}")
+        if self.cache_balance_tokens < 0:
+            raise ValueError(f"cache_balance_tokens must be >= 0, got {self.cache_balance_tokens}")
         if self.overload_ratio < 1.0:
             raise ValueError(f"overload_ratio must be >= 1.0, got {self.overload_ratio}")
         if self.overload_slack < 0:
@@ -95,14 +103,20 @@ def choose_worker(
         best = min(live, key=_load_key)
         return RouteChoice(best.index, index.num_cached_tokens(best.index, block_hashes))
     bound = config.load_bound(min(w.num_assigned for w in live))
-    best_key: tuple[float, int, int, int] | None = None
+    most_cached = max(index.num_blocks(w.index) for w in live) or 1
+    best_key: tuple[float, int, int, int, int, int] | None = None
     choice: RouteChoice | None = None
     for w in live:
         if w.num_assigned > bound:
             continue  # the least-loaded worker is never above the bound
         cached = index.num_cached_tokens(w.index, block_hashes)
-        score = cached - config.load_penalty_tokens * w.num_assigned
-        key = (-score, *_load_key(w))
+        score = (
+            cached
+            - config.load_penalty_tokens * w.num_assigned
+            - config.cache_balance_tokens * index.num_blocks(w.index) / most_cached
+        )
+        # Ties: fewer in flight, then the emptier cache, then the usual load order.
+        key = (-score, w.num_assigned, index.num_blocks(w.index), *_load_key(w))
         if best_key is None or key < best_key:
             best_key, choice = key, RouteChoice(w.index, cached)
     return choice

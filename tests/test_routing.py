@@ -13,6 +13,8 @@ from router.kv_index import PrefixIndex
 from router.routing import RouteChoice, RoutingConfig, choose_worker
 
 BLOCK = 4
+# Cache balancing off, where a test is about overlap and load alone.
+PLAIN = RoutingConfig(cache_balance_tokens=0)
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,11 @@ def test_eviction_events_remove_entries() -> None:
     idx = index_with({0: prompt(1, 41), 1: prompt(1, 21)})
     hashes = idx.hash_prompt(prompt(1, 60))
     workers = [FakeWorker(1), FakeWorker(0)]
-    assert choose_worker(workers, idx, hashes, RoutingConfig()) == RouteChoice(0, 40)
+    assert choose_worker(workers, idx, hashes, PLAIN) == RouteChoice(0, 40)
     # Worker 0 evicts its third block: the chain breaks there, so only 8 tokens remain.
     idx.apply(0, KVEvents(removed=(hashes[2],)))
     assert idx.num_cached_tokens(0, hashes) == 8
-    assert choose_worker(workers, idx, hashes, RoutingConfig()) == RouteChoice(1, 20)
+    assert choose_worker(workers, idx, hashes, PLAIN) == RouteChoice(1, 20)
 
 
 def test_index_follows_a_real_engine_cache() -> None:
@@ -99,9 +101,9 @@ def test_load_penalty_trades_hits_for_load() -> None:
     idx = index_with({0: prompt(1, 41)})
     hashes = idx.hash_prompt(prompt(1, 41))  # 40 cached tokens on worker 0
     workers = [FakeWorker(0, num_assigned=2), FakeWorker(1, num_assigned=1)]
-    cheap = RoutingConfig(load_penalty_tokens=10)  # 40 - 20 beats 0 - 10
+    cheap = RoutingConfig(load_penalty_tokens=10, cache_balance_tokens=0)  # 40 - 20 beats 0 - 10
     assert choose_worker(workers, idx, hashes, cheap) == RouteChoice(0, 40)
-    dear = RoutingConfig(load_penalty_tokens=50)  # 40 - 100 loses to 0 - 50
+    dear = RoutingConfig(load_penalty_tokens=50, cache_balance_tokens=0)  # 40 - 100 loses to 0 - 50
     assert choose_worker(workers, idx, hashes, dear) == RouteChoice(1, 0)
 
 
@@ -117,6 +119,20 @@ def test_load_bound_moves_only_the_hot_workers_prefix() -> None:
     at_bound = [FakeWorker(0, num_assigned=4), FakeWorker(2)]
     choice = choose_worker(at_bound, idx, idx.hash_prompt(prompt(1, 500)), config)
     assert choice is not None and choice.index == 0
+
+
+def test_a_shared_prefix_does_not_pin_new_sessions_to_one_full_cache() -> None:
+    # Worker 0 holds the shared system prompt (8 tokens) and 100 blocks of histories;
+    # worker 1 holds only the system prompt. A new session goes to worker 1 ...
+    idx = index_with({0: prompt(1, 9), 1: prompt(1, 9)})
+    idx.apply(0, KVEvents(stored=tuple(range(100))))
+    workers = [FakeWorker(0), FakeWorker(1)]
+    new_session = idx.hash_prompt(prompt(1, 30))
+    assert choose_worker(workers, idx, new_session, RoutingConfig()) == RouteChoice(1, 8)
+    # ... while a long cached history still outweighs the fuller cache.
+    idx.apply(0, KVEvents(stored=tuple(idx.hash_prompt(prompt(1, 400)))))
+    history = idx.hash_prompt(prompt(1, 420))
+    assert choose_worker(workers, idx, history, RoutingConfig()) == RouteChoice(0, 396)
 
 
 def test_config_rejects_unknown_policy() -> None:
