@@ -13,10 +13,11 @@ from engine.core.outputs import GenerationInput
 
 
 class ColocatedWorker(DecodeWorker):
-    role = "colocated"
+    pool = "colocated"
 
     async def submit(self, inp: GenerationInput) -> None:
         """Queue a request; its tokens arrive through next_tokens()."""
         if self.is_buried(inp.req_id):
             return  # aborted before it got here
-        await self.on_engine(lambda: self.core.add_request(inp))
+        # The router validated the prompt already.
+        await self.on_engine(lambda: self.core.add_request(inp, validate=False))

@@ -1,12 +1,16 @@
-"""Decode pool worker: reserves blocks, imports KV hand-offs, decodes every running request.
+"""Decode pool worker: reserves blocks, receives KV on standing receivers, decodes.
 
-Block ownership on this side:
-* reserve() allocates blocks under the request id with a lease; nothing is ever
-  received into memory that was not reserved first.
-* import_kv() always drains the sender's message (so the pair's channel stays in
-  step), then validates the hand-off against the reservation and this worker's
-  epoch; a stale or mismatched one is refused loudly and its data discarded.
-* Aborts are idempotent and may arrive in any state: reserved, importing, running.
+A request's life here, as named states of the reservation book:
+* reserved: `reserve()` allocated its blocks under a lease; nothing is ever received
+  into memory that was not reserved first;
+* importing: a header for it arrived on a channel and matched the reservation (epoch,
+  block ids, token count); the payload lands in a staging buffer, then in the blocks;
+* running: admitted at the next step boundary, tokens flow out through `next_tokens()`;
+* gone: finished, aborted, expired or refused: blocks released, exactly once.
+
+Each prefill peer has one channel and one receiving thread. A header that does not match
+a reservation is refused loudly: its payload is drained (so the channel stays in step)
+and discarded, and the request ends with an error in the token stream.
 """
 
 from __future__ import annotations
@@ -14,204 +18,203 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from engine.core.request import Request, RequestStatus
+from engine.core.outputs import GenerationInput, TokenBatch, TokenUpdate
+from engine.core.request import FinishReason
 from engine.core.scheduler import RequestUpdate
-from engine.transfer.kv_transfer import Handoff
+from engine.transfer.channel import RECEIVER_RANK, ChannelClosed, ChannelSpec, KVChannel
+from engine.transfer.handoff import HandoffHeader, Reservation
+from engine.transfer.reservations import HeldReservation, ReservationBook
 from engine.worker import WorkerBase
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
-
-
-@dataclass(frozen=True)
-class Reservation:
-    rank: int
-    epoch: str
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TokenBatch:
-    """All new tokens of one or more steps, for every request, in one message."""
-
-    # (req_id, new tokens, finish reason, prompt tokens served from the prefix cache)
-    updates: tuple[tuple[str, tuple[int, ...], str | None, int], ...]
-
-
-class HandoffRefused(RuntimeError):
-    pass
+LEASE_SWEEP_S = 0.5
 
 
 class DecodeWorker(WorkerBase):
-    role = "decode"
+    pool = "decode"
 
     def __init__(self, args: Any, index: int) -> None:
         super().__init__(args, index)
-        self._reserved: dict[str, tuple[int, ...]] = {}
-        self._leases: dict[str, asyncio.TimerHandle] = {}
-        self._importing: set[str] = set()
-        self._aborted: set[str] = set()
-        self._outbox: list[tuple[str, tuple[int, ...], str | None, int]] = []
+        self._book: ReservationBook | None = None
+        self._outbox: list[TokenUpdate] = []
         self._outbox_ready = asyncio.Event()
-        # Per source rank: the sequence number whose receive must be posted next.
-        self._next_seq: dict[int, int] = {}
-        self._turn = asyncio.Condition()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def on_started(self) -> None:
+        self._book = ReservationBook(self.epoch, self.built.layout.block_size)  # type: ignore[union-attr]
+        self._sweeper = asyncio.ensure_future(self._sweep_leases())
+
+    @property
+    def book(self) -> ReservationBook:
+        assert self._book is not None, "worker not started"
+        return self._book
 
     # ---------------------------------------------------------------- reservation
     async def reserve(
-        self, req_id: str, num_tokens: int, lease_s: float = DEFAULT_LEASE_S
+        self, inp: GenerationInput, lease_s: float = DEFAULT_LEASE_S
     ) -> Reservation | None:
-        """Hold blocks for num_tokens of incoming KV; None when they don't fit now."""
-        block_ids = await self.on_engine(lambda: self.core.scheduler.reserve(req_id, num_tokens))
+        """Hold blocks for the request's prompt KV; None when they don't fit now."""
+        num_tokens = len(inp.prompt_token_ids)
+        block_ids = await self.on_engine(lambda: self.core.reserve(inp.req_id, num_tokens))
         if block_ids is None:
             return None
-        if self.is_buried(req_id):  # aborted while this call was on its way
-            await self.on_engine(lambda: self.core.scheduler.release(req_id))
+        if self.is_buried(inp.req_id):  # aborted while this call was on its way
+            await self.on_engine(lambda: self.core.release(inp.req_id))
             return None
-        self._reserved[req_id] = tuple(block_ids)
-        self._leases[req_id] = asyncio.get_running_loop().call_later(
-            lease_s, lambda: asyncio.ensure_future(self._expire(req_id))
+        reservation = Reservation(self.worker_id, self.epoch, tuple(block_ids))
+        self.book.add(inp, reservation, lease_s)
+        return reservation
+
+    async def _sweep_leases(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_SWEEP_S)
+            for req_id in self.book.expire():
+                log.warning("reservation for %s expired before its KV arrived; freeing", req_id)
+                self._release(req_id)
+
+    def _release(self, req_id: str) -> None:
+        """Give a reservation's blocks back at the next step boundary (any thread)."""
+        assert self.loop_thread is not None
+        self.loop_thread.submit(lambda: self.core.release(req_id))
+
+    # ---------------------------------------------------------------- receiving
+    def channel_rank(self) -> int:
+        return RECEIVER_RANK
+
+    def channel_peer(self, spec: ChannelSpec) -> str:
+        return spec.prefill_id
+
+    def on_connected(self, channel: KVChannel) -> None:
+        thread = threading.Thread(
+            target=self._receive_loop,
+            args=(channel,),
+            name=f"kv-recv-{channel.spec.prefill_id}",
+            daemon=True,
         )
-        return Reservation(self.rank, self.epoch, tuple(block_ids))
+        thread.start()
 
-    async def _expire(self, req_id: str) -> None:
-        if req_id in self._reserved and req_id not in self._importing:
-            log.warning("reservation for %s expired before its KV arrived; freeing", req_id)
-            await self._release_reservation(req_id)
+    def _receive_loop(self, channel: KVChannel) -> None:
+        """Standing receiver for one prefill peer: header, payload, repeat."""
+        expected_seq = 0
+        while not channel.closed:
+            try:
+                header = channel.recv_header()
+            except ChannelClosed:
+                break
+            except Exception as exc:  # noqa: BLE001 - the peer died or the channel broke
+                if not channel.closed:
+                    log.warning("channel from %s broke: %s", channel.spec.prefill_id, exc)
+                break
+            if header.seq_no != expected_seq:
+                log.error(
+                    "channel from %s out of step: header %d, expected %d; closing it",
+                    channel.spec.prefill_id,
+                    header.seq_no,
+                    expected_seq,
+                )
+                break
+            expected_seq += 1
+            if not self._import(channel, header):
+                break
+        channel.close(notify_peer=False)
 
-    async def _release_reservation(self, req_id: str) -> None:
-        self._reserved.pop(req_id, None)
-        lease = self._leases.pop(req_id, None)
-        if lease is not None:
-            lease.cancel()
-        await self.on_engine(lambda: self.core.scheduler.release(req_id))
-
-    # ---------------------------------------------------------------- import
-    async def import_kv(self, h: Handoff) -> float:
-        """Receive a request's KV into its reservation and start decoding it; returns the
-        seconds the receive took once posted (the data movement alone)."""
-        if h.dst_rank != self.rank:
-            raise HandoffRefused(
-                f"hand-off for {h.req_id} addressed to rank {h.dst_rank}, not {self.rank}"
+    def _import(self, channel: KVChannel, header: HandoffHeader) -> bool:
+        """Receive one payload; False when the channel can no longer be trusted."""
+        layout = self.built.layout  # type: ignore[union-attr]
+        cache = self.runner.kv_cache
+        block_bytes = cache[0].numel() * cache.element_size()
+        num_blocks = len(header.dst_block_ids)
+        if header.num_bytes != num_blocks * block_bytes:
+            log.error(
+                "hand-off of %s: %d bytes for %d blocks of %d bytes (layout %s); closing",
+                header.req_id,
+                header.num_bytes,
+                num_blocks,
+                block_bytes,
+                layout,
             )
-        layout = self.built.layout if self.built else None
-        assert layout is not None and self.agent is not None
+            self._emit_error(header.req_id, "KV hand-off refused: byte count does not match")
+            return False
+        held, problem = self.book.claim(header)
         staging = torch.empty(
-            (
-                len(h.src_block_ids),
-                layout.num_layers,
-                2,
-                layout.block_size,
-                layout.num_kv_heads,
-                layout.head_dim,
-            ),
-            dtype=self.runner.kv_cache.dtype,
-            device=self.runner.kv_cache.device,
+            (num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=cache.device
         )
-        problem = self._check(h)
-        owns_reservation = problem is None  # a refused duplicate must not free the real one
-        if owns_reservation:
-            self._importing.add(h.req_id)
+        posted = time.perf_counter()
         try:
-            async with self._turn:
-                await self._turn.wait_for(lambda: self._next_seq.get(h.src_rank, 0) == h.seq_no)
-                received = asyncio.wrap_future(self.agent.recv(h.src_rank, staging, h.seq_no))
-                self._next_seq[h.src_rank] = h.seq_no + 1
-                self._turn.notify_all()
-            posted = time.perf_counter()
-            await received
-            wire_s = time.perf_counter() - posted
-            if problem is None and h.req_id in self._aborted:
-                problem = "request was aborted during the transfer"
-            if problem is not None:
-                raise HandoffRefused(f"refused hand-off of {h.req_id}: {problem}")
-            self._reserved.pop(h.req_id, None)
-            lease = self._leases.pop(h.req_id, None)
-            if lease is not None:
-                lease.cancel()
-            # Acknowledge as soon as the bytes are here: admission runs at the next step
-            # boundary without holding up the sender. Engine commands run in order, so
-            # any abort issued from now on is applied after the admission.
-            self.loop_thread.submit(lambda: self._admit(h, staging)).add_done_callback(
-                lambda fut: self._admit_failed(h.req_id, fut.exception())
-            )
-            if h.req_id in self._aborted:
-                await self.on_engine(lambda: self.core.abort(h.req_id))
-            return wire_s
-        except BaseException:
-            if owns_reservation:
-                await self._release_reservation(h.req_id)
-            raise
-        finally:
-            if owns_reservation:
-                self._importing.discard(h.req_id)
-                self._aborted.discard(h.req_id)
+            channel.recv_into(staging)  # drained even when refused: the channel stays in step
+            if held is not None:
+                block_ids = list(header.dst_block_ids)
+                channel.run_on_stream(lambda: self.runner.scatter_blocks(block_ids, staging))
+        except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
+            if held is not None:
+                self.book.fail(header.req_id)
+                self._release(header.req_id)
+                self._emit_error(header.req_id, f"KV hand-off broke off: {exc}")
+            return False
+        wire_s = time.perf_counter() - posted
+        if held is None:
+            log.warning("refused hand-off of %s: %s", header.req_id, problem)
+            if not self.is_buried(header.req_id):
+                self._emit_error(header.req_id, f"KV hand-off refused: {problem}")
+            return True
+        self._admit(held, header, wire_s)
+        return True
+
+    def _admit(self, held: HeldReservation, header: HandoffHeader, wire_s: float) -> None:
+        req_id = header.req_id
+        assert self.loop_thread is not None
+        loop_thread = self.loop_thread
+
+        def enqueue() -> None:
+            # Engine commands run in order: any abort issued after this is applied after
+            # the admission, so the request cannot slip past it.
+            loop_thread.submit(
+                lambda: self.core.admit_imported(held.inp, header.first_token)
+            ).add_done_callback(lambda fut: self._admit_failed(req_id, fut.exception()))
+
+        if self.book.complete(req_id, enqueue):
+            self._post(TokenUpdate(req_id, kv_wire_s=wire_s))
+        else:  # aborted while its bytes were on the wire
+            self._release(req_id)
 
     def _admit_failed(self, req_id: str, exc: BaseException | None) -> None:
         # Engine thread. Never expected; if it happens, free the blocks and tell the router.
         if exc is None:
             return
         log.error("admitting %s after its hand-off failed: %r", req_id, exc)
-        self.core.scheduler.release(req_id)
-        self._loop.call_soon_threadsafe(self._outbox_error, req_id)
+        self.core.release(req_id)
+        self._emit_error(req_id, f"admitting the request failed: {exc}")
 
-    def _outbox_error(self, req_id: str) -> None:
-        self._outbox.append((req_id, (), "error", 0))
+    def _emit_error(self, req_id: str, error: str) -> None:
+        self._post(TokenUpdate(req_id, finish_reason=FinishReason.ERROR, error=error))
+
+    def _post(self, update: TokenUpdate) -> None:
+        """Queue an update from any thread."""
+        self._loop.call_soon_threadsafe(self._append, [update])
+
+    def _append(self, updates: list[TokenUpdate]) -> None:
+        self._outbox.extend(updates)
         self._outbox_ready.set()
-
-    def _check(self, h: Handoff) -> str | None:
-        if h.dst_epoch != self.epoch:
-            return f"addressed to epoch {h.dst_epoch}, this worker is epoch {self.epoch}"
-        reserved = self._reserved.get(h.req_id)
-        if reserved is None:
-            return "no reservation (expired or aborted)"
-        if h.req_id in self._importing:
-            return "already importing"
-        if tuple(h.dst_block_ids) != reserved:
-            return (
-                f"destination blocks {list(h.dst_block_ids)} are not the reserved {list(reserved)}"
-            )
-        if len(h.src_block_ids) != len(reserved):
-            return f"{len(h.src_block_ids)} source blocks for {len(reserved)} reserved"
-        needed = -(-h.num_computed_tokens // self.built.layout.block_size)  # type: ignore[union-attr]
-        if needed != len(reserved):
-            return f"{h.num_computed_tokens} tokens need {needed} blocks, {len(reserved)} reserved"
-        return None
-
-    def _admit(self, h: Handoff, staging: torch.Tensor) -> None:
-        # Engine thread: write the KV, then the request joins the running set.
-        self.runner.scatter_blocks(list(h.dst_block_ids), staging)
-        spec = self.built.spec  # type: ignore[union-attr]
-        req = Request(
-            req_id=h.req_id,
-            prompt_token_ids=list(h.prompt_token_ids),
-            sampling=h.sampling,
-            seed=h.seed,
-            eos_token_ids=frozenset(spec.eos_token_ids),
-            priority=h.priority,
-            max_model_len=spec.max_model_len,
-            output_token_ids=[h.first_token],
-            num_computed_tokens=h.num_computed_tokens,
-            status=RequestStatus.RUNNING,
-        )
-        self.core.scheduler.add_running(req)
 
     # ---------------------------------------------------------------- tokens out
     def on_updates(self, updates: list[RequestUpdate]) -> None:
-        for upd in updates:
-            reason = upd.finish_reason.value if upd.finish_reason else None
-            self._outbox.append((upd.req_id, upd.new_token_ids, reason, upd.num_cached_tokens))
-        self._outbox_ready.set()
+        self._append(
+            [
+                TokenUpdate(u.req_id, u.new_token_ids, u.finish_reason, u.num_cached_tokens)
+                for u in updates
+            ]
+        )
 
     async def next_tokens(self, wait_s: float = 1.0) -> TokenBatch:
-        """Long-poll: every token produced since the last call (empty after wait_s)."""
+        """Long-poll: every update produced since the last call (empty after wait_s)."""
         if not self._outbox:
             self._outbox_ready.clear()
             with contextlib.suppress(TimeoutError):
@@ -224,10 +227,12 @@ class DecodeWorker(WorkerBase):
         """Idempotent, any state: reserved → released; importing → discarded on arrival;
         running → finished and freed at the next step boundary."""
         self.bury(req_id)
-        if req_id in self._importing:
-            self._aborted.add(req_id)
-            return
-        if req_id in self._reserved:
-            await self._release_reservation(req_id)
+        if self._book is not None and self.book.abort(req_id):
+            await self.on_engine(lambda: self.core.release(req_id))
             return
         await self.on_engine(lambda: self.core.abort(req_id))
+
+    async def shutdown(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await super().shutdown()

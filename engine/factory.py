@@ -12,7 +12,7 @@ import torch
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.model.model_spec import ModelSpec
-from engine.transfer.kv_transfer import KVLayout
+from engine.transfer.layout import KVLayout
 
 if TYPE_CHECKING:
     from engine.model.model_loader import LoadFormat

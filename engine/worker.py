@@ -1,7 +1,9 @@
-"""What both pools' Ray actors share: engine thread, process group, stats, shutdown.
+"""What both pools' Ray actors share: the engine thread, KV channels, stats, shutdown.
 
-The classes here are plain Python; `router.cluster` wraps them with `ray.remote`.
-CUDA state is created in `start()`, after Ray has assigned the actor its GPU.
+The classes here are plain Python; `router.workers` wraps them with `ray.remote`.
+CUDA state is created in `start()`, after Ray has assigned the actor its GPU. Each
+incarnation draws a new epoch: whatever was addressed to a previous one (a reservation,
+a hand-off, a channel) is refused instead of being read as data.
 """
 
 from __future__ import annotations
@@ -9,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
+import random
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -22,7 +23,8 @@ from engine.core.engine_loop import EngineLoop
 from engine.core.outputs import WorkerStats
 from engine.core.scheduler import RequestUpdate
 from engine.factory import BuiltEngine, EngineArgs, build_engine
-from engine.transfer.kv_transfer import KVLayout, TransferAgent
+from engine.transfer.channel import ChannelSpec, KVChannel
+from engine.transfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,10 +36,10 @@ TOMBSTONE_TTL_S = 300.0
 class WorkerInfo:
     """Returned by start(): what the router needs to pair and route."""
 
-    role: str
+    worker_id: str  # "<pool>-<index>"; a replacement keeps the id and gets a new epoch
+    pool: str
     index: int
-    rank: int
-    epoch: str
+    epoch: int
     layout: KVLayout
     num_blocks: int
     max_model_len: int
@@ -45,83 +47,105 @@ class WorkerInfo:
     model_name: str
     device: str
     pid: int
+    node_ip: str
 
 
 class WorkerBase:
-    """Engine loop on its own thread plus this worker's end of the KV process group."""
+    """Engine loop on its own thread plus this worker's ends of its KV channels."""
 
-    role = "worker"
-    handoff_after_first_token = False
+    pool = "worker"
+    keeps_kv_after_first_token = False
 
     def __init__(self, args: EngineArgs, index: int) -> None:
         self.args = args
         self.index = index
-        # A new epoch per incarnation: a hand-off addressed to a previous one is refused.
-        self.epoch = uuid.uuid4().hex[:12]
+        self.worker_id = f"{self.pool}-{index}"
+        self.epoch = random.getrandbits(62) | 1  # never 0: 0 means "no epoch" in a header
         self.built: BuiltEngine | None = None
         self.loop_thread: EngineLoop | None = None
-        self.agent: TransferAgent | None = None
-        self.rank = -1
+        self.channels: dict[str, KVChannel] = {}  # peer worker id → channel
+        self._stopped = asyncio.Event()
         # Ids aborted here, remembered for a while: an abort may overtake the call it
         # cancels (the router aborts on every worker the request might have reached).
         self._tombstones: dict[str, float] = {}
 
     # ---------------------------------------------------------------- lifecycle
-    async def rendezvous_address(self, loopback: bool) -> tuple[str, int]:
-        """This host's address (loopback on a one-machine deployment) and a free port on it,
-        for the process group's store."""
-        import ray
-
-        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        return host, port
-
-    async def start(self, rank: int, world_size: int, init_method: str) -> WorkerInfo:
-        """Load the model, allocate the cache, join the process group, start stepping."""
+    async def start(self) -> WorkerInfo:
+        """Load the model, allocate the cache, start stepping."""
         loop = asyncio.get_running_loop()
         self._loop = loop
         threads = int(os.environ.get("PDSERVE_TORCH_THREADS", "0"))
         if threads > 0:
             torch.set_num_threads(threads)
-        self.rank = rank
         built = await loop.run_in_executor(
             None,
             lambda: build_engine(
-                self.args, handoff_after_first_token=self.handoff_after_first_token
+                self.args, handoff_after_first_token=self.keeps_kv_after_first_token
             ),
         )
         self.built = built
-        device = torch.device(built.runner.device)
-        self.agent = TransferAgent(rank, world_size, init_method, device)
-        if world_size > 1:
-            await loop.run_in_executor(None, self.agent.init)
-        self.loop_thread = EngineLoop(
-            built.core, self._updates_from_thread, name=f"{self.role}{self.index}"
-        )
+        self.loop_thread = EngineLoop(built.core, self._updates_from_thread, name=self.worker_id)
         self.loop_thread.start()
+        self.on_started()
         return WorkerInfo(
-            role=self.role,
+            worker_id=self.worker_id,
+            pool=self.pool,
             index=self.index,
-            rank=rank,
             epoch=self.epoch,
             layout=built.layout,
             num_blocks=built.runner.num_blocks,
             max_model_len=built.spec.max_model_len,
             vocab_size=built.spec.vocab_size,
             model_name=built.spec.name,
-            device=str(device),
+            device=str(built.runner.device),
             pid=os.getpid(),
+            node_ip=_node_ip(),
         )
 
+    def on_started(self) -> None:
+        """Hook for a pool's own set-up once the engine runs."""
+
+    async def wait_stopped(self) -> None:
+        """Returns when this worker shuts down; fails (RayActorError) when it dies, which
+        is how the router learns of a death without polling."""
+        await self._stopped.wait()
+
     async def shutdown(self) -> None:
-        """Stop stepping and leave the process group."""
+        """Stop stepping and leave every channel."""
+        for peer_id in list(self.channels):
+            await self.disconnect(peer_id)
         if self.loop_thread is not None:
             self.loop_thread.stop()
-        if self.agent is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.agent.close)
+        self._stopped.set()
 
+    # ---------------------------------------------------------------- channels
+    def channel_rank(self) -> int:
+        raise NotImplementedError
+
+    def channel_peer(self, spec: ChannelSpec) -> str:
+        raise NotImplementedError
+
+    async def connect(self, spec: ChannelSpec) -> None:
+        """Build this end of a pair's channel (the peer does the same at the same time)."""
+        peer_id = self.channel_peer(spec)
+        old = self.channels.pop(peer_id, None)
+        if old is not None:  # the peer restarted: its old channel is dead
+            await asyncio.get_running_loop().run_in_executor(None, old.close, False)
+        channel = KVChannel(spec, self.channel_rank(), torch.device(self.runner.device))
+        await asyncio.get_running_loop().run_in_executor(None, channel.open)
+        self.channels[peer_id] = channel
+        self.on_connected(channel)
+
+    def on_connected(self, channel: KVChannel) -> None:
+        """Hook: a channel is up."""
+
+    async def disconnect(self, peer_id: str, notify_peer: bool = True) -> None:
+        """Leave a pair (idempotent). Tell the peer when it is alive, so it stops listening."""
+        channel = self.channels.pop(peer_id, None)
+        if channel is not None:
+            await asyncio.get_running_loop().run_in_executor(None, channel.close, notify_peer)
+
+    # ---------------------------------------------------------------- tombstones
     def bury(self, req_id: str) -> None:
         """Remember an aborted id so a late-arriving call for it is refused."""
         now = time.monotonic()
@@ -159,23 +183,18 @@ class WorkerBase:
 
     async def load(self) -> WorkerStats:
         """Blocks in use, queue lengths and prefix-cache counters."""
-
-        def read() -> WorkerStats:
-            sched = self.core.scheduler
-            return WorkerStats(
-                pool=self.role,  # type: ignore[arg-type]
-                index=self.index,
-                num_blocks_total=sched.kv.pool.num_blocks,
-                num_blocks_in_use=sched.kv.num_blocks_in_use,
-                num_running=sched.num_running,
-                num_waiting=sched.num_waiting,
-                prefix_hit_tokens=sched.kv.stats.hit_tokens,
-                prefix_query_tokens=sched.kv.stats.query_tokens,
-                num_preemptions=sched.num_preemptions,
-            )
-
-        return await self.on_engine(read)
+        stats = await self.on_engine(self.core.stats)
+        return WorkerStats(pool=self.pool, index=self.index, **asdict(stats))  # type: ignore[arg-type]
 
     async def read_blocks(self, block_ids: list[int]) -> Any:
         """A copy of these blocks' KV as a CPU tensor (for hand-off verification)."""
         return await self.on_engine(lambda: self.runner.gather_blocks(block_ids).cpu())
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # noqa: BLE001 - outside Ray (tests drive workers directly)
+        return "127.0.0.1"

@@ -16,6 +16,9 @@ class RouterConfig:
     # request forever: prefill + hand-off, and the gap between two token batches.
     prefill_timeout_s: float = 600.0
     token_stall_timeout_s: float = 300.0
+    # A worker lost before any token reached the client: try again on others.
+    max_attempts: int = 3
+    retry_delay_s: float = 0.5  # times the attempt number
 
 
 def keep_ray_on_loopback() -> None:

@@ -1,9 +1,11 @@
-"""The router's serving core: drives each request through reserve → prefill → transfer → decode.
+"""The router's serving core: drives each request through its phases on the live pools.
 
-State machine per request (DESIGN.md): RECEIVED → VALIDATED → QUEUED →
-DECODE_RESERVED → PREFILLING → TRANSFERRING → DECODING → FINISHED. Whatever ends
-a request (finish, client cancel, deadline, worker death), the `finally` of
-`generate` aborts it on both workers it touched; aborts are idempotent there.
+State machine per request (docs/architecture.md): RECEIVED → VALIDATED → QUEUED →
+DECODE_RESERVED → PREFILLING → TRANSFERRING → DECODING → FINISHED. Each attempt has its
+own internal id; a worker death before any token reached the client starts a new
+attempt on other workers, after it nothing can be taken back and the request ends with
+ERROR. Whatever ends an attempt (finish, client cancel, deadline, worker death), it is
+aborted on every worker it touched; aborts are idempotent there.
 """
 
 from __future__ import annotations
@@ -18,112 +20,120 @@ from typing import Any, TypeVar
 
 from ray.exceptions import RayActorError
 
-from engine.core.outputs import FinalResult, GenerationInput, PhaseTimings, TextChunk, Usage
+from engine.core.outputs import (
+    FinalResult,
+    GenerationInput,
+    PhaseTimings,
+    TextChunk,
+    TokenUpdate,
+    Usage,
+)
 from engine.core.request import FinishReason
 from engine.core.validation import validate_prompt
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.prompt import encode_prompt
-from prefill_worker.worker import DecodeTarget, PrefillResult
+from engine.transfer.handoff import Reservation
+from prefill_worker.worker import PrefillResult
+from router import metrics
 from router.admission import Admission
 from router.config import RouterConfig
 from router.errors import NotReadyError, QueueFullError
-from router.policy import WorkerLoadView, pick_least_loaded
+from router.pools import Pools, WorkerRef
 from router.protocol import GenerateCall, PoolStats, ServerInfo
 
 log = logging.getLogger("pdserve.router")
 T = TypeVar("T")
 
 
-@dataclass
-class WorkerRef:
-    """The router's view of one worker actor."""
-
-    pool: str
-    index: int
-    handle: Any
-    info: Any  # engine.worker.WorkerInfo
-    alive: bool = True
-    num_assigned: int = 0
-
-    def view(self) -> WorkerLoadView:
-        return WorkerLoadView(self.index, self.alive, self.num_assigned)
+class WorkerLost(RuntimeError):
+    """A worker this attempt depended on died or could not take it: retry if possible."""
 
 
 @dataclass
-class _Stream:
-    """Per-request inbox for the decode worker's token batches."""
+class _Attempt:
+    """One try at running a request; its id is what the workers know it by."""
 
-    queue: asyncio.Queue[tuple[tuple[int, ...], str | None, int] | BaseException] = field(
-        default_factory=asyncio.Queue
-    )
-    decode_index: int = -1
+    inp: GenerationInput
+    queue: asyncio.Queue[TokenUpdate | BaseException] = field(default_factory=asyncio.Queue)
+    decode_ref: WorkerRef | None = None  # holds num_assigned while set
+    prefill_ref: WorkerRef | None = None
+
+    @property
+    def req_id(self) -> str:
+        return self.inp.req_id
+
+
+@dataclass
+class _Progress:
+    """What the client has seen so far, across attempts."""
+
+    arrival: float
+    num_out: int = 0
+    num_cached: int = 0
+    t_first: float | None = None
+    t_decoding: float = 0.0
+    timings: PhaseTimings = field(default_factory=PhaseTimings)
+    finish_reason: FinishReason = FinishReason.ERROR  # set when the stream ends
 
 
 class DisaggregatedGenerator:
-    """Implements router.protocol.Generator over prefill and decode Ray actors."""
+    """Implements router.protocol.Generator over the live pools."""
 
-    def __init__(
-        self,
-        prefill: list[WorkerRef],
-        decode: list[WorkerRef],
-        tokenizer: Any,
-        config: RouterConfig | None = None,
-        colocated: list[WorkerRef] | None = None,
-    ) -> None:
-        self.colocated = colocated or []
-        if not self.colocated and (not prefill or not decode):
-            raise ValueError("need at least one prefill and one decode worker, or colocated ones")
-        self.prefill = prefill
-        self.decode = decode
+    def __init__(self, pools: Pools, tokenizer: Any, config: RouterConfig | None = None) -> None:
+        self.pools = pools
+        self.colocated_mode = pools.targets["colocated"] > 0
         self.tokenizer = tokenizer
         self.config = config or RouterConfig()
         self.admission = Admission(self.config.max_in_flight, self.config.max_queue)
         self.outputs = OutputProcessor(tokenizer)
-        self._streams: dict[str, _Stream] = {}
-        self._pollers: list[asyncio.Task[None]] = []
+        self._attempts: dict[str, _Attempt] = {}
+        self._pollers: dict[WorkerRef, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._ready = False
-        infos = [w.info for w in prefill + decode + self.colocated]
+        info = pools.reference
+        if info is None:
+            raise ValueError("no workers")
+        infos = [w.info for w in pools.all()]
         self.max_model_len = min(i.max_model_len for i in infos)
         self.vocab_size = min(i.vocab_size for i in infos)
-        block_size = infos[0].layout.block_size
-        self.max_cache_tokens = min(i.num_blocks for i in infos) * block_size
-        self.block_size = block_size
-        self.model_name = infos[0].model_name
+        self.block_size = info.layout.block_size
+        self.max_cache_tokens = min(i.num_blocks for i in infos) * self.block_size
+        self.model_name = info.model_name
+        pools.on_death.append(self._on_worker_death)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start one long-poll per decode worker; mark ready."""
-        for ref in self.decode + self.colocated:
-            self._pollers.append(asyncio.create_task(self._poll(ref)))
+        """Follow every token-producing worker (new ones are picked up as they appear)."""
         self._ready = True
+        self._ensure_pollers()
 
     async def stop(self) -> None:
         self._ready = False
-        for task in self._pollers:
+        tasks = list(self._pollers.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._pollers, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def is_ready(self) -> bool:
-        if self.colocated:
-            return self._ready and any(w.alive for w in self.colocated)
-        return (
-            self._ready and any(w.alive for w in self.prefill) and any(w.alive for w in self.decode)
-        )
+        if not self._ready:
+            return False
+        if self.colocated_mode:
+            return bool(self.pools.routable("colocated"))
+        return bool(self.pools.routable("prefill")) and bool(self.pools.routable("decode"))
 
     def server_info(self) -> ServerInfo:
         return ServerInfo(
             model=self.model_name,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
-            num_prefill_workers=len(self.prefill),
-            num_decode_workers=len(self.decode) + len(self.colocated),
+            num_prefill_workers=len(self.pools.routable("prefill")),
+            num_decode_workers=len(self.pools.routable("decode")),
             max_in_flight=self.admission.max_in_flight,
             max_queue=self.admission.max_queue,
         )
 
     async def pool_stats(self) -> PoolStats:
-        refs = [w for w in self.prefill + self.decode + self.colocated if w.alive]
+        refs = [w for w in self.pools.all() if w.state in ("live", "draining")]
         loads = await asyncio.gather(
             *(w.handle.load.remote() for w in refs), return_exceptions=True
         )
@@ -131,46 +141,49 @@ class DisaggregatedGenerator:
         return PoolStats(tuple(workers), self.admission.num_in_flight, self.admission.num_queued)
 
     # ---------------------------------------------------------------- token delivery
+    def _ensure_pollers(self) -> None:
+        for pool in ("decode", "colocated"):
+            for ref in self.pools.workers[pool]:
+                if ref.state in ("live", "draining") and ref not in self._pollers:
+                    self._pollers[ref] = asyncio.ensure_future(self._poll(ref))
+
     async def _poll(self, ref: WorkerRef) -> None:
         """One remote call per batch of steps for all of a decode worker's requests."""
-        while True:
-            try:
-                batch = await ref.handle.next_tokens.remote()
-            except asyncio.CancelledError:
-                raise
-            except RayActorError as exc:
-                self._mark_dead(ref, exc)
-                return
-            for req_id, tokens, reason, cached in batch.updates:
-                stream = self._streams.get(req_id)
-                if stream is not None:
-                    stream.queue.put_nowait((tokens, reason, cached))
+        try:
+            while ref.state in ("live", "draining", "starting"):
+                try:
+                    batch = await ref.handle.next_tokens.remote()
+                except RayActorError as exc:
+                    self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
+                    return
+                for update in batch.updates:
+                    attempt = self._attempts.get(update.req_id)
+                    if attempt is not None:
+                        attempt.queue.put_nowait(update)
+        finally:
+            self._pollers.pop(ref, None)
 
-    def _mark_dead(self, ref: WorkerRef, exc: BaseException) -> None:
-        if not ref.alive:
-            return
-        ref.alive = False
-        log.error("%s worker %d died: %s", ref.pool, ref.index, exc)
-        if ref.pool in ("decode", "colocated"):
-            for stream in list(self._streams.values()):
-                if stream.decode_index == ref.index:
-                    stream.queue.put_nowait(RuntimeError(f"decode worker {ref.index} died"))
+    def _on_worker_death(self, ref: WorkerRef, reason: str) -> None:
+        for attempt in list(self._attempts.values()):
+            if attempt.decode_ref is ref:
+                attempt.queue.put_nowait(WorkerLost(reason))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort_on(self, ref: WorkerRef | None, req_id: str) -> None:
-        if ref is None or not ref.alive:
+    async def _abort_on(self, ref: WorkerRef, req_id: str) -> None:
+        if ref.state in ("dead", "gone"):
             return
         try:
             await ref.handle.abort.remote(req_id)
         except RayActorError as exc:
-            self._mark_dead(ref, exc)
+            self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
 
     # ---------------------------------------------------------------- requests
     def _to_input(self, call: GenerateCall) -> GenerationInput:
+        """Tokenize and validate once, here at the edge, and fix the seed."""
         messages = None
         if call.messages is not None:
             messages = [(m.role, m.content) for m in call.messages]
@@ -187,35 +200,36 @@ class DisaggregatedGenerator:
             vocab_size=self.vocab_size,
             max_cache_tokens=self.max_cache_tokens,
         )
-        # Workers see a fresh internal id: a client may reuse its own ids, and an
-        # aborted id is remembered by the workers for a while.
-        req_id = uuid.uuid4().hex
         sampling = call.sampling
         if sampling.seed is None:
-            # Fixed here so prefill and decode draw from the same stream.
+            # Fixed here so prefill and decode (and a retry) draw from the same stream.
             sampling = replace(sampling, seed=uuid.uuid4().int >> 65)
-        return GenerationInput(req_id, tuple(token_ids), sampling, call.priority)
+        return GenerationInput(uuid.uuid4().hex, tuple(token_ids), sampling, call.priority)
 
     async def _call_least_loaded(
-        self, pool: list[WorkerRef], call: Callable[[WorkerRef], Awaitable[T]], *, hold: bool
+        self,
+        candidates: Callable[[], list[WorkerRef]],
+        what: str,
+        call: Callable[[WorkerRef], Awaitable[T]],
+        *,
+        hold: bool,
     ) -> tuple[WorkerRef, T]:
-        """Call the least-loaded live worker of `pool`; a dead one is marked and the next tried.
+        """Call the least-loaded candidate; a dead one is marked and the next tried.
 
         The worker counts the request as assigned from before the call, so concurrent
-        arrivals spread instead of all picking the one that looked idle a moment ago; with
-        `hold` the count stays until the caller gives it back (the request lives there).
+        arrivals spread; with `hold` the count stays until the caller gives it back.
         """
         while True:
-            idx = pick_least_loaded([w.view() for w in pool])
-            if idx is None:
-                raise NotReadyError(f"no {pool[0].pool if pool else ''} worker is alive")
-            ref = pool[idx]
+            live = candidates()
+            if not live:
+                raise WorkerLost(f"no {what} worker is available")
+            ref = min(live, key=lambda w: (w.num_assigned, w.index))
             ref.num_assigned += 1
             try:
                 result = await call(ref)
             except RayActorError as exc:
                 ref.num_assigned -= 1
-                self._mark_dead(ref, exc)
+                self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
                 continue
             except BaseException:
                 ref.num_assigned -= 1
@@ -224,161 +238,200 @@ class DisaggregatedGenerator:
                 ref.num_assigned -= 1
             return ref, result
 
-    async def _reserve(self, inp: GenerationInput) -> tuple[WorkerRef, Any]:
-        """Wait (queued in the router, not dropped) until a decode worker has room."""
-        while True:
-            ref, res = await self._call_least_loaded(
-                self.decode,
-                lambda r: r.handle.reserve.remote(
-                    inp.req_id, len(inp.prompt_token_ids), self.config.lease_s
-                ),
-                hold=True,
-            )
-            if res is not None:
-                return ref, res
-            ref.num_assigned -= 1
-            await asyncio.sleep(self.config.reserve_poll_s)
-
-    async def _submit_colocated(self, inp: GenerationInput, stream: _Stream) -> WorkerRef:
-        def submit(ref: WorkerRef) -> Any:
-            stream.decode_index = ref.index  # before submit: tokens may come back at once
-            return ref.handle.submit.remote(inp)
-
-        ref, _ = await self._call_least_loaded(self.colocated, submit, hold=True)
-        return ref
-
-    async def _prefill(
-        self, inp: GenerationInput, target: DecodeTarget
-    ) -> tuple[WorkerRef, PrefillResult]:
-        # A prefill worker that dies before handing off is retried on another one.
-        return await self._call_least_loaded(
-            self.prefill, lambda r: r.handle.prefill.remote(inp, target), hold=False
-        )
-
     async def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
         """Stream one request's chunks, then exactly one FinalResult."""
         if not self.is_ready():
             raise NotReadyError("pools are not ready")
-        arrival = time.perf_counter()
-        inp = self._to_input(call)
-        req_id = inp.req_id
-        user_id = call.request_id or req_id  # what the client knows it by, for the log line
-        stream = _Stream()
-        self._streams[req_id] = stream
-        self.outputs.add(req_id, inp.prompt_token_ids, inp.sampling.stop)
-        decode_ref: WorkerRef | None = None
-        prefill_ref: WorkerRef | None = None
+        self._ensure_pollers()
+        base = self._to_input(call)
+        user_id = call.request_id or base.req_id  # what the client knows it by, for the log
+        progress = _Progress(time.perf_counter())
+        self.outputs.add(base.req_id, base.prompt_token_ids, base.sampling.stop)
+        attempt: _Attempt | None = None
         finished = False
-        num_out = 0
-        num_cached = 0
-        t_first: float | None = None
-        timings = PhaseTimings()
-
-        def final(reason: FinishReason, error: str = "") -> FinalResult:
-            end = time.perf_counter()
-            t = replace(
-                timings,
-                decode_s=end - t_decoding if t_decoding else 0.0,
-                time_to_first_token_s=(t_first or end) - arrival,
-            )
-            result = FinalResult(
-                reason, Usage(len(inp.prompt_token_ids), num_out, num_cached), t, error
-            )
-            self._log(user_id, result)
-            return result
-
-        t_decoding = 0.0
+        run = self._run_colocated if self.colocated_mode else self._run_disaggregated
         try:
             async with self.admission.slot():
-                result: PrefillResult | None = None
-                reason: FinishReason | None = None
-                tokens: tuple[int, ...] = ()
-                if self.colocated:
-                    # One worker runs both phases: submit, then read its token stream.
-                    decode_ref = await self._submit_colocated(inp, stream)
-                    timings = PhaseTimings(queued_s=time.perf_counter() - arrival)
-                    t_decoding = time.perf_counter()
-                else:
-                    decode_ref, reservation = await self._reserve(inp)
-                    stream.decode_index = decode_ref.index
-                    queued_s = time.perf_counter() - arrival
-                    target = DecodeTarget(
-                        reservation.rank, reservation.epoch, reservation.block_ids
-                    )
+                for number in range(self.config.max_attempts):
+                    attempt = self._begin(base, number)
                     try:
-                        prefill_ref, result = await asyncio.wait_for(
-                            self._prefill(inp, target), self.config.prefill_timeout_s
-                        )
-                    except TimeoutError as exc:
-                        raise RuntimeError(
-                            f"prefill took over {self.config.prefill_timeout_s:.0f}s"
-                        ) from exc
-                    t_decoding = time.perf_counter()
-                    num_cached = result.num_cached_tokens
-                    timings = PhaseTimings(
-                        queued_s, result.prefill_s, result.transfer_s, kv_wire_s=result.wire_s
-                    )
-                    if result.finish_reason is FinishReason.ERROR:
-                        raise RuntimeError(result.error)
-                    # HANDOFF: decode continues; any other reason: the first token ended it.
-                    if result.finish_reason is not FinishReason.HANDOFF:
-                        reason = result.finish_reason
-                    tokens = () if result.first_token is None else (result.first_token,)
-                while True:
-                    out = self.outputs.process(req_id, tokens, reason)
-                    num_out += len(tokens)
-                    if out.chunk is not None:
-                        t_first = t_first or time.perf_counter()
-                        yield out.chunk
-                    if out.finish_reason is not None:
+                        async for chunk in run(attempt, progress, base.req_id):
+                            yield chunk
                         finished = True
-                        if reason is None:  # stop string: the decode side is still going
-                            self._spawn(self._abort_on(decode_ref, req_id))
-                        elif (
-                            result is not None and result.finish_reason is not FinishReason.HANDOFF
-                        ):
-                            self._spawn(self._abort_on(decode_ref, req_id))  # unused reservation
-                        yield final(out.finish_reason)
+                        yield self._final(user_id, base, progress, progress.finish_reason)
                         return
-                    try:
-                        item = await asyncio.wait_for(
-                            stream.queue.get(), self.config.token_stall_timeout_s
-                        )
-                    except TimeoutError as exc:
-                        raise RuntimeError(
-                            f"no token for {self.config.token_stall_timeout_s:.0f}s"
-                        ) from exc
-                    if isinstance(item, BaseException):
-                        raise item
-                    tokens, reason_name, cached = item
-                    num_cached = max(num_cached, cached)
-                    reason = FinishReason(reason_name) if reason_name else None
+                    except WorkerLost as exc:
+                        self._end(attempt)
+                        if progress.num_out > 0:
+                            raise RuntimeError(f"{exc} after tokens were sent") from exc
+                        log.warning("request %s: %s; retrying on other workers", user_id, exc)
+                        await asyncio.sleep(self.config.retry_delay_s * number)
+                raise RuntimeError(f"gave up after {self.config.max_attempts} attempts")
         except (QueueFullError, NotReadyError):
             raise
         except Exception as exc:  # noqa: BLE001 - becomes this request's terminal message
             log.error("request %s failed: %s", user_id, exc)
             finished = True
-            self._abort_everywhere(req_id, prefill_ref, decode_ref)
-            yield final(FinishReason.ERROR, str(exc))
+            if attempt is not None:
+                self._end(attempt)
+            yield self._final(user_id, base, progress, FinishReason.ERROR, str(exc))
         finally:
-            self._streams.pop(req_id, None)
-            self.outputs.remove(req_id)
-            if decode_ref is not None:
-                decode_ref.num_assigned -= 1
+            if attempt is not None:
+                self._end(attempt, abort=not finished)
+            self.outputs.remove(base.req_id)
             if not finished:
-                # Cancelled or timed out, possibly mid-call: abort wherever the request may
-                # be. Background tasks, since this generator may be closing on cancellation.
-                self._abort_everywhere(req_id, prefill_ref, decode_ref)
-                log.info("request %s cancelled after %d tokens", user_id, num_out)
+                log.info("request %s cancelled after %d tokens", user_id, progress.num_out)
 
-    def _abort_everywhere(
-        self, req_id: str, prefill_ref: WorkerRef | None, decode_ref: WorkerRef | None
-    ) -> None:
-        """Abort on every worker the request may have reached (idempotent there)."""
-        for ref in self.prefill if prefill_ref is None else [prefill_ref]:
-            self._spawn(self._abort_on(ref, req_id))
-        for ref in self.decode + self.colocated if decode_ref is None else [decode_ref]:
-            self._spawn(self._abort_on(ref, req_id))
+    def _begin(self, base: GenerationInput, number: int) -> _Attempt:
+        req_id = base.req_id if number == 0 else f"{base.req_id}-{number}"
+        attempt = _Attempt(replace(base, req_id=req_id))
+        self._attempts[req_id] = attempt
+        return attempt
+
+    def _end(self, attempt: _Attempt, abort: bool = True) -> None:
+        """Forget an attempt; abort it wherever it may still live (in the background:
+        this may run while the generator closes on cancellation)."""
+        if self._attempts.pop(attempt.req_id, None) is None:
+            return
+        if attempt.decode_ref is not None:
+            attempt.decode_ref.num_assigned -= 1
+        if not abort:
+            return
+        pools = ["colocated"] if self.colocated_mode else ["prefill", "decode"]
+        known = [r for r in (attempt.prefill_ref, attempt.decode_ref) if r is not None]
+        targets = (
+            known if len(known) == len(pools) else [w for p in pools for w in self.pools.workers[p]]
+        )
+        for ref in targets:
+            self._spawn(self._abort_on(ref, attempt.req_id))
+
+    # ---------------------------------------------------------------- the two paths
+    async def _run_colocated(
+        self, attempt: _Attempt, progress: _Progress, out_id: str
+    ) -> AsyncIterator[TextChunk]:
+        def submit(ref: WorkerRef) -> Any:
+            attempt.decode_ref = ref  # before submit: tokens may come back at once
+            return ref.handle.submit.remote(attempt.inp)
+
+        await self._call_least_loaded(
+            lambda: self.pools.routable("colocated"), "colocated", submit, hold=True
+        )
+        progress.timings = PhaseTimings(queued_s=time.perf_counter() - progress.arrival)
+        progress.t_decoding = time.perf_counter()
+        async for chunk in self._stream(attempt, progress, out_id, (), None):
+            yield chunk
+
+    async def _run_disaggregated(
+        self, attempt: _Attempt, progress: _Progress, out_id: str
+    ) -> AsyncIterator[TextChunk]:
+        reservation = await self._reserve(attempt)
+        decode_ref = attempt.decode_ref
+        assert decode_ref is not None
+        queued_s = time.perf_counter() - progress.arrival
+
+        def prefill(ref: WorkerRef) -> Any:
+            attempt.prefill_ref = ref
+            return ref.handle.prefill.remote(attempt.inp, reservation)
+
+        def paired() -> list[WorkerRef]:
+            return [w for w in self.pools.routable("prefill") if decode_ref.worker_id in w.peers]
+
+        try:
+            _, result = await asyncio.wait_for(
+                self._call_least_loaded(paired, "prefill", prefill, hold=False),
+                self.config.prefill_timeout_s,
+            )
+        except TimeoutError as exc:
+            raise RuntimeError(f"prefill took over {self.config.prefill_timeout_s:.0f}s") from exc
+        assert isinstance(result, PrefillResult)
+        progress.t_decoding = time.perf_counter()
+        progress.num_cached = result.num_cached_tokens
+        progress.timings = PhaseTimings(queued_s, result.prefill_s, result.transfer_s)
+        if result.finish_reason is FinishReason.ERROR:
+            metrics.kv_transfer_failed()
+            raise WorkerLost(result.error)  # nothing reached the client yet: retry
+        if result.finish_reason is FinishReason.ABORT:
+            raise RuntimeError("prefill worker aborted the request")
+        if result.transfer_bytes:
+            metrics.observe_kv_transfer(result.transfer_bytes)
+        if result.finish_reason is not None:  # the first token ended it: free the reservation
+            self._spawn(self._abort_on(decode_ref, attempt.req_id))
+        tokens = () if result.first_token is None else (result.first_token,)
+        async for chunk in self._stream(attempt, progress, out_id, tokens, result.finish_reason):
+            yield chunk
+
+    async def _reserve(self, attempt: _Attempt) -> Reservation:
+        """Wait (queued in the router, not dropped) until a decode worker has room."""
+        while True:
+
+            def reserve(ref: WorkerRef) -> Any:
+                return ref.handle.reserve.remote(attempt.inp, self.config.lease_s)
+
+            ref, reservation = await self._call_least_loaded(
+                lambda: self.pools.routable("decode"), "decode", reserve, hold=True
+            )
+            if reservation is not None:
+                attempt.decode_ref = ref
+                return reservation
+            ref.num_assigned -= 1
+            await asyncio.sleep(self.config.reserve_poll_s)
+
+    async def _stream(
+        self,
+        attempt: _Attempt,
+        progress: _Progress,
+        out_id: str,
+        tokens: tuple[int, ...],
+        reason: FinishReason | None,
+    ) -> AsyncIterator[TextChunk]:
+        """Turn token updates into text chunks until the request finishes."""
+        while True:
+            out = self.outputs.process(out_id, tokens, reason)
+            progress.num_out += len(tokens)
+            if out.chunk is not None:
+                progress.t_first = progress.t_first or time.perf_counter()
+                yield out.chunk
+            if out.finish_reason is not None:
+                if reason is None and attempt.decode_ref is not None:
+                    # A stop string ended it here: the worker is still going.
+                    self._spawn(self._abort_on(attempt.decode_ref, attempt.req_id))
+                progress.finish_reason = out.finish_reason
+                return
+            try:
+                item = await asyncio.wait_for(
+                    attempt.queue.get(), self.config.token_stall_timeout_s
+                )
+            except TimeoutError as exc:
+                raise RuntimeError(
+                    f"no token for {self.config.token_stall_timeout_s:.0f}s"
+                ) from exc
+            if isinstance(item, BaseException):
+                raise item
+            if item.kv_wire_s:
+                progress.timings = replace(progress.timings, kv_wire_s=item.kv_wire_s)
+            if item.finish_reason is FinishReason.ERROR:
+                raise WorkerLost(item.error or "the decode worker reported an error")
+            tokens, reason = item.new_token_ids, item.finish_reason
+            progress.num_cached = max(progress.num_cached, item.num_cached_tokens)
+
+    def _final(
+        self,
+        user_id: str,
+        base: GenerationInput,
+        progress: _Progress,
+        reason: FinishReason,
+        error: str = "",
+    ) -> FinalResult:
+        end = time.perf_counter()
+        timings = replace(
+            progress.timings,
+            decode_s=end - progress.t_decoding if progress.t_decoding else 0.0,
+            time_to_first_token_s=(progress.t_first or end) - progress.arrival,
+        )
+        usage = Usage(len(base.prompt_token_ids), progress.num_out, progress.num_cached)
+        result = FinalResult(reason, usage, timings, error)
+        self._log(user_id, result)
+        return result
 
     def _log(self, req_id: str, final: FinalResult) -> None:
         t = final.timings

@@ -15,6 +15,7 @@ from router.errors import NotReadyError
 from router.grpc_server import GrpcServer, serve
 from router.metrics import DEFAULT_METRICS_PORT, get_metrics
 from router.orchestrator import DisaggregatedGenerator
+from router.pools import Pools
 from router.protocol import GenerateCall, PoolStats, ServerInfo
 from router.security import EdgeSecurity
 
@@ -69,6 +70,7 @@ async def run_service(
     """
     front = WarmingGenerator()
     loop = asyncio.get_running_loop()
+    pools = Pools(cluster)
     metrics = get_metrics()
     stop_metrics = None
     if config.metrics_port:
@@ -84,14 +86,12 @@ async def run_service(
         metrics.pools.set_source(read_pool_stats)
 
     async def warm_up() -> None:
-        await loop.run_in_executor(None, cluster.start)
+        await pools.start()
         model_path = config.cluster.decode_args.resolve_model_path()
         tokenizer = None
         if has_tokenizer(model_path):
             tokenizer = await loop.run_in_executor(None, load_tokenizer, str(model_path))
-        core = DisaggregatedGenerator(
-            cluster.prefill, cluster.decode, tokenizer, config.router, cluster.colocated
-        )
+        core = DisaggregatedGenerator(pools, tokenizer, config.router)
         core.start()
         front.inner = core
         log.info("pools warm; SERVING")
@@ -113,5 +113,5 @@ async def run_service(
             stop_metrics()
         if front.inner is not None:
             await front.inner.stop()
-        await loop.run_in_executor(None, lambda: cluster.stop(shutdown_ray=False))
+        await pools.stop()
         log.info("stopped")

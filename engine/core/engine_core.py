@@ -8,7 +8,7 @@ from typing import Protocol
 from engine.core.batch import Batch
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.kv_events import KVEvents
-from engine.core.outputs import GenerationInput
+from engine.core.outputs import EngineStats, GenerationInput
 from engine.core.request import FinishReason, Request
 from engine.core.scheduler import RequestUpdate, Scheduler
 from engine.core.validation import validate_prompt
@@ -48,15 +48,17 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self._rng = random.Random()
 
-    def make_request(self, inp: GenerationInput) -> Request:
-        """Validate an input and turn it into engine state (raises ValueError)."""
-        validate_prompt(
-            inp.prompt_token_ids,
-            inp.sampling,
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
-            max_cache_tokens=self.cache_config.num_token_slots,
-        )
+    def make_request(self, inp: GenerationInput, *, validate: bool = True) -> Request:
+        """Turn an input into engine state, validating it first unless the caller's edge
+        (the router) already did (raises ValueError)."""
+        if validate:
+            validate_prompt(
+                inp.prompt_token_ids,
+                inp.sampling,
+                max_model_len=self.max_model_len,
+                vocab_size=self.vocab_size,
+                max_cache_tokens=self.cache_config.num_token_slots,
+            )
         seed = inp.sampling.seed
         if seed is None:
             seed = self._rng.randint(0, MAX_SEED)
@@ -70,11 +72,45 @@ class EngineCore:
             max_model_len=self.max_model_len,
         )
 
-    def add_request(self, inp: GenerationInput) -> Request:
-        """Validate and queue a request."""
-        req = self.make_request(inp)
+    def add_request(self, inp: GenerationInput, *, validate: bool = True) -> Request:
+        """Validate (unless the edge did) and queue a request."""
+        req = self.make_request(inp, validate=validate)
         self.scheduler.add_request(req)
         return req
+
+    # ---------------------------------------------------------------- KV ownership verbs
+    def reserve(self, req_id: str, num_tokens: int) -> list[int] | None:
+        """Hold blocks for num_tokens of incoming KV; None when they do not fit now."""
+        return self.scheduler.reserve(req_id, num_tokens)
+
+    def release(self, req_id: str) -> None:
+        """Free blocks held outside the queues: a reservation, or KV kept for a hand-off."""
+        self.scheduler.release(req_id)
+
+    def block_ids(self, req_id: str) -> list[int]:
+        """The blocks a request holds, in order."""
+        return self.scheduler.kv.block_ids(req_id)
+
+    def admit_imported(self, inp: GenerationInput, first_token: int) -> None:
+        """Run a request whose prompt KV was imported into its reserved blocks: it
+        continues after `first_token`, exactly where the prefill engine stopped."""
+        req = self.make_request(inp, validate=False)
+        req.append_output_token(first_token)
+        req.num_computed_tokens = len(inp.prompt_token_ids)
+        self.scheduler.add_running(req)
+
+    def stats(self) -> EngineStats:
+        """Occupancy and counters of this engine's cache and queues."""
+        sched = self.scheduler
+        return EngineStats(
+            num_blocks_total=sched.kv.pool.num_blocks,
+            num_blocks_in_use=sched.kv.num_blocks_in_use,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            prefix_hit_tokens=sched.kv.stats.hit_tokens,
+            prefix_query_tokens=sched.kv.stats.query_tokens,
+            num_preemptions=sched.num_preemptions,
+        )
 
     def abort(self, req_id: str) -> None:
         """End a request in any state and free its blocks; unknown ids are ignored."""

@@ -60,6 +60,38 @@ class FinalResult:
     error: str = ""  # set when finish_reason is ERROR
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """Occupancy of one engine's KV cache and scheduler, and its counters since start."""
+
+    num_blocks_total: int
+    num_blocks_in_use: int
+    num_running: int
+    num_waiting: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class TokenUpdate:
+    """One request's news from a decode worker: new tokens, its arrival, or its end."""
+
+    req_id: str
+    new_token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+    error: str = ""  # with finish_reason ERROR: what went wrong on the worker
+    kv_wire_s: float = 0.0  # set once, when the request's KV has arrived: the receive time
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Every update of one or more steps, for every request, in one message."""
+
+    updates: tuple[TokenUpdate, ...]
+
+
 PoolName = Literal["prefill", "decode", "colocated"]
 
 

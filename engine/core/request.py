@@ -21,7 +21,6 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # cancelled by the caller
     ERROR = "error"  # failed inside the system
-    HANDOFF = "handoff"  # prefill pool: first token sampled, KV goes to decode
 
 
 @dataclass
@@ -48,11 +47,21 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Prompt followed by every token sampled so far: one list that grows by one token
+    # a step (the scheduler slices it every step; rebuilding it would cost O(length)).
+    all_token_ids: list[int] = field(init=False, repr=False)
+    # Chain hashes of the first full blocks of all_token_ids (tokens only ever append,
+    # so they stay valid), filled by prefix-cache lookups: a request that waits for
+    # blocks is not re-hashed every step.
+    block_hashes: list[int] = field(default_factory=list, init=False, repr=False)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt followed by every token sampled so far."""
-        return self.prompt_token_ids + self.output_token_ids
+    def __post_init__(self) -> None:
+        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record one sampled token (the only way tokens are added after creation)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -60,7 +69,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

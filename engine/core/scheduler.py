@@ -24,6 +24,9 @@ class RequestUpdate:
     new_token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
     num_cached_tokens: int = 0
+    # The request left this engine with its blocks still allocated (prefill pool: they
+    # hold the KV to hand off); whoever handles the update must release() them.
+    kv_kept: bool = False
 
 
 class Scheduler:
@@ -39,8 +42,8 @@ class Scheduler:
         self.config = config
         self.block_size = cache.block_size
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching)
-        # Prefill pool: a request stops after its first token and keeps its blocks
-        # until the decode side acknowledges the KV hand-off.
+        # Prefill pool: a request leaves after its first token and keeps its blocks
+        # until the worker has gathered them for the hand-off.
         self.handoff_after_first_token = handoff_after_first_token
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -106,9 +109,11 @@ class Scheduler:
         if req_id not in self.requests:
             self.kv.free(req_id)
 
-    def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
-        """End a request in any state (idempotent); its blocks return unless it is
-        handing off. Call between steps: the engine queues aborts until then."""
+    def finish_request(
+        self, req_id: str, reason: FinishReason | None, *, keep_blocks: bool = False
+    ) -> Request | None:
+        """End a request in any state (idempotent); its blocks return unless kept for a
+        hand-off. Call between steps: the engine queues aborts until then."""
         req = self.requests.pop(req_id, None)
         if req is None:
             # Unknown, already finished, or blocks held for a hand-off or reservation:
@@ -121,7 +126,7 @@ class Scheduler:
         self.aging.forget(req_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        if reason is not FinishReason.HANDOFF:
+        if not keep_blocks:
             self.kv.free(req_id)
         return req
 
@@ -203,7 +208,7 @@ class Scheduler:
                     break
                 budget += freed
             is_new = req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
-            prefix = self.kv.find_cached_prefix(req.all_token_ids)
+            prefix = self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes)
             num_hit = len(prefix) * self.block_size
             req.num_computed_tokens = num_hit
             num_new = self._chunk(req, budget)
@@ -238,7 +243,7 @@ class Scheduler:
                     req_id=req.req_id,
                     token_ids=tuple(req.all_token_ids[start:end]),
                     start_position=start,
-                    block_table=tuple(self.kv.block_ids(req.req_id)),
+                    block_table=self.kv.block_table(req.req_id),
                     sample=end == req.num_tokens,
                     sampling=req.sampling,
                     seed=req.seed,
@@ -259,11 +264,12 @@ class Scheduler:
             if not seq.sample:
                 continue
             token = sampled[seq.req_id]
-            req.output_token_ids.append(token)
+            req.append_output_token(token)
             reason = req.check_stop()
-            if reason is None and self.handoff_after_first_token:
-                reason = FinishReason.HANDOFF
-            if reason is not None:
-                self.finish_request(req.req_id, reason)
-            updates.append(RequestUpdate(req.req_id, (token,), reason, req.num_cached_tokens))
+            kv_kept = reason is None and self.handoff_after_first_token
+            if reason is not None or kv_kept:
+                self.finish_request(req.req_id, reason, keep_blocks=kv_kept)
+            updates.append(
+                RequestUpdate(req.req_id, (token,), reason, req.num_cached_tokens, kv_kept)
+            )
         return updates

@@ -1,0 +1,190 @@
+"""One KV channel per (prefill, decode) pair: a 2-rank process group of its own.
+
+There is no global `init_process_group`. Both ends build the group directly from a
+rendezvous store (the router's `TCPStore`) under a prefix that names both workers and
+both epochs, so a restarted worker pairs afresh and nothing of the old pair is reused.
+NCCL between GPUs, gloo on CPU. The prefill end (rank 0) only sends and the decode end
+(rank 1) only receives, each from one thread, so messages arrive in the order they were
+posted; every pair has its own CUDA stream, so pairs move data concurrently.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.transfer.handoff import HandoffHeader, HeaderKind
+
+log = logging.getLogger(__name__)
+
+SENDER_RANK = 0
+RECEIVER_RANK = 1
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """How both ends of one pair find each other; the router hands it to both."""
+
+    store_host: str
+    store_port: int
+    prefill_id: str
+    prefill_epoch: int
+    decode_id: str
+    decode_epoch: int
+    max_blocks: int  # most blocks one request can hand off (sizes the header)
+    timeout_s: float = 60.0
+
+    @property
+    def prefix(self) -> str:
+        return (
+            f"kv/{self.prefill_id}.{self.prefill_epoch:x}/{self.decode_id}.{self.decode_epoch:x}/"
+        )
+
+
+class ChannelClosed(RuntimeError):
+    """The peer left (a CLOSE header), or this end was closed."""
+
+
+class KVChannel:
+    """This worker's end of one pair's process group."""
+
+    def __init__(self, spec: ChannelSpec, rank: int, device: torch.device) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.peer = RECEIVER_RANK if rank == SENDER_RANK else SENDER_RANK
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self._pg: dist.ProcessGroup | None = None
+        self._lane = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{spec.decode_id}")
+        self._seq = 0
+        self._closed = threading.Event()
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def header_size(self) -> int:
+        return HandoffHeader.size(self.spec.max_blocks)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def open(self) -> None:
+        """Build the process group; blocks until the other end does the same."""
+        timeout = datetime.timedelta(seconds=self.spec.timeout_s)
+        store = dist.TCPStore(
+            self.spec.store_host, self.spec.store_port, is_master=False, timeout=timeout
+        )
+        prefixed = dist.PrefixStore(self.spec.prefix, store)
+        if self.is_cuda:
+            torch.cuda.set_device(self.device)
+            self._stream = torch.cuda.Stream(self.device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(prefixed, self.rank, 2, options)
+        else:
+            self._pg = dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
+
+    def _group(self) -> dist.ProcessGroup:
+        if self._pg is None or self.closed:
+            raise ChannelClosed(f"channel to {self._peer_name()} is closed")
+        return self._pg
+
+    def _peer_name(self) -> str:
+        return self.spec.decode_id if self.rank == SENDER_RANK else self.spec.prefill_id
+
+    # ---------------------------------------------------------------- sending (prefill end)
+    def next_seq(self) -> int:
+        """The sequence number of the next header posted on this channel."""
+        seq, self._seq = self._seq, self._seq + 1
+        return seq
+
+    def send(
+        self,
+        header: HandoffHeader,
+        payload: torch.Tensor | None,
+        ready: torch.cuda.Event | None = None,
+    ) -> Future[None]:
+        """Post header then payload on this channel's lane (one thread: order is kept).
+
+        `ready` is recorded after the payload was gathered on the engine's stream; the
+        send waits for it on this channel's stream instead of stalling the engine.
+        """
+        encoded = header.encode(self.spec.max_blocks, self.device)
+
+        def run() -> None:
+            pg = self._group()
+            if self._stream is None:
+                pg.send([encoded], self.peer, 0).wait()
+                if payload is not None:
+                    pg.send([payload], self.peer, 0).wait()
+                return
+            torch.cuda.set_device(self.device)
+            with torch.cuda.stream(self._stream):
+                if ready is not None:
+                    self._stream.wait_event(ready)
+                pg.send([encoded], self.peer, 0).wait()
+                if payload is not None:
+                    pg.send([payload], self.peer, 0).wait()
+            # The payload must outlive the transfer: hold it until the stream is done.
+            self._stream.synchronize()
+
+        return self._lane.submit(run)
+
+    # ---------------------------------------------------------------- receiving (decode end)
+    def recv_header(self) -> HandoffHeader:
+        """Block until the next header arrives (call from the one receiving thread)."""
+        raw = torch.empty(self.header_size, dtype=torch.int64, device=self.device)
+        self._recv(raw)
+        header = HandoffHeader.decode(raw)
+        if header.kind is HeaderKind.CLOSE:
+            raise ChannelClosed(f"{self._peer_name()} closed the channel")
+        return header
+
+    def recv_into(self, buffer: torch.Tensor) -> None:
+        """Receive the payload that follows a header."""
+        self._recv(buffer)
+
+    def _recv(self, buffer: torch.Tensor) -> None:
+        pg = self._group()
+        if self._stream is None:
+            pg.recv([buffer], self.peer, 0).wait()
+            return
+        torch.cuda.set_device(self.device)
+        with torch.cuda.stream(self._stream):
+            pg.recv([buffer], self.peer, 0).wait()
+        self._stream.synchronize()
+
+    def run_on_stream(self, fn: object) -> None:
+        """Run a callable's device work on this channel's stream and wait for it."""
+        assert callable(fn)
+        if self._stream is None:
+            fn()
+            return
+        with torch.cuda.stream(self._stream):
+            fn()
+        self._stream.synchronize()
+
+    # ---------------------------------------------------------------- teardown
+    def close(self, notify_peer: bool, timeout_s: float = 5.0) -> None:
+        """Leave the pair. A live peer is told (CLOSE header) so its receiver stops; a dead
+        one cannot be: NCCL's group is aborted so nothing waits on it for long."""
+        if self.closed:
+            return
+        if notify_peer and self.rank == SENDER_RANK and self._pg is not None:
+            try:
+                self.send(HandoffHeader(HeaderKind.CLOSE, self.next_seq()), None).result(timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the peer may be gone already
+                log.info("channel to %s: close not delivered (%s)", self._peer_name(), exc)
+        self._closed.set()
+        if self._pg is not None and self.is_cuda:
+            try:
+                self._pg.abort()
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                log.info("channel to %s: abort: %s", self._peer_name(), exc)
+        self._lane.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,117 @@
+"""The decode side's book of reservations: which blocks wait for which request's KV.
+
+Plain Python and thread-safe: the worker's event loop reserves and aborts, each channel's
+receiving thread claims and completes. Every reservation ends exactly one way: filled
+(the request runs), refused/expired/aborted (the caller releases its blocks).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.core.outputs import GenerationInput
+from engine.transfer.handoff import HandoffHeader, Reservation
+
+
+@dataclass
+class HeldReservation:
+    reservation: Reservation
+    inp: GenerationInput  # the request as the router validated it; decode continues it
+    expires_at: float
+    importing: bool = False
+    aborted: bool = False
+
+
+class ReservationBook:
+    def __init__(self, epoch: int, block_size: int) -> None:
+        self.epoch = epoch
+        self.block_size = block_size
+        self._held: dict[str, HeldReservation] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def add(self, inp: GenerationInput, reservation: Reservation, lease_s: float) -> None:
+        with self._lock:
+            self._held[inp.req_id] = HeldReservation(reservation, inp, time.monotonic() + lease_s)
+
+    def claim(self, header: HandoffHeader) -> tuple[HeldReservation | None, str | None]:
+        """Match an arriving header to its reservation and mark it importing; on a
+        mismatch (None, reason): the payload must be drained and discarded."""
+        with self._lock:
+            if header.dst_epoch != self.epoch:
+                return None, (
+                    f"addressed to epoch {header.dst_epoch:x}, this worker is epoch {self.epoch:x}"
+                )
+            held = self._held.get(header.req_id)
+            if held is None:
+                return None, "no reservation (expired, aborted or never made)"
+            if held.importing:
+                return None, "already importing"
+            reserved = held.reservation.block_ids
+            if header.dst_block_ids != reserved:
+                return None, (
+                    f"destination blocks {list(header.dst_block_ids)} are not the reserved "
+                    f"{list(reserved)}"
+                )
+            needed = -(-header.num_computed_tokens // self.block_size)
+            if needed != len(reserved) or header.num_computed_tokens != len(
+                held.inp.prompt_token_ids
+            ):
+                return None, (
+                    f"{header.num_computed_tokens} tokens of KV for a reservation of "
+                    f"{len(reserved)} blocks and {len(held.inp.prompt_token_ids)} prompt tokens"
+                )
+            held.importing = True
+            return held, None
+
+    def complete(self, req_id: str, admit: Callable[[], None]) -> bool:
+        """The KV is in place: unless aborted meanwhile, run `admit` (which must enqueue the
+        admission on the engine) under the book's lock, so a later abort is ordered after
+        it. Returns False when the request was aborted: the caller releases its blocks."""
+        with self._lock:
+            held = self._held.pop(req_id, None)
+            if held is None or held.aborted:
+                return False
+            admit()
+            return True
+
+    def fail(self, req_id: str) -> None:
+        """The import failed after claim(): forget it (the caller releases the blocks)."""
+        with self._lock:
+            self._held.pop(req_id, None)
+
+    def abort(self, req_id: str) -> bool:
+        """True when the reservation was idle and is now dropped (the caller releases its
+        blocks); an importing one is only marked and dropped when its payload lands."""
+        with self._lock:
+            held = self._held.get(req_id)
+            if held is None:
+                return False
+            if held.importing:
+                held.aborted = True
+                return False
+            del self._held[req_id]
+            return True
+
+    def holds(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self._held
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drop idle reservations past their lease; their blocks must be released."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [
+                req_id
+                for req_id, held in self._held.items()
+                if not held.importing and held.expires_at <= now
+            ]
+            for req_id in expired:
+                del self._held[req_id]
+            return expired

@@ -1,0 +1,302 @@
+"""The live pools: which workers exist, which pairs are connected, restarts and scaling.
+
+A worker's life, as the router sees it:
+  starting → live (routable; channels to every live peer of the other pool)
+           → draining (no new work; in-flight requests finish) → gone
+  any state → dead (the actor died): its peers drop their channels, the requests on it
+              end (retried where no token reached the client), and a replacement with
+              the same id and a new epoch starts while the pool is below its target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from engine.transfer.channel import ChannelSpec
+from engine.worker import WorkerInfo
+from router import metrics
+from router.cluster import POOLS, Cluster, StartupError
+from router.policy import WorkerLoadView
+
+log = logging.getLogger("pdserve.pools")
+
+RESTART_BACKOFF_S = (1.0, 5.0, 15.0)
+DRAIN_POLL_S = 0.1
+
+
+@dataclass(eq=False)
+class WorkerRef:
+    """The router's view of one worker incarnation."""
+
+    pool: str
+    index: int
+    handle: Any
+    info: WorkerInfo
+    pg: Any = None
+    state: str = "live"  # live | draining | dead | gone
+    num_assigned: int = 0  # requests this router has in flight on it
+    peers: set[str] = field(default_factory=set)  # worker ids with a connected channel
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def alive(self) -> bool:
+        """Routable: live and not draining."""
+        return self.state == "live"
+
+    def view(self) -> WorkerLoadView:
+        return WorkerLoadView(self.index, self.alive, self.num_assigned)
+
+
+class Pools:
+    """Owns every worker of a deployment and keeps each pool at its target size."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in POOLS}
+        self.targets = dict(cluster.config.initial_sizes)
+        self.on_death: list[Callable[[WorkerRef, str], None]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._starting: dict[str, set[int]] = {pool: set() for pool in POOLS}
+        self._stopping = False
+        self.num_restarts = 0
+
+    # ---------------------------------------------------------------- views
+    def routable(self, pool: str) -> list[WorkerRef]:
+        return [w for w in self.workers[pool] if w.alive]
+
+    def all(self) -> list[WorkerRef]:
+        return [w for pool in POOLS for w in self.workers[pool]]
+
+    def find(self, worker_id: str) -> WorkerRef | None:
+        return next((w for w in self.all() if w.worker_id == worker_id), None)
+
+    @property
+    def reference(self) -> WorkerInfo | None:
+        """Any worker's info (model, limits), for the router's checks."""
+        refs = self.all()
+        return refs[0].info if refs else None
+
+    # ---------------------------------------------------------------- start / stop
+    async def start(self) -> None:
+        """Start every pool at its initial size; any failure stops them all."""
+        self.cluster.start_store()
+        spawns = [self._spawn(pool, index) for pool in POOLS for index in range(self.targets[pool])]
+        results = await asyncio.gather(*spawns, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            await self.stop()
+            raise failures[0]
+
+    async def stop(self) -> None:
+        """Shut every worker down (in-flight requests are the caller's to drain first)."""
+        self._stopping = True
+        for task in list(self._tasks):
+            task.cancel()
+        refs = self.all()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                asyncio.gather(
+                    *(w.handle.shutdown.remote() for w in refs if w.state != "dead"),
+                    return_exceptions=True,
+                ),
+                30,
+            )
+        for ref in refs:
+            self._remove(ref)
+
+    def _track(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---------------------------------------------------------------- spawning and pairing
+    def _free_index(self, pool: str) -> int:
+        used = {w.index for w in self.workers[pool]} | self._starting[pool]
+        index = 0
+        while index in used:
+            index += 1
+        return index
+
+    async def _spawn(self, pool: str, index: int) -> WorkerRef:
+        self._starting[pool].add(index)
+        try:
+            spawned = await self.cluster.spawn(pool, index)
+        finally:
+            self._starting[pool].discard(index)
+        ref = WorkerRef(pool, index, spawned.handle, spawned.info, spawned.pg, state="starting")
+        reference = self.reference
+        if reference is not None:
+            problem = reference.layout.mismatch(ref.info.layout)
+            if problem is not None:
+                self._remove(ref)
+                raise StartupError(
+                    f"KV layout mismatch between {reference.worker_id} and {ref.worker_id}: "
+                    f"{problem}"
+                )
+        self.workers[pool].append(ref)
+        self._track(self._watch(ref))
+        try:
+            await self._pair_with_peers(ref)
+        except Exception as exc:
+            self._remove(ref)
+            raise StartupError(f"{ref.worker_id} could not pair: {exc}") from exc
+        if ref.state == "starting":
+            ref.state = "live"
+            log.info("%s live (epoch %x, %s)", ref.worker_id, ref.info.epoch, ref.info.device)
+        return ref
+
+    def _spec(self, prefill: WorkerRef, decode: WorkerRef) -> ChannelSpec:
+        block_size = decode.info.layout.block_size
+        return ChannelSpec(
+            store_host=self.cluster.store_host,
+            store_port=self.cluster.store_port,
+            prefill_id=prefill.worker_id,
+            prefill_epoch=prefill.info.epoch,
+            decode_id=decode.worker_id,
+            decode_epoch=decode.info.epoch,
+            max_blocks=-(-min(prefill.info.max_model_len, decode.info.max_model_len) // block_size),
+        )
+
+    async def _pair_with_peers(self, ref: WorkerRef) -> None:
+        if ref.pool == "colocated":
+            return
+        other = "decode" if ref.pool == "prefill" else "prefill"
+        peers = [w for w in self.workers[other] if w.state in ("live", "starting")]
+        await asyncio.gather(*(self._connect(ref, peer) for peer in peers))
+
+    async def _connect(self, a: WorkerRef, b: WorkerRef) -> None:
+        prefill, decode = (a, b) if a.pool == "prefill" else (b, a)
+        spec = self._spec(prefill, decode)
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(
+                    prefill.handle.connect.remote(spec), decode.handle.connect.remote(spec)
+                ),
+                spec.timeout_s,
+            )
+        except (RayActorError, TimeoutError) as exc:
+            # One side died meanwhile: its watcher cleans up; the pair is simply absent.
+            log.warning("pairing %s with %s failed: %s", prefill.worker_id, decode.worker_id, exc)
+            return
+        prefill.peers.add(decode.worker_id)
+        decode.peers.add(prefill.worker_id)
+
+    # ---------------------------------------------------------------- death and restart
+    async def _watch(self, ref: WorkerRef) -> None:
+        try:
+            await ref.handle.wait_stopped.remote()
+        except RayActorError as exc:
+            self.mark_dead(ref, f"{ref.worker_id} died: {_first_line(exc)}")
+
+    def mark_dead(self, ref: WorkerRef, reason: str) -> None:
+        """Forget a dead worker, tell the rest, and start its replacement."""
+        if ref.state in ("dead", "gone") or self._stopping:
+            return
+        was_draining = ref.state == "draining"
+        ref.state = "dead"
+        log.error("%s", reason)
+        for callback in self.on_death:
+            callback(ref, reason)
+        self._remove(ref)
+        for peer in self.all():
+            if ref.worker_id in peer.peers:
+                peer.peers.discard(ref.worker_id)
+                # A survivor never waits on a dead peer: it drops the channel now.
+                self._track(self._call_quietly(peer, "disconnect", ref.worker_id, False))
+        if not was_draining and self.cluster.config.restart_workers:
+            metrics.worker_restarted(ref.pool)
+            self.num_restarts += 1
+            self._track(self._replace(ref.pool, ref.index))
+
+    async def _replace(self, pool: str, index: int) -> None:
+        for delay in (0.0, *RESTART_BACKOFF_S):
+            await asyncio.sleep(delay)
+            if self._stopping or self._count(pool) >= self.targets[pool]:
+                return
+            try:
+                await self._spawn(pool, index)
+                log.info("%s-%d replaced", pool, index)
+                return
+            except Exception as exc:  # noqa: BLE001 - retried with backoff, then reported
+                log.error("replacing %s-%d failed: %s", pool, index, exc)
+        log.error("giving up on replacing %s-%d", pool, index)
+
+    async def _call_quietly(self, ref: WorkerRef, method: str, *args: Any) -> None:
+        with contextlib.suppress(RayActorError, asyncio.CancelledError):
+            await getattr(ref.handle, method).remote(*args)
+
+    def _remove(self, ref: WorkerRef) -> None:
+        if ref in self.workers[ref.pool]:
+            self.workers[ref.pool].remove(ref)
+        if ref.state != "dead":
+            ref.state = "gone"
+        self.cluster.remove(ref.handle, ref.pg)
+
+    def _count(self, pool: str) -> int:
+        """Workers that count towards the target: starting, live (not draining)."""
+        live = sum(1 for w in self.workers[pool] if w.state in ("live", "starting"))
+        return live + len(self._starting[pool])
+
+    # ---------------------------------------------------------------- scaling
+    async def scale(self, pool: str, size: int) -> None:
+        """Grow or shrink a pool to `size` workers; shrinking drains the newest first."""
+        if pool not in POOLS:
+            raise ValueError(f"unknown pool {pool!r}")
+        if size < 0:
+            raise ValueError("a pool size must be >= 0")
+        self.targets[pool] = size
+        current = [w for w in self.workers[pool] if w.state in ("live", "starting")]
+        if size > len(current) + len(self._starting[pool]):
+            missing = size - len(current) - len(self._starting[pool])
+            indices = []
+            for _ in range(missing):
+                index = self._free_index(pool)
+                self._starting[pool].add(index)
+                indices.append(index)
+            await asyncio.gather(*(self._spawn(pool, i) for i in indices))
+        elif size < len(current):
+            victims = sorted(current, key=lambda w: w.index)[size:]
+            await asyncio.gather(*(self.drain(w.worker_id) for w in victims))
+
+    async def drain(self, worker_id: str, timeout_s: float = 600.0) -> None:
+        """No new work for this worker; once its requests finish, it leaves."""
+        ref = self.find(worker_id)
+        if ref is None:
+            raise KeyError(worker_id)
+        if ref.state == "live":
+            ref.state = "draining"
+            if self._count(ref.pool) < self.targets[ref.pool]:
+                self.targets[ref.pool] = self._count(ref.pool)
+        log.info("%s draining", worker_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while ref.state == "draining" and loop.time() < deadline:
+            if ref.num_assigned == 0:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        if ref.state != "draining":
+            return  # died meanwhile
+        # Peers first: the prefill end of each channel tells the decode end it is over.
+        for peer in self.all():
+            if worker_id in peer.peers:
+                peer.peers.discard(worker_id)
+                await self._call_quietly(peer, "disconnect", worker_id, True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(ref.handle.shutdown.remote(), 30)
+        self._remove(ref)
+        log.info("%s drained and stopped", worker_id)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
