@@ -1,0 +1,204 @@
+"""Deployment files: valid for Ray's and KubeRay's schemas, and `pdserve serve` in each parses.
+
+KubeRay's CRDs and the ray-cluster chart are read from ../shared/reference/kuberay next to
+the repository; tests that need them are skipped where they are absent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import ray
+import yaml
+
+from router.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+KUBERAY_REF = REPO.parent / "shared" / "reference" / "kuberay"
+DEPLOY_FILES = (
+    DEPLOY / "ray" / "cluster.yaml",
+    DEPLOY / "kuberay" / "raycluster.yaml",
+    DEPLOY / "kuberay" / "values.yaml",
+)
+# Shell text that ends a command: separators, redirections, backgrounding.
+_COMMAND_END = re.compile(r"\s(?:&&|\|\||;|\||>|2>|&)(?:\s|$)|;|\n")
+
+
+def needs_kuberay_reference(sub: str) -> Path:
+    path = KUBERAY_REF / sub
+    if not path.exists():
+        pytest.skip(f"KubeRay reference files not found at {path}")
+    return path
+
+
+def strings(node: Any) -> Iterator[str]:
+    """Every string value in a YAML document."""
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from strings(value)
+
+
+def serve_commands(path: Path) -> list[list[str]]:
+    """argv (after `pdserve`) of every `pdserve serve ...` command in a deploy file."""
+    commands = []
+    for doc in yaml.safe_load_all(path.read_text()):
+        for text in strings(doc):
+            for match in re.finditer(r"\bpdserve serve\b", text):
+                rest = text[match.start() :]
+                end = _COMMAND_END.search(rest)
+                commands.append(shlex.split(rest[: end.start() if end else None])[1:])
+    return commands
+
+
+@pytest.mark.parametrize("path", DEPLOY_FILES, ids=lambda p: p.name)
+def test_serve_command_parses_with_the_real_cli(path: Path) -> None:
+    commands = serve_commands(path)
+    assert commands, f"no `pdserve serve` command in {path.name}"
+    for argv in commands:
+        ns = build_parser().parse_args(argv)  # exits (fails the test) on any bad flag
+        assert ns.command == "serve"
+        assert ns.ray_address == "auto"  # joins the cluster the file starts
+        assert ns.host == "0.0.0.0" and ns.metrics_host == "0.0.0.0"
+        assert ns.prefill_resources == {"prefill_node": 1.0}
+        assert ns.decode_resources == {"decode_node": 1.0}
+
+
+def test_ray_cluster_config_matches_rays_schema_and_offers_the_pool_resources() -> None:
+    schema_path = Path(ray.__file__).parent / "autoscaler" / "ray-schema.json"
+    config = yaml.safe_load((DEPLOY / "ray" / "cluster.yaml").read_text())
+    jsonschema.validate(config, json.loads(schema_path.read_text()))
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types
+    (argv,) = serve_commands(DEPLOY / "ray" / "cluster.yaml")
+    ns = build_parser().parse_args(argv)
+    for requested in (ns.prefill_resources, ns.decode_resources):
+        offering = [n for n, t in types.items() if set(requested) <= set(t.get("resources", {}))]
+        assert len(offering) == 1, f"{requested} should be offered by one node type"
+        assert types[offering[0]]["resources"].get("GPU", 0) >= 1
+
+
+def strict(schema: Any) -> Any:
+    """The schema with unknown fields refused, as `kubectl apply --validate=strict` does."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_schema(name: str) -> dict[str, Any]:
+    # The C loader: the CRD is ~1 MB of YAML (seconds with the pure-Python one).
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load((needs_kuberay_reference("crd") / name).read_text(), Loader=loader)
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return strict(v1["schema"]["openAPIV3Schema"])
+
+
+def rayclusters() -> list[dict[str, Any]]:
+    path = DEPLOY / "kuberay" / "raycluster.yaml"
+    return [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == "RayCluster"]
+
+
+def start_param_resources(group: dict[str, Any]) -> dict[str, float]:
+    # KubeRay passes the value to `ray start --resources`, quoted for the shell.
+    text = group.get("rayStartParams", {}).get("resources", '"{}"')
+    return json.loads(json.loads(text))
+
+
+def test_raycluster_manifest_matches_the_kuberay_crd() -> None:
+    schema = crd_schema("ray.io_rayclusters.yaml")
+    (cluster,) = rayclusters()
+    assert cluster["apiVersion"] == "ray.io/v1"
+    jsonschema.validate(cluster, schema)
+    misspelt = json.loads(json.dumps(cluster))
+    misspelt["spec"]["workerGroupSpecs"][0]["rayStartParam"] = {}
+    with pytest.raises(jsonschema.ValidationError, match="rayStartParam"):
+        jsonschema.validate(misspelt, schema)
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"prefill", "decode"}
+    for name, group in groups.items():
+        assert start_param_resources(group) == {f"{name}_node": 1}
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert any("pdserve serve" in " ".join(c.get("args", [])) for c in head)
+
+
+def test_service_and_podmonitor_select_the_head_pod_and_its_ports() -> None:
+    (cluster,) = rayclusters()
+    name = cluster["metadata"]["name"]
+    values = yaml.safe_load((DEPLOY / "kuberay" / "values.yaml").read_text())
+    assert values["fullnameOverride"] == name  # the chart names the RayCluster the same
+    (argv,) = serve_commands(DEPLOY / "kuberay" / "raycluster.yaml")
+    ns = build_parser().parse_args(argv)
+    service = yaml.safe_load((DEPLOY / "kuberay" / "service.yaml").read_text())
+    # KubeRay labels every pod with its cluster's name and node type.
+    assert service["spec"]["selector"] == {"ray.io/cluster": name, "ray.io/node-type": "head"}
+    ports = {p["name"]: p["targetPort"] for p in service["spec"]["ports"]}
+    assert ports == {"grpc": ns.port, "metrics": ns.metrics_port}
+    monitor = yaml.safe_load((DEPLOY / "kuberay" / "podmonitor.yaml").read_text())
+    assert monitor["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    head = cluster["spec"]["headGroupSpec"]["template"]
+    named_ports = {
+        p["name"]: p["containerPort"]
+        for c in head["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
+    assert named_ports[monitor["spec"]["podMetricsEndpoints"][0]["port"]] == ns.metrics_port
+    assert head["metadata"]["annotations"]["prometheus.io/port"] == str(ns.metrics_port)
+
+
+# Chart values that are maps or lists of the user's own content (Kubernetes objects,
+# labels, `ray start` flags): keys below them are not chart keys.
+_FREE_FORM = {"resources", "rayStartParams", "labels", "annotations", "nodeSelector"}
+
+
+def unknown_keys(ours: Any, chart: Any, path: str = "") -> list[str]:
+    """Keys of `ours` that the chart's values.yaml does not have."""
+    if not isinstance(ours, dict) or not isinstance(chart, dict):
+        return []
+    missing = []
+    for key, value in ours.items():
+        where = f"{path}.{key}" if path else key
+        if path == "additionalWorkerGroups":
+            # Group names are the user's; each group takes the keys of the chart's example.
+            missing += unknown_keys(value, chart["smallGroup"], where)
+        elif key not in chart:
+            missing.append(where)
+        elif key not in _FREE_FORM:
+            missing += unknown_keys(value, chart[key], where)
+    return missing
+
+
+def test_helm_values_use_only_keys_of_the_ray_cluster_chart() -> None:
+    chart_dir = needs_kuberay_reference("ray-cluster-chart")
+    chart = yaml.safe_load((chart_dir / "values.yaml").read_text())
+    ours = yaml.safe_load((DEPLOY / "kuberay" / "values.yaml").read_text())
+    assert unknown_keys(ours, chart) == []
+    # The same cluster as the manifest: both pools, placed by the same resources.
+    assert start_param_resources(ours["worker"]) == {"prefill_node": 1}
+    assert ours["worker"]["groupName"] == "prefill"
+    assert start_param_resources(ours["additionalWorkerGroups"]["decode"]) == {"decode_node": 1}
+    assert ours["additionalWorkerGroups"]["decode"]["disabled"] is False
+    # The check itself catches a misspelt key.
+    assert unknown_keys({"head": {"rayStartParam": {}}}, chart) == ["head.rayStartParam"]
