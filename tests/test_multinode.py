@@ -1,0 +1,119 @@
+"""Several Ray nodes on one machine: each pool lands on the node type that offers its
+resource, the KV hand-off crosses nodes, and outputs equal the colocated engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.factory import EngineArgs
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from router.client import stream_generate
+from tests.service import REPO, ServiceProcess, service_env
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+MAX_TOKENS = 8
+
+# Which node (named by its custom resources) each live actor runs on, read from the GCS.
+_PLACEMENT = """
+import json, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+nodes = {
+    n["NodeID"]: sorted(k for k in n["Resources"] if k.endswith("_node"))
+    for n in ray.nodes() if n["Alive"]
+}
+actors = [
+    (a["ActorClassName"], nodes.get(a["Address"]["NodeID"]))
+    for a in ray._private.state.actors().values() if a["State"] == "ALIVE"
+]
+print(json.dumps(actors))
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_nodes() -> Iterator[str]:
+    """A head with no CPUs plus one node per pool, all on 127.0.0.1; yields the address.
+
+    Each pool node has room for both workers, so only the resource requirements keep
+    the pools apart (Ray would pack both onto one node otherwise).
+    """
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1"},
+    )
+    try:
+        for pool in ("prefill", "decode"):
+            cluster.add_node(num_cpus=2, resources={f"{pool}_node": 1}, node_ip_address="127.0.0.1")
+        yield cluster.address
+    finally:
+        cluster.shutdown()
+
+
+def test_pools_on_their_own_nodes_match_the_colocated_engine(
+    ray_nodes: str, tmp_path: Path, smollm2_path: Path
+) -> None:
+    svc = ServiceProcess(
+        [
+            "--ray-address",
+            ray_nodes,
+            "--prefill-resources",
+            '{"prefill_node": 1}',
+            "--decode-resources",
+            '{"decode_node": 1}',
+            "--prefill-kv-cache-gib",
+            "0.25",
+            "--decode-kv-cache-gib",
+            "0.25",
+        ],
+        tmp_path / "service.log",
+    )
+    try:
+        svc.wait_serving()
+        placement = subprocess.run(
+            [sys.executable, "-c", _PLACEMENT, ray_nodes],
+            cwd=REPO,
+            env=service_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        actors = json.loads(placement.stdout.strip().splitlines()[-1])
+        nodes = {cls: node for cls, node in actors if "Prefill" in cls or "Decode" in cls}
+        assert nodes == {"PrefillWorker": ["prefill_node"], "DecodeWorker": ["decode_node"]}
+
+        async def served() -> list[list[int]]:
+            outputs = []
+            for prompt in PROMPTS:
+                tokens: list[int] = []
+                async for r in stream_generate(
+                    svc.address, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, timeout=120
+                ):
+                    tokens.extend(r.token_ids)
+                    if r.finish_reason:
+                        assert r.timings.kv_transfer_seconds > 0  # KV crossed nodes
+                outputs.append(tokens)
+            return outputs
+
+        got = asyncio.run(served())
+    finally:
+        code = svc.stop()
+    assert code == 0, svc.log_tail()
+    llm = LLM(EngineArgs(kv_cache_gib=0.25))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    expected = [list(o.token_ids) for o in llm.generate(PROMPTS, [params] * len(PROMPTS))]
+    assert got == expected
