@@ -48,6 +48,7 @@ class ServerInfo:
     num_decode_workers: int
     max_in_flight: int
     max_queue: int
+    num_colocated_workers: int = 0  # replicas that run both phases (no pools then)
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,7 @@ def server_info_response(info: ServerInfo) -> pb.GetServerInfoResponse:
         block_size=info.block_size,
         num_prefill_workers=info.num_prefill_workers,
         num_decode_workers=info.num_decode_workers,
+        num_colocated_workers=info.num_colocated_workers,
         max_in_flight=info.max_in_flight,
         max_queue=info.max_queue,
     )

@@ -80,7 +80,7 @@ class FakeCore:
             self.closed.set()
 
     def server_info(self) -> ServerInfo:
-        return ServerInfo("fake-model", MAX_MODEL_LEN, 16, 1, 2, 8, 32)
+        return ServerInfo("fake-model", MAX_MODEL_LEN, 16, 1, 2, 8, 32, num_colocated_workers=3)
 
     async def pool_stats(self) -> PoolStats:
         worker = WorkerStats("decode", 1, 100, 7, 1, 0, 32, 64)
@@ -408,6 +408,7 @@ def test_server_info_and_pool_stats() -> None:
         info = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
         assert (info.model, info.max_model_len, info.block_size) == ("fake-model", 64, 16)
         assert (info.num_prefill_workers, info.num_decode_workers) == (1, 2)
+        assert info.num_colocated_workers == 3
         assert (info.max_in_flight, info.max_queue) == (8, 32)
         stats = await get_pool_stats(server.address)
         (worker,) = stats.workers

@@ -136,7 +136,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "num_prefill_workers", "num_decode_workers", "max_in_flight", "max_queue")
+    __slots__ = ("model", "max_model_len", "block_size", "num_prefill_workers", "num_decode_workers", "max_in_flight", "max_queue", "num_colocated_workers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class GetServerInfoResponse(_message.Message):
     NUM_DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    NUM_COLOCATED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     block_size: int
@@ -151,7 +152,8 @@ class GetServerInfoResponse(_message.Message):
     num_decode_workers: int
     max_in_flight: int
     max_queue: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_prefill_workers: _Optional[int] = ..., num_decode_workers: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., max_queue: _Optional[int] = ...) -> None: ...
+    num_colocated_workers: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_prefill_workers: _Optional[int] = ..., num_decode_workers: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., max_queue: _Optional[int] = ..., num_colocated_workers: _Optional[int] = ...) -> None: ...
 
 class GetPoolStatsRequest(_message.Message):
     __slots__ = ()
