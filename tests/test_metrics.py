@@ -7,6 +7,8 @@ the end-to-end service's worker gauges are checked in test_service_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +23,7 @@ from router.grpc_server import GrpcServer
 from router.metrics import RouterMetrics
 from router.protocol import PoolStats, WorkerStats
 from router.security import EdgeSecurity
-from tests.service import free_port
+from tests.service import REPO, free_port
 from tests.test_servicer import FakeCore
 
 HISTOGRAMS = (
@@ -196,3 +198,21 @@ def test_metrics_port_in_use_fails_loudly() -> None:
             RouterMetrics().serve("127.0.0.1", port)
     finally:
         stop()
+
+
+def test_grafana_dashboard_queries_only_existing_metrics() -> None:
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "pdserve.json").read_text())
+    exposed = set()
+    for name in HISTOGRAMS:
+        exposed |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+    exposed |= {f"{name}_total" for name in COUNTERS} | set(GAUGES)
+    titles = []
+    for panel in dashboard["panels"]:
+        titles.append(panel["title"].lower())
+        for target in panel["targets"]:
+            names = set(re.findall(r"\bpdserve_\w+", target["expr"]))
+            assert names and names <= exposed, (panel["title"], names - exposed)
+    for topic in ("first token", "inter-token", "end-to-end", "throughput", "kv cache usage"):
+        assert any(topic in t for t in titles), topic
+    for topic in ("queues", "bandwidth", "errors"):
+        assert any(topic in t for t in titles), topic
