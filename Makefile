@@ -1,4 +1,5 @@
 # Quickstart: `make run` (service on the embedded model) and `make test` (whole suite).
+# Flags for the server: `make run ARGS="--port 50052 --decode-workers 2"`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export RAY_AUTH_MODE ?= disabled
@@ -8,8 +9,8 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 
 setup: $(VENV)/.installed
 
-# torch==2.13.0 first: on the development machine that is a local CPU build; a bare
-# `torch` requirement would pull a multi-GB CUDA build.
+# torch==2.13.0 first, from the index configured for pip (a CPU build where that is what
+# it serves); a bare `torch` requirement from PyPI would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -22,7 +23,7 @@ model: setup
 	$(PY) -m engine.model.embedded
 
 run: model
-	$(VENV)/bin/pdserve serve
+	$(VENV)/bin/pdserve serve $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

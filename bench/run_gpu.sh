@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# What the lent GPU machine runs (see /work/shared/GPU.md): install the carried wheels,
-# keep NVLink multicast off, run the CUDA tests, then the benchmark suite. Everything it
-# writes goes under $OUT (the device tool brings that folder back).
+# The GPU run: install any wheels found in .whl/, keep NVLink multicast off, run the CUDA
+# tests, then the benchmark suite. Everything it writes goes under $OUT
+# (default bench/results/gpu-run).
 #
 #   bench/run_gpu.sh [all|tests|suite] [bench.gpu_suite arguments...]
 #
 # e.g. `bench/run_gpu.sh all --quick` (smoke) or `bench/run_gpu.sh suite --shapes 8b`.
 # The suite gets --time-budget = RUN_GPU_DEADLINE_S (default 570) minus the seconds already
-# spent, so one device call (10 minutes at most) ends with its JSON written; a later
+# spent, so a run under a wall-clock limit still ends with its JSON written; a later
 # --time-budget among the arguments wins.
 set -uo pipefail
 what=${1:-all}
@@ -20,11 +20,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# NVLink multicast can put the shared host's GPUs out of service: off, in every process.
+# NVLink multicast can put a shared host's GPUs out of service: off, in every process.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# The package is not installed there: the repository and the generated stubs go on the path.
+# The package need not be installed: the repository and the generated stubs go on the path.
 export PYTHONPATH=$PWD:$PWD/protos${PYTHONPATH:+:$PYTHONPATH}
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true

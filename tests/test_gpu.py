@@ -1,4 +1,4 @@
-"""CUDA tests (run on the lent GPU machine with `pytest -m gpu`; skipped without GPUs).
+"""CUDA tests (`pytest -m gpu` on a machine with GPUs; skipped without them).
 
 * The engine in bfloat16 on CUDA against the float32 CPU engine, same random weights:
   greedy outputs agree under the close-logprobs rule, nothing is NaN, and the paged cache
