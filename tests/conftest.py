@@ -91,6 +91,6 @@ def ray_session() -> Iterator[None]:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()

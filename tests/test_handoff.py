@@ -1,111 +1,190 @@
-"""KV hand-off between real Ray actors over gloo: bit-exact blocks, refusals, leases, pairing."""
+"""KV hand-off between a prefill and a decode worker over their own gloo channel.
+
+The workers are driven in-process (no Ray): the protocol is the same, and every
+guarantee is checked where it is made: bit-identical blocks, refusal of stale or
+mismatched hand-offs with the channel still in step, aborts during a transfer, lease
+expiry, and no block left in use.
+"""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import ray
 import torch
+from torch.distributed import TCPStore
 
+from decode_worker.worker import DecodeWorker
 from engine.core.config import SchedulerConfig
-from engine.core.outputs import GenerationInput
+from engine.core.outputs import GenerationInput, TokenUpdate
 from engine.core.request import FinishReason
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
-from prefill_worker.worker import DecodeTarget
-from router.cluster import Cluster, ClusterConfig
+from engine.transfer.channel import ChannelSpec
+from engine.transfer.handoff import Reservation
+from prefill_worker.worker import PrefillWorker
 
-pytestmark = pytest.mark.e2e
+ARGS = EngineArgs(kv_cache_gib=0.05, scheduler=SchedulerConfig(long_prefill_token_threshold=16))
 
-ARGS = EngineArgs(kv_cache_gib=0.1, scheduler=SchedulerConfig(long_prefill_token_threshold=16))
+
+class Pair:
+    def __init__(self, prefill: PrefillWorker, decode: DecodeWorker) -> None:
+        self.prefill = prefill
+        self.decode = decode
+
+    async def updates_for(self, req_id: str, timeout: float = 20.0) -> list[TokenUpdate]:
+        """Every update for req_id until it finishes (other requests' are dropped)."""
+        seen: list[TokenUpdate] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            batch = await self.decode.next_tokens(0.2)
+            seen += [u for u in batch.updates if u.req_id == req_id]
+            if seen and seen[-1].finish_reason is not None:
+                return seen
+        raise AssertionError(f"{req_id} did not finish: {seen}")
+
+    async def blocks_in_use(self) -> tuple[int, int]:
+        p, d = await asyncio.gather(self.prefill.load(), self.decode.load())
+        return p.num_blocks_in_use, d.num_blocks_in_use
+
+    async def wait_zero(self, timeout: float = 10.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if await self.blocks_in_use() == (0, 0):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"blocks still in use: {await self.blocks_in_use()}")
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_path: Path, ray_session: None) -> Iterator[Cluster]:
-    c = Cluster(ClusterConfig(prefill_args=ARGS, decode_args=ARGS))
-    c.start()
-    yield c
-    c.stop()
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
 
 
-def _blocks_in_use(cluster: Cluster) -> list[int]:
-    refs = cluster.prefill + cluster.decode
-    return [load.num_blocks_in_use for load in ray.get([w.handle.load.remote() for w in refs])]
+@pytest.fixture(scope="module")
+def pair(loop: asyncio.AbstractEventLoop, smollm2_path: Path) -> Iterator[Pair]:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
-
-def _input(req_id: str, num_tokens: int) -> GenerationInput:
-    prompt = tuple(100 + (i * 37) % 5000 for i in range(num_tokens))
-    return GenerationInput(
-        req_id, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    )
-
-
-def test_decode_blocks_are_bit_identical_to_prefill_blocks(cluster: Cluster) -> None:
-    prefill, decode = cluster.prefill[0].handle, cluster.decode[0].handle
-    block_size = cluster.prefill[0].info.layout.block_size
-    for req_id, n in (("a", 70), ("b", 16), ("c", 5)):
-        res = ray.get(decode.reserve.remote(req_id, n))
-        result = ray.get(
-            prefill.prefill.remote(
-                _input(req_id, n), DecodeTarget(res.rank, res.epoch, res.block_ids)
-            )
+    async def start() -> Pair:
+        prefill, decode = PrefillWorker(ARGS, 0), DecodeWorker(ARGS, 0)
+        # One after the other: importing transformers from two threads at once races.
+        p_info = await prefill.start()
+        d_info = await decode.start()
+        spec = ChannelSpec(
+            "127.0.0.1", store.port, "prefill-0", p_info.epoch, "decode-0", d_info.epoch, 64
         )
-        assert result.finish_reason is FinishReason.HANDOFF, result.error
-        src = ray.get(prefill.read_blocks.remote(list(result.src_block_ids)))
-        dst = ray.get(decode.read_blocks.remote(list(res.block_ids)))
-        assert src.shape == dst.shape
-        # Compare the prompt's slots; decode writes the next token's KV after them.
-        src_slots = src.transpose(0, 2).reshape(src.shape[1], 2, -1, *src.shape[4:])[:, :, :n]
-        dst_slots = dst.transpose(0, 2).reshape(dst.shape[1], 2, -1, *dst.shape[4:])[:, :, :n]
-        assert torch.equal(src_slots, dst_slots), req_id
-        assert src_slots.abs().sum() > 0
-        assert len(res.block_ids) == -(-n // block_size)
-        ray.get(decode.abort.remote(req_id))
-    assert _wait_zero(cluster)
+        await asyncio.gather(prefill.connect(spec), decode.connect(spec))
+        return Pair(prefill, decode)
+
+    p = loop.run_until_complete(start())
+    yield p
+    loop.run_until_complete(p.prefill.shutdown())
+    loop.run_until_complete(p.decode.shutdown())
 
 
-def _wait_zero(cluster: Cluster, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _blocks_in_use(cluster) == [0, 0]:
-            return True
-        time.sleep(0.1)
-    raise AssertionError(f"blocks still in use: {_blocks_in_use(cluster)}")
+def _input(req_id: str, num_tokens: int, max_tokens: int = 4) -> GenerationInput:
+    prompt = tuple(100 + (i * 37) % 5000 for i in range(num_tokens))
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, seed=7)
+    return GenerationInput(req_id, prompt, sampling)
+
+
+def run(loop: asyncio.AbstractEventLoop, coro: AsyncIterator[None] | object) -> None:
+    loop.run_until_complete(coro)  # type: ignore[arg-type]
+
+
+def test_decode_blocks_are_bit_identical_to_prefill_blocks(
+    loop: asyncio.AbstractEventLoop, pair: Pair
+) -> None:
+    async def body() -> None:
+        for req_id, n in (("a", 70), ("b", 32), ("c", 5)):
+            inp = _input(req_id, n)
+            res = await pair.decode.reserve(inp)
+            assert res is not None and len(res.block_ids) == -(-n // 16)
+            result = await pair.prefill.prefill(inp, res)
+            assert result.finish_reason is None, result.error
+            assert result.transfer_bytes > 0
+            updates = await pair.updates_for(req_id)
+            assert updates[0].kv_wire_s > 0  # arrival is reported once, before tokens
+            assert sum(len(u.new_token_ids) for u in updates) == 3  # 4 minus prefill's first
+            # Full prompt blocks stay in the prefill worker's prefix cache after the
+            # hand-off; the decode worker's copies must hold the same bits.
+            full = n // 16
+            src_ids = await pair.prefill.on_engine(
+                lambda inp=inp: [
+                    b.block_id
+                    for b in pair.prefill.core.scheduler.kv.find_cached_prefix(
+                        list(inp.prompt_token_ids)
+                    )
+                ]
+            )
+            # (a lookup always leaves one token to compute, so a prompt of exactly k full
+            # blocks finds k - 1 of them)
+            num_compared = min(full, len(src_ids))
+            assert num_compared >= full - 1
+            if num_compared:
+                src = await pair.prefill.read_blocks(src_ids[:num_compared])
+                dst = await pair.decode.read_blocks(list(res.block_ids[:num_compared]))
+                assert torch.equal(src, dst), req_id
+                assert src.abs().sum() > 0
+        await pair.wait_zero()
+
+    run(loop, body())
 
 
 @pytest.mark.parametrize("tamper", ["epoch", "blocks"])
-def test_stale_or_mismatched_handoff_is_refused_and_frees_both_sides(
-    cluster: Cluster, tamper: str
+def test_stale_or_mismatched_handoff_is_refused_and_the_channel_stays_in_step(
+    loop: asyncio.AbstractEventLoop, pair: Pair, tamper: str
 ) -> None:
-    prefill, decode = cluster.prefill[0].handle, cluster.decode[0].handle
-    res = ray.get(decode.reserve.remote(f"t-{tamper}", 40))
-    target = DecodeTarget(res.rank, res.epoch, res.block_ids)
-    if tamper == "epoch":
-        target = DecodeTarget(res.rank, "previous-life", res.block_ids)
-    else:
-        target = DecodeTarget(res.rank, res.epoch, tuple(reversed(res.block_ids)))
-    result = ray.get(prefill.prefill.remote(_input(f"t-{tamper}", 40), target))
-    assert result.finish_reason is FinishReason.ERROR
-    assert "refused" in result.error
-    ray.get(decode.abort.remote(f"t-{tamper}"))  # the router does this on error
-    assert _wait_zero(cluster)
-    # The pair's channel is still in step: a good hand-off right after works.
-    res = ray.get(decode.reserve.remote(f"after-{tamper}", 20))
-    ok = ray.get(
-        prefill.prefill.remote(
-            _input(f"after-{tamper}", 20), DecodeTarget(res.rank, res.epoch, res.block_ids)
-        )
-    )
-    assert ok.finish_reason is FinishReason.HANDOFF
-    ray.get(decode.abort.remote(f"after-{tamper}"))
-    assert _wait_zero(cluster)
+    async def body() -> None:
+        inp = _input(f"t-{tamper}", 40)
+        res = await pair.decode.reserve(inp)
+        assert res is not None
+        if tamper == "epoch":
+            bad = replace(res, epoch=res.epoch ^ 0xFF)
+        else:
+            bad = Reservation(res.worker_id, res.epoch, tuple(reversed(res.block_ids)))
+        result = await pair.prefill.prefill(inp, bad)
+        assert result.finish_reason is None  # sent: the receiver is the one that checks
+        updates = await pair.updates_for(inp.req_id)
+        assert updates[-1].finish_reason is FinishReason.ERROR
+        assert "refused" in updates[-1].error
+        await pair.decode.abort(inp.req_id)  # the router does this on error
+        await pair.wait_zero()
+        # The channel is still in step: a good hand-off right after works.
+        good = _input(f"after-{tamper}", 20)
+        res = await pair.decode.reserve(good)
+        assert res is not None
+        assert (await pair.prefill.prefill(good, res)).finish_reason is None
+        updates = await pair.updates_for(good.req_id)
+        assert updates[-1].finish_reason is FinishReason.LENGTH
+        await pair.wait_zero()
+
+    run(loop, body())
 
 
-def test_expired_reservation_frees_its_blocks(cluster: Cluster) -> None:
-    decode = cluster.decode[0].handle
-    assert ray.get(decode.reserve.remote("lease", 64, 0.3)) is not None
-    assert _blocks_in_use(cluster)[1] == 4
-    assert _wait_zero(cluster, timeout=5)
+def test_abort_during_import_and_expired_lease_free_every_block(
+    loop: asyncio.AbstractEventLoop, pair: Pair
+) -> None:
+    async def body() -> None:
+        # Aborted between reservation and arrival: the bytes are drained and dropped.
+        inp = _input("aborted", 48, max_tokens=50)
+        res = await pair.decode.reserve(inp)
+        assert res is not None
+        sending = asyncio.ensure_future(pair.prefill.prefill(inp, res))
+        await pair.decode.abort(inp.req_id)
+        await sending
+        await pair.wait_zero()
+        # A reservation nobody fills is freed when its lease runs out.
+        lease = await pair.decode.reserve(_input("lease", 64), lease_s=0.3)
+        assert lease is not None
+        assert (await pair.blocks_in_use())[1] == 4
+        await pair.wait_zero(timeout=5)
+
+    run(loop, body())

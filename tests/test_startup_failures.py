@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from engine.factory import EngineArgs
 from router.cluster import Cluster, ClusterConfig, StartupError
+from router.pools import Pools
 
 pytestmark = pytest.mark.e2e
 
@@ -21,7 +23,7 @@ def test_mismatched_pairing_fails_startup_naming_the_field(
         ClusterConfig(prefill_args=ARGS, decode_args=EngineArgs(kv_cache_gib=0.1, dtype="bfloat16"))
     )
     with pytest.raises(StartupError, match="dtype differs"):
-        bad.start()
+        asyncio.run(Pools(bad).start())
 
 
 def test_bad_model_path_fails_startup_with_the_workers_error(
@@ -31,4 +33,4 @@ def test_bad_model_path_fails_startup_with_the_workers_error(
         ClusterConfig(prefill_args=EngineArgs(model=str(tmp_path / "nope")), decode_args=ARGS)
     )
     with pytest.raises(StartupError, match="prefill worker 0 failed to start.*config.json"):
-        bad.start()
+        asyncio.run(Pools(bad).start())
