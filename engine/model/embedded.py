@@ -4,11 +4,15 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from filelock import FileLock
@@ -77,7 +81,8 @@ def _convert(source: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    logger.info("converting %s into %s (once, ~30 s)", source.name, out_dir.parent)
+    logger.info("converting %s into %s (once, ~30-60 s)", source.name, out_dir.parent)
+    logger.info("[1/4] reading the model config")
     config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     config.architectures = ["LlamaForCausalLM"]
     config.dtype = torch.float32
@@ -85,6 +90,7 @@ def _convert(source: Path, out_dir: Path) -> None:
     # calls) avoids its `accelerate` requirement and yields bit-identical weights.
     # float32: dequantised Q4_1 values are not all representable in bf16.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    logger.info("[2/4] dequantising the weights")
     tensors = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -97,8 +103,10 @@ def _convert(source: Path, out_dir: Path) -> None:
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
+    logger.info("[3/4] writing safetensors")
     model.save_pretrained(out_dir)
 
+    logger.info("[4/4] writing the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     if not tokenizer.chat_template:
         raise RuntimeError(f"{source.name} carries no chat template")
@@ -112,3 +120,36 @@ def _make_readable(folder: Path) -> None:
     folder.chmod(0o755)
     for path in folder.iterdir():
         path.chmod(0o644)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m engine.model.embedded` (`make model`): prepare the embedded model now."""
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.model.embedded",
+        description="Convert the embedded SmolLM2-135M-Instruct into a Hugging Face folder "
+        "(once), so that servers start in seconds.",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=default_cache_dir(),
+        help="where the folder goes (default: $PDSERVE_MODEL_CACHE, else ~/.cache/pdserve)",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    start = time.perf_counter()
+    target = args.cache_dir / EMBEDDED_MODEL_NAME
+    if _is_complete(target):
+        print(f"model ready: {target} (already prepared)")
+        return 0
+    try:
+        path = ensure_embedded_model(args.cache_dir)
+    except (FileNotFoundError, FileExistsError, RuntimeError) as exc:
+        print(f"model preparation failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"model ready: {path} ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
