@@ -162,7 +162,13 @@ async def run_load(args: argparse.Namespace) -> list[Outcome]:
     limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
     try:
         for channel in channels:
-            await asyncio.wait_for(channel.channel_ready(), timeout=args.connect_timeout)
+            try:
+                await asyncio.wait_for(channel.channel_ready(), timeout=args.connect_timeout)
+            except TimeoutError:
+                raise ConnectionError(
+                    f"cannot connect to {args.target} within {args.connect_timeout:g} s "
+                    "(is `pdserve serve` running there?)"
+                ) from None
         t0 = time.perf_counter()
 
         async def guarded(i: int) -> None:
@@ -217,6 +223,10 @@ def summarize(outcomes: list[Outcome], args: argparse.Namespace) -> dict[str, An
     output_tokens = sum(o.output_tokens for o in ok)
     return {
         "num_requests": len(outcomes),
+        # The lengths asked for: uniform MIN:MAX ranges, exact when ignore_eos.
+        "prompt_len": list(args.prompt_len),
+        "output_len": list(args.output_len),
+        "ignore_eos": not args.allow_eos,
         "num_ok": len(ok),
         "errors": dict(Counter(o.status for o in outcomes if not o.ok)),
         "duration_s": duration,
@@ -233,11 +243,23 @@ def summarize(outcomes: list[Outcome], args: argparse.Namespace) -> dict[str, An
     }
 
 
+def _lengths_line(summary: dict[str, Any]) -> str:
+    (p_lo, p_hi), (o_lo, o_hi) = summary["prompt_len"], summary["output_len"]
+    n = max(summary["num_ok"], 1)
+    exact = "" if summary["ignore_eos"] else ", or less at end-of-text"
+    return (
+        f"lengths           prompt {p_lo}-{p_hi} tokens (mean "
+        f"{summary['total_prompt_tokens'] / n:.0f}), output {o_lo}-{o_hi} tokens{exact} "
+        f"(mean {summary['total_output_tokens'] / n:.0f})"
+    )
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """Human-readable report."""
     lines = [
         f"requests          {summary['num_ok']}/{summary['num_requests']} ok"
         + (f"  errors {summary['errors']}" if summary["errors"] else ""),
+        _lengths_line(summary),
         f"duration          {summary['duration_s']:.2f} s",
         f"request tput      {summary['request_throughput']:.2f} req/s",
         f"output tok tput   {summary['output_token_throughput']:.1f} tok/s",
@@ -304,7 +326,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the table, optionally write JSON; exit 1 if any request failed."""
     args = parse_args(argv)
-    outcomes = asyncio.run(run_load(args))
+    try:
+        outcomes = asyncio.run(run_load(args))
+    except ConnectionError as exc:
+        print(f"bench.load: {exc}", file=sys.stderr)
+        return 2
     summary = summarize(outcomes, args)
     print(format_table(summary))
     if args.out:
