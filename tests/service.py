@@ -33,7 +33,7 @@ def service_env() -> dict[str, str]:
 class ServiceProcess:
     """`python -m router.cli serve` with the given flags; logs go to a file."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         # Each service gets its own metrics port, so services (and `make run`) can coexist.
@@ -45,7 +45,7 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port), *args],
             cwd=REPO,
-            env=service_env(),
+            env={**service_env(), **(env or {})},
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
