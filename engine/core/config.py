@@ -10,7 +10,7 @@ Policy = Literal["fcfs", "priority"]
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Knobs of the iteration-level scheduler (the defaults suit a single GPU worker)."""
+    """Knobs of the iteration-level scheduler; each is a `pdserve serve` flag per pool."""
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
