@@ -292,6 +292,7 @@ def _serve(ns: argparse.Namespace) -> int:
         security=security,
         metrics_host=ns.metrics_host,
         metrics_port=ns.metrics_port,
+        enable_admin=ns.enable_admin,
     )
     if ns.model is not None:
         config.cluster.decode_args.resolve_model_path()  # ValueError naming --model
@@ -418,6 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="SIGTERM: seconds in-flight requests get before they end with ABORT",
     )
+    serve.add_argument(
+        "--enable-admin",
+        action="store_true",
+        help="serve AdminService (pdserve scale / workers); refused with PERMISSION_DENIED "
+        "when off",
+    )
     _add_deploy_args(serve)
     _add_model_args(serve)
     _add_engine_args(serve, "prefill")
@@ -428,6 +435,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate for one prompt: offline in this process, or from a server with --server",
     )
     add_generate_arguments(gen)
+
+    from router.admin_client import add_admin_arguments
+
+    scale = sub.add_parser(
+        "scale", help="resize pools or drain a worker of a running server (needs --enable-admin)"
+    )
+    workers = sub.add_parser("workers", help="list the workers of a running server")
+    add_admin_arguments(scale, workers)
     _add_model_args(gen)
     _add_engine_args(gen)
     return parser
@@ -503,6 +518,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _serve(ns)
             except ValueError as exc:  # a flag value the configs refuse, found before Ray
                 sub.error(str(exc))
+        if ns.command in ("scale", "workers"):
+            from router.admin_client import run_admin
+
+            return asyncio.run(run_admin(ns))
         if ns.command == "generate":
             _check_generate_flags(ns, sub, argv)
             if ns.server:

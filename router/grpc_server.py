@@ -15,8 +15,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.admin import ADMIN_SERVICE, AdminServicer
 from router.metrics import MetricsInterceptor, RouterMetrics
 from router.protocol import Generator
 from router.security import EdgeSecurity
@@ -123,8 +125,10 @@ class GrpcServer:
         drain_notice_s: float = 0.0,
         security: EdgeSecurity | None = None,
         metrics: RouterMetrics | None = None,
+        admin: AdminServicer | None = None,
     ) -> None:
         self._generator = generator
+        self._admin = admin or AdminServicer(lambda: None, enabled=False)
         self.security = security or EdgeSecurity()
         self.metrics = metrics
         self._host = host
@@ -164,9 +168,11 @@ class GrpcServer:
         )
         pb_grpc.add_GenerationServiceServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(self._admin, server)
         reflection.enable_server_reflection(
             (
                 GENERATION_SERVICE,
+                ADMIN_SERVICE,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -301,6 +307,7 @@ async def serve(
     on_started: Callable[[GrpcServer], None] | None = None,
     security: EdgeSecurity | None = None,
     metrics: RouterMetrics | None = None,
+    admin: AdminServicer | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT has drained the server; the caller then stops the workers.
 
@@ -315,6 +322,7 @@ async def serve(
         drain_notice_s=drain_notice_s,
         security=security,
         metrics=metrics,
+        admin=admin,
     )
     try:
         await server.start()

@@ -128,6 +128,7 @@ class DisaggregatedGenerator:
             block_size=self.block_size,
             num_prefill_workers=len(self.pools.routable("prefill")),
             num_decode_workers=len(self.pools.routable("decode")),
+            num_colocated_workers=len(self.pools.routable("colocated")),
             max_in_flight=self.admission.max_in_flight,
             max_queue=self.admission.max_queue,
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.core.outputs import FinalResult, TextChunk
 from engine.model.model_loader import has_tokenizer, load_tokenizer
+from router.admin import AdminServicer
 from router.cluster import Cluster, ClusterConfig
 from router.config import RouterConfig
 from router.errors import NotReadyError
@@ -56,6 +57,7 @@ class ServeConfig:
     security: EdgeSecurity = field(default_factory=EdgeSecurity)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = DEFAULT_METRICS_PORT  # 0 = no metrics endpoint
+    enable_admin: bool = False  # AdminService (scale, drain); refused when off
 
 
 async def run_service(
@@ -106,6 +108,9 @@ async def run_service(
             on_started=on_started,
             security=config.security,
             metrics=metrics,
+            admin=AdminServicer(
+                lambda: pools if front.inner is not None else None, config.enable_admin
+            ),
         )
     finally:
         metrics.pools.set_source(None)

@@ -33,5 +33,6 @@ cd "$ROOT/protos"
   --python_out=. \
   --pyi_out=. \
   --grpc_python_out=. \
-  pdserve/v1/generation.proto
+  pdserve/v1/generation.proto \
+  pdserve/v1/admin.proto
 echo "gen_protos: regenerated protos/pdserve/v1 with grpcio-tools $have"

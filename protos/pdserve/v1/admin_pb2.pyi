@@ -1,0 +1,88 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_STARTING: _ClassVar[WorkerState]
+    WORKER_STATE_LIVE: _ClassVar[WorkerState]
+    WORKER_STATE_DRAINING: _ClassVar[WorkerState]
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_STARTING: WorkerState
+WORKER_STATE_LIVE: WorkerState
+WORKER_STATE_DRAINING: WorkerState
+
+class WorkerDescription(_message.Message):
+    __slots__ = ("worker_id", "pool", "index", "state", "epoch", "device", "node_ip", "pid", "num_in_flight", "peers")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NODE_IP_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    pool: str
+    index: int
+    state: WorkerState
+    epoch: str
+    device: str
+    node_ip: str
+    pid: int
+    num_in_flight: int
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., epoch: _Optional[str] = ..., device: _Optional[str] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers", "targets", "num_restarts")
+    class TargetsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerDescription]
+    targets: _containers.ScalarMap[str, int]
+    num_restarts: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerDescription, _Mapping]]] = ..., targets: _Optional[_Mapping[str, int]] = ..., num_restarts: _Optional[int] = ...) -> None: ...
+
+class ScalePoolRequest(_message.Message):
+    __slots__ = ("pool", "size")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    size: int
+    def __init__(self, pool: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ScalePoolResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerDescription]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerDescription, _Mapping]]] = ...) -> None: ...
+
+class DrainWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DrainWorkerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

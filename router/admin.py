@@ -1,0 +1,115 @@
+"""AdminService: list, scale and drain workers while serving.
+
+Always registered (so reflection shows it), refused with PERMISSION_DENIED unless the
+server was started with --enable-admin. Bearer-token auth, when on, covers it like
+every other RPC.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from pdserve.v1 import admin_pb2 as pb
+from pdserve.v1 import admin_pb2_grpc as pb_grpc
+from router.cluster import POOLS
+from router.pools import Pools, WorkerRef
+
+log = logging.getLogger("pdserve.admin")
+
+ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["AdminService"].full_name
+_STATES = {
+    "starting": pb.WORKER_STATE_STARTING,
+    "live": pb.WORKER_STATE_LIVE,
+    "draining": pb.WORKER_STATE_DRAINING,
+}
+MAX_POOL_SIZE = 1024
+
+
+def describe(ref: WorkerRef) -> pb.WorkerDescription:
+    return pb.WorkerDescription(
+        worker_id=ref.worker_id,
+        pool=ref.pool,
+        index=ref.index,
+        state=_STATES.get(ref.state, pb.WORKER_STATE_UNSPECIFIED),
+        epoch=f"{ref.info.epoch:x}",
+        device=ref.info.device,
+        node_ip=ref.info.node_ip,
+        pid=ref.info.pid,
+        num_in_flight=max(ref.num_assigned, 0),
+        peers=sorted(ref.peers),
+    )
+
+
+class AdminServicer(pb_grpc.AdminServiceServicer):
+    def __init__(self, pools: Callable[[], Pools | None], enabled: bool) -> None:
+        self._pools = pools
+        self.enabled = enabled
+
+    async def _check(self, context: grpc.aio.ServicerContext) -> Pools:
+        if not self.enabled:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "the admin API is disabled; start the server with --enable-admin",
+            )
+        pools = self._pools()
+        if pools is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "pools are still starting")
+        assert pools is not None
+        return pools
+
+    async def ListWorkers(
+        self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkersResponse:
+        pools = await self._check(context)
+        return pb.ListWorkersResponse(
+            workers=[describe(w) for w in pools.all()],
+            targets=dict(pools.targets),
+            num_restarts=pools.num_restarts,
+        )
+
+    async def ScalePool(
+        self, request: pb.ScalePoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScalePoolResponse:
+        pools = await self._check(context)
+        active = [p for p in POOLS if pools.targets[p] > 0]
+        if request.pool not in POOLS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"pool must be one of {', '.join(POOLS)}, got {request.pool!r}",
+            )
+        if request.pool not in active:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"this deployment runs the {' and '.join(active)} pools, not {request.pool}",
+            )
+        if not 1 <= request.size <= MAX_POOL_SIZE:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"size must be between 1 and {MAX_POOL_SIZE}, got {request.size}",
+            )
+        log.info("scaling %s to %d", request.pool, request.size)
+        try:
+            await pools.scale(request.pool, request.size)
+        except Exception as exc:  # noqa: BLE001 - reported to the operator
+            await context.abort(grpc.StatusCode.INTERNAL, f"scaling failed: {exc}")
+        return pb.ScalePoolResponse(workers=[describe(w) for w in pools.workers[request.pool]])
+
+    async def DrainWorker(
+        self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainWorkerResponse:
+        pools = await self._check(context)
+        ref = pools.find(request.worker_id)
+        if ref is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
+        assert ref is not None
+        live = [w for w in pools.routable(ref.pool) if w is not ref]
+        if ref.alive and not live:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{ref.worker_id} is the last live {ref.pool} worker",
+            )
+        await pools.drain(request.worker_id)
+        return pb.DrainWorkerResponse()
