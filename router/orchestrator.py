@@ -268,7 +268,9 @@ class DisaggregatedGenerator:
                         log.warning("request %s: %s; retrying on other workers", user_id, exc)
                         await asyncio.sleep(self.config.retry_delay_s * number)
                 raise RuntimeError(f"gave up after {self.config.max_attempts} attempts")
-        except (QueueFullError, NotReadyError):
+        except (QueueFullError, NotReadyError) as exc:
+            finished = True  # refused at the door: nothing to abort, not a cancellation
+            log.info("request %s refused: %s", user_id, exc)
             raise
         except Exception as exc:  # noqa: BLE001 - becomes this request's terminal message
             log.error("request %s failed: %s", user_id, exc)

@@ -3,7 +3,8 @@
 * The engine in bfloat16 on CUDA against the float32 CPU engine, same random weights:
   greedy outputs agree under the close-logprobs rule, nothing is NaN, and the paged cache
   is written exactly where the slot mapping says.
-* The NCCL KV hand-off (engine.transfer.kv_transfer.TransferAgent) between two GPUs is bit-exact.
+* The NCCL KV hand-off on a pair channel (engine.transfer.channel.KVChannel) between two GPUs
+  is bit-exact.
 * A 1P1D service on two GPUs answers like the colocated engine on one.
 """
 
@@ -22,12 +23,14 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.transfer.kv_transfer import TransferAgent
-from tests.service import ServiceProcess, free_port
+from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
+from engine.transfer.handoff import HandoffHeader, HeaderKind
+from tests.service import ServiceProcess
 
 pytestmark = pytest.mark.gpu
 
@@ -224,34 +227,45 @@ def _source_bits() -> torch.Tensor:
     return bits.to(torch.int16).view(torch.bfloat16)
 
 
-def _handoff_worker(rank: int, init_method: str, out_path: str, use_cuda: bool = True) -> None:
-    """Rank 0 gathers random block sets and sends them (all posted at once); rank 1
-    receives into staging tensors and scatters into other block ids. (`use_cuda=False`:
-    gloo on CPU, to check the check itself on a machine without GPUs.)"""
+def _handoff_worker(rank: int, store_port: int, out_path: str, use_cuda: bool = True) -> None:
+    """Rank 0 gathers random block sets and sends them on a pair channel (all posted at
+    once); rank 1 receives each header and payload and scatters into other block ids.
+    (`use_cuda=False`: gloo on CPU, to check the check itself on a machine without GPUs.)"""
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    agent = TransferAgent(rank, 2, init_method, device, timeout_s=120)
-    agent.init()
+    spec = ChannelSpec("127.0.0.1", store_port, "prefill-0", 1, "decode-0", 2, 128, 120.0)
+    channel = KVChannel(spec, rank, device)
+    channel.open()
     try:
         trials = _handoff_trials()
-        if rank == 0:
+        if rank == SENDER_RANK:
             cache = _source_bits().to(device)
             sends = []
-            for src, _ in trials:
+            for n, (src, dst) in enumerate(trials):
                 payload = cache.index_select(0, torch.tensor(src, device=device))
-                sends.append(agent.send(1, payload, agent.next_seq(1)))
+                header = HandoffHeader(
+                    HeaderKind.HANDOFF,
+                    channel.next_seq(),
+                    req_id=f"r{n}",
+                    dst_epoch=2,
+                    dst_block_ids=tuple(dst),
+                    num_bytes=payload.numel() * payload.element_size(),
+                )
+                sends.append(channel.send(header, payload))
             for fut in sends:
                 fut.result(timeout=120)
             return
         cache = torch.zeros((NUM_DST_BLOCKS, *HANDOFF_BLOCK_SHAPE), dtype=torch.bfloat16)
         cache = cache.to(device)
-        recvs = []
-        for src, _ in trials:
-            staging = torch.empty((len(src), *HANDOFF_BLOCK_SHAPE), dtype=torch.bfloat16)
-            recvs.append(agent.recv(0, staging.to(device), agent.next_seq(0)))
-        for (_, dst), fut in zip(trials, recvs, strict=True):
-            cache.index_copy_(0, torch.tensor(dst, device=device), fut.result(timeout=120))
+        for n in range(len(trials)):
+            header = channel.recv_header()
+            assert header.seq_no == n and header.req_id == f"r{n}"
+            staging = torch.empty(
+                (len(header.dst_block_ids), *HANDOFF_BLOCK_SHAPE), dtype=torch.bfloat16
+            ).to(device)
+            channel.recv_into(staging)
+            cache.index_copy_(0, torch.tensor(header.dst_block_ids, device=device), staging)
         source = _source_bits().view(torch.int16)
         expected = torch.zeros((NUM_DST_BLOCKS, *HANDOFF_BLOCK_SHAPE), dtype=torch.int16)
         for src, dst in trials:
@@ -260,7 +274,7 @@ def _handoff_worker(rank: int, init_method: str, out_path: str, use_cuda: bool =
         differing = (got != expected).flatten(1).any(dim=1).nonzero().flatten().tolist()
         Path(out_path).write_text(json.dumps({"differing_blocks": differing}))
     finally:
-        agent.close()
+        channel.close(notify_peer=False)
 
 
 @needs_gpus(2)
@@ -268,9 +282,10 @@ def test_nccl_handoff_between_two_gpus_is_bit_exact(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
     out = tmp_path / "handoff.json"
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     mp.spawn(
         _handoff_worker,
-        args=(f"tcp://127.0.0.1:{free_port()}", str(out)),
+        args=(store.port, str(out)),
         nprocs=2,
         join=True,
     )
