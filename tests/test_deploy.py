@@ -17,7 +17,9 @@ import jsonschema
 import pytest
 import ray
 import yaml
+from google.protobuf import json_format
 
+from pdserve.v1 import generation_pb2 as pb
 from router.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -202,3 +204,28 @@ def test_helm_values_use_only_keys_of_the_ray_cluster_chart() -> None:
     assert ours["additionalWorkerGroups"]["decode"]["disabled"] is False
     # The check itself catches a misspelt key.
     assert unknown_keys({"head": {"rayStartParam": {}}}, chart) == ["head.rayStartParam"]
+
+
+# The keys of ghz's JSON config file, as its documentation lists them (ghz.sh/docs/options).
+GHZ_CONFIG_KEYS = {
+    "proto", "protoset", "call", "import-paths", "cacert", "cert", "key", "cname",
+    "skipTLS", "insecure", "authority", "async", "rps", "load-schedule", "load-start",
+    "load-end", "load-step", "load-step-duration", "load-max-duration", "concurrency",
+    "concurrency-schedule", "concurrency-start", "concurrency-end", "concurrency-step",
+    "concurrency-step-duration", "concurrency-max-duration", "total", "timeout",
+    "duration", "max-duration", "duration-stop", "data", "data-file", "binary",
+    "binary-file", "metadata", "metadata-file", "stream-interval", "stream-call-duration",
+    "stream-call-count", "stream-dynamic-messages", "reflect-metadata", "output",
+    "format", "skipFirst", "connections", "connect-timeout", "keepalive", "name", "tags",
+    "cpus", "debug", "enable-compression", "count-errors", "lb-strategy", "host",
+}  # fmt: skip
+
+
+def test_ghz_config_uses_documented_keys_and_the_real_method() -> None:
+    config = json.loads((DEPLOY / "ghz" / "generate.json").read_text())
+    assert set(config) <= GHZ_CONFIG_KEYS, set(config) - GHZ_CONFIG_KEYS
+    service, method = config["call"].rsplit(".", 1)
+    assert pb.DESCRIPTOR.services_by_name[service.split(".")[-1]].methods_by_name[method]
+    request = pb.GenerateRequest()
+    json_format.ParseDict(config["data"], request)  # proto3 JSON names, as ghz sends them
+    assert request.sampling.max_tokens > 0
