@@ -36,6 +36,11 @@ CONFIGS = REPO / "deploy" / "model_configs"
 BLOCK_SIZE = 16
 
 
+def _mode_kwargs(mode: str) -> dict[str, Any]:
+    """`ModelRunner.execute` keywords of a mode: eager SDPA, eager Triton, CUDA graphs."""
+    return {"use_cuda_graphs": mode == "graphs", "paged_decode": False if mode == "sdpa" else None}
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -184,33 +189,29 @@ def bench_model(
                 "load_s": round(load_s, 1),
             }
             for mode in ("sdpa", "triton", "graphs"):
-                runner.cuda_graphs = graphs if mode == "graphs" else None
-                runner.paged_decode = False if mode == "sdpa" else None
+                kw = _mode_kwargs(mode)
                 try:
                     row[f"{mode}_ms"] = _stats(
-                        _wall_times(lambda b=batch: runner.execute(b), steps)
+                        _wall_times(lambda b=batch, kw=kw: runner.execute(b, **kw), steps)
                     )
                 except Exception as exc:  # keep the other numbers of this run
                     traceback.print_exc()
                     row[f"{mode}_error"] = repr(exc)
-            runner.cuda_graphs = graphs
-            runner.paged_decode = None
             graphs.run(batch)  # fill the static inputs for this batch
             size = next(s for s in graphs.batch_sizes if s >= n)
             graph = graphs._graphs[size][0]
             row["graph_gpu_ms"] = _stats(_event_times(graph.replay, steps))
             if profile_at and (n, ctx) in profile_at and profile_log is not None:
                 for mode in ("triton", "graphs"):
-                    runner.cuda_graphs = graphs if mode == "graphs" else None
+                    kw = _mode_kwargs(mode)
                     try:
                         row[f"{mode}_profile_ms"] = profile_step(
-                            lambda b=batch: runner.execute(b),
+                            lambda b=batch, kw=kw: runner.execute(b, **kw),
                             f"{name} batch {n} ctx {ctx} {mode}",
                             profile_log,
                         )
                     except Exception:
                         traceback.print_exc()
-                runner.cuda_graphs = graphs
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

@@ -183,8 +183,7 @@ def test_cuda_graphs_give_eager_tokens_on_tiny_llama(tiny_llama_path: Path) -> N
     common = dict(device="cuda", dtype="float32", num_blocks=num_blocks, block_size=bs)
     graphed = ModelRunner(path, cuda_graph_batch_sizes=[1, 2, 4, 8], **common)
     eager = ModelRunner(path, enforce_eager=True, **common)
-    sdpa = ModelRunner(path, enforce_eager=True, **common)
-    sdpa.paged_decode = False
+    sdpa = ModelRunner(path, enforce_eager=True, paged_decode=False, **common)
     assert graphed.cuda_graphs is not None and eager.cuda_graphs is None
     assert graphed.cuda_graphs.batch_sizes == [1, 2, 4, 8]
     rng = random.Random(5)

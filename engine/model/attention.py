@@ -9,11 +9,17 @@ advanced indexing with a (block, offset) index pair).
 
 All index tensors are built once per step (`PagedAttentionMetadata.build`) with tensor
 ops on the target device and shared by every layer; the forward pass has no per-request
-Python loop and no host sync. Sequences are split into a decode group (one query token
-each) and a prefill group (several), each run as one padded, masked, batched SDPA. On
-CUDA (with Triton) the decode group instead runs `engine.model.triton_attention`'s paged kernel,
-which reads K/V through the block tables itself; its metadata carries no gather rows or
-mask, and its shapes do not depend on context lengths (what CUDA graphs need).
+Python loop and no host sync.
+
+* On CUDA (with Triton) the kernels read K/V through the block tables themselves, so
+  nothing is gathered or padded: a pure-decode step runs the split-K decode kernel of
+  `engine.model.triton_attention` (shapes independent of context lengths: what CUDA
+  graphs need), any step with a prompt chunk runs every sequence, decodes included,
+  through the varlen kernel of `engine.model.triton_prefill` in one launch.
+* Elsewhere (CPU) sequences are split into decode groups (one query token each) and a
+  prefill group, each run as one padded, masked, batched SDPA over gathered rows.
+  Decodes of very different context lengths form two groups, so a short sequence does
+  not pay for the longest one's padding.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 
 from engine.core.batch import Batch
 from engine.model.triton_attention import num_splits_for, paged_decode_attention, triton_available
+from engine.model.triton_prefill import paged_varlen_attention
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -39,7 +46,7 @@ class AttentionGroup:
     """
 
     q_index: torch.Tensor  # [n, max_q] packed-token index; padding repeats a valid token
-    kv_rows: torch.Tensor | None  # [n, max_kv] cache row of layer 0's K per kv position
+    kv_rows: torch.Tensor | None  # [n, max_kv, 2] cache rows of layer 0's K, V per kv position
     block_table: torch.Tensor  # [n, max_blocks] for kernels that walk blocks themselves
     context_lens: torch.Tensor  # [n] tokens in the cache after this step's writes
     mask: torch.Tensor | None  # [n, 1, max_q, max_kv] bool, True = attend
@@ -55,19 +62,33 @@ class AttentionGroup:
 
 
 @dataclass(frozen=True)
+class VarlenGroup:
+    """Every sequence of a step for the Triton varlen kernel: packed, unpadded, one launch."""
+
+    block_table: torch.Tensor  # [n, max_blocks]
+    q_starts: torch.Tensor  # [n] packed index of each sequence's first token
+    q_lens: torch.Tensor  # [n] tokens each sequence runs this step
+    positions: torch.Tensor  # [n] position of that first token
+    max_q: int  # the longest chunk (sizes the launch grid)
+
+    paged = True  # the kernel walks the block tables
+
+
+@dataclass(frozen=True)
 class PagedAttentionMetadata:
     """Per-step attention inputs shared by all layers."""
 
     positions: torch.Tensor  # [T] position of every packed token (the model's position_ids)
-    slot_mapping: torch.Tensor  # [T] block_id * block_size + offset where each new K/V goes
     slot_rows: torch.Tensor  # [T] cache row of layer 0's K for each new token
     rows_per_layer: int  # add layer * rows_per_layer to reach a layer's K rows (V: + block_size)
     block_size: int
-    groups: tuple[AttentionGroup, ...]  # decode group first, then prefill; empty ones left out
+    # Decode groups first, then prefill; empty ones left out (one VarlenGroup alone when
+    # the Triton kernels run a step with prompt chunks).
+    groups: tuple[AttentionGroup | VarlenGroup, ...]
 
     @property
     def num_tokens(self) -> int:
-        return int(self.slot_mapping.shape[0])
+        return int(self.slot_rows.shape[0])
 
     @classmethod
     def build(
@@ -80,8 +101,8 @@ class PagedAttentionMetadata:
     ) -> PagedAttentionMetadata:
         """Index tensors for one step of `batch` (sequences packed in batch order).
 
-        `paged_decode` (None: on CUDA when Triton imports) sends the decode group to the
-        Triton kernel instead of SDPA.
+        `paged_decode` (None: on CUDA when Triton imports) runs attention in the Triton
+        kernels instead of SDPA.
         """
         for s in batch.seqs:
             if s.num_tokens < 1:
@@ -167,17 +188,40 @@ def build_metadata(
     within = torch.arange(num_tokens, device=device) - seqs.q_start[seq_of_token]
     positions = seqs.start[seq_of_token] + within
     slot_block = seqs.table[seq_of_token, positions // block_size]
-    slot_offset = positions % block_size
     # Row of (block b, layer l, k/v c, offset o) in the [-1, KVH*D] view of the cache.
     rows_per_block = num_layers * 2 * block_size
+    slot_rows = slot_block * rows_per_block + positions % block_size
+
+    max_q = max(num_q, default=0)
+    if paged_decode and max_q > 1:
+        varlen = VarlenGroup(
+            block_table=seqs.table,
+            q_starts=seqs.q_start,
+            q_lens=seqs.num_q,
+            positions=seqs.start,
+            max_q=max_q,
+        )
+        return PagedAttentionMetadata(
+            positions=positions,
+            slot_rows=slot_rows,
+            rows_per_layer=2 * block_size,
+            block_size=block_size,
+            groups=(varlen,),
+        )
 
     groups = []
     decode_ids = [i for i in range(n) if num_q[i] == 1]
     prefill_ids = [i for i in range(n) if num_q[i] > 1]
-    for ids in (decode_ids, prefill_ids):
+    id_groups = [prefill_ids]
+    if paged_decode or bucket_shapes:
+        id_groups.insert(0, decode_ids)
+    else:
+        id_groups[:0] = _split_by_context(decode_ids, start_positions)
+    for ids in id_groups:
         if not ids:
             continue
         paged = paged_decode and ids is decode_ids
+        identity = len(ids) == n and ids == decode_ids and ids == list(range(n))
         max_q = max(num_q[i] for i in ids)
         max_kv = max(start_positions[i] + num_q[i] for i in ids)
         num_rows = sum(num_q[i] for i in ids)
@@ -192,17 +236,46 @@ def build_metadata(
         ids = ids + [ids[0]] * (num_seqs - num_real)
         groups.append(
             _build_group(
-                ids, num_real, seqs, max_q, max_kv, num_rows, block_size, rows_per_block, paged
+                ids,
+                num_real,
+                seqs,
+                max_q,
+                max_kv,
+                num_rows,
+                block_size,
+                rows_per_block,
+                paged,
+                identity=identity and num_seqs == num_real,
             )
         )
     return PagedAttentionMetadata(
         positions=positions,
-        slot_mapping=slot_block * block_size + slot_offset,
-        slot_rows=slot_block * rows_per_block + slot_offset,
+        slot_rows=slot_rows,
         rows_per_layer=2 * block_size,
         block_size=block_size,
         groups=tuple(groups),
     )
+
+
+def _split_by_context(ids: list[int], start_positions: Sequence[int]) -> list[list[int]]:
+    """Decode sequences as one group, or two when that cuts the padded K/V area by > 1/4.
+
+    A padded group gathers and attends over n x (longest context) positions; with
+    ragged contexts (continuous batching) most of that can be padding.
+    """
+    if len(ids) < 2:
+        return [ids]
+    order = sorted(ids, key=lambda i: start_positions[i])
+    ctx = [start_positions[i] + 1 for i in order]
+    one = len(order) * ctx[-1]
+    best, cut = one, 0
+    for k in range(1, len(order)):
+        area = k * ctx[k - 1] + (len(order) - k) * ctx[-1]
+        if area < best:
+            best, cut = area, k
+    if best > 0.75 * one:
+        return [ids]
+    return [order[:cut], order[cut:]]
 
 
 def _build_group(
@@ -215,6 +288,7 @@ def _build_group(
     block_size: int,
     rows_per_block: int,
     paged: bool = False,
+    identity: bool = False,
 ) -> AttentionGroup:
     """Padded index tensors for the sequences `ids` (the first `num_real` are real).
 
@@ -248,6 +322,7 @@ def _build_group(
             out_rows=row_seq * max_q + row_within,
             out_tokens=g_q_start[row_seq] + row_within,
             max_context=max_kv,
+            identity=identity,
         )
     kv_pos = torch.arange(max_kv, device=device)
     kv_valid = kv_pos[None, :] < context_len[:, None]  # [n, max_kv]
@@ -256,15 +331,17 @@ def _build_group(
     kv_pos_safe = torch.where(kv_valid, kv_pos[None, :], 0)
     kv_block = g_table[torch.arange(len(ids), device=device)[:, None], kv_pos_safe // block_size]
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+    k_rows = kv_block * rows_per_block + kv_pos_safe % block_size
     return AttentionGroup(
         q_index=q_index,
-        kv_rows=kv_block * rows_per_block + kv_pos_safe % block_size,
+        kv_rows=torch.stack((k_rows, k_rows + block_size), dim=-1),
         block_table=g_table,
         context_lens=context_len,
         mask=mask[:, None, :, :],
         out_rows=row_seq * max_q + row_within,
         out_tokens=g_q_start[row_seq] + row_within,
         max_context=max_kv,
+        identity=identity,
     )
 
 
@@ -296,21 +373,34 @@ def _attend(
         o = _attend_paged(query, kv_cache, layer_idx, group, scale)
         out.index_copy_(0, group.out_tokens, o.index_select(0, group.out_rows))
         return
+    o = _attend_sdpa(query, kv_cache, layer_idx, meta, group, scale)
+    out_rows = o.transpose(1, 2).reshape(-1, query.shape[1], query.shape[2])
+    out.index_copy_(0, group.out_tokens, out_rows.index_select(0, group.out_rows))
+
+
+def _attend_sdpa(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer_idx: int,
+    meta: PagedAttentionMetadata,
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:
+    """The group's padded SDPA over gathered K/V rows: [n, H, max_q, D]."""
     assert group.kv_rows is not None and group.mask is not None
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[4]
-    n, max_kv = group.kv_rows.shape
+    n, max_kv, _ = group.kv_rows.shape
     rows = kv_cache.view(-1, num_kv_heads * head_dim)
-    k_rows = (group.kv_rows + layer_idx * meta.rows_per_layer).view(-1)
-    k = rows.index_select(0, k_rows).view(n, max_kv, num_kv_heads, head_dim).transpose(1, 2)
-    v = rows.index_select(0, k_rows + meta.block_size)
-    v = v.view(n, max_kv, num_kv_heads, head_dim).transpose(1, 2)
-    q = query[group.q_index].transpose(1, 2)  # [n, H, max_q, D]
-    o = F.scaled_dot_product_attention(
+    # K and V rows side by side: one gather per layer for both.
+    kv = rows.index_select(0, (group.kv_rows + layer_idx * meta.rows_per_layer).view(-1))
+    kv = kv.view(n, max_kv, 2, num_kv_heads, head_dim)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    # [n, H, max_q, D]; in a decode step token i is sequence i: nothing to gather.
+    q = query.unsqueeze(2) if group.identity else query[group.q_index].transpose(1, 2)
+    return F.scaled_dot_product_attention(
         q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=num_kv_heads != num_heads
     )
-    out_rows = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
-    out.index_copy_(0, group.out_tokens, out_rows.index_select(0, group.out_rows))
 
 
 def _attend_paged(
@@ -356,11 +446,31 @@ def paged_attention_forward(
     )
     q = query[0].transpose(0, 1)  # [T, H, D]
     groups = paged_metadata.groups
-    if len(groups) == 1 and groups[0].identity:  # a pure decode step (CUDA graphs)
-        out = _attend_paged(q, paged_kv_cache, layer_idx, groups[0], scale)
+    first = groups[0]
+    if isinstance(first, VarlenGroup):  # a step with prompt chunks, on the Triton path
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        paged_varlen_attention(
+            q,
+            paged_kv_cache,
+            layer_idx,
+            first.block_table,
+            first.q_starts,
+            first.q_lens,
+            first.positions,
+            first.max_q,
+            scale,
+            out=out,
+        )
+        return out.unsqueeze(0), None
+    if len(groups) == 1 and first.identity:  # a pure decode step: no gather, no scatter
+        if first.paged:
+            out = _attend_paged(q, paged_kv_cache, layer_idx, first, scale)
+        else:
+            out = _attend_sdpa(q, paged_kv_cache, layer_idx, paged_metadata, first, scale)[:, :, 0]
         return out.unsqueeze(0), None
     out = torch.empty_like(q)
-    for group in paged_metadata.groups:  # at most two: decode, prefill
+    for group in groups:  # decode group(s), then prefill
+        assert isinstance(group, AttentionGroup)
         _attend(q, paged_kv_cache, layer_idx, paged_metadata, group, scale, out)
     return out.unsqueeze(0), None
 

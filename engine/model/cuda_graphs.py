@@ -25,7 +25,7 @@ from engine.model.attention import AttentionGroup, PagedAttentionMetadata
 
 log = logging.getLogger(__name__)
 
-_ROWS = 5  # input_ids, positions, slot_mapping, slot_rows, context_lens
+_ROWS = 4  # input_ids, positions, slot_rows, context_lens
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -82,7 +82,7 @@ class DecodeGraphs:
             q_index=index[:, None],
             kv_rows=None,
             block_table=self._table[:n],
-            context_lens=ints[4],
+            context_lens=ints[3],
             mask=None,
             out_rows=index,
             out_tokens=index,
@@ -91,8 +91,7 @@ class DecodeGraphs:
         )
         return PagedAttentionMetadata(
             positions=ints[1],
-            slot_mapping=ints[2],
-            slot_rows=ints[3],
+            slot_rows=ints[2],
             rows_per_layer=2 * self.block_size,
             block_size=self.block_size,
             groups=(group,),
@@ -110,9 +109,8 @@ class DecodeGraphs:
     def _fill_padding(self, start: int, stop: int) -> None:
         """Rows [start, stop) of the static inputs become padding (scratch block)."""
         self._ints[:, start:stop] = 0
-        self._ints[2, start:stop] = self.scratch_block * self.block_size
-        self._ints[3, start:stop] = self.scratch_block * self._rows_per_block
-        self._ints[4, start:stop] = 1
+        self._ints[2, start:stop] = self.scratch_block * self._rows_per_block
+        self._ints[3, start:stop] = 1
         self._table[start:stop, 0] = self.scratch_block
 
     @torch.inference_mode()
@@ -170,14 +168,12 @@ class DecodeGraphs:
         offset = pos % self.block_size
         host[:n, 0] = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=n)
         host[:n, 1] = pos
-        host[:n, 2] = block * self.block_size + offset
-        host[:n, 3] = block * self._rows_per_block + offset
-        host[:n, 4] = pos + 1
+        host[:n, 2] = block * self._rows_per_block + offset
+        host[:n, 3] = pos + 1
         if size > n:
             host[n:, :] = 0
-            host[n:, 2] = self.scratch_block * self.block_size
-            host[n:, 3] = self.scratch_block * self._rows_per_block
-            host[n:, 4] = 1
+            host[n:, 2] = self.scratch_block * self._rows_per_block
+            host[n:, 3] = 1
             host[n:, _ROWS] = self.scratch_block
         count = size * (_ROWS + width)
         staging = self._staging[:count]

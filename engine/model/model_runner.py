@@ -45,9 +45,12 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_num_seqs: int = 128,
         cuda_graph_batch_sizes: Sequence[int] | None = None,
+        paged_decode: bool | None = None,
     ) -> None:
         """`enforce_eager` turns CUDA graphs off; they are captured here (CUDA only) for
-        decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`)."""
+        decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`).
+        `paged_decode` False runs attention as padded SDPA even where the Triton
+        kernels could (None: Triton on CUDA when it imports)."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         if block_size < 1:
@@ -56,8 +59,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         # None: pad attention shapes to buckets on CUDA only (see engine.model.attention).
         self.bucket_shapes = bucket_shapes
-        # None: decode groups use the Triton paged kernel on CUDA when Triton imports.
-        self.paged_decode: bool | None = None
+        self.paged_decode = paged_decode
         self.model, self.spec = load_model(model_path, dtype, self.device, load_format)
         # nn.Module's __getattr__ types every attribute as Tensor | Module.
         self.model.set_attn_implementation(register_paged_attention())  # type: ignore[operator]
@@ -154,21 +156,31 @@ class ModelRunner:
         self.kv_cache.index_copy_(0, self._block_index(block_ids), data.to(self.device))
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> dict[str, int]:
-        """One packed forward pass for every scheduled token; req_id → sampled token."""
+    def execute(
+        self, batch: Batch, *, use_cuda_graphs: bool = True, paged_decode: bool | None = None
+    ) -> dict[str, int]:
+        """One packed forward pass for every scheduled token; req_id → sampled token.
+
+        The keywords pick a slower path for one call (benchmarks compare them):
+        `use_cuda_graphs` False runs a decode step eagerly, `paged_decode` overrides
+        the runner's own choice of attention kernels on the eager path.
+        """
         if batch.is_empty:
             return {}
         if batch.block_size != self.block_size:
             raise ValueError(f"batch block_size {batch.block_size} != cache's {self.block_size}")
         sampled_seqs = [s for s in batch.seqs if s.sample]
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
-            logits = self.cuda_graphs.run(batch)  # validates the block tables itself
+        graphs = self.cuda_graphs if use_cuda_graphs else None
+        if graphs is not None and graphs.can_run(batch):
+            logits = graphs.run(batch)  # validates the block tables itself
             if len(sampled_seqs) < len(batch.seqs):
                 rows = [i for i, s in enumerate(batch.seqs) if s.sample]
                 logits = logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
         else:
             self._check_block_ids(batch)
-            logits = self._forward_eager(batch)
+            logits = self._forward_eager(
+                batch, self.paged_decode if paged_decode is None else paged_decode
+            )
         if not sampled_seqs:
             return {}
         return self._sample(logits, sampled_seqs)
@@ -184,14 +196,14 @@ class ModelRunner:
                     f"request {s.req_id}: block ids {bad} outside [0, {self.num_blocks})"
                 )
 
-    def _forward_eager(self, batch: Batch) -> torch.Tensor:
+    def _forward_eager(self, batch: Batch, paged_decode: bool | None) -> torch.Tensor:
         """Logits [num sampling seqs, V] from one packed forward (no graph)."""
         meta = PagedAttentionMetadata.build(
             batch,
             self.spec.num_layers,
             self.device,
             self.bucket_shapes,
-            paged_decode=self.paged_decode,
+            paged_decode=paged_decode,
         )
         input_ids = torch.tensor(
             list(itertools.chain.from_iterable(s.token_ids for s in batch.seqs)),
