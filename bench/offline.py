@@ -116,6 +116,8 @@ class SystemResult:
     cpu_s: float = 0.0
     loadavg_before: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    # Baseline only: (seconds, batch rows, query tokens per row) of every forward pass.
+    forwards: list[tuple[float, int, int]] = field(default_factory=list, repr=False)
 
     @property
     def output_tok_s(self) -> float:
@@ -286,6 +288,21 @@ def run_baseline(
         pad_id = tokenizer.eos_token_id
     outputs: list[list[int]] = []
     steps = computed = 0
+    forwards: list[tuple[float, int, int]] = []
+    started: list[float] = []
+
+    def before(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        started.append(time.perf_counter())
+
+    def after(_module: Any, _args: Any, kwargs: dict[str, Any], _out: Any) -> None:
+        _sync(device)
+        rows, width = kwargs["input_ids"].shape
+        forwards.append((time.perf_counter() - started.pop(), int(rows), int(width)))
+
+    hooks = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
     load = _loadavg()
     _sync(device)
     c0, t0 = time.process_time(), time.perf_counter()
@@ -313,6 +330,8 @@ def run_baseline(
         computed += max_new * len(prompts)
     _sync(device)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    for hook in hooks:
+        hook.remove()
     return SystemResult(
         system="hf-generate-static",
         requests=len(workload.prompts),
@@ -323,12 +342,48 @@ def run_baseline(
         cpu_s=cpu,
         loadavg_before=load,
         outputs=outputs,
+        forwards=forwards,
     )
+
+
+def step_costs(
+    baseline: SystemResult | None, profile: StepProfile, batch_size: int
+) -> dict[str, Any]:
+    """Decode and prefill step costs of both systems, in milliseconds, side by side.
+
+    The engine's decode step is compared at a full batch (`batch_size` sequences) where it
+    has such steps; the baseline's decode forwards always run `batch_size` rows (fewer only
+    in a last, partial batch).
+    """
+
+    def ms(values: Sequence[float]) -> float | None:
+        return round(1000 * statistics.median(values), 2) if values else None
+
+    recs = [r for r in profile.records if r.num_seqs > 0]
+    decode = [r for r in recs if r.num_prefill_seqs == 0]
+    full = [r.step_s for r in decode if r.num_seqs == batch_size]
+    out: dict[str, Any] = {
+        "engine_decode_step_ms_full_batch": ms(full),
+        "engine_decode_steps_full_batch": len(full),
+        "engine_decode_step_ms_any_batch": ms([r.step_s for r in decode]),
+        "engine_step_with_prefill_ms": ms([r.step_s for r in recs if r.num_prefill_seqs > 0]),
+    }
+    if baseline is not None:
+        fw = baseline.forwards
+        dec = [t for t, rows, width in fw if width == 1 and rows == batch_size]
+        out["baseline_decode_forward_ms"] = ms(dec)
+        out["baseline_decode_forwards"] = len(dec)
+        out["baseline_prefill_forward_ms"] = ms([t for t, _, width in fw if width > 1])
+        eng, base = out["engine_decode_step_ms_full_batch"], out["baseline_decode_forward_ms"]
+        out["decode_step_ratio_engine_vs_baseline"] = (
+            round(eng / base, 3) if eng is not None and base else None
+        )
+    return out
 
 
 def run_engine(
     llm: LLM, workload: Workload, device: torch.device
-) -> tuple[SystemResult, dict[str, Any]]:
+) -> tuple[SystemResult, StepProfile]:
     """All requests submitted at once to `llm.generate` (continuous batching)."""
     from engine.sampling_params import SamplingParams
 
@@ -361,7 +416,7 @@ def run_engine(
         loadavg_before=load,
         outputs=outputs,
     )
-    return result, profile.summary(wall)
+    return result, profile
 
 
 def _loadavg() -> list[float]:
@@ -591,7 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     llm.generate([warm.prompts[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     print("timing engine (continuous batching) ...", file=sys.stderr)
-    engine_result, step_profile = run_engine(llm, workload, device)
+    engine_result, profile = run_engine(llm, workload, device)
+    step_profile = profile.summary(engine_result.wall_s)
     rows.append(engine_result.summary(baseline))
 
     print()
@@ -614,6 +670,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"at {sp['decode_only_mean_seqs']:.2f} seqs, "
         f"with prefill {sp['steps_with_prefill']} x {sp['steps_with_prefill_mean_ms']:.1f} ms; "
         f"outside steps {sp['outside_step_s']:.2f} s"
+    )
+    costs = step_costs(baseline, profile, args.batch_size)
+    print(
+        "step costs (median ms): decode at batch "
+        f"{args.batch_size}: engine {costs['engine_decode_step_ms_full_batch']} "
+        f"(a whole step: schedule, forward, sample, update; "
+        f"{costs['engine_decode_steps_full_batch']} steps) vs transformers forward "
+        f"{costs.get('baseline_decode_forward_ms')} "
+        f"({costs.get('baseline_decode_forwards', 0)} forwards), ratio "
+        f"{costs.get('decode_step_ratio_engine_vs_baseline')}; prompt steps: engine "
+        f"{costs['engine_step_with_prefill_ms']} (prompt chunks + running decodes) vs "
+        f"transformers {costs.get('baseline_prefill_forward_ms')} (a padded batch of prompts)"
     )
     agree = None
     if baseline is not None:
@@ -658,6 +726,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "results": rows,
         "engine_step_profile": step_profile,
+        "step_costs": costs,
         "greedy_agreement": agree,
         "ratio": ratio,
         "check_ratio": args.check_ratio,

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Engine speed on one GPU, everything in one run so ratios compare like with like:
+# the CUDA tests of the runner and its kernels, the decode step against the memory floor,
+# prefill against the card's GEMM rate, and the engine against transformers generate()
+# at concurrency 128. With BASE=<folder holding an older engine/ and bench/>, that tree's
+# decode step and engine run too, on the same card, as the "before" numbers.
+#
+#   OUT=/tmp/out BASE=.base bash bench/engine_speed_gpu.sh
+set -uo pipefail
+OUT=${OUT:-$PWD/bench/results/engine-speed}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$PWD:$PWD/protos${PYTHONPATH:+:$PYTHONPATH}
+ROOT=$PWD
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader \
+  | tee "$OUT/gpu.txt"
+git rev-parse HEAD >>"$OUT/gpu.txt" 2>/dev/null || true
+
+timeout "${TESTS_S:-200}" python3 -m pytest -m gpu tests/test_triton_prefill.py \
+  tests/test_gpu_runner.py tests/test_gpu.py -v -rs -p no:cacheprovider \
+  --basetemp=/tmp/pdserve-pytest-gpu 2>&1 | tee "$OUT/pytest_gpu.log" | tail -30
+timeout 150 python3 -m bench.decode_step --batch-sizes 1,128 --contexts 2048 --steps 15 \
+  --out "$OUT/decode_step.json" 2>&1 | tail -8
+timeout 100 python3 -m bench.prefill --out "$OUT/prefill.json" 2>&1 | tail -20
+timeout 150 python3 -m bench.suite_offline --shape 1b --model deploy/model_configs/llama-3.2-1b \
+  --parts floor,b,a --concurrency 128 --out "$OUT/suite_1b.json" 2>&1 | tail -8
+if [[ -n ${BASE:-} && -d ${BASE:-} ]]; then
+  cd "$BASE" && export PYTHONPATH=$PWD:${PYTHONPATH}
+  cp -r "$ROOT/deploy" . 2>/dev/null
+  timeout 90 python3 -m bench.decode_step --models llama-3.2-1b --batch-sizes 1,128 \
+    --contexts 2048 --steps 15 --out "$OUT/base_decode_step.json" 2>&1 | tail -4
+  timeout 120 python3 -m bench.suite_offline --shape 1b --model deploy/model_configs/llama-3.2-1b \
+    --parts floor,b --concurrency 128 --out "$OUT/base_suite_1b.json" 2>&1 | tail -4
+fi
