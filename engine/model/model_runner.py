@@ -178,9 +178,7 @@ class ModelRunner:
                 logits = logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
         else:
             self._check_block_ids(batch)
-            logits = self._forward_eager(
-                batch, self.paged_decode if paged_decode is None else paged_decode
-            )
+            logits = self._forward_eager(batch, paged_decode)
         if not sampled_seqs:
             return {}
         return self._sample(logits, sampled_seqs)
@@ -196,14 +194,14 @@ class ModelRunner:
                     f"request {s.req_id}: block ids {bad} outside [0, {self.num_blocks})"
                 )
 
-    def _forward_eager(self, batch: Batch, paged_decode: bool | None) -> torch.Tensor:
+    def _forward_eager(self, batch: Batch, paged_decode: bool | None = None) -> torch.Tensor:
         """Logits [num sampling seqs, V] from one packed forward (no graph)."""
         meta = PagedAttentionMetadata.build(
             batch,
             self.spec.num_layers,
             self.device,
             self.bucket_shapes,
-            paged_decode=paged_decode,
+            paged_decode=self.paged_decode if paged_decode is None else paged_decode,
         )
         input_ids = torch.tensor(
             list(itertools.chain.from_iterable(s.token_ids for s in batch.seqs)),
