@@ -220,7 +220,15 @@ class DecodeWorker(WorkerBase):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._outbox_ready.wait(), wait_s)
         out, self._outbox = self._outbox, []
-        return TokenBatch(tuple(out))
+        return TokenBatch(tuple(out), self.take_kv_events())
+
+    async def submit(self, inp: GenerationInput) -> None:
+        """Run a request's prompt here too (no hand-off: short or cached prompts, and
+        colocated replicas); its tokens arrive through next_tokens()."""
+        if self.is_buried(inp.req_id):
+            return  # aborted before it got here
+        # The router validated the prompt already.
+        await self.on_engine(lambda: self.core.add_request(inp, validate=False))
 
     # ---------------------------------------------------------------- abort
     async def abort(self, req_id: str) -> None:

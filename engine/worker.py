@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine.core.engine_loop import EngineLoop
+from engine.core.kv_events import KVEvents
 from engine.core.outputs import WorkerStats
 from engine.core.scheduler import RequestUpdate
 from engine.factory import BuiltEngine, EngineArgs, build_engine
@@ -64,6 +65,7 @@ class WorkerBase:
         self.built: BuiltEngine | None = None
         self.loop_thread: EngineLoop | None = None
         self.channels: dict[str, KVChannel] = {}  # peer worker id → channel
+        self._kv_events: list[KVEvents] = []
         self._stopped = asyncio.Event()
         # Ids aborted here, remembered for a while: an abort may overtake the call it
         # cancels (the router aborts on every worker the request might have reached).
@@ -175,7 +177,25 @@ class WorkerBase:
         return await asyncio.wrap_future(self.loop_thread.submit(fn))
 
     def _updates_from_thread(self, updates: list[RequestUpdate]) -> None:
-        self._loop.call_soon_threadsafe(self.on_updates, updates)
+        events = self.core.take_kv_events()
+        self._loop.call_soon_threadsafe(self._on_step, updates, events)
+
+    def _on_step(self, updates: list[RequestUpdate], events: KVEvents) -> None:
+        # One callback for both: the cache changes are recorded before any reply or
+        # token batch that the updates wake can leave, so the router's index keeps up.
+        self.add_kv_events(events)
+        self.on_updates(updates)
+
+    def add_kv_events(self, events: KVEvents) -> None:
+        """Event loop: keep a step's prefix-cache changes for the next message to the
+        router (a token batch, a prefill reply)."""
+        if not events.is_empty:
+            self._kv_events.append(events)
+
+    def take_kv_events(self) -> tuple[KVEvents, ...]:
+        """Event loop: the collected prefix-cache changes, oldest first."""
+        events, self._kv_events = tuple(self._kv_events), []
+        return events
 
     def on_updates(self, updates: list[RequestUpdate]) -> None:
         """Called on the event loop with each step's updates."""

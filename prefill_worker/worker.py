@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from engine.core.kv_events import KVEvents
 from engine.core.outputs import GenerationInput
 from engine.core.request import FinishReason
 from engine.core.scheduler import RequestUpdate
@@ -41,6 +42,7 @@ class PrefillResult:
     transfer_s: float = 0.0  # header + payload handed to the channel until sent
     transfer_bytes: int = 0
     error: str = ""
+    kv_events: tuple[KVEvents, ...] = ()  # this worker's prefix-cache changes, for routing
 
 
 class PrefillAborted(Exception):
@@ -84,16 +86,24 @@ class PrefillWorker(WorkerBase):
                     ready.record()
                 self.core.release(upd.req_id)
             prefilled.append(_Prefilled(upd, payload, ready))
-        self._loop.call_soon_threadsafe(self._deliver, prefilled)
+        # After the releases above, so the freed blocks' cache entries are included.
+        events = self.core.take_kv_events()
+        self._loop.call_soon_threadsafe(self._deliver, prefilled, events)
 
-    def _deliver(self, prefilled: list[_Prefilled]) -> None:
+    def _deliver(self, prefilled: list[_Prefilled], events: KVEvents) -> None:
+        self.add_kv_events(events)  # before any reply these wake up
         for item in prefilled:
             waiter = self._waiters.pop(item.update.req_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(item)
 
     async def prefill(self, inp: GenerationInput, target: Reservation | None) -> PrefillResult:
-        """Run the prompt; if the request continues, send its KV into `target`."""
+        """Run the prompt; if the request continues, send its KV into `target`. The reply
+        also carries the prefix-cache changes since the previous one."""
+        result = await self._prefill(inp, target)
+        return replace(result, kv_events=self.take_kv_events())
+
+    async def _prefill(self, inp: GenerationInput, target: Reservation | None) -> PrefillResult:
         start = time.perf_counter()
         if self.is_buried(inp.req_id):
             return PrefillResult(None, FinishReason.ABORT, 0, 0.0)

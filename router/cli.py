@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from engine.core.config import SchedulerConfig
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
-from router.config import RouterConfig, keep_ray_on_loopback
+from router.config import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterConfig, keep_ray_on_loopback
+from router.routing import ROUTING_POLICIES, RoutingConfig
 from router.security import DEFAULT_MAX_MESSAGE_BYTES, EdgeSecurity
 
 DEFAULT_METRICS_PORT = 9400  # router.metrics.DEFAULT_METRICS_PORT (not imported: keeps --help fast)
@@ -107,7 +108,15 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix: str = "") -> list[argpa
             f"--{dash}policy",
             choices=["fcfs", "priority"],
             default=d.policy,
-            help="scheduling order",
+            help="scheduling order; priority: lower value first, and a more urgent waiting "
+            "request preempts the least urgent running one",
+        ),
+        g.add_argument(
+            f"--{dash}priority-aging-s",
+            type=float,
+            default=d.priority_aging_s,
+            help="priority policy: a waiting request gains one level per this many seconds "
+            "(0 = no aging)",
         ),
         g.add_argument(
             f"--{dash}prioritize-prefill",
@@ -248,6 +257,7 @@ def _engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
             enable_prefix_caching=get("enable_prefix_caching"),  # type: ignore[arg-type]
             policy=get("policy"),  # type: ignore[arg-type]
             prioritize_prefill=get("prioritize_prefill"),  # type: ignore[arg-type]
+            priority_aging_s=get("priority_aging_s"),  # type: ignore[arg-type]
         ),
     )
 
@@ -285,7 +295,17 @@ def _serve(ns: argparse.Namespace) -> int:
             ray_address=ns.ray_address,
             pool_resources=pool_resources,
         ),
-        router=RouterConfig(max_in_flight=ns.max_in_flight, max_queue=ns.max_queue),
+        router=RouterConfig(
+            max_in_flight=ns.max_in_flight,
+            max_queue=ns.max_queue,
+            routing=RoutingConfig(policy=ns.routing),
+            local_prefill_max_tokens=ns.local_prefill_max_tokens,
+            # The router's queue follows the pools' policy: priority first, with aging.
+            admission_order="priority"
+            if "priority" in (ns.prefill_policy, ns.decode_policy)
+            else "fifo",
+            priority_aging_s=min(ns.prefill_priority_aging_s, ns.decode_priority_aging_s),
+        ),
         host=ns.host,
         port=ns.port,
         drain_grace_s=ns.drain_grace_s,
@@ -418,6 +438,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="SIGTERM: seconds in-flight requests get before they end with ABORT",
+    )
+    serve.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default="prefix-aware",
+        help="which worker runs a prompt: the one whose prefix cache holds most of it, "
+        "minus a load penalty (prefix-aware), or the least loaded",
+    )
+    serve.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+        help="prompts with at most this many tokens not cached on the decode worker run "
+        "there, with no hand-off (0 = always hand off)",
     )
     serve.add_argument(
         "--enable-admin",

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
+
+from router.routing import RoutingConfig
+
+AdmissionOrder = Literal["fifo", "priority"]
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,22 @@ class RouterConfig:
     # A worker lost before any token reached the client: try again on others.
     max_attempts: int = 3
     retry_delay_s: float = 0.5  # times the attempt number
+    # How long a request waits for a worker when a whole pool is down (being replaced).
+    worker_wait_s: float = 60.0
+    # Which worker runs a prompt: prefix-aware (cache overlap minus load) or least-loaded.
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    # Prompts with at most this many tokens not already in the chosen decode worker's
+    # cache run there directly, with no hand-off (0 = always hand off).
+    local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+    # The router's queue: "fifo", or "priority" (lower value first, aged by waiting).
+    admission_order: AdmissionOrder = "fifo"
+    priority_aging_s: float = 10.0  # one priority level gained per this many seconds waited
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must be >= 0")
+        if self.priority_aging_s < 0:
+            raise ValueError("priority_aging_s must be >= 0 (0 = no aging)")
 
 
 def keep_ray_on_loopback() -> None:

@@ -135,6 +135,13 @@ class RouterMetrics:
         self.kv_transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV hand-offs that failed.", registry=r
         )
+        self.prefill_paths = Counter(
+            "pdserve_prefill_path",
+            "Requests by where their prompt ran: remote (prefill pool, KV hand-off) or "
+            "local (the decode worker itself).",
+            ["path"],
+            registry=r,
+        )
         self.worker_restarts = Counter(
             "pdserve_worker_restarts",
             "Workers restarted after dying, by pool.",
@@ -146,6 +153,8 @@ class RouterMetrics:
             self.requests.labels(finish_reason=reason)
         for pool in _POOLS:
             self.worker_restarts.labels(pool=pool)
+        for path in ("remote", "local"):
+            self.prefill_paths.labels(path=path)
         self.pools = PoolCollector()
         r.register(self.pools)
 
@@ -406,6 +415,12 @@ def observe_kv_transfer(num_bytes: int) -> None:
 def kv_transfer_failed() -> None:
     """A KV hand-off failed (the request was retried or ended with an error)."""
     get_metrics().kv_transfer_failures.inc()
+
+
+def prefill_path(path: str) -> None:
+    """A disaggregated request's prompt ran on the prefill pool ("remote") or on its
+    decode worker ("local")."""
+    get_metrics().prefill_paths.labels(path=path).inc()
 
 
 def worker_restarted(pool: str) -> None:

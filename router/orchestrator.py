@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from ray.exceptions import RayActorError
 
+from engine.core.kv_events import KVEvents
 from engine.core.outputs import (
     FinalResult,
     GenerationInput,
@@ -36,13 +37,21 @@ from engine.transfer.handoff import Reservation
 from prefill_worker.worker import PrefillResult
 from router import metrics
 from router.admission import Admission
+from router.cluster import POOLS
 from router.config import RouterConfig
 from router.errors import NotReadyError, QueueFullError
+from router.kv_index import PrefixIndex
 from router.pools import Pools, WorkerRef
 from router.protocol import GenerateCall, PoolStats, ServerInfo
+from router.routing import choose_worker
 
 log = logging.getLogger("pdserve.router")
+WORKER_WAIT_POLL_S = 0.05
 T = TypeVar("T")
+
+
+def _load_key(ref: WorkerRef) -> tuple[int, int]:
+    return (ref.num_assigned, ref.index)
 
 
 class WorkerLost(RuntimeError):
@@ -84,7 +93,12 @@ class DisaggregatedGenerator:
         self.colocated_mode = pools.targets["colocated"] > 0
         self.tokenizer = tokenizer
         self.config = config or RouterConfig()
-        self.admission = Admission(self.config.max_in_flight, self.config.max_queue)
+        self.admission = Admission(
+            self.config.max_in_flight,
+            self.config.max_queue,
+            order=self.config.admission_order,
+            aging_s=self.config.priority_aging_s,
+        )
         self.outputs = OutputProcessor(tokenizer)
         self._attempts: dict[str, _Attempt] = {}
         self._pollers: dict[WorkerRef, asyncio.Task[None]] = {}
@@ -100,6 +114,9 @@ class DisaggregatedGenerator:
         self.max_cache_tokens = min(i.num_blocks for i in infos) * self.block_size
         self.model_name = info.model_name
         pools.on_death.append(self._on_worker_death)
+        # Which prompt prefixes each worker's cache holds, fed by the workers' KV events.
+        self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
+        pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -157,12 +174,19 @@ class DisaggregatedGenerator:
                 except RayActorError as exc:
                     self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
                     return
+                self._apply_kv_events(ref, batch.kv_events)
                 for update in batch.updates:
                     attempt = self._attempts.get(update.req_id)
                     if attempt is not None:
                         attempt.queue.put_nowait(update)
         finally:
             self._pollers.pop(ref, None)
+
+    def _apply_kv_events(self, ref: WorkerRef, batches: tuple[KVEvents, ...]) -> None:
+        if ref.state in ("dead", "gone"):
+            return  # late news from a worker that is no longer routed to
+        for events in batches:
+            self.indexes[ref.pool].apply(ref.index, events)
 
     def _on_worker_death(self, ref: WorkerRef, reason: str) -> None:
         for attempt in list(self._attempts.values()):
@@ -207,24 +231,33 @@ class DisaggregatedGenerator:
             sampling = replace(sampling, seed=uuid.uuid4().int >> 65)
         return GenerationInput(uuid.uuid4().hex, tuple(token_ids), sampling, call.priority)
 
-    async def _call_least_loaded(
+    async def _call_worker(
         self,
         candidates: Callable[[], list[WorkerRef]],
         what: str,
         call: Callable[[WorkerRef], Awaitable[T]],
         *,
         hold: bool,
+        route: Callable[[list[WorkerRef]], WorkerRef] | None = None,
     ) -> tuple[WorkerRef, T]:
-        """Call the least-loaded candidate; a dead one is marked and the next tried.
+        """Call the candidate `route` picks (default: the least loaded); a dead one is
+        marked and the next tried.
 
         The worker counts the request as assigned from before the call, so concurrent
         arrivals spread; with `hold` the count stays until the caller gives it back.
         """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.worker_wait_s
         while True:
             live = candidates()
             if not live:
-                raise WorkerLost(f"no {what} worker is available")
-            ref = min(live, key=lambda w: (w.num_assigned, w.index))
+                # Every candidate is gone for now (died, being replaced): wait for one
+                # rather than fail the request at once.
+                if loop.time() >= deadline:
+                    raise WorkerLost(f"no {what} worker became available")
+                await asyncio.sleep(WORKER_WAIT_POLL_S)
+                continue
+            ref = route(live) if route is not None else min(live, key=_load_key)
             ref.num_assigned += 1
             try:
                 result = await call(ref)
@@ -252,7 +285,7 @@ class DisaggregatedGenerator:
         finished = False
         run = self._run_colocated if self.colocated_mode else self._run_disaggregated
         try:
-            async with self.admission.slot():
+            async with self.admission.slot(priority=base.priority):
                 for number in range(self.config.max_attempts):
                     attempt = self._begin(base, number)
                     try:
@@ -309,6 +342,18 @@ class DisaggregatedGenerator:
             self._spawn(self._abort_on(ref, attempt.req_id))
 
     # ---------------------------------------------------------------- the two paths
+    def _route(self, pool: str, hashes: list[int]) -> Callable[[list[WorkerRef]], WorkerRef]:
+        """The routing policy over a pool's candidates, for a prompt with these hashes."""
+        index = self.indexes[pool]
+
+        def pick(live: list[WorkerRef]) -> WorkerRef:
+            by_index = {w.index: w for w in live}
+            choice = choose_worker([w.view() for w in live], index, hashes, self.config.routing)
+            assert choice is not None  # live is not empty
+            return by_index[choice.index]
+
+        return pick
+
     async def _run_colocated(
         self, attempt: _Attempt, progress: _Progress, out_id: str
     ) -> AsyncIterator[TextChunk]:
@@ -316,8 +361,13 @@ class DisaggregatedGenerator:
             attempt.decode_ref = ref  # before submit: tokens may come back at once
             return ref.handle.submit.remote(attempt.inp)
 
-        await self._call_least_loaded(
-            lambda: self.pools.routable("colocated"), "colocated", submit, hold=True
+        hashes = self.indexes["colocated"].hash_prompt(attempt.inp.prompt_token_ids)
+        await self._call_worker(
+            lambda: self.pools.routable("colocated"),
+            "colocated",
+            submit,
+            hold=True,
+            route=self._route("colocated", hashes),
         )
         progress.timings = PhaseTimings(queued_s=time.perf_counter() - progress.arrival)
         progress.t_decoding = time.perf_counter()
@@ -327,10 +377,20 @@ class DisaggregatedGenerator:
     async def _run_disaggregated(
         self, attempt: _Attempt, progress: _Progress, out_id: str
     ) -> AsyncIterator[TextChunk]:
-        reservation = await self._reserve(attempt)
+        hashes = self.indexes["prefill"].hash_prompt(attempt.inp.prompt_token_ids)
+        reservation = await self._reserve_or_submit(attempt, hashes)
         decode_ref = attempt.decode_ref
         assert decode_ref is not None
         queued_s = time.perf_counter() - progress.arrival
+        if reservation is None:
+            # Local path: the decode worker runs the prompt itself; no hand-off.
+            metrics.prefill_path("local")
+            progress.timings = PhaseTimings(queued_s, local_prefill=True)
+            progress.t_decoding = time.perf_counter()
+            async for chunk in self._stream(attempt, progress, out_id, (), None):
+                yield chunk
+            return
+        metrics.prefill_path("remote")
 
         def prefill(ref: WorkerRef) -> Any:
             attempt.prefill_ref = ref
@@ -340,13 +400,16 @@ class DisaggregatedGenerator:
             return [w for w in self.pools.routable("prefill") if decode_ref.worker_id in w.peers]
 
         try:
-            _, result = await asyncio.wait_for(
-                self._call_least_loaded(paired, "prefill", prefill, hold=False),
+            prefill_ref, result = await asyncio.wait_for(
+                self._call_worker(
+                    paired, "prefill", prefill, hold=False, route=self._route("prefill", hashes)
+                ),
                 self.config.prefill_timeout_s,
             )
         except TimeoutError as exc:
             raise RuntimeError(f"prefill took over {self.config.prefill_timeout_s:.0f}s") from exc
         assert isinstance(result, PrefillResult)
+        self._apply_kv_events(prefill_ref, result.kv_events)
         progress.t_decoding = time.perf_counter()
         progress.num_cached = result.num_cached_tokens
         progress.timings = PhaseTimings(queued_s, result.prefill_s, result.transfer_s)
@@ -363,17 +426,27 @@ class DisaggregatedGenerator:
         async for chunk in self._stream(attempt, progress, out_id, tokens, result.finish_reason):
             yield chunk
 
-    async def _reserve(self, attempt: _Attempt) -> Reservation:
-        """Wait (queued in the router, not dropped) until a decode worker has room."""
+    async def _reserve_or_submit(self, attempt: _Attempt, hashes: list[int]) -> Reservation | None:
+        """Pick a decode worker (queued in the router, not dropped, until one has room).
+
+        Returns its reservation, or None when the prompt is short enough once the decode
+        worker's own cache is counted (`local_prefill_max_tokens`): then the decode worker
+        got the whole request and runs the prompt itself.
+        """
+        num_prompt = len(attempt.inp.prompt_token_ids)
         while True:
 
-            def reserve(ref: WorkerRef) -> Any:
+            def reserve_or_submit(ref: WorkerRef) -> Any:
+                cached = self.indexes["decode"].num_cached_tokens(ref.index, hashes)
+                if num_prompt - cached <= self.config.local_prefill_max_tokens:
+                    attempt.decode_ref = ref  # before submit: tokens may come back at once
+                    return ref.handle.submit.remote(attempt.inp)
                 return ref.handle.reserve.remote(attempt.inp, self.config.lease_s)
 
-            ref, reservation = await self._call_least_loaded(
-                lambda: self.pools.routable("decode"), "decode", reserve, hold=True
+            ref, reservation = await self._call_worker(
+                lambda: self.pools.routable("decode"), "decode", reserve_or_submit, hold=True
             )
-            if reservation is not None:
+            if attempt.decode_ref is ref or reservation is not None:
                 attempt.decode_ref = ref
                 return reservation
             ref.num_assigned -= 1

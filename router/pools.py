@@ -65,6 +65,7 @@ class Pools:
         self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in POOLS}
         self.targets = dict(cluster.config.initial_sizes)
         self.on_death: list[Callable[[WorkerRef, str], None]] = []
+        self.on_removed: list[Callable[[WorkerRef], None]] = []  # dead, drained or stopped
         self._tasks: set[asyncio.Task[Any]] = set()
         self._starting: dict[str, set[int]] = {pool: set() for pool in POOLS}
         self._stopping = False
@@ -238,6 +239,8 @@ class Pools:
     def _remove(self, ref: WorkerRef) -> None:
         if ref in self.workers[ref.pool]:
             self.workers[ref.pool].remove(ref)
+            for callback in self.on_removed:
+                callback(ref)
         if ref.state != "dead":
             ref.state = "gone"
         self.cluster.remove(ref.handle, ref.pg)

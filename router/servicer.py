@@ -167,6 +167,7 @@ def final_response(request_id: str, result: FinalResult) -> pb.GenerateResponse:
             decode_seconds=t.decode_s,
             time_to_first_token_seconds=t.time_to_first_token_s,
             kv_wire_seconds=t.kv_wire_s,
+            local_prefill=t.local_prefill,
         ),
         error=result.error,
     )

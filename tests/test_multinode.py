@@ -78,6 +78,8 @@ def test_pools_on_their_own_nodes_match_the_colocated_engine(
             "0.25",
             "--decode-kv-cache-gib",
             "0.25",
+            "--local-prefill-max-tokens",  # every prompt crosses the nodes
+            "0",
         ],
         tmp_path / "service.log",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 
@@ -40,7 +41,8 @@ class PhaseTimings:
     kv_transfer_s: float = 0.0
     decode_s: float = 0.0
     time_to_first_token_s: float = 0.0
-    kv_wire_s: float = 0.0  # the data movement inside kv_transfer_s
+    kv_wire_s: float = 0.0  # the decode worker's receive of the KV
+    local_prefill: bool = False  # the decode worker ran the prompt: no hand-off
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ class TokenBatch:
     """Every update of one or more steps, for every request, in one message."""
 
     updates: tuple[TokenUpdate, ...]
+    # The worker's prefix-cache changes since the last batch, in order (for routing).
+    kv_events: tuple[KVEvents, ...] = ()
 
 
 PoolName = Literal["prefill", "decode", "colocated"]

@@ -98,20 +98,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queued_seconds", "prefill_seconds", "kv_transfer_seconds", "decode_seconds", "time_to_first_token_seconds", "kv_wire_seconds")
+    __slots__ = ("queued_seconds", "prefill_seconds", "kv_transfer_seconds", "decode_seconds", "time_to_first_token_seconds", "kv_wire_seconds", "local_prefill")
     QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_WIRE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     queued_seconds: float
     prefill_seconds: float
     kv_transfer_seconds: float
     decode_seconds: float
     time_to_first_token_seconds: float
     kv_wire_seconds: float
-    def __init__(self, queued_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., kv_wire_seconds: _Optional[float] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, queued_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., kv_wire_seconds: _Optional[float] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings", "error")

@@ -1,0 +1,125 @@
+"""A router that knows the caches (2 prefill + 1 decode on CPU): a session's next turn
+lands where its history is cached, short prompts skip the hand-off, urgent requests
+overtake a full batch."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.factory import EngineArgs
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import generation_pb2 as pb
+from router.client import stream_generate
+from tests.service import ServiceProcess
+
+pytestmark = pytest.mark.e2e
+
+FOLLOW_UP = (
+    " And what about its mountains, lakes, forests, deserts and coastlines? Describe each"
+    " of them in turn, with two examples for every one."
+)
+SYSTEM = "You are a careful assistant who answers questions about geography in detail. "
+
+
+@pytest.fixture(scope="module")
+def service(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+) -> Iterator[ServiceProcess]:
+    svc = ServiceProcess(
+        [
+            "--prefill-workers",
+            "2",
+            "--prefill-kv-cache-gib",
+            "0.1",
+            "--decode-kv-cache-gib",
+            "0.1",
+            "--decode-max-num-seqs",
+            "2",
+            "--decode-policy",
+            "priority",
+            "--local-prefill-max-tokens",
+            "24",
+        ],
+        tmp_path_factory.mktemp("svc-routing") / "service.log",
+    )
+    svc.wait_serving()
+    yield svc
+    assert svc.stop() == 0, svc.log_tail()
+
+
+async def _run(address: str, **kwargs: object) -> tuple[list[int], pb.GenerateResponse, float]:
+    tokens: list[int] = []
+    final = None
+    async for resp in stream_generate(address, temperature=0.0, ignore_eos=True, **kwargs):
+        tokens.extend(resp.token_ids)
+        if resp.finish_reason:
+            final = resp
+    assert final is not None
+    return tokens, final, time.monotonic()
+
+
+def test_next_turn_lands_where_its_history_is_cached(service: ServiceProcess) -> None:
+    sessions = [
+        SYSTEM + f"Session {i}: tell me about the rivers of country number {i}." for i in range(4)
+    ]
+
+    async def scenario() -> None:
+        # First turns at once: they spread over both prefill workers.
+        firsts = await asyncio.gather(
+            *(_run(service.address, prompt=p, max_tokens=8) for p in sessions)
+        )
+        for history, (_, first, _) in zip(sessions, firsts, strict=True):
+            prompt_tokens = first.usage.prompt_tokens
+            # The next turn extends the history; it must find all of it but the
+            # last partial block in a prefill worker's cache.
+            # (long enough a new part that the decode worker does not run it itself)
+            _, second, _ = await _run(service.address, prompt=history + FOLLOW_UP, max_tokens=4)
+            assert not second.timings.local_prefill
+            assert second.usage.cached_prompt_tokens >= prompt_tokens - 16, (
+                first.usage,
+                second.usage,
+            )
+
+    asyncio.run(scenario())
+
+
+def test_short_prompt_takes_the_local_path(service: ServiceProcess, smollm2_path: Path) -> None:
+    prompt = "Name three colours."
+    tokens, final, _ = asyncio.run(_run(service.address, prompt=prompt, max_tokens=12))
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert final.timings.local_prefill
+    assert final.timings.kv_transfer_seconds == 0 and final.timings.prefill_seconds == 0
+    llm = LLM(EngineArgs(kv_cache_gib=0.05))
+    expected = llm.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
+    assert tokens == list(expected[0].token_ids)
+
+
+def test_urgent_request_overtakes_a_full_batch(service: ServiceProcess) -> None:
+    async def scenario() -> None:
+        # Two long, unimportant requests fill the decode worker's batch (2 sequences).
+        slow = [
+            asyncio.ensure_future(
+                _run(service.address, prompt=f"Count slowly {i}.", max_tokens=80, priority=5)
+            )
+            for i in range(2)
+        ]
+        await asyncio.sleep(1.0)
+        _, urgent, urgent_done = await _run(
+            service.address, prompt="Quick: say yes.", max_tokens=4, priority=-5
+        )
+        assert urgent.finish_reason == pb.FINISH_REASON_LENGTH
+        results = await asyncio.gather(*slow)
+        # It did not wait for a slot: it finished while both long ones were still running,
+        # and they still completed (the preempted one recomputed its tokens).
+        assert all(done > urgent_done for _, _, done in results)
+        assert all(final.finish_reason == pb.FINISH_REASON_LENGTH for _, final, _ in results)
+
+    asyncio.run(scenario())
