@@ -149,10 +149,16 @@ class DecodeWorker(WorkerBase):
         )
         posted = time.perf_counter()
         try:
-            channel.recv_into(staging)  # drained even when refused: the channel stays in step
+            # Drained even when refused (the channel stays in step); scattered into the
+            # reserved blocks on the channel's stream when accepted.
+            block_ids = list(header.dst_block_ids)
+            scatter = None
             if held is not None:
-                block_ids = list(header.dst_block_ids)
-                channel.run_on_stream(lambda: self.runner.scatter_blocks(block_ids, staging))
+
+                def scatter() -> None:
+                    self.runner.scatter_blocks(block_ids, staging)
+
+            channel.recv_into(staging, scatter)
         except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
             if held is not None:
                 self.book.fail(header.req_id)

@@ -187,9 +187,7 @@ class Cluster:
                 raise StartupError(
                     f"{pool} worker {index} did not start within {cfg.startup_timeout_s:.0f}s"
                 ) from exc
-            raise StartupError(
-                f"{pool} worker {index} failed to start: {_root_cause(exc)}"
-            ) from exc
+            raise StartupError(f"{pool} worker {index} failed to start: {root_cause(exc)}") from exc
         return SpawnedWorker(handle, info, pg)
 
     def remove(self, handle: Any, pg: PlacementGroup | None) -> None:
@@ -212,6 +210,6 @@ class Cluster:
             self._started_ray = False
 
 
-def _root_cause(exc: BaseException) -> str:
+def root_cause(exc: BaseException) -> str:
     cause: Any = getattr(exc, "cause", None) or exc
     return f"{type(cause).__name__}: {cause}"

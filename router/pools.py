@@ -22,7 +22,7 @@ from ray.exceptions import RayActorError
 from engine.transfer.channel import ChannelSpec
 from engine.worker import WorkerInfo
 from router import metrics
-from router.cluster import POOLS, Cluster, StartupError
+from router.cluster import POOLS, Cluster, StartupError, root_cause
 from router.policy import WorkerLoadView
 
 log = logging.getLogger("pdserve.pools")
@@ -150,7 +150,7 @@ class Pools:
             await self._pair_with_peers(ref)
         except Exception as exc:
             self._remove(ref)
-            raise StartupError(f"{ref.worker_id} could not pair: {exc}") from exc
+            raise StartupError(f"{ref.worker_id} could not pair: {root_cause(exc)}") from exc
         if ref.state == "starting":
             ref.state = "live"
             log.info("%s live (epoch %x, %s)", ref.worker_id, ref.info.epoch, ref.info.device)
@@ -187,7 +187,12 @@ class Pools:
             )
         except (RayActorError, TimeoutError) as exc:
             # One side died meanwhile: its watcher cleans up; the pair is simply absent.
-            log.warning("pairing %s with %s failed: %s", prefill.worker_id, decode.worker_id, exc)
+            log.warning(
+                "pairing %s with %s failed: %s",
+                prefill.worker_id,
+                decode.worker_id,
+                root_cause(exc),
+            )
             return
         prefill.peers.add(decode.worker_id)
         decode.peers.add(prefill.worker_id)

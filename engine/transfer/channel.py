@@ -13,8 +13,10 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,9 +60,13 @@ class KVChannel:
         self.spec = spec
         self.rank = rank
         self.peer = RECEIVER_RANK if rank == SENDER_RANK else SENDER_RANK
+        if device.type == "cuda" and device.index is None:
+            # NCCL and set_device want an indexed device; a worker's runner may say "cuda".
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self._pg: dist.ProcessGroup | None = None
+        # ProcessGroupNCCL or ProcessGroupGloo: built directly, no global world.
+        self._pg: Any = None
         self._lane = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{spec.decode_id}")
         self._seq = 0
         self._closed = threading.Event()
@@ -90,7 +96,7 @@ class KVChannel:
         else:
             self._pg = dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
 
-    def _group(self) -> dist.ProcessGroup:
+    def _group(self) -> Any:
         if self._pg is None or self.closed:
             raise ChannelClosed(f"channel to {self._peer_name()} is closed")
         return self._pg
@@ -146,28 +152,23 @@ class KVChannel:
             raise ChannelClosed(f"{self._peer_name()} closed the channel")
         return header
 
-    def recv_into(self, buffer: torch.Tensor) -> None:
-        """Receive the payload that follows a header."""
-        self._recv(buffer)
+    def recv_into(self, buffer: torch.Tensor, then: Callable[[], None] | None = None) -> None:
+        """Receive the payload that follows a header; `then` (e.g. the scatter into the
+        cache) runs on this channel's stream right after it, before the one wait."""
+        self._recv(buffer, then)
 
-    def _recv(self, buffer: torch.Tensor) -> None:
+    def _recv(self, buffer: torch.Tensor, then: Callable[[], None] | None = None) -> None:
         pg = self._group()
         if self._stream is None:
             pg.recv([buffer], self.peer, 0).wait()
+            if then is not None:
+                then()
             return
         torch.cuda.set_device(self.device)
         with torch.cuda.stream(self._stream):
             pg.recv([buffer], self.peer, 0).wait()
-        self._stream.synchronize()
-
-    def run_on_stream(self, fn: object) -> None:
-        """Run a callable's device work on this channel's stream and wait for it."""
-        assert callable(fn)
-        if self._stream is None:
-            fn()
-            return
-        with torch.cuda.stream(self._stream):
-            fn()
+            if then is not None:
+                then()
         self._stream.synchronize()
 
     # ---------------------------------------------------------------- teardown
