@@ -108,7 +108,7 @@ def profile_step(fn: Any, label: str, log: list[str]) -> dict[str, float]:
     count = 0
     for evt in prof.events():
         if str(getattr(evt, "device_type", "")).endswith("CUDA"):
-            us = getattr(evt, "device_time", None) or getattr(evt, "cuda_time", 0.0)
+            us = float(getattr(evt, "device_time", None) or getattr(evt, "cuda_time", 0.0) or 0.0)
             key = _classify(evt.name)
             by_class[key] = by_class.get(key, 0.0) + us / 1e3
             count += 1

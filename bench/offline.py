@@ -267,7 +267,7 @@ def load_baseline_model(path: Path, dtype: torch.dtype, device: torch.device) ->
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    model = model.to(device)
+    model = model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
     return model

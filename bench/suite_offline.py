@@ -82,8 +82,8 @@ def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
     """Parameter bytes a decode step reads: all of them, except an untied input embedding
     table (a step reads only its batch's rows of it)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.get_input_embeddings().weight
-    out = model.get_output_embeddings()
+    emb = model.get_input_embeddings().weight  # type: ignore[operator]
+    out = model.get_output_embeddings()  # type: ignore[operator]
     if out is None or out.weight.data_ptr() != emb.data_ptr():
         total -= emb.numel() * emb.element_size()
     return total
@@ -241,7 +241,8 @@ def _cb_round(manager: Any, prompts: list[list[int]], max_new_tokens: int) -> li
     ids = manager.add_requests(
         inputs=prompts, max_new_tokens=max_new_tokens, record_timestamps=True
     )
-    wanted, done = set(ids), {}
+    wanted = set(ids)
+    done: dict[Any, Any] = {}
     deadline = time.monotonic() + 600
     while len(done) < len(ids):
         res = manager.get_result(timeout=1)

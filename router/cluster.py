@@ -165,7 +165,7 @@ class Cluster:
         total = max(1, sum(cfg.initial_sizes.values()))
         threads = cfg.cpu_threads_per_worker or max(1, (os.cpu_count() or 1) // total)
         env = {"OMP_NUM_THREADS": str(threads), "PDSERVE_TORCH_THREADS": str(threads)}
-        handle = (
+        handle: Any = (
             ray.remote(_CLASSES[pool])
             .options(  # type: ignore[attr-defined]
                 num_cpus=bundle.get("CPU", 0),
