@@ -9,7 +9,9 @@ TCPStore). For each prompt length, with a block-major cache of the model's shape
             blocks (index_select) → header + payload on the channel → receive into a
             staging buffer → scatter into other blocks (index_copy_), end to end
 
-Reports GiB/s of both, their ratio, and the fixed per-hand-off cost (a 1-block hand-off
+  wire      header + payload on the channel, receive into staging (no gather/scatter)
+
+Reports GiB/s, the ratios to raw, and the fixed per-hand-off cost (a 1-block hand-off
 minus its raw send). Prints a table; writes JSON to --out.
 
     python -m bench.handoff --shapes 1b,8b                 # 2 GPUs
@@ -56,12 +58,22 @@ def _time(fn: Any, device: torch.device, repeats: int) -> list[float]:
 
 
 def _handoff_once(
-    channel: KVChannel, sending: bool, cache: torch.Tensor, ids: list[int], nbytes: int
+    channel: KVChannel,
+    sending: bool,
+    cache: torch.Tensor,
+    ids: list[int],
+    nbytes: int,
+    gathered: torch.Tensor | None = None,
 ) -> None:
-    """One hand-off as the workers run it: gather, header + payload, receive, scatter."""
+    """One hand-off as the workers run it: gather, header + payload, receive, scatter.
+    With `gathered` (already contiguous): header + payload only, no gather or scatter."""
     device = cache.device
     if sending:
-        payload = cache.index_select(0, torch.tensor(ids, device=device))
+        payload = (
+            gathered
+            if gathered is not None
+            else cache.index_select(0, torch.tensor(ids, device=device))
+        )
         header = HandoffHeader(
             HeaderKind.HANDOFF,
             channel.next_seq(),
@@ -75,8 +87,15 @@ def _handoff_once(
     header = channel.recv_header()
     num_blocks = len(header.dst_block_ids)
     staging = torch.empty((num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=device)
-    channel.recv_into(staging)
-    cache.index_copy_(0, torch.tensor(header.dst_block_ids, device=device), staging)
+    if gathered is not None:
+        channel.recv_into(staging)
+        return
+    index = torch.tensor(header.dst_block_ids, device=device)
+
+    def scatter() -> None:
+        cache.index_copy_(0, index, staging)
+
+    channel.recv_into(staging, scatter)
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out_path: str) -> None:
@@ -109,9 +128,13 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out_path: str) -> No
                 _handoff_once, channel, rank == SENDER_RANK, cache, ids, nbytes
             )
 
-            for fn in (raw, handoff):  # warm-up: NCCL's first use and the allocator
+            wire = functools.partial(
+                _handoff_once, channel, rank == SENDER_RANK, cache, ids, nbytes, flat
+            )
+            for fn in (raw, wire, handoff):  # warm-up: NCCL's first use and the allocator
                 _time(fn, device, 3)
             raw_s = statistics.median(_time(raw, device, args.repeats))
+            wire_s = statistics.median(_time(wire, device, args.repeats))
             handoff_s = statistics.median(_time(handoff, device, args.repeats))
             results.append(
                 {
@@ -121,6 +144,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out_path: str) -> No
                     "bytes": nbytes,
                     "raw_ms": round(raw_s * 1e3, 4),
                     "handoff_ms": round(handoff_s * 1e3, 4),
+                    "wire_ms": round(wire_s * 1e3, 4),
+                    "wire_ratio": round(raw_s / wire_s, 3),
                     "raw_gib_s": round(nbytes / raw_s / 2**30, 2),
                     "handoff_gib_s": round(nbytes / handoff_s / 2**30, 2),
                     "ratio": round(raw_s / handoff_s, 3),
@@ -146,14 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     tmp.unlink()
     fixed: dict[str, float] = {}
     print(
-        f"{'shape':6} {'tokens':>6} {'MiB':>8} {'raw ms':>8} {'hand-off ms':>11} "
-        f"{'raw GiB/s':>9} {'hand-off GiB/s':>14} {'ratio':>6}"
+        f"{'shape':6} {'tokens':>6} {'MiB':>8} {'raw ms':>8} {'wire ms':>8} {'hand-off ms':>11} "
+        f"{'raw GiB/s':>9} {'hand-off GiB/s':>14} {'wire ratio':>10} {'ratio':>6}"
     )
     for r in results:
         print(
             f"{r['shape']:6} {r['tokens']:>6} {r['bytes'] / 2**20:>8.2f} {r['raw_ms']:>8.3f} "
-            f"{r['handoff_ms']:>11.3f} {r['raw_gib_s']:>9.1f} {r['handoff_gib_s']:>14.1f} "
-            f"{r['ratio']:>6.2f}"
+            f"{r['wire_ms']:>8.3f} {r['handoff_ms']:>11.3f} {r['raw_gib_s']:>9.1f} "
+            f"{r['handoff_gib_s']:>14.1f} {r['wire_ratio']:>10.2f} {r['ratio']:>6.2f}"
         )
         if r["blocks"] == 1:
             fixed[r["shape"]] = round(r["handoff_ms"] - r["raw_ms"], 4)
