@@ -97,6 +97,11 @@ class Pools:
         if failures:
             await self.stop()
             raise failures[0]
+        log.info(
+            "pools ready: %d prefill + %d decode + %d colocated workers on %s",
+            *(len(self.workers[pool]) for pool in POOLS),
+            "GPUs" if self.cluster.use_gpus else "CPUs",
+        )
 
     async def stop(self) -> None:
         """Shut every worker down (in-flight requests are the caller's to drain first)."""

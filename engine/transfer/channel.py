@@ -3,7 +3,9 @@
 There is no global `init_process_group`. Both ends build the group directly from a
 rendezvous store (the router's `TCPStore`) under a prefix that names both workers and
 both epochs, so a restarted worker pairs afresh and nothing of the old pair is reused.
-NCCL between GPUs, gloo on CPU. The prefill end (rank 0) only sends and the decode end
+Payloads go over NCCL between GPUs and gloo on CPU; headers always over gloo, so the
+decode end waits for the next hand-off on the CPU and posts a GPU receive only for a
+payload that is on its way. The prefill end (rank 0) only sends and the decode end
 (rank 1) only receives, each from one thread, so messages arrive in the order they were
 posted; every pair has its own CUDA stream, so pairs move data concurrently.
 """
@@ -67,6 +69,7 @@ class KVChannel:
         self.is_cuda = device.type == "cuda"
         # ProcessGroupNCCL or ProcessGroupGloo: built directly, no global world.
         self._pg: Any = None
+        self._ctrl: Any = None  # gloo group for headers (the same group as _pg on CPU)
         self._lane = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{spec.decode_id}")
         self._seq = 0
         self._closed = threading.Event()
@@ -87,14 +90,23 @@ class KVChannel:
             self.spec.store_host, self.spec.store_port, is_master=False, timeout=timeout
         )
         prefixed = dist.PrefixStore(self.spec.prefix, store)
+        # Headers always travel on a gloo group, host to host: the receiver waits for the
+        # next one on the CPU, and posts the NCCL receive only for a payload that is
+        # about to come. (A receive left pending on the GPU would hold a kernel that any
+        # device-wide synchronisation in the engine then waits on.)
+        self._ctrl = dist.ProcessGroupGloo(
+            dist.PrefixStore("ctrl/", prefixed), self.rank, 2, timeout
+        )
         if self.is_cuda:
             torch.cuda.set_device(self.device)
             self._stream = torch.cuda.Stream(self.device)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self._pg = dist.ProcessGroupNCCL(prefixed, self.rank, 2, options)
+            self._pg = dist.ProcessGroupNCCL(
+                dist.PrefixStore("data/", prefixed), self.rank, 2, options
+            )
         else:
-            self._pg = dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
+            self._pg = self._ctrl
 
     def _group(self) -> Any:
         if self._pg is None or self.closed:
@@ -121,12 +133,12 @@ class KVChannel:
         `ready` is recorded after the payload was gathered on the engine's stream; the
         send waits for it on this channel's stream instead of stalling the engine.
         """
-        encoded = header.encode(self.spec.max_blocks, self.device)
+        encoded = header.encode(self.spec.max_blocks, torch.device("cpu"))
 
         def run() -> None:
             pg = self._group()
+            self._ctrl.send([encoded], self.peer, 0).wait()
             if self._stream is None:
-                pg.send([encoded], self.peer, 0).wait()
                 if payload is not None:
                     pg.send([payload], self.peer, 0).wait()
                 return
@@ -134,7 +146,6 @@ class KVChannel:
             with torch.cuda.stream(self._stream):
                 if ready is not None:
                     self._stream.wait_event(ready)
-                pg.send([encoded], self.peer, 0).wait()
                 if payload is not None:
                     pg.send([payload], self.peer, 0).wait()
             # The payload must outlive the transfer: hold it until the stream is done.
@@ -145,8 +156,9 @@ class KVChannel:
     # ---------------------------------------------------------------- receiving (decode end)
     def recv_header(self) -> HandoffHeader:
         """Block until the next header arrives (call from the one receiving thread)."""
-        raw = torch.empty(self.header_size, dtype=torch.int64, device=self.device)
-        self._recv(raw)
+        raw = torch.empty(self.header_size, dtype=torch.int64)
+        self._group()  # raises when closed
+        self._ctrl.recv([raw], self.peer, 0).wait()
         header = HandoffHeader.decode(raw)
         if header.kind is HeaderKind.CLOSE:
             raise ChannelClosed(f"{self._peer_name()} closed the channel")
