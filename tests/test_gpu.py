@@ -296,10 +296,12 @@ def test_nccl_handoff_between_two_gpus_is_bit_exact(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- 1P1D service on two GPUs
 
 
-@pytest.fixture
-def service_1p1d(tmp_path: Path) -> Iterator[ServiceProcess]:
+def _gpu_service(tmp_path: Path, *pools: str) -> Iterator[ServiceProcess]:
     svc = ServiceProcess(
         [
+            *pools,
+            "--local-prefill-max-tokens",  # every prompt goes through a hand-off
+            "0",
             "--model",
             str(CONFIG_1B),
             "--load-format",
@@ -319,6 +321,16 @@ def service_1p1d(tmp_path: Path) -> Iterator[ServiceProcess]:
     finally:
         code = svc.stop()
     assert code == 0, f"service exit code {code}:\n{svc.log_tail()}"
+
+
+@pytest.fixture
+def service_1p1d(tmp_path: Path) -> Iterator[ServiceProcess]:
+    yield from _gpu_service(tmp_path)
+
+
+@pytest.fixture
+def service_2p2d(tmp_path: Path) -> Iterator[ServiceProcess]:
+    yield from _gpu_service(tmp_path, "--prefill-workers", "2", "--decode-workers", "2")
 
 
 async def _served(address: str, prompt: list[int], max_tokens: int) -> tuple[list[int], Any]:
@@ -342,6 +354,23 @@ def test_1p1d_service_on_two_gpus_matches_colocated_engine(
     log = service_1p1d.log_path.read_text(errors="replace")
     assert "on GPUs" in log, "the workers did not get GPUs"
     check_service_matches_colocated(service_1p1d.address, CONFIG_1B, "cuda")
+
+
+@needs_gpus(4)
+def test_2p2d_service_on_four_gpus_uses_both_pairs_and_matches_colocated_engine(
+    service_2p2d: ServiceProcess,
+) -> None:
+    from pdserve.v1 import generation_pb2 as pb
+    from router.client import get_pool_stats
+
+    assert "2 prefill + 2 decode + 0 colocated workers on GPUs" in service_2p2d.log_tail(20000)
+    check_service_matches_colocated(service_2p2d.address, CONFIG_1B, "cuda")
+    # The burst above spread over both pairs: every worker ran prompts or decodes.
+    stats = asyncio.run(get_pool_stats(service_2p2d.address))
+    decode = [w for w in stats.workers if w.pool == pb.POOL_DECODE]
+    prefill = [w for w in stats.workers if w.pool == pb.POOL_PREFILL]
+    assert len(decode) == 2 and len(prefill) == 2
+    assert all(w.prefix_query_tokens > 0 for w in prefill), stats
 
 
 def check_service_matches_colocated(address: str, model: Path, device: str) -> None:
