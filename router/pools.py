@@ -23,7 +23,7 @@ from engine.transfer.channel import ChannelSpec
 from engine.worker import WorkerInfo
 from router import metrics
 from router.cluster import POOLS, Cluster, StartupError, root_cause
-from router.policy import WorkerLoadView
+from router.routing import WorkerLoadView
 
 log = logging.getLogger("pdserve.pools")
 

@@ -24,8 +24,18 @@ RoutingPolicy = Literal["least-loaded", "prefix-aware"]
 ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("least-loaded", "prefix-aware")
 
 
+@dataclass(frozen=True)
+class WorkerLoadView:
+    """What the router knows about one worker when it routes."""
+
+    index: int
+    alive: bool
+    num_assigned: int  # requests this router has in flight on the worker
+    num_blocks_free: int = 0
+
+
 class LoadView(Protocol):
-    """What routing reads of a worker (router.policy.WorkerLoadView fits)."""
+    """What routing reads of a worker (WorkerLoadView fits)."""
 
     @property
     def index(self) -> int: ...
@@ -47,8 +57,10 @@ class RoutingConfig:
     # Cached prompt tokens given up to avoid the worker whose cache holds the most
     # (scaled by its share of the fullest cache): without it a prefix every prompt
     # shares pins new sessions to one worker, whose cache then thrashes while the
-    # others stay empty.
-    cache_balance_tokens: float = 256.0
+    # others stay empty. Less than one block's worth (16 tokens by default), so it only
+    # decides between workers that hold the same number of the prompt's blocks: a worker
+    # with one more matching block always wins on the cache.
+    cache_balance_tokens: float = 8.0
     # Load bound: a worker above max(min_load * ratio, min_load + slack) is skipped.
     overload_ratio: float = 1.5
     overload_slack: int = 4

@@ -24,6 +24,8 @@ def service(
 ) -> Iterator[ServiceProcess]:
     svc = ServiceProcess(
         [
+            "--local-prefill-max-tokens",  # every prompt goes through a prefill worker
+            "0",
             "--prefill-workers",
             "2",
             "--decode-workers",

@@ -56,6 +56,8 @@ def service(
     log = tmp_path_factory.mktemp("svc") / "service.log"
     svc = ServiceProcess(
         [
+            "--local-prefill-max-tokens",  # every prompt goes through the prefill pool
+            "0",
             "--prefill-long-prefill-token-threshold",
             str(CHUNK),
             "--prefill-kv-cache-gib",
