@@ -1,11 +1,11 @@
 """Independent pools under fire: scaling while streaming, and workers killed mid-traffic.
 
 One service runs the module's scenario in order: 1P1D scales to 2P2D while requests
-stream; a few hundred requests (mixed lengths, ~20 % cancelled at random points, some
-with short deadlines) run while a prefill and a decode worker are SIGKILLed (the decode
-one twice); the pools come back; then it scales back to 1P1D while streaming. Every
-stream ends with exactly one terminal outcome, no block stays in use, and greedy
-outputs equal the in-process engine's.
+stream, and a burst spreads over both pairs; two hundred requests (mixed lengths, ~20 %
+cancelled at random points, some with short deadlines) run while a prefill and a decode
+worker are SIGKILLed (the decode one twice); the pools come back; then it scales back
+to 1P1D while streaming. Every stream ends with exactly one terminal outcome, no block
+stays in use, and greedy outputs equal the in-process engine's.
 """
 
 from __future__ import annotations
@@ -145,6 +145,32 @@ def test_scale_up_while_streaming(service: ServiceProcess, expected: dict[int, l
     asyncio.run(scenario())
 
 
+def test_requests_spread_over_both_pairs(
+    service: ServiceProcess, expected: dict[int, list[int]]
+) -> None:
+    async def scenario() -> tuple[list[tuple[str, list[int]]], set[tuple[int, int]]]:
+        tasks = [asyncio.ensure_future(_one(service.address, i)) for i in range(len(PROMPTS))]
+        busy: set[tuple[int, int]] = set()  # (pool, index) seen with running requests
+        while not all(t.done() for t in tasks):
+            stats = await get_pool_stats(service.address)
+            busy |= {(w.pool, w.index) for w in stats.workers if w.num_running > 0}
+            await asyncio.sleep(0.05)
+        stats = await get_pool_stats(service.address)
+        busy |= {
+            (w.pool, w.index)
+            for w in stats.workers
+            if w.pool == pb.POOL_PREFILL and w.prefix_query_tokens > 0
+        }
+        return [await t for t in tasks], busy
+
+    results, busy = asyncio.run(scenario())
+    assert {(pb.POOL_PREFILL, 0), (pb.POOL_PREFILL, 1)} <= busy
+    assert {(pb.POOL_DECODE, 0), (pb.POOL_DECODE, 1)} <= busy
+    for i, (outcome, tokens) in enumerate(results):
+        assert outcome == "final:FINISH_REASON_LENGTH"
+        assert tokens == expected[i]
+
+
 def test_chaos_kills_cancels_and_deadlines(
     service: ServiceProcess, expected: dict[int, list[int]]
 ) -> None:
@@ -182,7 +208,7 @@ def test_chaos_kills_cancels_and_deadlines(
                 return
 
     async def request(n: int) -> tuple[int, str, list[int], str]:
-        await asyncio.sleep(rng.uniform(0, 30))
+        await asyncio.sleep(rng.uniform(0, 20))
         i = rng.randrange(len(PROMPTS))
         kind = rng.choices(["full", "cancel", "deadline"], [0.7, 0.2, 0.1])[0]
         if kind == "cancel":

@@ -1,4 +1,6 @@
-"""2 prefill + 2 decode workers on CPU: requests spread over both pairs, outputs unchanged."""
+"""Colocated replicas behind the router: requests spread over both, outputs unchanged.
+
+(2 prefill + 2 decode workers: tests/test_pools_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -16,66 +18,6 @@ from router.client import get_pool_stats, stream_generate
 from tests.service import ServiceProcess
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def service(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
-) -> Iterator[ServiceProcess]:
-    svc = ServiceProcess(
-        [
-            "--local-prefill-max-tokens",  # every prompt goes through a prefill worker
-            "0",
-            "--prefill-workers",
-            "2",
-            "--decode-workers",
-            "2",
-            "--prefill-kv-cache-gib",
-            "0.1",
-            "--decode-kv-cache-gib",
-            "0.1",
-        ],
-        tmp_path_factory.mktemp("svc2") / "service.log",
-    )
-    svc.wait_serving()
-    yield svc
-    assert svc.stop() == 0, svc.log_tail()
-
-
-def test_requests_spread_over_both_pairs(service: ServiceProcess, smollm2_path: Path) -> None:
-    prompts = [f"Request number {i}: write a sentence about the number {i}." for i in range(8)]
-
-    async def scenario() -> tuple[list[list[int]], set[tuple[int, int]]]:
-        async def one(p: str) -> list[int]:
-            tokens: list[int] = []
-            async for resp in stream_generate(
-                service.address, prompt=p, max_tokens=24, temperature=0.0, ignore_eos=True
-            ):
-                tokens.extend(resp.token_ids)
-            return tokens
-
-        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
-        busy: set[tuple[int, int]] = set()  # (pool, index) seen with running requests
-        while not all(t.done() for t in tasks):
-            stats = await get_pool_stats(service.address)
-            busy |= {(w.pool, w.index) for w in stats.workers if w.num_running > 0}
-            await asyncio.sleep(0.05)
-        stats = await get_pool_stats(service.address)
-        prefill_used = {
-            w.index
-            for w in stats.workers
-            if w.pool == pb.POOL_PREFILL and w.prefix_query_tokens > 0
-        }
-        busy |= {(pb.POOL_PREFILL, i) for i in prefill_used}
-        return [await t for t in tasks], busy
-
-    outputs, busy = asyncio.run(scenario())
-    assert {(pb.POOL_PREFILL, 0), (pb.POOL_PREFILL, 1)} <= busy
-    assert {(pb.POOL_DECODE, 0), (pb.POOL_DECODE, 1)} <= busy
-    reference = LLM(EngineArgs(kv_cache_gib=0.1)).generate(
-        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    )
-    assert outputs == [list(r.token_ids) for r in reference]
 
 
 @pytest.fixture(scope="module")
