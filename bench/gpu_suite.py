@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             "floor_ms = (weight bytes read + batch * context * KV bytes/token) / copy "
             "bandwidth (read+write bytes / s of a 1 GiB device-to-device copy)",
             "handoff bytes = whole blocks of the prompt * KV bytes/token; hand-off time "
-            "= prefill worker's send + decode's receive and ack (timings.kv_transfer_seconds)",
+            "= the prefill worker sending header + payload on the pair channel until the "
+            "send completes (timings.kv_transfer_seconds)",
         ],
         "shapes": {},
     }
