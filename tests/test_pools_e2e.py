@@ -208,7 +208,7 @@ def test_chaos_kills_cancels_and_deadlines(
                 return
 
     async def request(n: int) -> tuple[int, str, list[int], str]:
-        await asyncio.sleep(rng.uniform(0, 20))
+        await asyncio.sleep(rng.uniform(0, 16))
         i = rng.randrange(len(PROMPTS))
         kind = rng.choices(["full", "cancel", "deadline"], [0.7, 0.2, 0.1])[0]
         if kind == "cancel":
