@@ -9,15 +9,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/bench/results/engine-speed}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH=$PWD:$PWD/protos${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 ROOT=$PWD
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader \
   | tee "$OUT/gpu.txt"

@@ -294,6 +294,7 @@ def _serve(ns: argparse.Namespace) -> int:
             decode_args=_engine_args(ns, "decode"),
             ray_address=ns.ray_address,
             pool_resources=pool_resources,
+            kv_store_port=ns.kv_store_port,
         ),
         router=RouterConfig(
             max_in_flight=ns.max_in_flight,
@@ -452,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
         help="prompts with at most this many tokens not cached on the decode worker run "
         "there, with no hand-off (0 = always hand off)",
+    )
+    serve.add_argument(
+        "--kv-store-port",
+        type=int,
+        default=0,
+        help="port on the router's host where the KV channels rendezvous (0 = any free one)",
     )
     serve.add_argument(
         "--enable-admin",

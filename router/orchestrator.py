@@ -43,15 +43,11 @@ from router.errors import NotReadyError, QueueFullError
 from router.kv_index import PrefixIndex
 from router.pools import Pools, WorkerRef
 from router.protocol import GenerateCall, PoolStats, ServerInfo
-from router.routing import choose_worker
+from router.routing import choose_worker, load_order
 
 log = logging.getLogger("pdserve.router")
 WORKER_WAIT_POLL_S = 0.05
 T = TypeVar("T")
-
-
-def _load_key(ref: WorkerRef) -> tuple[int, int]:
-    return (ref.num_assigned, ref.index)
 
 
 class WorkerLost(RuntimeError):
@@ -257,7 +253,9 @@ class DisaggregatedGenerator:
                     raise WorkerLost(f"no {what} worker became available")
                 await asyncio.sleep(WORKER_WAIT_POLL_S)
                 continue
-            ref = route(live) if route is not None else min(live, key=_load_key)
+            ref = (
+                route(live) if route is not None else min(live, key=lambda w: load_order(w.view()))
+            )
             ref.num_assigned += 1
             try:
                 result = await call(ref)

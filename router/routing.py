@@ -92,8 +92,8 @@ class RouteChoice:
     num_cached_tokens: int
 
 
-def _load_key(w: LoadView) -> tuple[int, int, int]:
-    # Same order as least-loaded routing: fewest in flight, most free blocks, lowest index.
+def load_order(w: LoadView) -> tuple[int, int, int]:
+    """Least loaded first: fewest in flight, most free blocks, lowest index."""
     return (w.num_assigned, -w.num_blocks_free, w.index)
 
 
@@ -112,7 +112,7 @@ def choose_worker(
     if not live:
         return None
     if config.policy == "least-loaded":
-        best = min(live, key=_load_key)
+        best = min(live, key=load_order)
         return RouteChoice(best.index, index.num_cached_tokens(best.index, block_hashes))
     bound = config.load_bound(min(w.num_assigned for w in live))
     most_cached = max(index.num_blocks(w.index) for w in live) or 1
@@ -128,7 +128,7 @@ def choose_worker(
             - config.cache_balance_tokens * index.num_blocks(w.index) / most_cached
         )
         # Ties: fewer in flight, then the emptier cache, then the usual load order.
-        key = (-score, w.num_assigned, index.num_blocks(w.index), *_load_key(w))
+        key = (-score, w.num_assigned, index.num_blocks(w.index), *load_order(w))
         if best_key is None or key < best_key:
             best_key, choice = key, RouteChoice(w.index, cached)
     return choice

@@ -123,26 +123,33 @@ async def _wait_no_blocks(address: str, timeout: float = 30) -> None:
     raise AssertionError(f"blocks still in use: {stats}")
 
 
+async def _resize_while_streaming(
+    address: str, expected: dict[int, list[int]], sizes: list[tuple[str, int]]
+) -> None:
+    """Resize pools one after the other while requests keep coming; every request that
+    was sent meanwhile finishes at full length with the engine's tokens."""
+
+    async def resize() -> None:
+        for pool, size in sizes:
+            await scale_pool(address, pool, size)
+
+    sent: list[asyncio.Task[tuple[str, list[int]]]] = []
+    action = asyncio.ensure_future(resize())
+    while not action.done() or len(sent) < 4:
+        sent.append(asyncio.ensure_future(_one(address, len(sent) % len(PROMPTS))))
+        await asyncio.sleep(0.3)
+    await action
+    results = await asyncio.gather(*sent)
+    for n, (outcome, tokens) in enumerate(results):
+        assert outcome == "final:FINISH_REASON_LENGTH", (n, outcome)
+        assert tokens == expected[n % len(PROMPTS)]
+    final = dict(sizes)
+    await _wait_pools(address, final["prefill"], final["decode"])
+    await _wait_no_blocks(address)
+
+
 def test_scale_up_while_streaming(service: ServiceProcess, expected: dict[int, list[int]]) -> None:
-    async def scenario() -> None:
-        async def grow() -> None:
-            await scale_pool(service.address, "prefill", 2)
-            await scale_pool(service.address, "decode", 2)
-
-        sent: list[asyncio.Task[tuple[str, list[int]]]] = []
-        action = asyncio.ensure_future(grow())
-        while not action.done():
-            sent.append(asyncio.ensure_future(_one(service.address, len(sent) % len(PROMPTS))))
-            await asyncio.sleep(0.3)
-        await action
-        results = await asyncio.gather(*sent)
-        for n, (outcome, tokens) in enumerate(results):
-            assert outcome == "final:FINISH_REASON_LENGTH", (n, outcome)
-            assert tokens == expected[n % len(PROMPTS)]
-        await _wait_pools(service.address, 2, 2)
-        await _wait_no_blocks(service.address)
-
-    asyncio.run(scenario())
+    asyncio.run(_resize_while_streaming(service.address, expected, [("prefill", 2), ("decode", 2)]))
 
 
 def test_requests_spread_over_both_pairs(
@@ -259,25 +266,7 @@ def test_chaos_kills_cancels_and_deadlines(
 def test_scale_down_while_streaming(
     service: ServiceProcess, expected: dict[int, list[int]]
 ) -> None:
-    async def scenario() -> None:
-        async def shrink() -> None:
-            await scale_pool(service.address, "decode", 1)
-            await scale_pool(service.address, "prefill", 1)
-
-        sent: list[asyncio.Task[tuple[str, list[int]]]] = []
-        action = asyncio.ensure_future(shrink())
-        while not action.done() or len(sent) < 4:
-            sent.append(asyncio.ensure_future(_one(service.address, len(sent) % len(PROMPTS))))
-            await asyncio.sleep(0.3)
-        await action
-        results = await asyncio.gather(*sent)
-        for n, (outcome, tokens) in enumerate(results):
-            assert outcome == "final:FINISH_REASON_LENGTH", (n, outcome)
-            assert tokens == expected[n % len(PROMPTS)]
-        await _wait_pools(service.address, 1, 1)
-        await _wait_no_blocks(service.address)
-
-    asyncio.run(scenario())
+    asyncio.run(_resize_while_streaming(service.address, expected, [("decode", 1), ("prefill", 1)]))
 
 
 def test_admin_is_refused_unless_enabled(tmp_path: Path) -> None:

@@ -90,12 +90,12 @@ def test_abort_of_an_idle_reservation_and_lease_expiry() -> None:
 
 def test_header_round_trips_and_garbage_is_refused() -> None:
     header = _header(req_id="0123456789abcdef" * 4, seq_no=41)
-    raw = header.encode(max_blocks=8, device=torch.device("cpu"))
+    raw = header.encode(max_blocks=8)
     assert raw.numel() == HandoffHeader.size(8)
     assert HandoffHeader.decode(raw) == header
     with pytest.raises(ValueError, match="out of step"):
         HandoffHeader.decode(torch.zeros_like(raw))
     with pytest.raises(ValueError, match="exceed"):
-        _header(dst_block_ids=tuple(range(9))).encode(8, torch.device("cpu"))
+        _header(dst_block_ids=tuple(range(9))).encode(8)
     with pytest.raises(ValueError, match="longer than"):
-        _header(req_id="x" * 65).encode(8, torch.device("cpu"))
+        _header(req_id="x" * 65).encode(8)

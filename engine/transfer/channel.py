@@ -133,7 +133,7 @@ class KVChannel:
         `ready` is recorded after the payload was gathered on the engine's stream; the
         send waits for it on this channel's stream instead of stalling the engine.
         """
-        encoded = header.encode(self.spec.max_blocks, torch.device("cpu"))
+        encoded = header.encode(self.spec.max_blocks)
 
         def run() -> None:
             pg = self._group()

@@ -53,7 +53,8 @@ class HandoffHeader:
         """Number of int64 elements of a header on a channel of this block capacity."""
         return _FIXED + max_blocks
 
-    def encode(self, max_blocks: int, device: torch.device) -> torch.Tensor:
+    def encode(self, max_blocks: int) -> torch.Tensor:
+        """The header as a host tensor (headers travel host to host)."""
         raw = self.req_id.encode()
         if len(raw) > MAX_REQ_ID_BYTES:
             raise ValueError(f"request id longer than {MAX_REQ_ID_BYTES} bytes: {self.req_id!r}")
@@ -80,7 +81,7 @@ class HandoffHeader:
         fields += list(self.dst_block_ids)
         out = torch.zeros(self.size(max_blocks), dtype=torch.int64)
         out[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
-        return out.to(device)
+        return out
 
     @classmethod
     def decode(cls, raw: torch.Tensor) -> HandoffHeader:
