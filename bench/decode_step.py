@@ -1,4 +1,5 @@
-"""Decode-step micro-benchmark: eager SDPA vs Triton paged attention vs Triton + CUDA graphs.
+"""Decode-step micro-benchmark: eager SDPA vs Triton paged attention vs Triton + CUDA graphs,
+each with the decoder compiled by torch.compile (the engine's default) and without it.
 
 For each model shape (random bf16 weights from a shipped config.json), batch size and
 context length, times `ModelRunner.execute` on a pure-decode batch (host work, H2D
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import random
@@ -86,8 +88,10 @@ def _stats(times: list[float]) -> dict[str, float]:
 
 
 def _classify(name: str) -> str:
-    if "_decode_split" in name or "_merge_splits" in name:
+    if "_decode_split" in name or "_merge_splits" in name or "_varlen" in name:
         return "attention (triton)"
+    if name.startswith(("triton_poi", "triton_red", "triton_per")):
+        return "fused by the compiler (norms, rotary, SiLU·mul, adds)"
     if any(k in name.lower() for k in ("gemm", "gemv", "cutlass", "sm90_", "cublas", "nvjet")):
         return "matmul"
     if "index" in name.lower() or "scatter" in name.lower():
@@ -130,8 +134,10 @@ def bench_model(
     steps: int,
     profile_at: set[tuple[int, int]] | None = None,
     profile_log: list[str] | None = None,
+    compile_model: bool = True,
 ) -> list[dict[str, Any]]:
-    """Time every (batch, context) of one model shape in each mode."""
+    """Time every (batch, context) of one model shape in each mode, with the decoder
+    compiled (the default engine) or as transformers runs it."""
     from engine.core.batch import Batch, ScheduledSeq
     from engine.model.model_runner import ModelRunner
     from engine.sampling_params import GREEDY
@@ -147,6 +153,7 @@ def bench_model(
         num_blocks=num_blocks,
         block_size=BLOCK_SIZE,
         cuda_graph_batch_sizes=batch_sizes,
+        compile_model=compile_model,
     )
     load_s = time.perf_counter() - t0
     graphs = runner.cuda_graphs
@@ -182,6 +189,7 @@ def bench_model(
             kv_bytes = n * ctx * kv_token_bytes
             row: dict[str, Any] = {
                 "model": name,
+                "compiled": compile_model,
                 "batch": n,
                 "context": ctx,
                 "weight_bytes": weight_bytes,
@@ -207,7 +215,7 @@ def bench_model(
                     try:
                         row[f"{mode}_profile_ms"] = profile_step(
                             lambda b=batch, kw=kw: runner.execute(b, **kw),
-                            f"{name} batch {n} ctx {ctx} {mode}",
+                            f"{name} batch {n} ctx {ctx} {mode} compiled={compile_model}",
                             profile_log,
                         )
                     except Exception:
@@ -274,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=_ints, default=[512, 2048])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument(
+        "--compile",
+        default="on,off",
+        help="on, off or both (on,off): the decoder compiled, and/or as transformers runs it",
+    )
+    p.add_argument(
         "--profile",
         default="llama-3.2-1b:128:512,llama-3.1-8b:1:512,llama-3.1-8b:128:2048",
         help="model:batch:context triples to profile (GPU time per kernel class)",
@@ -302,15 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     profiles = [t.split(":") for t in args.profile.split(",") if t]
     profile_log: list[str] = []
-    for name in args.models.split(","):
+    compile_modes = [c == "on" for c in args.compile.split(",") if c]
+    for name, compile_model in itertools.product(args.models.split(","), compile_modes):
         at = {(int(b), int(c)) for m, b, c in profiles if m == name}
         try:
             result["steps"] += bench_model(
-                name, args.batch_sizes, args.contexts, args.steps, at, profile_log
+                name, args.batch_sizes, args.contexts, args.steps, at, profile_log, compile_model
             )
         except Exception as exc:
             traceback.print_exc()
-            result.setdefault("errors", []).append(f"{name}: {exc!r}")
+            result.setdefault("errors", []).append(f"{name} compiled={compile_model}: {exc!r}")
         gc.collect()  # the runner of this model goes before the next one loads
         torch.cuda.empty_cache()
         for row in result["steps"]:
@@ -322,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2))
 
     print(f"\n{result['device']}, copy {bandwidth / 1e9:.0f} GB/s; ms per decode step (median)")
-    head = f"{'model':14} {'batch':>5} {'ctx':>5} {'floor':>7} {'sdpa':>7} {'triton':>7}"
-    print(head + f" {'graphs':>7} {'gpu':>7} {'floor/graphs':>12}")
+    head = f"{'model':14} {'comp':>4} {'batch':>5} {'ctx':>5} {'floor':>7} {'sdpa':>7}"
+    print(head + f" {'triton':>7} {'graphs':>7} {'gpu':>7} {'floor/graphs':>12}")
     for r in result["steps"]:
 
         def ms(key: str, r: dict[str, Any] = r) -> str:
@@ -331,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
 
         eff = r["floor_ms"] / r["graphs_ms"]["median"] if "graphs_ms" in r else float("nan")
         print(
-            f"{r['model']:14} {r['batch']:5d} {r['context']:5d} {r['floor_ms']:7.2f} "
+            f"{r['model']:14} {'on' if r['compiled'] else 'off':>4} {r['batch']:5d} "
+            f"{r['context']:5d} {r['floor_ms']:7.2f} "
             f"{ms('sdpa_ms')} {ms('triton_ms')} {ms('graphs_ms')} {ms('graph_gpu_ms')} "
             f"{eff:12.2f}"
         )

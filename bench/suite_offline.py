@@ -3,6 +3,7 @@ memory is returned to the driver when it exits):
 
 * floor: device-to-device copy bandwidth (the memory floor's denominator);
 * b:  pdserve's colocated engine (engine.llm.LLM), with per-step timings;
+* b0: the same engine with the decoder as transformers runs it (not compiled);
 * a:  transformers `generate()` with static batches (one batch per concurrency);
 * a2: transformers' continuous batching, `model.generate_batch(...)` (paged attention).
 
@@ -93,7 +94,11 @@ def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
 
 
 def run_engine(
-    ns: argparse.Namespace, device: torch.device, dtype: str, bandwidth: dict | None
+    ns: argparse.Namespace,
+    device: torch.device,
+    dtype: str,
+    bandwidth: dict | None,
+    compile_model: bool = True,
 ) -> dict[str, Any]:
     from bench.offline import StepProfile
     from engine.core.config import SchedulerConfig
@@ -109,6 +114,7 @@ def run_engine(
             device=str(device),
             dtype=dtype,
             kv_cache_gib=ns.kv_cache_gib,
+            compile_model=compile_model,
             scheduler=SchedulerConfig(max_num_seqs=max(128, *ns.concurrency)),
         )
     )
@@ -143,7 +149,7 @@ def run_engine(
             uninstall()
         runs.append(
             summarize(
-                "b_pdserve_engine",
+                "b_pdserve_engine" if compile_model else "b0_pdserve_engine_uncompiled",
                 c,
                 timings,
                 wall,
@@ -340,11 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - recorded, the other parts still run
             result["copy_bandwidth"] = error_record(exc)
         save()
-    if "b" in ns.parts:
+    for part in ("b", "b0"):  # b0: the engine without the compiled decoder
+        if part not in ns.parts:
+            continue
         try:
-            result["b"] = run_engine(ns, device, dtype, bandwidth)
+            result[part] = run_engine(ns, device, dtype, bandwidth, compile_model=part == "b")
         except Exception as exc:  # noqa: BLE001
-            result["b"] = error_record(exc)
+            result[part] = error_record(exc)
         _free(device)
         save()
     if ns.parts & {"a", "a2"}:

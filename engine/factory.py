@@ -35,6 +35,7 @@ class EngineArgs:
     kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
+    compile_model: bool = True  # False: graphs of the uncompiled decoder (see model.compiled)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -101,6 +102,7 @@ def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -
         # start-up time and memory there.
         enforce_eager=args.enforce_eager or handoff_after_first_token,
         max_num_seqs=args.scheduler.max_num_seqs,
+        compile_model=None if args.compile_model else False,
     )
     spec: ModelSpec = runner.spec
     tokenizer = load_tokenizer(str(path)) if has_tokenizer(path) else None

@@ -71,6 +71,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             action="store_true",
             help="no CUDA graphs for decode steps (CUDA only)",
         ),
+        g.add_argument(
+            "--no-compile",
+            dest="compile_model",
+            action="store_false",
+            help="CUDA graphs of the decoder as transformers runs it, not torch.compile'd",
+        ),
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block"),
     ]
 
@@ -247,6 +253,7 @@ def _engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
         load_format=ns.load_format,
         block_size=ns.block_size,
         enforce_eager=ns.enforce_eager,
+        compile_model=ns.compile_model,
         num_blocks=get("num_blocks"),  # type: ignore[arg-type]
         kv_cache_gib=get("kv_cache_gib"),  # type: ignore[arg-type]
         gpu_memory_utilization=get("gpu_memory_utilization"),  # type: ignore[arg-type]

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
-from engine.model.attention import build_metadata, paged_attention_forward
+from engine.model.attention import build_metadata, paged_attention_forward, paged_step
+from engine.model.compiled import is_compiled
 from engine.model.model_runner import ModelRunner
 from engine.model.triton_attention import paged_decode_attention, triton_available
 from engine.sampling_params import GREEDY
@@ -143,9 +144,8 @@ def test_paged_group_matches_sdpa_group_on_a_mixed_step() -> None:
             paged_decode=paged,
         )
         assert any(g.paged for g in meta.groups) == paged
-        out, _ = paged_attention_forward(
-            Layer(), query, key, value, None, paged_metadata=meta, paged_kv_cache=kv
-        )
+        with paged_step(meta, kv):
+            out, _ = paged_attention_forward(Layer(), query, key, value, None)
         outs.append(out.float())
     assert torch.isfinite(outs[1]).all()
     err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
@@ -185,6 +185,8 @@ def test_cuda_graphs_give_eager_tokens_on_tiny_llama(tiny_llama_path: Path) -> N
     eager = ModelRunner(path, enforce_eager=True, **common)
     sdpa = ModelRunner(path, enforce_eager=True, paged_decode=False, **common)
     assert graphed.cuda_graphs is not None and eager.cuda_graphs is None
+    # The graphs replay the compiled decoder (no silent fall-back to the eager one).
+    assert is_compiled(graphed.model) and not is_compiled(eager.model)
     assert graphed.cuda_graphs.batch_sizes == [1, 2, 4, 8]
     rng = random.Random(5)
     for n in (3, 8, 1):  # 3 pads to the graph of 4
@@ -217,8 +219,10 @@ def test_cuda_graphs_match_eager_logits_on_llama_1b_shape() -> None:
         block_size=16,
         cuda_graph_batch_sizes=[1, 4, 8],
     )
-    assert runner.cuda_graphs is not None
+    assert runner.cuda_graphs is not None and is_compiled(runner.model)
     graphs = runner.cuda_graphs
+    decoder = runner.model.get_decoder()
+    compiled_forward = decoder.forward
     rng = random.Random(9)
     n = 5  # pads to 8
     prompts = [[rng.randrange(0, 128000) for _ in range(rng.randrange(100, 700))] for _ in range(n)]
@@ -240,7 +244,9 @@ def test_cuda_graphs_match_eager_logits_on_llama_1b_shape() -> None:
         )
         assert graphs.can_run(batch)
         with torch.inference_mode():
+            del decoder.forward  # the reference: transformers' own, uncompiled forward
             eager = runner._forward_eager(batch).float()
+            decoder.forward = compiled_forward
             graph = graphs.run(batch).float()
         assert torch.isfinite(eager).all() and torch.isfinite(graph).all()
         scale = eager.abs().max().item()

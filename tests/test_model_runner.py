@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
-from engine.model.attention import ATTN_IMPLEMENTATION
+from engine.model.attention import ATTN_IMPLEMENTATION, _current_step
 from engine.model.model_runner import ModelRunner
 from engine.model.model_spec import ModelSpec
 from engine.sampling_params import GREEDY, SamplingParams
@@ -193,17 +193,17 @@ def test_cache_written_only_through_slot_mapping(model: Model) -> None:
     assert torch.equal(untouched, ~written)
 
 
-def test_attention_gets_no_mask_and_sees_metadata(tiny_model_paths: dict[str, Path]) -> None:
+def test_attention_gets_no_mask_and_sees_the_step(tiny_model_paths: dict[str, Path]) -> None:
     # The paged fn relies on transformers skipping mask creation for unknown
     # implementations; a transformers upgrade that stops doing so must fail here.
     from transformers import AttentionInterface
 
     runner = ModelRunner(tiny_model_paths["llama"], num_blocks=4, block_size=8)
-    seen: list[tuple[object, bool]] = []
+    seen: list[tuple[object, int]] = []
     original = AttentionInterface._global_mapping[ATTN_IMPLEMENTATION]
 
     def spy(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append((attention_mask, "paged_metadata" in kwargs))
+        seen.append((attention_mask, _current_step().metadata.num_tokens))
         return original(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, spy)
@@ -211,7 +211,13 @@ def test_attention_gets_no_mask_and_sees_metadata(tiny_model_paths: dict[str, Pa
         runner.execute(Batch((ScheduledSeq("a", (5, 6, 7), 0, (1,), True, GREEDY, 0),), 8))
     finally:
         AttentionInterface.register(ATTN_IMPLEMENTATION, original)
-    assert seen == [(None, True)] * runner.spec.num_layers
+    assert seen == [(None, 3)] * runner.spec.num_layers
+
+
+def test_attention_outside_a_step_says_what_to_use(tiny_model_paths: dict[str, Path]) -> None:
+    runner = ModelRunner(tiny_model_paths["llama"], num_blocks=4, block_size=8)
+    with pytest.raises(RuntimeError, match="paged_step"):
+        runner.model(input_ids=torch.tensor([[5, 6]]), use_cache=False)
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_model_paths: dict[str, Path]) -> None:

@@ -24,7 +24,9 @@ Python loop and no host sync.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -419,39 +421,58 @@ def _attend_paged(
     )
 
 
-def paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    *,
-    paged_metadata: PagedAttentionMetadata | None = None,
-    paged_kv_cache: torch.Tensor | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention fn: query [1, H, T, D], key/value [1, KVH, T, D] → [1, T, H, D]."""
-    if paged_metadata is None or paged_kv_cache is None:
+@dataclass(frozen=True)
+class PagedStep:
+    """What every layer's attention of one forward pass reads: the step's metadata and
+    the whole KV cache (storage, scratch block included)."""
+
+    metadata: PagedAttentionMetadata
+    kv_cache: torch.Tensor
+
+
+# The step being run by this thread. A thread-local, not a model keyword, so that a
+# compiled decoder sees only tensors: the metadata is plain Python that would otherwise
+# become graph guards (and a recompile every step).
+_current = threading.local()
+
+
+@contextmanager
+def paged_step(metadata: PagedAttentionMetadata, kv_cache: torch.Tensor) -> Iterator[None]:
+    """Run the model's forward inside this block: its attention layers use this step."""
+    previous = getattr(_current, "step", None)
+    _current.step = PagedStep(metadata, kv_cache)
+    try:
+        yield
+    finally:
+        _current.step = previous
+
+
+def _current_step() -> PagedStep:
+    step: PagedStep | None = getattr(_current, "step", None)
+    if step is None:
         raise RuntimeError(
-            f"{ATTN_IMPLEMENTATION} attention needs paged_metadata= and paged_kv_cache= "
-            "passed to model(...); use engine.model.model_runner.ModelRunner"
+            f"{ATTN_IMPLEMENTATION} attention runs only inside `with paged_step(...)`; "
+            "use engine.model.model_runner.ModelRunner"
         )
-    layer_idx: int = module.layer_idx  # type: ignore[assignment]
-    scale = scaling if scaling is not None else float(module.scaling)  # type: ignore[arg-type]
+    return step
+
+
+def paged_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    """Write this step's K/V into layer `layer_idx` and attend: [T, H, D] from query
+    [T, H, D] and key/value [T, KVH, D], over the current `paged_step`."""
+    step = _current_step()
+    meta, kv_cache = step.metadata, step.kv_cache
     # Write first: a sequence's new tokens must see their own K/V.
-    write_kv(
-        paged_kv_cache, layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), paged_metadata
-    )
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    groups = paged_metadata.groups
+    write_kv(kv_cache, layer_idx, key, value, meta)
+    groups = meta.groups
     first = groups[0]
     if isinstance(first, VarlenGroup):  # a step with prompt chunks, on the Triton path
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         paged_varlen_attention(
-            q,
-            paged_kv_cache,
+            query,
+            kv_cache,
             layer_idx,
             first.block_table,
             first.q_starts,
@@ -461,17 +482,54 @@ def paged_attention_forward(
             scale,
             out=out,
         )
-        return out.unsqueeze(0), None
+        return out
     if len(groups) == 1 and first.identity:  # a pure decode step: no gather, no scatter
         if first.paged:
-            out = _attend_paged(q, paged_kv_cache, layer_idx, first, scale)
-        else:
-            out = _attend_sdpa(q, paged_kv_cache, layer_idx, paged_metadata, first, scale)[:, :, 0]
-        return out.unsqueeze(0), None
-    out = torch.empty_like(q)
+            return _attend_paged(query, kv_cache, layer_idx, first, scale)
+        return _attend_sdpa(query, kv_cache, layer_idx, meta, first, scale)[:, :, 0]
+    out = torch.empty_like(query)
     for group in groups:  # decode group(s), then prefill
         assert isinstance(group, AttentionGroup)
-        _attend(q, paged_kv_cache, layer_idx, paged_metadata, group, scale, out)
+        _attend(query, kv_cache, layer_idx, meta, group, scale, out)
+    return out
+
+
+# The same function as an opaque operator for torch.compile: the compiled decoder fuses
+# everything around attention and calls this between its kernels (in CUDA graphs too).
+@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
+def _paged_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    # The compiler lays out later kernels from the fake's (contiguous) strides.
+    return paged_attention(query, key, value, layer_idx, scale).contiguous()
+
+
+@_paged_attention_op.register_fake
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention fn: query [1, H, T, D], key/value [1, KVH, T, D] → [1, T, H, D]."""
+    layer_idx: int = module.layer_idx  # type: ignore[assignment]
+    scale = scaling if scaling is not None else float(module.scaling)  # type: ignore[arg-type]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if torch.compiler.is_compiling():
+        # Contiguous here costs nothing: the compiler writes them so in the rotary kernel.
+        out = _paged_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), layer_idx, scale)
+    else:
+        out = paged_attention(q, k, v, layer_idx, scale)
     return out.unsqueeze(0), None
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
-from engine.model.attention import AttentionGroup, PagedAttentionMetadata
+from engine.model.attention import AttentionGroup, PagedAttentionMetadata, paged_step
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +98,12 @@ class DecodeGraphs:
         )
 
     def _forward(self, n: int, meta: PagedAttentionMetadata) -> torch.Tensor:
-        return self.model(
-            input_ids=self._ints[0, :n][None],
-            position_ids=self._ints[1, :n][None],
-            use_cache=False,
-            paged_metadata=meta,
-            paged_kv_cache=self.kv_storage,
-        ).logits[0]
+        with paged_step(meta, self.kv_storage):
+            return self.model(
+                input_ids=self._ints[0, :n][None],
+                position_ids=self._ints[1, :n][None],
+                use_cache=False,
+            ).logits[0]
 
     def _fill_padding(self, start: int, stop: int) -> None:
         """Rows [start, stop) of the static inputs become padding (scratch block)."""

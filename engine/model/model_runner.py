@@ -1,7 +1,8 @@
 """Runs one scheduled Batch as one packed forward pass over the paged KV cache.
 
-On CUDA, pure-decode steps replay captured CUDA graphs (engine.model.cuda_graphs) unless
-`enforce_eager`; every other step (prefill chunks, mixed steps) runs eagerly.
+On CUDA, pure-decode steps replay captured CUDA graphs (engine.model.cuda_graphs) of the
+decoder compiled by torch.compile (engine.model.compiled) unless `enforce_eager`; every
+other step (prefill chunks, mixed steps) runs without a graph.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
-from engine.model.attention import PagedAttentionMetadata, register_paged_attention
+from engine.model.attention import PagedAttentionMetadata, paged_step, register_paged_attention
+from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.model.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
@@ -46,11 +48,14 @@ class ModelRunner:
         max_num_seqs: int = 128,
         cuda_graph_batch_sizes: Sequence[int] | None = None,
         paged_decode: bool | None = None,
+        compile_model: bool | None = None,
     ) -> None:
         """`enforce_eager` turns CUDA graphs off; they are captured here (CUDA only) for
         decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`).
         `paged_decode` False runs attention as padded SDPA even where the Triton
-        kernels could (None: Triton on CUDA when it imports)."""
+        kernels could (None: Triton on CUDA when it imports). `compile_model` runs the
+        decoder compiled by torch.compile (engine.model.compiled; None: wherever CUDA
+        graphs are captured)."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         if block_size < 1:
@@ -67,6 +72,8 @@ class ModelRunner:
         if use_graphs and not triton_available():
             log.warning("triton does not import: CUDA graphs off, attention runs SDPA")
             use_graphs = False
+        if use_graphs if compile_model is None else compile_model:
+            compile_decoder(self.model)
         if num_blocks is None:
             assert kv_cache_bytes is not None
             if callable(kv_cache_bytes):
@@ -113,7 +120,12 @@ class ModelRunner:
         try:
             graphs.capture()
         except Exception:
-            log.warning("CUDA graph capture failed; decode runs eagerly", exc_info=True)
+            if not is_compiled(self.model):
+                log.warning("CUDA graph capture failed; decode runs eagerly", exc_info=True)
+                return
+            log.warning("the compiled decoder failed; running it uncompiled", exc_info=True)
+            uncompile_decoder(self.model)
+            self.capture_cuda_graphs(batch_sizes, max_blocks_per_seq)
             return
         self.cuda_graphs = graphs
 
@@ -215,14 +227,13 @@ class ModelRunner:
             end += s.num_tokens
             if s.sample:
                 last_token_idx.append(end - 1)
-        return self.model(
-            input_ids=input_ids[None],
-            position_ids=meta.positions[None],
-            use_cache=False,
-            logits_to_keep=torch.tensor(last_token_idx, dtype=torch.long, device=self.device),
-            paged_metadata=meta,
-            paged_kv_cache=self._kv_storage,
-        ).logits[0]
+        with paged_step(meta, self._kv_storage):
+            return self.model(
+                input_ids=input_ids[None],
+                position_ids=meta.positions[None],
+                use_cache=False,
+                logits_to_keep=torch.tensor(last_token_idx, dtype=torch.long, device=self.device),
+            ).logits[0]
 
     def _sample(self, logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> dict[str, int]:
         if all(is_greedy(s.sampling) for s in sampled_seqs):

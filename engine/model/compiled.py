@@ -1,0 +1,48 @@
+"""The decoder stack compiled with torch.compile (inductor), for CUDA graph decode steps.
+
+Eagerly, transformers' decoder layers launch dozens of small kernels each per step
+(RMSNorm's casts, power, mean and scale; rotary's slices, negation and concatenation;
+SiLU and the gate multiply; residual adds). At small batches those launches, not the
+weight reads, set the decode step's time. Inductor fuses each run of them into one
+Triton kernel (residual add with the next RMSNorm, rotary with the query/key layout,
+SiLU·mul) and keeps the matmuls on cuBLAS; paged attention stays one opaque operator
+(`pdserve::paged_attention`). The transformers model definition stays the source of
+truth: nothing is rewritten by hand.
+
+Compiled once with a symbolic token count (one more graph for a single token), before
+the CUDA graphs are captured; the captures replay the compiled kernels. Eager steps
+(prefill chunks, mixed steps) run the same compiled code.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Every captured batch size and every prefill length share the symbolic graph; a few
+# more entries cover an unexpected guard failure without falling back to eager.
+_CACHE_SIZE_LIMIT = 16
+
+
+def compile_decoder(model: torch.nn.Module) -> None:
+    """Replace the decoder's forward with its compiled version (compiles on first call)."""
+    decoder = model.get_decoder()  # type: ignore[operator]
+    torch._dynamo.config.cache_size_limit = max(
+        torch._dynamo.config.cache_size_limit, _CACHE_SIZE_LIMIT
+    )
+    # An instance attribute shadows the class's forward; deleting it undoes this.
+    decoder.forward = torch.compile(decoder.forward, dynamic=True)
+
+
+def uncompile_decoder(model: torch.nn.Module) -> None:
+    """Back to the eager forward (after a failed compile)."""
+    decoder = model.get_decoder()  # type: ignore[operator]
+    if "forward" in vars(decoder):
+        del decoder.forward
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    return "forward" in vars(model.get_decoder())  # type: ignore[operator]
