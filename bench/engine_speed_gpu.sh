@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Engine speed on one GPU, everything in one run so ratios compare like with like:
-# the CUDA tests of the runner and its kernels, the decode step against the memory floor
+# the one-GPU CUDA tests of the runner and its kernels, the decode step against the memory floor
 # (decoder compiled and not, with a kernel-class profile), prefill against the card's GEMM
 # rate, and the engine (compiled and not) against transformers generate() at concurrency
 # 128. With BASE=<folder holding an older engine/ and bench/>, that tree's decode step and
@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 git rev-parse HEAD >>"$OUT/gpu.txt" 2>/dev/null || true
 
 want tests && timeout "${TESTS_S:-240}" python3 -m pytest -m gpu tests/test_triton_prefill.py \
-  tests/test_gpu_runner.py tests/test_gpu.py -v -rs -p no:cacheprovider \
+  tests/test_gpu_runner.py -v -rs -p no:cacheprovider \
   --basetemp=/tmp/pdserve-pytest-gpu 2>&1 | tee "$OUT/pytest_gpu.log" | tail -30
 want decode && timeout "${DECODE_S:-400}" python3 -m bench.decode_step --batch-sizes 1,128 \
   --contexts 2048 --steps 15 --compile on,off \
