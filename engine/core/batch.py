@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One request's share of a step: a prompt chunk, a recompute chunk or one decode token."""
+class ScheduledSeq(NamedTuple):
+    """One request's share of a step: a prompt chunk, a recompute chunk or one decode token.
+
+    Immutable; a NamedTuple because the scheduler builds one per request every step, and
+    a tuple costs a third less to build than a frozen dataclass.
+    """
 
     req_id: str
     token_ids: tuple[int, ...]  # the tokens whose KV this step computes

@@ -92,13 +92,14 @@ class KVCacheManager:
         `cached_prefix` (from find_cached_prefix, only when the request holds no blocks yet)
         is shared, not copied. On None nothing changes.
         """
-        table = self._tables.get(req_id, [])
+        table = self._tables.get(req_id)
+        num_needed = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
+        if table is not None and not cached_prefix and num_needed <= len(table):
+            return []  # most decode steps: the table already has room (checked first)
+        table = table or []
         if cached_prefix and table:
             raise ValueError(f"request {req_id} already holds blocks; no prefix to attach")
-        num_needed = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
         num_new_blocks = num_needed - len(table) - len(cached_prefix)
-        if num_new_blocks <= 0 and not cached_prefix and req_id in self._tables:
-            return []  # most decode steps: the table already has room
         # A revived cached block leaves the free queue too, so it counts against what is free.
         num_revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
@@ -124,13 +125,16 @@ class KVCacheManager:
 
     def cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
-        if not self.enable_caching:
-            return
+        num_full = num_computed // self.block_size
+        hashes = self._hashes.get(req_id)
+        if hashes is not None and len(hashes) >= num_full:
+            return  # most steps: no block completed (checked first: runs per request per step)
         table = self._tables.get(req_id)
-        if table is None:
+        if table is None or not self.pool.enable_caching:
             return
-        hashes = self._hashes.setdefault(req_id, [])
-        num_full = min(num_computed // self.block_size, len(table))
+        if hashes is None:
+            hashes = self._hashes[req_id] = []
+        num_full = min(num_full, len(table))
         for i in range(len(hashes), num_full):
             chunk = token_ids[i * self.block_size : (i + 1) * self.block_size]
             block_hash = chain_hash(hashes[-1] if hashes else None, chunk)

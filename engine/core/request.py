@@ -81,15 +81,16 @@ class Request:
 
     def check_stop(self) -> FinishReason | None:
         """Token-level stop rules, applied after each sampled token."""
-        if not self.output_token_ids:
+        outputs = self.output_token_ids
+        if not outputs:
             return None
-        last = self.output_token_ids[-1]
-        if not self.sampling.ignore_eos and last in self.eos_token_ids:
+        last, sampling = outputs[-1], self.sampling
+        if (not sampling.ignore_eos and last in self.eos_token_ids) or (
+            last in sampling.stop_token_ids
+        ):
             return FinishReason.STOP
-        if last in self.sampling.stop_token_ids:
-            return FinishReason.STOP
-        if self.num_output_tokens >= self.sampling.max_tokens:
+        if len(outputs) >= sampling.max_tokens:
             return FinishReason.LENGTH
-        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+        if self.max_model_len is not None and len(self.all_token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -7,7 +7,7 @@ threshold), so chunked prefill, decode and recompute after preemption share one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
@@ -16,9 +16,9 @@ from engine.core.priority import PriorityAging
 from engine.core.request import FinishReason, Request, RequestStatus
 
 
-@dataclass(frozen=True)
-class RequestUpdate:
-    """What one step did for one request: new tokens and, at the end, why it finished."""
+class RequestUpdate(NamedTuple):
+    """What one step did for one request: new tokens and, at the end, why it finished.
+    (A NamedTuple: one is built per request per step.)"""
 
     req_id: str
     new_token_ids: tuple[int, ...]
@@ -177,15 +177,23 @@ class Scheduler:
         return self._build_batch(chunks)
 
     def _schedule_running(self, chunks: dict[str, int], budget: int) -> int:
+        running_status = RequestStatus.RUNNING
+        allocate_slots = self.kv.allocate_slots
+        threshold = self.config.long_prefill_token_threshold
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.req_id in chunks or req.status is not RequestStatus.RUNNING:
+            if req.status is not running_status or req.req_id in chunks:
                 continue
-            num_new = self._chunk(req, budget)
+            # _chunk(), inlined: this loop visits every running request every step.
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 continue
-            while self.kv.allocate_slots(req.req_id, req.num_computed_tokens, num_new) is None:
+            while allocate_slots(req.req_id, req.num_computed_tokens, num_new) is None:
                 victim = self._pick_victim(self.running)
                 if victim.req_id in chunks:
                     budget += chunks.pop(victim.req_id)
@@ -232,21 +240,24 @@ class Scheduler:
 
     def _build_batch(self, chunks: dict[str, int]) -> Batch:
         seqs = []
+        block_table = self.kv.block_table
         for req in self.running:
             num_new = chunks.get(req.req_id)
             if not num_new:
                 continue
+            tokens = req.all_token_ids
             start = req.num_computed_tokens
             end = start + num_new
+            # Positional: this runs for every request every step.
             seqs.append(
                 ScheduledSeq(
-                    req_id=req.req_id,
-                    token_ids=tuple(req.all_token_ids[start:end]),
-                    start_position=start,
-                    block_table=self.kv.block_table(req.req_id),
-                    sample=end == req.num_tokens,
-                    sampling=req.sampling,
-                    seed=req.seed,
+                    req.req_id,
+                    (tokens[start],) if num_new == 1 else tuple(tokens[start:end]),
+                    start,
+                    block_table(req.req_id),
+                    end == len(tokens),
+                    req.sampling,
+                    req.seed,
                 )
             )
         return Batch(seqs=tuple(seqs), block_size=self.block_size)
@@ -255,21 +266,23 @@ class Scheduler:
     def update(self, batch: Batch, sampled: dict[str, int]) -> list[RequestUpdate]:
         """Apply a step's results: progress, new tokens, stop checks, finishing."""
         updates: list[RequestUpdate] = []
+        requests, running_status = self.requests, RequestStatus.RUNNING
+        cache_full_blocks = self.kv.cache_full_blocks
+        handoff = self.handoff_after_first_token
         for seq in batch.seqs:
-            req = self.requests.get(seq.req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            req_id = seq.req_id
+            req = requests.get(req_id)
+            if req is None or req.status is not running_status:
                 continue  # aborted or preempted while the step ran
-            req.num_computed_tokens += seq.num_tokens
-            self.kv.cache_full_blocks(req.req_id, req.all_token_ids, req.num_computed_tokens)
+            req.num_computed_tokens += len(seq.token_ids)
+            cache_full_blocks(req_id, req.all_token_ids, req.num_computed_tokens)
             if not seq.sample:
                 continue
-            token = sampled[seq.req_id]
+            token = sampled[req_id]
             req.append_output_token(token)
             reason = req.check_stop()
-            kv_kept = reason is None and self.handoff_after_first_token
+            kv_kept = reason is None and handoff
             if reason is not None or kv_kept:
-                self.finish_request(req.req_id, reason, keep_blocks=kv_kept)
-            updates.append(
-                RequestUpdate(req.req_id, (token,), reason, req.num_cached_tokens, kv_kept)
-            )
+                self.finish_request(req_id, reason, keep_blocks=kv_kept)
+            updates.append(RequestUpdate(req_id, (token,), reason, req.num_cached_tokens, kv_kept))
         return updates
