@@ -13,7 +13,6 @@ and attend to that one slot: finite, and invisible to real sequences.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 
@@ -73,6 +72,9 @@ class DecodeGraphs:
         self._host_free = torch.cuda.Event()
         self._host_free.record()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # req_id → (its block table tuple, the same as an array). The scheduler hands the
+        # same tuple object until a table grows, so most steps convert no table at all.
+        self._tables: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}
         self.num_replays = 0
 
     def _metadata(self, n: int) -> PagedAttentionMetadata:
@@ -152,11 +154,7 @@ class DecodeGraphs:
         size = next(s for s in self.batch_sizes if s >= n)
         lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
         pos = np.fromiter((s.start_position for s in seqs), dtype=np.int64, count=n)
-        flat = np.fromiter(
-            itertools.chain.from_iterable(s.block_table for s in seqs),
-            dtype=np.int64,
-            count=int(lens.sum()),
-        )
+        flat = np.concatenate(self._table_arrays(seqs))
         self._validate(seqs, lens, pos, flat)
         width = max(int(lens.max()), 1)
         self._host_free.synchronize()
@@ -185,6 +183,20 @@ class DecodeGraphs:
         graph.replay()
         self.num_replays += 1
         return logits[:n]
+
+    def _table_arrays(self, seqs: Sequence[ScheduledSeq]) -> list[np.ndarray]:
+        """Each sequence's block table as an array, converted only when it changed (the
+        cache keeps only this step's requests)."""
+        cached, fresh = self._tables, {}
+        arrays = []
+        for s in seqs:
+            entry = cached.get(s.req_id)
+            if entry is None or entry[0] is not s.block_table:
+                entry = (s.block_table, np.array(s.block_table, dtype=np.int64))
+            fresh[s.req_id] = entry
+            arrays.append(entry[1])
+        self._tables = fresh
+        return arrays
 
     def _validate(
         self, seqs: Sequence[ScheduledSeq], lens: np.ndarray, pos: np.ndarray, flat: np.ndarray
