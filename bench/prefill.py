@@ -2,7 +2,8 @@
 
 Times `ModelRunner.execute` on one packed step of `--num-prompts` prompts of
 `--prompt-len` random tokens (random bf16 weights of a shipped config), through the
-Triton varlen attention and through padded SDPA. The reference is the bf16 GEMM rate of
+Triton varlen attention (with the decoder as transformers runs it, then compiled as a
+decode engine runs its eager steps) and through padded SDPA. The reference is the bf16 GEMM rate of
 a large square matmul divided by the FLOPs per token (2 x parameters, plus the causal
 attention's 2 x 2 x layers x heads x head_dim x mean context), so 1.0 would be a step
 running entirely at GEMM speed. Example (on the GPU machine):
@@ -58,6 +59,7 @@ def main() -> int:
     ns = p.parse_args()
 
     from engine.core.batch import Batch, ScheduledSeq
+    from engine.model.compiled import compile_decoder
     from engine.model.model_runner import ModelRunner
     from engine.sampling_params import GREEDY
 
@@ -104,7 +106,13 @@ def main() -> int:
         "gemm_tflops": round(gemm / 1e12, 1),
         "gemm_bound_tok_s": round(gemm / flops_per_token),
     }
-    for mode, paged in (("triton_varlen", None), ("sdpa_padded", False)):
+    for mode, paged in (
+        ("triton_varlen", None),
+        ("sdpa_padded", False),
+        ("triton_varlen_compiled", None),
+    ):
+        if mode == "triton_varlen_compiled":
+            compile_decoder(runner.model)  # compiles in _times' warm-up
         times = _times(lambda p=paged: runner.execute(batch, paged_decode=p), ns.reps)
         step = statistics.median(times)
         result[f"{mode}_step_ms"] = round(1000 * step, 2)
