@@ -73,6 +73,7 @@ def main() -> int:
         num_blocks=ns.num_prompts * per_seq,
         block_size=block_size,
         enforce_eager=True,
+        compile_model=False,  # compiled below, after the uncompiled modes
     )
     spec = runner.spec
     rng = random.Random(0)

@@ -35,7 +35,7 @@ class EngineArgs:
     kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
-    compile_model: bool = True  # False: graphs of the uncompiled decoder (see model.compiled)
+    compile_model: bool = True  # CUDA: torch.compile the decoder at start-up (model.compiled)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:

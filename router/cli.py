@@ -75,7 +75,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "--no-compile",
             dest="compile_model",
             action="store_false",
-            help="CUDA graphs of the decoder as transformers runs it, not torch.compile'd",
+            help="CUDA: run the decoder as transformers runs it, not torch.compile'd",
         ),
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block"),
     ]

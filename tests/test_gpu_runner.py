@@ -182,11 +182,14 @@ def test_cuda_graphs_give_eager_tokens_on_tiny_llama(tiny_llama_path: Path) -> N
     num_blocks, bs = 64, 8
     common = dict(device="cuda", dtype="float32", num_blocks=num_blocks, block_size=bs)
     graphed = ModelRunner(path, cuda_graph_batch_sizes=[1, 2, 4, 8], **common)
-    eager = ModelRunner(path, enforce_eager=True, **common)
-    sdpa = ModelRunner(path, enforce_eager=True, paged_decode=False, **common)
+    compiled = ModelRunner(path, enforce_eager=True, **common)  # as a prefill engine runs
+    eager = ModelRunner(path, enforce_eager=True, compile_model=False, **common)
+    sdpa = ModelRunner(path, enforce_eager=True, paged_decode=False, compile_model=False, **common)
     assert graphed.cuda_graphs is not None and eager.cuda_graphs is None
-    # The graphs replay the compiled decoder (no silent fall-back to the eager one).
-    assert is_compiled(graphed.model) and not is_compiled(eager.model)
+    # The graphs replay the compiled decoder, and an engine without graphs compiles too
+    # (no silent fall-back to the uncompiled one).
+    assert is_compiled(graphed.model) and is_compiled(compiled.model)
+    assert not is_compiled(eager.model)
     assert graphed.cuda_graphs.batch_sizes == [1, 2, 4, 8]
     rng = random.Random(5)
     for n in (3, 8, 1):  # 3 pads to the graph of 4
@@ -194,10 +197,10 @@ def test_cuda_graphs_give_eager_tokens_on_tiny_llama(tiny_llama_path: Path) -> N
         ids = rng.sample(range(num_blocks), k=n * 7)  # 7 blocks: 40 + 12 tokens fit
         tables = [tuple(ids[i * 7 : (i + 1) * 7]) for i in range(n)]
         results = []
-        for runner in (graphed, eager, sdpa):
+        for runner in (graphed, compiled, eager, sdpa):
             runner.kv_cache.fill_(float("nan"))
             results.append(_decode_run(runner, prompts, tables, steps=12))
-        assert results[0] == results[1] == results[2]
+        assert results[0] == results[1] == results[2] == results[3]
         # Padding rows wrote only the scratch block: unused blocks are still poisoned.
         unused = sorted(set(range(num_blocks)) - set(ids))
         assert torch.isnan(graphed.kv_cache[unused]).all()

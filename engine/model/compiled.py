@@ -1,4 +1,4 @@
-"""The decoder stack compiled with torch.compile (inductor), for CUDA graph decode steps.
+"""The decoder stack compiled with torch.compile (inductor), for every step on CUDA.
 
 Eagerly, transformers' decoder layers launch dozens of small kernels each per step
 (RMSNorm's casts, power, mean and scale; rotary's slices, negation and concatenation;
@@ -9,9 +9,10 @@ SiLU·mul) and keeps the matmuls on cuBLAS; paged attention stays one opaque ope
 (`pdserve::paged_attention`). The transformers model definition stays the source of
 truth: nothing is rewritten by hand.
 
-Compiled once with a symbolic token count (one more graph for a single token), before
-the CUDA graphs are captured; the captures replay the compiled kernels. Eager steps
-(prefill chunks, mixed steps) run the same compiled code.
+Compiled at start-up with a symbolic token count (one more graph for a single token):
+the CUDA graphs of decode steps are captured from it, and steps without a graph (prefill
+chunks, mixed steps, every step of a prefill engine) run it directly. Prefill gains as
+much as decode: a 2048-token step of the 1B shape runs 2.4x faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Runs one scheduled Batch as one packed forward pass over the paged KV cache.
 
-On CUDA, pure-decode steps replay captured CUDA graphs (engine.model.cuda_graphs) of the
-decoder compiled by torch.compile (engine.model.compiled) unless `enforce_eager`; every
-other step (prefill chunks, mixed steps) runs without a graph.
+On CUDA the decoder is compiled by torch.compile (engine.model.compiled), and pure-decode
+steps replay captured CUDA graphs of it (engine.model.cuda_graphs) unless `enforce_eager`;
+every other step (prefill chunks, mixed steps) runs the compiled decoder without a graph.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from engine.model.model_loader import DTYPES, LoadFormat, load_model, resolve_dt
 from engine.model.model_spec import ModelSpec
 from engine.model.sampler import SamplingBatch, is_greedy, sample
 from engine.model.triton_attention import triton_available
+from engine.sampling_params import GREEDY
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ class ModelRunner:
         decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`).
         `paged_decode` False runs attention as padded SDPA even where the Triton
         kernels could (None: Triton on CUDA when it imports). `compile_model` runs the
-        decoder compiled by torch.compile (engine.model.compiled; None: wherever CUDA
-        graphs are captured)."""
+        decoder compiled by torch.compile (engine.model.compiled; None: on CUDA when
+        Triton imports); it compiles here, at start-up, not on the first request."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         if block_size < 1:
@@ -72,7 +73,8 @@ class ModelRunner:
         if use_graphs and not triton_available():
             log.warning("triton does not import: CUDA graphs off, attention runs SDPA")
             use_graphs = False
-        if use_graphs if compile_model is None else compile_model:
+        use_triton = self.device.type == "cuda" and triton_available()
+        if use_triton if compile_model is None else compile_model:
             compile_decoder(self.model)
         if num_blocks is None:
             assert kv_cache_bytes is not None
@@ -105,7 +107,9 @@ class ModelRunner:
         if use_graphs:
             sizes = cuda_graph_batch_sizes or graph_batch_sizes(max_num_seqs)
             max_blocks = min(-(-self.spec.max_model_len // block_size), num_blocks)
-            self.capture_cuda_graphs(sizes, max_blocks)
+            self.capture_cuda_graphs(sizes, max_blocks)  # compiles on the way
+        elif is_compiled(self.model):
+            self._compile_now()
 
     def capture_cuda_graphs(self, batch_sizes: Sequence[int], max_blocks_per_seq: int) -> None:
         """Capture decode graphs now (start-up), or stay eager with a warning if that fails."""
@@ -128,6 +132,19 @@ class ModelRunner:
             self.capture_cuda_graphs(batch_sizes, max_blocks_per_seq)
             return
         self.cuda_graphs = graphs
+
+    def _compile_now(self) -> None:
+        """Run the compiler's two graphs (one token; a symbolic count) on a dummy step, or
+        fall back to the uncompiled decoder with a warning. The dummy K/V land in blocks
+        no request holds yet."""
+        table = tuple(range(min(2, self.num_blocks)))
+        try:
+            for n in (min(2, len(table) * self.block_size), 1):
+                seq = ScheduledSeq("compile-warm-up", (0,) * n, 0, table, True, GREEDY, 0)
+                self.execute(Batch((seq,), self.block_size))
+        except Exception:
+            log.warning("the compiled decoder failed; running it uncompiled", exc_info=True)
+            uncompile_decoder(self.model)
 
     @staticmethod
     def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
