@@ -35,7 +35,10 @@ def compile_decoder(model: torch.nn.Module) -> None:
         torch._dynamo.config.cache_size_limit, _CACHE_SIZE_LIMIT
     )
     # An instance attribute shadows the class's forward; deleting it undoes this.
-    decoder.forward = torch.compile(decoder.forward, dynamic=True)
+    # `deterministic`: no kernel configuration picked by timing it on the device, so
+    # every process compiles the same kernels, and a request prefilled in one worker and
+    # decoded in another gets the tokens a colocated engine gives (bf16 greedy included).
+    decoder.forward = torch.compile(decoder.forward, dynamic=True, options={"deterministic": True})
 
 
 def uncompile_decoder(model: torch.nn.Module) -> None:

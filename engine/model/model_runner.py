@@ -104,12 +104,14 @@ class ModelRunner:
         )
         self.kv_cache = self._kv_storage[:num_blocks]
         self.cuda_graphs: DecodeGraphs | None = None
+        if is_compiled(self.model):
+            # The same first shapes in every engine, whether it captures graphs or not:
+            # the compiler's choices may follow the shapes it first sees.
+            self._compile_now()
         if use_graphs:
             sizes = cuda_graph_batch_sizes or graph_batch_sizes(max_num_seqs)
             max_blocks = min(-(-self.spec.max_model_len // block_size), num_blocks)
-            self.capture_cuda_graphs(sizes, max_blocks)  # compiles on the way
-        elif is_compiled(self.model):
-            self._compile_now()
+            self.capture_cuda_graphs(sizes, max_blocks)
 
     def capture_cuda_graphs(self, batch_sizes: Sequence[int], max_blocks_per_seq: int) -> None:
         """Capture decode graphs now (start-up), or stay eager with a warning if that fails."""
