@@ -18,6 +18,7 @@ much as decode: a 2048-token step of the 1B shape runs 2.4x faster (docs/benchma
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 
@@ -31,6 +32,10 @@ _CACHE_SIZE_LIMIT = 16
 def compile_decoder(model: torch.nn.Module) -> None:
     """Replace the decoder's forward with its compiled version (compiles on first call)."""
     decoder = model.get_decoder()  # type: ignore[operator]
+    # TF32 stays off on purpose (in a bf16 model the only float32 matmul is rotary's
+    # frequency table, which must stay exact; a float32 model is float32 to be exact),
+    # so the compiler's advice to enable it is noise in every worker's log.
+    warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores", category=UserWarning)
     torch._dynamo.config.cache_size_limit = max(
         torch._dynamo.config.cache_size_limit, _CACHE_SIZE_LIMIT
     )
