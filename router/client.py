@@ -284,6 +284,11 @@ async def run_generate(args: argparse.Namespace) -> int:
             if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 final = response
     except grpc.aio.AioRpcError as exc:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # Ctrl-C cancelled this task and the call ended with an error of its own:
+            # end cancelled, so that the caller reports an interrupt, not a failed call.
+            raise asyncio.CancelledError from exc
         sys.stdout.write("\n")
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -169,5 +169,5 @@ def test_ctrl_c_in_the_client_exits_quietly() -> None:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
         conn.close()
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err
     assert "Traceback" not in err and "interrupted" in err
