@@ -284,26 +284,15 @@ async def run_generate(args: argparse.Namespace) -> int:
             if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 final = response
     except grpc.aio.AioRpcError as exc:
-        _raise_if_interrupted()
         sys.stdout.write("\n")
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     sys.stdout.write("\n")
     if final is None:
-        _raise_if_interrupted()
         print("error: stream ended without a final message", file=sys.stderr)
         return 1
     print(format_usage(final, time.perf_counter() - start), file=sys.stderr)
     return 0
-
-
-def _raise_if_interrupted() -> None:
-    """Ctrl-C cancels the running task, and the call may then end with an error of its
-    own or simply stop: end cancelled, so the caller reports an interrupt (exit 130),
-    not a failed call."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def format_usage(final: pb.GenerateResponse, elapsed_s: float) -> str:

@@ -163,6 +163,9 @@ def test_ctrl_c_in_the_client_exits_quietly() -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # A job started in the background by a shell inherits SIGINT ignored, and so
+            # would the client: Ctrl-C must reach it as it does from a terminal.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         silent.settimeout(30)
         conn, _ = silent.accept()  # the client is up and waiting for an answer
