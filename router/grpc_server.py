@@ -242,7 +242,11 @@ class GrpcServer:
             stopped_now = self._stop_now.is_set()
             why = "stopped at once by a second signal" if stopped_now else None
             await self._abort_in_flight(why or f"drain grace of {grace:g}s is over")
-        await self._server.stop(0)
+        # A short grace, not 0: a call whose handler has just returned its final message
+        # may still have it (and its status) on the way out, and stop(0) would cancel it
+        # first (the client would see UNAVAILABLE instead of its final message). Calls
+        # that are still running were given their ABORT above, so nothing waits longer.
+        await self._server.stop(_ABORT_FLUSH_S)
 
     async def _wait_unless_stopped_now(self, waiter: Awaitable[Any], timeout: float) -> bool:
         """Await `waiter` for up to `timeout`; False on timeout or stop_now()."""
