@@ -50,6 +50,30 @@ class Workload:
     think_s: float = 2.0
     seed: int = 0
 
+    @staticmethod
+    def add_args(p: argparse.ArgumentParser, defaults: Workload | None = None) -> None:
+        """The workload's command-line flags (defaults from `defaults`)."""
+        d = defaults or Workload()
+        p.add_argument("--sessions", type=int, default=d.num_sessions)
+        p.add_argument("--turns", type=int, default=d.num_turns)
+        p.add_argument("--system-tokens", type=int, default=d.system_tokens)
+        p.add_argument("--user-tokens", type=int, default=d.user_tokens)
+        p.add_argument("--answer-tokens", type=int, default=d.answer_tokens)
+        p.add_argument("--think-s", type=float, default=d.think_s)
+        p.add_argument("--seed", type=int, default=d.seed)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Workload:
+        return cls(
+            num_sessions=args.sessions,
+            num_turns=args.turns,
+            system_tokens=args.system_tokens,
+            user_tokens=args.user_tokens,
+            answer_tokens=args.answer_tokens,
+            think_s=args.think_s,
+            seed=args.seed,
+        )
+
 
 @dataclass(frozen=True)
 class ClusterShape:
@@ -317,26 +341,14 @@ def format_table(summaries: Sequence[Summary]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sessions", type=int, default=Workload.num_sessions)
-    p.add_argument("--turns", type=int, default=Workload.num_turns)
-    p.add_argument("--system-tokens", type=int, default=Workload.system_tokens)
-    p.add_argument("--user-tokens", type=int, default=Workload.user_tokens)
-    p.add_argument("--answer-tokens", type=int, default=Workload.answer_tokens)
-    p.add_argument("--seed", type=int, default=Workload.seed)
+    Workload.add_args(p)
     p.add_argument("--workers", type=int, default=ClusterShape.num_workers)
     p.add_argument("--blocks-per-worker", type=int, default=ClusterShape.num_blocks)
     p.add_argument("--block-size", type=int, default=ClusterShape.block_size)
     p.add_argument("--pool", choices=("prefill", "colocated"), default=ClusterShape.pool)
     p.add_argument("--out", help="write the summaries and settings as JSON here")
     args = p.parse_args(argv)
-    wl = Workload(
-        num_sessions=args.sessions,
-        num_turns=args.turns,
-        system_tokens=args.system_tokens,
-        user_tokens=args.user_tokens,
-        answer_tokens=args.answer_tokens,
-        seed=args.seed,
-    )
+    wl = Workload.from_args(args)
     shape = ClusterShape(
         num_workers=args.workers,
         num_blocks=args.blocks_per_worker,

@@ -135,24 +135,23 @@ def run_policy(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=256)
-    p.add_argument("--user-tokens", type=int, default=32)
-    p.add_argument("--answer-tokens", type=int, default=8)
-    p.add_argument("--think-s", type=float, default=0.5)
+    # Smaller than the simulation's defaults: every turn here is a real request.
+    Workload.add_args(
+        p,
+        Workload(
+            num_sessions=8,
+            num_turns=4,
+            system_tokens=256,
+            user_tokens=32,
+            answer_tokens=8,
+            think_s=0.5,
+        ),
+    )
     p.add_argument("--vocab-size", type=int, default=49152, help="the served model's")
     p.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "multiturn_live.json"))
     args = p.parse_args(argv)
-    wl = Workload(
-        num_sessions=args.sessions,
-        num_turns=args.turns,
-        system_tokens=args.system_tokens,
-        user_tokens=args.user_tokens,
-        answer_tokens=args.answer_tokens,
-        think_s=args.think_s,
-    )
+    wl = Workload.from_args(args)
     conversations = make_conversations(wl)
     # Oracle: one worker whose cache never evicts (answers are not cached: prefill pool).
     oracle_shape = ClusterShape(num_workers=1, num_blocks=1 << 20, pool="prefill")
