@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from engine.core.batch import Batch
+from engine.core.batch import Batch, ScheduledSeq
+from engine.core.request import PLACEHOLDER_TOKEN
 
 
 def next_token(last_token: int, position: int) -> int:
@@ -15,12 +16,37 @@ class FakeRunner:
 
     def __init__(self) -> None:
         self.batches: list[Batch] = []
+        self._last_sampled: dict[str, int] = {}  # the tokens of the step launched last
 
     def execute(self, batch: Batch) -> dict[str, int]:
+        return self.launch(batch).result()
+
+    def launch(self, batch: Batch) -> Done:
+        """Like the real runner: a placeholder input is the token it sampled last step."""
         self.batches.append(batch)
-        return {
-            s.req_id: next_token(s.token_ids[-1], s.end_position) for s in batch.seqs if s.sample
+        sampled = {
+            s.req_id: next_token(self._last_token(s), s.end_position)
+            for s in batch.seqs
+            if s.sample
         }
+        self._last_sampled = sampled
+        return Done(sampled)
+
+    def _last_token(self, seq: ScheduledSeq) -> int:
+        token = seq.token_ids[-1]
+        if token == PLACEHOLDER_TOKEN:
+            return self._last_sampled[seq.req_id]  # KeyError: the engine broke the contract
+        return token
+
+
+class Done:
+    """Tokens already known (what launch returns on a runner without a device queue)."""
+
+    def __init__(self, tokens: dict[str, int]) -> None:
+        self.tokens = tokens
+
+    def result(self) -> dict[str, int]:
+        return self.tokens
 
 
 def expected_output(prompt: list[int], max_tokens: int) -> list[int]:

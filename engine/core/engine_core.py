@@ -1,4 +1,13 @@
-"""The engine core: one step loop, `schedule() -> execute(batch) -> update(outputs)`."""
+"""The engine core: one step loop, `schedule() -> execute(batch) -> update(outputs)`.
+
+With `async_scheduling` the loop runs one step ahead: it schedules and launches step
+N+1 while the device still computes step N, then applies step N's tokens. The host's
+scheduling, batch preparation and output handling hide behind the device's work
+instead of adding to it. A decode of step N+1 whose input is step N's token gets it on
+the device (the runner keeps it); the scheduler holds a placeholder until it is known.
+A request that stops at step N has a step N+1 computed for nothing, which is dropped;
+a length stop is known in advance and never costs one.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +30,22 @@ class Runner(Protocol):
     def execute(self, batch: Batch) -> dict[str, int]: ...
 
 
+class PendingTokens(Protocol):
+    """A launched step's sampled tokens; `result()` waits for them."""
+
+    def result(self) -> dict[str, int]: ...
+
+
+class AsyncRunner(Runner, Protocol):
+    """A runner that can launch a step without waiting for it (async scheduling).
+
+    `launch` must feed a sequence whose input token is PLACEHOLDER_TOKEN with the token
+    it sampled for that request in the step it launched last.
+    """
+
+    def launch(self, batch: Batch) -> PendingTokens: ...
+
+
 class EngineCore:
     """Validates and admits requests, then advances all of them one step at a time.
 
@@ -37,8 +62,14 @@ class EngineCore:
         vocab_size: int,
         eos_token_ids: frozenset[int] = frozenset(),
         handoff_after_first_token: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
+        if async_scheduling and not callable(getattr(runner, "launch", None)):
+            raise ValueError("async scheduling needs a runner that can launch a step (launch)")
         self.runner = runner
+        self.async_scheduling = async_scheduling
+        # Async scheduling: the step launched last, whose results are not applied yet.
+        self._in_flight: tuple[Batch, PendingTokens] | None = None
         self.scheduler = Scheduler(
             scheduler_config, cache_config, handoff_after_first_token=handoff_after_first_token
         )
@@ -118,16 +149,23 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def take_kv_events(self) -> KVEvents:
         """Prefix-cache changes since the last call, for a cache-aware router."""
         return self.scheduler.kv.take_kv_events()
 
     def step(self) -> list[RequestUpdate]:
-        """Run one iteration; returns the new tokens and finishes of this step."""
+        """Run one iteration; returns the new tokens and finishes it produced (with async
+        scheduling: those of the step before, while this one runs on the device)."""
         batch = self.scheduler.schedule()
-        if batch.is_empty:
+        if not self.async_scheduling:
+            if batch.is_empty:
+                return []
+            return self.scheduler.update(batch, self.runner.execute(batch))
+        runner: AsyncRunner = self.runner  # type: ignore[assignment]  # checked in __init__
+        launched = None if batch.is_empty else (batch, runner.launch(batch))
+        previous, self._in_flight = self._in_flight, launched
+        if previous is None:
             return []
-        sampled = self.runner.execute(batch)
-        return self.scheduler.update(batch, sampled)
+        return self.scheduler.update(previous[0], previous[1].result())

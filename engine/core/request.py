@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
+# Stands for a token that a launched step is sampling and the host has not seen yet
+# (scheduling one step ahead). The runner feeds the real id on the device.
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -42,7 +46,10 @@ class Request:
     # Decode pool: the prompt arrives with its KV already computed; the first
     # sampled token travels with it (sampling state moves with the request).
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose KV a finished step wrote
+    # Tokens of launched steps whose results the scheduler has not applied yet: the
+    # next step starts after them (scheduling one step ahead).
+    num_inflight_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -59,9 +66,22 @@ class Request:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
 
     def append_output_token(self, token_id: int) -> None:
-        """Record one sampled token (the only way tokens are added after creation)."""
+        """Record one sampled token, or PLACEHOLDER_TOKEN for one a launched step is
+        still sampling (`set_output_token` fills it in)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def set_output_token(self, position: int, token_id: int) -> None:
+        """Fill in the placeholder at `position` (of all_token_ids) with the sampled token."""
+        self.all_token_ids[position] = token_id
+        self.output_token_ids[position - len(self.prompt_token_ids)] = token_id
+
+    def drop_placeholders(self) -> None:
+        """Forget tokens still being sampled (preemption: the recompute samples them again,
+        and the sampler's randomness depends only on seed and position)."""
+        while self.output_token_ids and self.output_token_ids[-1] == PLACEHOLDER_TOKEN:
+            self.output_token_ids.pop()
+            self.all_token_ids.pop()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,18 +99,26 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def check_stop(self) -> FinishReason | None:
-        """Token-level stop rules, applied after each sampled token."""
+    def check_stop(self, num_outputs: int | None = None) -> FinishReason | None:
+        """Token-level stop rules for the output token number `num_outputs` (default: the
+        last); later outputs may still be placeholders when scheduling runs ahead."""
         outputs = self.output_token_ids
-        if not outputs:
+        if num_outputs is None:
+            num_outputs = len(outputs)
+        if num_outputs <= 0:
             return None
-        last, sampling = outputs[-1], self.sampling
+        last, sampling = outputs[num_outputs - 1], self.sampling
         if (not sampling.ignore_eos and last in self.eos_token_ids) or (
             last in sampling.stop_token_ids
         ):
             return FinishReason.STOP
-        if len(outputs) >= sampling.max_tokens:
+        return self.length_stop(num_outputs)
+
+    def length_stop(self, num_outputs: int) -> FinishReason | None:
+        """LENGTH once `num_outputs` outputs reach max_tokens or the model's context."""
+        if num_outputs >= self.sampling.max_tokens:
             return FinishReason.LENGTH
-        if self.max_model_len is not None and len(self.all_token_ids) >= self.max_model_len:
+        max_len = self.max_model_len
+        if max_len is not None and len(self.prompt_token_ids) + num_outputs >= max_len:
             return FinishReason.LENGTH
         return None

@@ -1,19 +1,26 @@
 """Iteration-level scheduler: each call to `schedule()` decides one step for every request.
 
-Plain Python, no torch. Prefill and decode are not modes: a request runs
-`num_tokens - num_computed_tokens` tokens (capped by the budget and the chunk
+Plain Python, no torch. Prefill and decode are not modes: a request runs the tokens
+past `num_computed_tokens + num_inflight_tokens` (capped by the budget and the chunk
 threshold), so chunked prefill, decode and recompute after preemption share one path.
+
+`schedule()` counts what it hands out as in flight and, for a sequence that samples,
+appends a placeholder token; `update()` turns in-flight tokens into computed ones and
+fills the placeholder in. Called in turn (schedule, execute, update) that is the plain
+step loop; the engine may also schedule step N+1 before applying step N's results
+(engine.core.engine_core), and this bookkeeping is what lets it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.priority import PriorityAging
-from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 
 
 class RequestUpdate(NamedTuple):
@@ -50,6 +57,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.aging = PriorityAging(config.priority_aging_s if config.policy == "priority" else 0)
         self.num_preemptions = 0  # since start, for metrics
+        # Batches handed out and not yet updated, with the requests they were built for
+        # (an id may be aborted and reused while its old step is still running).
+        self._inflight: deque[tuple[Batch, tuple[Request, ...]]] = deque()
+        # Requests preempted during the current schedule() call: they are not admitted
+        # again until the results of the steps they were in have been applied.
+        self._preempted_now: set[str] = set()
 
     # ---------------------------------------------------------------- queues
     @property
@@ -160,6 +173,9 @@ class Scheduler:
         self.kv.free(req.req_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_inflight_tokens = 0
+        req.drop_placeholders()
+        self._preempted_now.add(req.req_id)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue_waiting(req)
@@ -168,6 +184,7 @@ class Scheduler:
         """Pick this step's work under the token budget, the seq limit and free blocks."""
         budget = self.config.max_num_batched_tokens
         chunks: dict[str, int] = {}
+        self._preempted_now.clear()
         if self.config.prioritize_prefill:
             budget = self._schedule_waiting(chunks, budget)
             budget = self._schedule_running(chunks, budget)
@@ -180,20 +197,33 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         allocate_slots = self.kv.allocate_slots
         threshold = self.config.long_prefill_token_threshold
+        handoff = self.handoff_after_first_token
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status is not running_status or req.req_id in chunks:
                 continue
+            done = req.num_computed_tokens
+            if req.num_inflight_tokens:
+                done += req.num_inflight_tokens
+                outputs = req.output_token_ids
+                # A token still being sampled that will end the request (its length, or
+                # the hand-off after a prefill): no step past it.
+                if (
+                    outputs
+                    and outputs[-1] == PLACEHOLDER_TOKEN
+                    and (handoff or req.length_stop(len(outputs)) is not None)
+                ):
+                    continue
             # _chunk(), inlined: this loop visits every running request every step.
-            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            num_new = len(req.all_token_ids) - done
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
             if num_new <= 0:
                 continue
-            while allocate_slots(req.req_id, req.num_computed_tokens, num_new) is None:
+            while allocate_slots(req.req_id, done, num_new) is None:
                 victim = self._pick_victim(self.running)
                 if victim.req_id in chunks:
                     budget += chunks.pop(victim.req_id)
@@ -210,6 +240,8 @@ class Scheduler:
             self.waiting.sort(key=self._queue_key)  # waiting time reorders the queue
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            if req.req_id in self._preempted_now:
+                break  # back next step, once its in-flight step's results are applied
             if len(self.running) >= self.config.max_num_seqs:
                 freed = self._preempt_for(req, chunks)
                 if freed is None:
@@ -240,14 +272,16 @@ class Scheduler:
 
     def _build_batch(self, chunks: dict[str, int]) -> Batch:
         seqs = []
+        reqs = []
         block_table = self.kv.block_table
         for req in self.running:
             num_new = chunks.get(req.req_id)
             if not num_new:
                 continue
             tokens = req.all_token_ids
-            start = req.num_computed_tokens
+            start = req.num_computed_tokens + req.num_inflight_tokens
             end = start + num_new
+            sample = end == len(tokens)
             # Positional: this runs for every request every step.
             seqs.append(
                 ScheduledSeq(
@@ -255,12 +289,28 @@ class Scheduler:
                     (tokens[start],) if num_new == 1 else tuple(tokens[start:end]),
                     start,
                     block_table(req.req_id),
-                    end == len(tokens),
+                    sample,
                     req.sampling,
                     req.seed,
                 )
             )
-        return Batch(seqs=tuple(seqs), block_size=self.block_size)
+            reqs.append(req)
+            req.num_inflight_tokens += num_new
+            if sample:
+                req.append_output_token(PLACEHOLDER_TOKEN)
+        batch = Batch(seqs=tuple(seqs), block_size=self.block_size)
+        if seqs:
+            self._inflight.append((batch, tuple(reqs)))
+        return batch
+
+    def _requests_of(self, batch: Batch) -> tuple[Request | None, ...]:
+        """The requests `batch` was built for (oldest in-flight batch first)."""
+        while self._inflight:
+            scheduled, reqs = self._inflight.popleft()
+            if scheduled is batch:
+                return reqs
+        # Not one of ours (built by hand): look the ids up.
+        return tuple(self.requests.get(s.req_id) for s in batch.seqs)
 
     # ---------------------------------------------------------------- update
     def update(self, batch: Batch, sampled: dict[str, int]) -> list[RequestUpdate]:
@@ -269,18 +319,20 @@ class Scheduler:
         requests, running_status = self.requests, RequestStatus.RUNNING
         cache_full_blocks = self.kv.cache_full_blocks
         handoff = self.handoff_after_first_token
-        for seq in batch.seqs:
+        for seq, req in zip(batch.seqs, self._requests_of(batch), strict=True):
             req_id = seq.req_id
-            req = requests.get(req_id)
-            if req is None or req.status is not running_status:
+            if req is None or req.status is not running_status or requests.get(req_id) is not req:
                 continue  # aborted or preempted while the step ran
-            req.num_computed_tokens += len(seq.token_ids)
+            num_new = len(seq.token_ids)
+            req.num_computed_tokens += num_new
+            req.num_inflight_tokens -= num_new
             cache_full_blocks(req_id, req.all_token_ids, req.num_computed_tokens)
             if not seq.sample:
                 continue
             token = sampled[req_id]
-            req.append_output_token(token)
-            reason = req.check_stop()
+            position = seq.end_position
+            req.set_output_token(position, token)
+            reason = req.check_stop(position + 1 - len(req.prompt_token_ids))
             kv_kept = reason is None and handoff
             if reason is not None or kv_kept:
                 self.finish_request(req_id, reason, keep_blocks=kv_kept)
