@@ -159,7 +159,9 @@ class StepRecord:
 
 @dataclass
 class StepProfile:
-    """Counts every `llm.core.step` and `llm.runner.execute` call while installed."""
+    """Counts every `llm.core.step` and `llm.runner.execute` (or `launch`) call while
+    installed. With async scheduling a step launches one batch and waits for the one
+    before, so its time is the interval between steps, and `execute_s` is the launch."""
 
     records: list[StepRecord] = field(default_factory=list)
     _pending_execute: tuple[float, Batch] | None = None
@@ -168,10 +170,17 @@ class StepProfile:
         """Wrap the step and execute methods of this LLM; returns a function that unwraps."""
         core, runner = llm.core, llm.runner
         orig_step, orig_execute = core.step, runner.execute
+        orig_launch = getattr(runner, "launch", None)
 
         def execute(batch: Batch) -> dict[str, int]:
             t0 = time.perf_counter()
             out = orig_execute(batch)
+            self._pending_execute = (time.perf_counter() - t0, batch)
+            return out
+
+        def launch(batch: Batch) -> Any:
+            t0 = time.perf_counter()
+            out = orig_launch(batch)  # type: ignore[misc]
             self._pending_execute = (time.perf_counter() - t0, batch)
             return out
 
@@ -191,9 +200,13 @@ class StepProfile:
 
         core.step = step  # type: ignore[method-assign]
         runner.execute = execute  # type: ignore[method-assign]
+        if orig_launch is not None:
+            runner.launch = launch
 
         def uninstall() -> None:
             del core.step, runner.execute  # back to the class methods
+            if orig_launch is not None:
+                del runner.launch
 
         return uninstall
 

@@ -4,6 +4,8 @@ memory is returned to the driver when it exits):
 * floor: device-to-device copy bandwidth (the memory floor's denominator);
 * b:  pdserve's colocated engine (engine.llm.LLM), with per-step timings;
 * b0: the same engine with the decoder as transformers runs it (not compiled);
+* bs: the same engine scheduling each step only after the one before has finished (no
+  async scheduling);
 * a:  transformers `generate()` with static batches (one batch per concurrency);
 * a2: transformers' continuous batching, `model.generate_batch(...)` (paged attention).
 
@@ -93,12 +95,19 @@ def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
 # ---------------------------------------------------------------- b: pdserve engine
 
 
+ENGINE_PARTS = {
+    "b": "b_pdserve_engine",
+    "b0": "b0_pdserve_engine_uncompiled",
+    "bs": "bs_pdserve_engine_no_async_scheduling",
+}
+
+
 def run_engine(
     ns: argparse.Namespace,
     device: torch.device,
     dtype: str,
     bandwidth: dict | None,
-    compile_model: bool = True,
+    part: str = "b",
 ) -> dict[str, Any]:
     from bench.offline import StepProfile
     from engine.core.config import SchedulerConfig
@@ -114,7 +123,8 @@ def run_engine(
             device=str(device),
             dtype=dtype,
             kv_cache_gib=ns.kv_cache_gib,
-            compile_model=compile_model,
+            compile_model=part != "b0",
+            async_scheduling=part != "bs",
             scheduler=SchedulerConfig(max_num_seqs=max(128, *ns.concurrency)),
         )
     )
@@ -149,7 +159,7 @@ def run_engine(
             uninstall()
         runs.append(
             summarize(
-                "b_pdserve_engine" if compile_model else "b0_pdserve_engine_uncompiled",
+                ENGINE_PARTS[part],
                 c,
                 timings,
                 wall,
@@ -346,11 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - recorded, the other parts still run
             result["copy_bandwidth"] = error_record(exc)
         save()
-    for part in ("b", "b0"):  # b0: the engine without the compiled decoder
+    for part in ENGINE_PARTS:
         if part not in ns.parts:
             continue
         try:
-            result[part] = run_engine(ns, device, dtype, bandwidth, compile_model=part == "b")
+            result[part] = run_engine(ns, device, dtype, bandwidth, part)
         except Exception as exc:  # noqa: BLE001
             result[part] = error_record(exc)
         _free(device)

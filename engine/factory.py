@@ -36,6 +36,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
     compile_model: bool = True  # CUDA: torch.compile the decoder at start-up (model.compiled)
+    # Schedule step N+1 while the device runs step N (engine.core.engine_core).
+    # None: on CUDA only (on a CPU the step itself runs on the host: nothing to hide).
+    async_scheduling: bool | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -114,6 +117,9 @@ def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -
         vocab_size=spec.vocab_size,
         eos_token_ids=frozenset(spec.eos_token_ids),
         handoff_after_first_token=handoff_after_first_token,
+        async_scheduling=(
+            device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
+        ),
     )
     layout = KVLayout(
         model=spec.name,

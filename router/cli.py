@@ -77,6 +77,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             action="store_false",
             help="CUDA: run the decoder as transformers runs it, not torch.compile'd",
         ),
+        g.add_argument(
+            "--no-async-scheduling",
+            dest="async_scheduling",
+            action="store_const",
+            const=False,
+            default=None,
+            help="CUDA: schedule each step only after the one before has finished",
+        ),
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block"),
     ]
 
@@ -254,6 +262,7 @@ def _engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
         block_size=ns.block_size,
         enforce_eager=ns.enforce_eager,
         compile_model=ns.compile_model,
+        async_scheduling=ns.async_scheduling,
         num_blocks=get("num_blocks"),  # type: ignore[arg-type]
         kv_cache_gib=get("kv_cache_gib"),  # type: ignore[arg-type]
         gpu_memory_utilization=get("gpu_memory_utilization"),  # type: ignore[arg-type]

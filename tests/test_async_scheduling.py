@@ -3,6 +3,8 @@ N+1 before it applies step N, and callers must not be able to tell, except by sp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine.core.config import CacheConfig, SchedulerConfig
@@ -188,3 +190,49 @@ def test_a_runner_that_cannot_launch_is_refused() -> None:
             vocab_size=100,
             async_scheduling=True,
         )
+
+
+def test_the_model_runner_gives_the_same_tokens_one_step_ahead(
+    tiny_model_paths: dict[str, Path],
+) -> None:
+    """The real runner feeds placeholders from its own last step: seeded sampling, stop
+    tokens, chunked prefill and preemption give exactly the tokens of the plain loop."""
+    from engine.factory import EngineArgs
+    from engine.llm import LLM
+
+    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=18, temperature=1.2, top_k=20, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.7, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=22, temperature=0.0, ignore_eos=True),
+    ]
+
+    def generate(async_scheduling: bool, params: list[SamplingParams]) -> tuple[list, int]:
+        llm = LLM(
+            EngineArgs(
+                model=str(tiny_model_paths["llama"]),
+                num_blocks=40,  # 320 slots for ~520 tokens: someone is preempted
+                block_size=8,
+                async_scheduling=async_scheduling,
+                scheduler=SchedulerConfig(long_prefill_token_threshold=16),
+            )
+        )
+        assert llm.core.async_scheduling is async_scheduling
+        outs = llm.generate(prompts, params)
+        assert llm.core.scheduler.kv.num_blocks_in_use == 0
+        return [(o.token_ids, o.finish_reason) for o in outs], llm.core.scheduler.num_preemptions
+
+    plain, _ = generate(False, params)
+    # A stop token in the middle of the first output: the step after it is dropped.
+    stop_at = plain[0][0][10]
+    params[0] = SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_at,)
+    )
+    plain, _ = generate(False, params)
+    ahead, preemptions = generate(True, params)
+    assert ahead == plain
+    assert preemptions > 0
+    assert plain[0][1] is FinishReason.STOP

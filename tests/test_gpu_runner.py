@@ -263,3 +263,54 @@ def test_cuda_graphs_match_eager_logits_on_llama_1b_shape() -> None:
         for i, t in enumerate(tokens):
             t.append(out[f"r{i}"])
     assert graphs.num_replays == 4 * 2
+
+
+def test_async_scheduling_gives_the_plain_loops_tokens(tiny_llama_path: Path) -> None:
+    """One step ahead on CUDA: decode inputs come from the device (inside the CUDA graphs
+    and on the eager path), with seeded sampling, staggered arrivals and preemption."""
+    from engine.core.config import SchedulerConfig
+    from engine.core.outputs import GenerationInput
+    from engine.factory import EngineArgs, build_engine
+    from engine.sampling_params import SamplingParams
+
+    rng = random.Random(11)
+    prompts = [
+        tuple(rng.randrange(3, 49152) for _ in range(rng.randrange(5, 60))) for _ in range(10)
+    ]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        if i % 2
+        else SamplingParams(max_tokens=20, temperature=0.8, top_k=50, seed=i, ignore_eos=True)
+        for i in range(10)
+    ]
+    results = {}
+    for async_scheduling in (False, True):
+        built = build_engine(
+            EngineArgs(
+                model=str(tiny_llama_path),
+                device="cuda",
+                dtype="float32",
+                num_blocks=48,  # 384 slots for ~600 tokens: someone is preempted
+                block_size=8,
+                async_scheduling=async_scheduling,
+                scheduler=SchedulerConfig(max_num_seqs=8, long_prefill_token_threshold=16),
+            )
+        )
+        core = built.core
+        assert core.async_scheduling is async_scheduling
+        assert built.runner.cuda_graphs is not None
+        tokens: dict[str, list[int]] = {}
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            core.add_request(GenerationInput(str(i), prompt, sp))
+            for _ in range(3):  # arrivals join running batches
+                for upd in core.step():
+                    tokens.setdefault(upd.req_id, []).extend(upd.new_token_ids)
+        while core.has_unfinished:
+            for upd in core.step():
+                tokens.setdefault(upd.req_id, []).extend(upd.new_token_ids)
+        assert core.scheduler.kv.num_blocks_in_use == 0
+        assert core.scheduler.num_preemptions > 0
+        assert built.runner.cuda_graphs.num_replays > 0
+        results[async_scheduling] = tokens
+    assert results[True] == results[False]
+    assert all(len(results[True][str(i)]) == params[i].max_tokens for i in range(10))

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.batch import Batch
+from engine.model.staging import to_device
 from engine.model.triton_attention import num_splits_for, paged_decode_attention, triton_available
 from engine.model.triton_prefill import paged_varlen_attention
 
@@ -179,10 +180,10 @@ def build_metadata(
     for i, t in enumerate(block_tables):
         table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
     seqs = _SeqTensors(
-        num_q=torch.tensor(num_q, dtype=torch.long, device=device),
-        q_start=torch.tensor(q_start, dtype=torch.long, device=device),
-        start=torch.tensor(start_positions, dtype=torch.long, device=device),
-        table=table.to(device),
+        num_q=to_device(num_q, torch.long, device),
+        q_start=to_device(q_start, torch.long, device),
+        start=to_device(start_positions, torch.long, device),
+        table=to_device(table, torch.long, device),
     )
     seq_of_token = torch.repeat_interleave(
         torch.arange(n, device=device), seqs.num_q, output_size=num_tokens
@@ -297,7 +298,7 @@ def _build_group(
     `paged`: for the Triton kernel, which needs no gathered rows and no mask.
     """
     device = seqs.table.device
-    sel = torch.tensor(ids, dtype=torch.long, device=device)
+    sel = to_device(ids, torch.long, device)
     g_num_q, g_q_start, g_start = seqs.num_q[sel], seqs.q_start[sel], seqs.start[sel]
     context_len = g_start + g_num_q
 

@@ -24,7 +24,9 @@ from engine.model.attention import AttentionGroup, PagedAttentionMetadata, paged
 
 log = logging.getLogger(__name__)
 
-_ROWS = 4  # input_ids, positions, slot_rows, context_lens
+# input_ids, positions, slot_rows, context_lens, and the row of `last_tokens` that holds
+# the input token instead (async scheduling), or -1.
+_ROWS = 5
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -42,6 +44,7 @@ class DecodeGraphs:
         self,
         model: torch.nn.Module,
         kv_storage: torch.Tensor,
+        last_tokens: torch.Tensor,
         scratch_block: int,
         block_size: int,
         max_blocks_per_seq: int,
@@ -51,6 +54,9 @@ class DecodeGraphs:
             raise ValueError("CUDA graphs need a CUDA KV cache")
         self.model = model
         self.kv_storage = kv_storage
+        # The tokens the previous step sampled; a row whose input is still a placeholder
+        # reads its token from here inside the graph.
+        self.last_tokens = last_tokens
         self.scratch_block = scratch_block
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -100,9 +106,13 @@ class DecodeGraphs:
         )
 
     def _forward(self, n: int, meta: PagedAttentionMetadata) -> torch.Tensor:
+        source = self._ints[4, :n]
+        input_ids = torch.where(
+            source >= 0, self.last_tokens[source.clamp(min=0)], self._ints[0, :n]
+        )
         with paged_step(meta, self.kv_storage):
             return self.model(
-                input_ids=self._ints[0, :n][None],
+                input_ids=input_ids[None],
                 position_ids=self._ints[1, :n][None],
                 use_cache=False,
             ).logits[0]
@@ -112,6 +122,7 @@ class DecodeGraphs:
         self._ints[:, start:stop] = 0
         self._ints[2, start:stop] = self.scratch_block * self._rows_per_block
         self._ints[3, start:stop] = 1
+        self._ints[4, start:stop] = -1
         self._table[start:stop, 0] = self.scratch_block
 
     @torch.inference_mode()
@@ -143,8 +154,11 @@ class DecodeGraphs:
             s.num_tokens == 1 and len(s.block_table) <= self.max_blocks_per_seq for s in batch.seqs
         )
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, sources: Sequence[int] | None = None) -> torch.Tensor:
         """Replay the graph for this decode batch; logits [len(batch.seqs), V] (a view).
+
+        `sources[i] >= 0`: row i's input token is `last_tokens[sources[i]]`, not the one
+        in the batch (a placeholder).
 
         Raises ValueError (naming the request) for a block id outside the cache or a
         block table too short for the position, before anything reaches the device.
@@ -167,10 +181,12 @@ class DecodeGraphs:
         host[:n, 1] = pos
         host[:n, 2] = block * self._rows_per_block + offset
         host[:n, 3] = pos + 1
+        host[:n, 4] = -1 if sources is None else sources
         if size > n:
             host[n:, :] = 0
             host[n:, 2] = self.scratch_block * self._rows_per_block
             host[n:, 3] = 1
+            host[n:, 4] = -1
             host[n:, _ROWS] = self.scratch_block
         count = size * (_ROWS + width)
         staging = self._staging[:count]

@@ -15,12 +15,14 @@ from pathlib import Path
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
+from engine.core.request import PLACEHOLDER_TOKEN
 from engine.model.attention import PagedAttentionMetadata, paged_step, register_paged_attention
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.model.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
 from engine.model.sampler import SamplingBatch, is_greedy, sample
+from engine.model.staging import to_device
 from engine.model.triton_attention import triton_available
 from engine.sampling_params import GREEDY
 
@@ -29,6 +31,26 @@ log = logging.getLogger(__name__)
 
 def _as_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+class PendingTokens:
+    """The sampled tokens of a launched step, on their way to the host."""
+
+    __slots__ = ("_req_ids", "_host", "_ready")
+
+    def __init__(
+        self, req_ids: list[str], host: torch.Tensor, ready: torch.cuda.Event | None
+    ) -> None:
+        self._req_ids = req_ids
+        self._host = host
+        self._ready = ready
+
+    def result(self) -> dict[str, int]:
+        """req_id → sampled token; waits for the step (and only for it)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens = self._host[: len(self._req_ids)].tolist()
+        return dict(zip(self._req_ids, tokens, strict=True))
 
 
 class ModelRunner:
@@ -103,6 +125,21 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_cache = self._kv_storage[:num_blocks]
+        # The tokens the step launched last sampled, by row, and the request of each row:
+        # a later step whose input is still a placeholder reads its token here, on the
+        # device (async scheduling). Pinned host buffers take turns receiving each step's
+        # tokens, so one step's copy never overwrites what the host is still to read.
+        self._max_sampled = max(max_num_seqs, 1)
+        self._last_tokens = torch.zeros(self._max_sampled, dtype=torch.long, device=self.device)
+        self._last_rows: dict[str, int] = {}
+        pin = self.device.type == "cuda"
+        self._host_tokens = [
+            torch.zeros(self._max_sampled, dtype=torch.long, pin_memory=pin) for _ in range(2)
+        ]
+        self._num_launched = 0
+        # Recorded after each launched step: KV imports wait for it before writing blocks
+        # the host may have freed while that step was still writing them.
+        self._last_step_done: torch.cuda.Event | None = None
         self.cuda_graphs: DecodeGraphs | None = None
         if is_compiled(self.model):
             # The same first shapes in every engine, whether it captures graphs or not:
@@ -118,6 +155,7 @@ class ModelRunner:
         graphs = DecodeGraphs(
             self.model,
             self._kv_storage,
+            self._last_tokens,
             scratch_block=self.num_blocks,
             block_size=self.block_size,
             max_blocks_per_seq=max_blocks_per_seq,
@@ -178,15 +216,19 @@ class ModelRunner:
         return self.kv_cache.index_select(0, self._block_index(block_ids))
 
     def scatter_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        """Write `data` (as from `gather_blocks`) into these blocks of the cache."""
+        """Write `data` (as from `gather_blocks`) into these blocks of the cache, on the
+        caller's stream, after every step launched so far (a launched step may still be
+        writing blocks the host has since freed and handed to this import)."""
         expected = (len(block_ids), *self.kv_cache.shape[1:])
         if tuple(data.shape) != expected:
             raise ValueError(f"KV data of shape {tuple(data.shape)}, expected {expected}")
         if data.dtype != self.kv_cache.dtype:
             raise ValueError(f"KV data in {data.dtype}, cache in {self.kv_cache.dtype}")
+        step_done = self._last_step_done
+        if step_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(step_done)
         self.kv_cache.index_copy_(0, self._block_index(block_ids), data.to(self.device))
 
-    @torch.inference_mode()
     def execute(
         self, batch: Batch, *, use_cuda_graphs: bool = True, paged_decode: bool | None = None
     ) -> dict[str, int]:
@@ -196,23 +238,55 @@ class ModelRunner:
         `use_cuda_graphs` False runs a decode step eagerly, `paged_decode` overrides
         the runner's own choice of attention kernels on the eager path.
         """
-        if batch.is_empty:
-            return {}
+        return self.launch(
+            batch, use_cuda_graphs=use_cuda_graphs, paged_decode=paged_decode
+        ).result()
+
+    @torch.inference_mode()
+    def launch(
+        self, batch: Batch, *, use_cuda_graphs: bool = True, paged_decode: bool | None = None
+    ) -> PendingTokens:
+        """Queue one step on the device and return without waiting for it (on CUDA).
+
+        A sequence whose input token is PLACEHOLDER_TOKEN gets the token this runner
+        sampled for the same request in the step it launched last; that is the one
+        thing async scheduling asks of a runner.
+        """
         if batch.block_size != self.block_size:
             raise ValueError(f"batch block_size {batch.block_size} != cache's {self.block_size}")
+        sources = self._placeholder_sources(batch)
         sampled_seqs = [s for s in batch.seqs if s.sample]
         graphs = self.cuda_graphs if use_cuda_graphs else None
-        if graphs is not None and graphs.can_run(batch):
-            logits = graphs.run(batch)  # validates the block tables itself
+        if batch.is_empty:
+            logits = None
+        elif graphs is not None and graphs.can_run(batch):
+            logits = graphs.run(batch, sources)  # validates the block tables itself
             if len(sampled_seqs) < len(batch.seqs):
                 rows = [i for i, s in enumerate(batch.seqs) if s.sample]
-                logits = logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
+                logits = logits[to_device(rows, torch.long, self.device)]
         else:
             self._check_block_ids(batch)
-            logits = self._forward_eager(batch, paged_decode)
-        if not sampled_seqs:
-            return {}
+            logits = self._forward_eager(batch, sources, paged_decode)
         return self._sample(logits, sampled_seqs)
+
+    def _placeholder_sources(self, batch: Batch) -> list[int] | None:
+        """Per sequence, the row of `_last_tokens` that holds its input's last token when
+        that is still a placeholder (else -1); None when no sequence has one."""
+        sources = None
+        last_rows = self._last_rows
+        for i, s in enumerate(batch.seqs):
+            if s.token_ids[-1] != PLACEHOLDER_TOKEN:
+                continue
+            row = last_rows.get(s.req_id)
+            if row is None or PLACEHOLDER_TOKEN in s.token_ids[:-1]:
+                raise ValueError(
+                    f"request {s.req_id}: its input token is still being sampled, but the "
+                    "step launched last did not sample it"
+                )
+            if sources is None:
+                sources = [-1] * len(batch.seqs)
+            sources[i] = row
+        return sources
 
     def _check_block_ids(self, batch: Batch) -> None:
         ids = list(itertools.chain.from_iterable(s.block_table for s in batch.seqs))
@@ -225,7 +299,9 @@ class ModelRunner:
                     f"request {s.req_id}: block ids {bad} outside [0, {self.num_blocks})"
                 )
 
-    def _forward_eager(self, batch: Batch, paged_decode: bool | None = None) -> torch.Tensor:
+    def _forward_eager(
+        self, batch: Batch, sources: list[int] | None, paged_decode: bool | None = None
+    ) -> torch.Tensor:
         """Logits [num sampling seqs, V] from one packed forward (no graph)."""
         meta = PagedAttentionMetadata.build(
             batch,
@@ -234,37 +310,75 @@ class ModelRunner:
             self.bucket_shapes,
             paged_decode=self.paged_decode if paged_decode is None else paged_decode,
         )
-        input_ids = torch.tensor(
+        input_ids = to_device(
             list(itertools.chain.from_iterable(s.token_ids for s in batch.seqs)),
-            dtype=torch.long,
-            device=self.device,
+            torch.long,
+            self.device,
         )
         # Only the last token of each sampling sequence needs the (vocab-wide) lm_head.
         last_token_idx = []
+        where: list[int] = []  # tokens still being sampled: their index in input_ids ...
+        rows: list[int] = []  # ... and their row in _last_tokens
         end = 0
-        for s in batch.seqs:
+        for i, s in enumerate(batch.seqs):
             end += s.num_tokens
             if s.sample:
                 last_token_idx.append(end - 1)
+            if sources is not None and sources[i] >= 0:
+                where.append(end - 1)
+                rows.append(sources[i])
+        if where:
+            index = to_device(where + rows, torch.long, self.device).view(2, -1)
+            input_ids[index[0]] = self._last_tokens[index[1]]
         with paged_step(meta, self._kv_storage):
             return self.model(
                 input_ids=input_ids[None],
                 position_ids=meta.positions[None],
                 use_cache=False,
-                logits_to_keep=torch.tensor(last_token_idx, dtype=torch.long, device=self.device),
+                logits_to_keep=to_device(last_token_idx, torch.long, self.device),
             ).logits[0]
 
-    def _sample(self, logits: torch.Tensor, sampled_seqs: list[ScheduledSeq]) -> dict[str, int]:
+    def _sample(
+        self, logits: torch.Tensor | None, sampled_seqs: list[ScheduledSeq]
+    ) -> PendingTokens:
+        """Sample on the device, keep the tokens for the next step's placeholders and
+        start their one copy to the host."""
+        host = self._host_tokens[self._num_launched % 2]
+        self._num_launched += 1
+        if logits is None:
+            self._last_rows = {}
+            return PendingTokens([], host, None)
+        if not sampled_seqs:
+            self._last_rows = {}
+            return PendingTokens([], host, self._record_step_done())
         if all(is_greedy(s.sampling) for s in sampled_seqs):
             # sample()'s greedy result without building per-row parameter tensors.
-            tokens = logits.argmax(dim=-1).tolist()
-            return {s.req_id: int(t) for s, t in zip(sampled_seqs, tokens, strict=True)}
-        params = SamplingBatch.build(
-            [s.sampling for s in sampled_seqs],
-            [s.seed for s in sampled_seqs],
-            [s.end_position for s in sampled_seqs],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        tokens = sample(logits, params).tolist()
-        return {s.req_id: int(t) for s, t in zip(sampled_seqs, tokens, strict=True)}
+            tokens = logits.argmax(dim=-1)
+        else:
+            params = SamplingBatch.build(
+                [s.sampling for s in sampled_seqs],
+                [s.seed for s in sampled_seqs],
+                [s.end_position for s in sampled_seqs],
+                vocab_size=logits.shape[-1],
+                device=self.device,
+            )
+            tokens = sample(logits, params)
+        n = len(sampled_seqs)
+        req_ids = [s.req_id for s in sampled_seqs]
+        if n <= self._max_sampled:
+            self._last_tokens[:n].copy_(tokens)
+            self._last_rows = {req_id: i for i, req_id in enumerate(req_ids)}
+        else:  # more rows than the scheduler ever runs (a benchmark's batch): not kept
+            self._last_rows = {}
+            host = torch.empty(n, dtype=torch.long, pin_memory=host.is_pinned())
+        host[:n].copy_(tokens, non_blocking=self.device.type == "cuda")
+        return PendingTokens(req_ids, host, self._record_step_done())
+
+    def _record_step_done(self) -> torch.cuda.Event | None:
+        """Mark the end of the step just queued (CUDA; on CPU every step is done here)."""
+        if self.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        self._last_step_done = done
+        return done

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.staging import to_device
 from engine.sampling_params import SamplingParams
 
 _MASK31 = 0x7FFFFFFF
@@ -94,21 +95,22 @@ class SamplingBatch:
             p.top_k if 0 < p.top_k < vocab_size and not g else 0
             for p, g in zip(params, greedy, strict=True)
         ]
+        device = torch.device(device)
         return cls(
-            temperature=torch.tensor(
+            temperature=to_device(
                 [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
-                dtype=torch.float32,
-                device=device,
+                torch.float32,
+                device,
             ),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor(
+            top_k=to_device(top_k, torch.long, device),
+            top_p=to_device(
                 [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)],
-                dtype=torch.float32,
-                device=device,
+                torch.float32,
+                device,
             ),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            seed=torch.tensor(list(seeds), dtype=torch.long, device=device),
-            position=torch.tensor(list(positions), dtype=torch.long, device=device),
+            greedy=to_device(greedy, torch.bool, device),
+            seed=to_device(list(seeds), torch.long, device),
+            position=to_device(list(positions), torch.long, device),
             all_greedy=all(greedy),
             any_top_k=any(top_k),
             any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True)),
