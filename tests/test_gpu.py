@@ -108,13 +108,14 @@ def traced_generate(llm: LLM, prompts: Sequence[Sequence[int]], params: Sampling
         assert not unsampled, "the runner sampled without calling ModelRunner._sample"
         return out
 
-    def sample(logits: torch.Tensor, seqs: list[Any]) -> dict[str, int]:
-        tokens = orig_sample(logits, seqs)
+    def sample(logits: torch.Tensor, seqs: list[Any]) -> Any:
+        pending = orig_sample(logits, seqs)
+        tokens = pending.result()
         top = logits.float().log_softmax(-1).topk(2, dim=-1)
         for s, ids, lps in zip(seqs, top.indices.tolist(), top.values.tolist(), strict=True):
             picks[s.req_id].append(Pick(tokens[s.req_id], (ids[0], ids[1]), (lps[0], lps[1])))
         unsampled.clear()
-        return tokens
+        return pending
 
     runner.execute, runner._sample = execute, sample
     try:
