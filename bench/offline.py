@@ -178,9 +178,9 @@ class StepProfile:
             self._pending_execute = (time.perf_counter() - t0, batch)
             return out
 
-        def launch(batch: Batch) -> Any:
+        def launch(batch: Batch, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
-            out = orig_launch(batch)  # type: ignore[misc]
+            out = orig_launch(batch, **kwargs)  # type: ignore[misc]
             self._pending_execute = (time.perf_counter() - t0, batch)
             return out
 

@@ -91,20 +91,21 @@ class Trace:
 def traced_generate(llm: LLM, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Trace:
     """`llm.generate`, recording the top-2 logprobs of every sampled row (by wrapping the
     runner's `_sample`, where logits become tokens on the eager and the graph path alike)
-    and the cache slots each batch maps new K/V to."""
+    and the cache slots each batch maps new K/V to (by wrapping `launch`, which every step
+    goes through, with or without async scheduling)."""
     runner = llm.runner
-    orig_execute, orig_sample = runner.execute, runner._sample
+    orig_launch, orig_sample = runner.launch, runner._sample
     picks: dict[str, list[Pick]] = defaultdict(list)
     written: set[int] = set()
     unsampled: list[str] = []
     bs = runner.block_size
 
-    def execute(batch: Any) -> dict[str, int]:
+    def launch(batch: Any, **kwargs: Any) -> Any:
         for s in batch.seqs:
             for p in range(s.start_position, s.end_position):
                 written.add(s.block_table[p // bs] * bs + p % bs)
         unsampled[:] = [s.req_id for s in batch.seqs if s.sample]
-        out = orig_execute(batch)
+        out = orig_launch(batch, **kwargs)
         assert not unsampled, "the runner sampled without calling ModelRunner._sample"
         return out
 
@@ -117,11 +118,11 @@ def traced_generate(llm: LLM, prompts: Sequence[Sequence[int]], params: Sampling
         unsampled.clear()
         return pending
 
-    runner.execute, runner._sample = execute, sample
+    runner.launch, runner._sample = launch, sample
     try:
         results = llm.generate(list(prompts), params)
     finally:
-        del runner.execute, runner._sample
+        del runner.launch, runner._sample
     return Trace(dict(picks), written, [r.token_ids for r in results])
 
 

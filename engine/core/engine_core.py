@@ -71,7 +71,10 @@ class EngineCore:
         # Async scheduling: the step launched last, whose results are not applied yet.
         self._in_flight: tuple[Batch, PendingTokens] | None = None
         self.scheduler = Scheduler(
-            scheduler_config, cache_config, handoff_after_first_token=handoff_after_first_token
+            scheduler_config,
+            cache_config,
+            handoff_after_first_token=handoff_after_first_token,
+            async_scheduling=async_scheduling,
         )
         self.cache_config = cache_config
         self.max_model_len = max_model_len

@@ -45,8 +45,13 @@ class Scheduler:
         cache: CacheConfig,
         *,
         handoff_after_first_token: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         self.config = config
+        # How many handed-out batches may await their update() when schedule() runs: one
+        # when the engine schedules a step ahead. Older ones were abandoned by the caller
+        # (a batch scheduled only to look at it) and are rolled back.
+        self.max_batches_in_flight = 1 if async_scheduling else 0
         self.block_size = cache.block_size
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching)
         # Prefill pool: a request leaves after its first token and keeps its blocks
@@ -182,6 +187,8 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         """Pick this step's work under the token budget, the seq limit and free blocks."""
+        while len(self._inflight) > self.max_batches_in_flight:
+            self._roll_back(*self._inflight.popleft())
         budget = self.config.max_num_batched_tokens
         chunks: dict[str, int] = {}
         self._preempted_now.clear()
@@ -302,6 +309,14 @@ class Scheduler:
         if seqs:
             self._inflight.append((batch, tuple(reqs)))
         return batch
+
+    def _roll_back(self, batch: Batch, reqs: tuple[Request, ...]) -> None:
+        """Forget a batch that will never be updated: its tokens are scheduled again."""
+        for seq, req in zip(batch.seqs, reqs, strict=True):
+            if self.requests.get(seq.req_id) is req and req.status is RequestStatus.RUNNING:
+                req.num_inflight_tokens -= len(seq.token_ids)
+                if seq.sample:
+                    req.drop_placeholders()
 
     def _requests_of(self, batch: Batch) -> tuple[Request | None, ...]:
         """The requests `batch` was built for (oldest in-flight batch first)."""
