@@ -314,3 +314,68 @@ def test_async_scheduling_gives_the_plain_loops_tokens(tiny_llama_path: Path) ->
         results[async_scheduling] = tokens
     assert results[True] == results[False]
     assert all(len(results[True][str(i)]) == params[i].max_tokens for i in range(10))
+
+
+def test_launching_a_step_never_waits_for_the_device(tiny_llama_path: Path) -> None:
+    """With async scheduling the host prepares step N+1 while the GPU runs step N: no
+    launch may read a device value back or copy from pageable memory (each of those
+    waits for every queued kernel). torch's sync debug mode reports any such call."""
+    import warnings
+
+    from engine.core.request import PLACEHOLDER_TOKEN
+    from engine.sampling_params import SamplingParams
+
+    bs = 8
+    runner = ModelRunner(
+        tiny_llama_path,
+        device="cuda",
+        dtype="float32",
+        num_blocks=64,
+        block_size=bs,
+        cuda_graph_batch_sizes=[1, 2, 4],
+    )
+    sampled = SamplingParams(temperature=0.9, top_k=40, top_p=0.8, seed=3)
+    params = [GREEDY, sampled, SamplingParams(temperature=1.1, top_p=0.5, seed=4)]
+    prompts = [list(range(5 + i, 30 + 3 * i)) for i in range(3)]
+    tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
+    prefill = Batch(
+        tuple(
+            ScheduledSeq(f"r{i}", tuple(p), 0, tables[i], True, params[i], i)
+            for i, p in enumerate(prompts)
+        ),
+        bs,
+    )
+
+    def decode(step: int) -> Batch:
+        return Batch(
+            tuple(
+                ScheduledSeq(
+                    f"r{i}", (PLACEHOLDER_TOKEN,), len(p) + step, tables[i], True, params[i], i
+                )
+                for i, p in enumerate(prompts)
+            ),
+            bs,
+        )
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            pending = [runner.launch(prefill)]  # eager: packed prefill, sampled rows
+            for step in range(3):  # graphs: inputs fed from the step before, on the device
+                pending.append(runner.launch(decode(step)))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs, syncs
+    assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays == 3
+    # And the same tokens as one step at a time with the inputs given on the host.
+    tokens = [p.result() for p in pending]
+    runner.kv_cache.zero_()
+    known = [dict(runner.execute(prefill))]
+    for step in range(3):
+        batch = decode(step)
+        batch = Batch(tuple(s._replace(token_ids=(known[-1][s.req_id],)) for s in batch.seqs), bs)
+        known.append(runner.execute(batch))
+    assert tokens == known

@@ -78,6 +78,9 @@ class SamplingBatch:
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    # Known on the host, so that sampling never reads a device value back (which would
+    # wait for the step before when scheduling runs one step ahead).
+    max_top_k: int = 0
 
     @classmethod
     def build(
@@ -113,6 +116,7 @@ class SamplingBatch:
             position=to_device(list(positions), torch.long, device),
             all_greedy=all(greedy),
             any_top_k=any(top_k),
+            max_top_k=max(top_k, default=0),
             any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True)),
         )
 
@@ -122,9 +126,9 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.greedy or params.temperature < _MIN_TEMPERATURE
 
 
-def _kth_largest(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Per row, the k-th largest value; -inf where k == 0 (top-k off)."""
-    values = scores.topk(int(k.max()), dim=-1).values  # sorted, descending
+def _kth_largest(scores: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Per row, the k-th largest value; -inf where k == 0 (top-k off). max_k = max(k)."""
+    values = scores.topk(max_k, dim=-1).values  # sorted, descending
     kth = values.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1)
     return torch.where(k > 0, kth, float("-inf"))
 
@@ -138,10 +142,17 @@ def _nucleus_cut(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """
     num_rows, vocab = scores.shape
     log_norm = torch.logsumexp(scores, dim=-1)
+    if scores.is_cuda:
+        # One full-width top-k (a sort) of every row beats narrow ones, and nothing is
+        # read back to the host: rows with p == 1 keep everything (cut -inf).
+        values = scores.topk(vocab, dim=-1).values
+        mass = (values - log_norm[:, None]).exp().cumsum(dim=-1)
+        first = (mass < top_p[:, None]).sum(dim=-1).clamp(max=vocab - 1)
+        cut_all = values.gather(1, first[:, None]).squeeze(1)
+        return torch.where(top_p < 1.0, cut_all, float("-inf"))
     cut = torch.full((num_rows,), float("-inf"), device=scores.device)
     todo = torch.nonzero(top_p < 1.0).squeeze(1)  # p == 1 keeps everything: cut stays -inf
-    # On a GPU one full-width top-k (a sort) beats several narrow ones and their syncs.
-    k = vocab if scores.is_cuda else 64
+    k = 64
     while todo.numel():
         k = min(k, vocab)
         values = scores[todo].topk(k, dim=-1).values
@@ -159,7 +170,7 @@ def _filter_top_k_top_p(scores: torch.Tensor, batch: SamplingBatch) -> torch.Ten
     """Set scores outside each row's top-k, then top-p, to -inf (ties at a cut are kept)."""
     if batch.any_top_k:
         scores = scores.masked_fill(
-            scores < _kth_largest(scores, batch.top_k)[:, None], float("-inf")
+            scores < _kth_largest(scores, batch.top_k, batch.max_top_k)[:, None], float("-inf")
         )
     if batch.any_top_p:
         scores = scores.masked_fill(
