@@ -127,16 +127,10 @@ class ModelRunner:
         self.kv_cache = self._kv_storage[:num_blocks]
         # The tokens the step launched last sampled, by row, and the request of each row:
         # a later step whose input is still a placeholder reads its token here, on the
-        # device (async scheduling). Pinned host buffers take turns receiving each step's
-        # tokens, so one step's copy never overwrites what the host is still to read.
+        # device (async scheduling).
         self._max_sampled = max(max_num_seqs, 1)
         self._last_tokens = torch.zeros(self._max_sampled, dtype=torch.long, device=self.device)
         self._last_rows: dict[str, int] = {}
-        pin = self.device.type == "cuda"
-        self._host_tokens = [
-            torch.zeros(self._max_sampled, dtype=torch.long, pin_memory=pin) for _ in range(2)
-        ]
-        self._num_launched = 0
         # Recorded after each launched step: KV imports wait for it before writing blocks
         # the host may have freed while that step was still writing them.
         self._last_step_done: torch.cuda.Event | None = None
@@ -343,14 +337,10 @@ class ModelRunner:
     ) -> PendingTokens:
         """Sample on the device, keep the tokens for the next step's placeholders and
         start their one copy to the host."""
-        host = self._host_tokens[self._num_launched % 2]
-        self._num_launched += 1
-        if logits is None:
+        if logits is None or not sampled_seqs:
             self._last_rows = {}
-            return PendingTokens([], host, None)
-        if not sampled_seqs:
-            self._last_rows = {}
-            return PendingTokens([], host, self._record_step_done())
+            done = None if logits is None else self._record_step_done()
+            return PendingTokens([], torch.empty(0, dtype=torch.long), done)
         if all(is_greedy(s.sampling) for s in sampled_seqs):
             # sample()'s greedy result without building per-row parameter tensors.
             tokens = logits.argmax(dim=-1)
@@ -370,8 +360,11 @@ class ModelRunner:
             self._last_rows = {req_id: i for i, req_id in enumerate(req_ids)}
         else:  # more rows than the scheduler ever runs (a benchmark's batch): not kept
             self._last_rows = {}
-            host = torch.empty(n, dtype=torch.long, pin_memory=host.is_pinned())
-        host[:n].copy_(tokens, non_blocking=self.device.type == "cuda")
+        # A pinned buffer per step (the caching host allocator hands back a free one), so
+        # that results may be read in any order and later steps never overwrite them.
+        on_cuda = self.device.type == "cuda"
+        host = torch.empty(n, dtype=torch.long, pin_memory=on_cuda)
+        host.copy_(tokens, non_blocking=on_cuda)
         return PendingTokens(req_ids, host, self._record_step_done())
 
     def _record_step_done(self) -> torch.cuda.Event | None:
