@@ -37,7 +37,8 @@ class EngineArgs:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
     compile_model: bool = True  # CUDA: torch.compile the decoder at start-up (model.compiled)
     # Schedule step N+1 while the device runs step N (engine.core.engine_core).
-    # None: on CUDA only (on a CPU the step itself runs on the host: nothing to hide).
+    # None: on CUDA, except prefill engines (on a CPU the step runs on the host: nothing
+    # to hide).
     async_scheduling: bool | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -117,8 +118,12 @@ def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -
         vocab_size=spec.vocab_size,
         eos_token_ids=frozenset(spec.eos_token_ids),
         handoff_after_first_token=handoff_after_first_token,
+        # A prefill engine hands a request off after one step; running a step ahead would
+        # queue its hand-off gather behind the next prefill step (TTFT), for little gain.
         async_scheduling=(
-            device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
+            device.type == "cuda" and not handoff_after_first_token
+            if args.async_scheduling is None
+            else args.async_scheduling
         ),
     )
     layout = KVLayout(

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from engine.core.outputs import GenerationInput
 from engine.transfer.handoff import HandoffHeader, Reservation
@@ -23,6 +24,9 @@ class HeldReservation:
     expires_at: float
     importing: bool = False
     aborted: bool = False
+    # The engine's step fence when the blocks were allocated (ModelRunner.step_fence):
+    # the import writes them once the steps launched before that have finished.
+    fence: Any = None
 
 
 class ReservationBook:
@@ -36,9 +40,13 @@ class ReservationBook:
         with self._lock:
             return len(self._held)
 
-    def add(self, inp: GenerationInput, reservation: Reservation, lease_s: float) -> None:
+    def add(
+        self, inp: GenerationInput, reservation: Reservation, lease_s: float, fence: Any = None
+    ) -> None:
         with self._lock:
-            self._held[inp.req_id] = HeldReservation(reservation, inp, time.monotonic() + lease_s)
+            self._held[inp.req_id] = HeldReservation(
+                reservation, inp, time.monotonic() + lease_s, fence=fence
+            )
 
     def claim(self, header: HandoffHeader) -> tuple[HeldReservation | None, str | None]:
         """Match an arriving header to its reservation and mark it importing; on a
