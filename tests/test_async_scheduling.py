@@ -14,32 +14,16 @@ from engine.core.request import PLACEHOLDER_TOKEN, FinishReason
 from engine.core.scheduler import RequestUpdate
 from engine.sampling_params import SamplingParams
 from tests.fakes import FakeRunner, expected_output
+from tests.test_scheduler import make_engine
 
 PROMPT = (5, 6, 7)
 EXPECTED = expected_output(list(PROMPT), 8)
 
 
 def make_core(
-    async_scheduling: bool,
-    *,
-    num_blocks: int = 64,
-    block_size: int = 4,
-    eos: frozenset[int] = frozenset(),
-    handoff: bool = False,
-    **sched: object,
+    async_scheduling: bool, *, num_blocks: int = 64, **kwargs: object
 ) -> tuple[EngineCore, FakeRunner]:
-    runner = FakeRunner()
-    core = EngineCore(
-        runner,
-        SchedulerConfig(**sched),  # type: ignore[arg-type]
-        CacheConfig(num_blocks=num_blocks, block_size=block_size),
-        max_model_len=1000,
-        vocab_size=1000,
-        eos_token_ids=eos,
-        handoff_after_first_token=handoff,
-        async_scheduling=async_scheduling,
-    )
-    return core, runner
+    return make_engine(num_blocks, 4, async_scheduling=async_scheduling, **kwargs)  # type: ignore[arg-type]
 
 
 def run(core: EngineCore) -> list[RequestUpdate]:

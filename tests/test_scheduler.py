@@ -13,7 +13,13 @@ from tests.fakes import FakeRunner, expected_output
 
 
 def make_engine(
-    num_blocks: int = 512, block_size: int = 16, **sched: object
+    num_blocks: int = 512,
+    block_size: int = 16,
+    *,
+    eos: frozenset[int] = frozenset(),
+    handoff: bool = False,
+    async_scheduling: bool = False,
+    **sched: object,
 ) -> tuple[EngineCore, FakeRunner]:
     runner = FakeRunner()
     core = EngineCore(
@@ -22,6 +28,9 @@ def make_engine(
         CacheConfig(num_blocks=num_blocks, block_size=block_size),
         max_model_len=100_000,
         vocab_size=1000,
+        eos_token_ids=eos,
+        handoff_after_first_token=handoff,
+        async_scheduling=async_scheduling,
     )
     return core, runner
 
