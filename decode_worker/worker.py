@@ -63,16 +63,14 @@ class DecodeWorker(WorkerBase):
     ) -> Reservation | None:
         """Hold blocks for the request's prompt KV; None when they don't fit now."""
         num_tokens = len(inp.prompt_token_ids)
-        block_ids, fence = await self.on_engine(
-            lambda: (self.core.reserve(inp.req_id, num_tokens), self.runner.step_fence())
-        )
+        block_ids = await self.on_engine(lambda: self.core.reserve(inp.req_id, num_tokens))
         if block_ids is None:
             return None
         if self.is_buried(inp.req_id):  # aborted while this call was on its way
             await self.on_engine(lambda: self.core.release(inp.req_id))
             return None
         reservation = Reservation(self.worker_id, self.epoch, tuple(block_ids))
-        self.book.add(inp, reservation, lease_s, fence)
+        self.book.add(inp, reservation, lease_s)
         return reservation
 
     async def _sweep_leases(self) -> None:
@@ -158,7 +156,7 @@ class DecodeWorker(WorkerBase):
             if held is not None:
 
                 def scatter() -> None:
-                    self.runner.scatter_blocks(block_ids, staging, held.fence)
+                    self.runner.scatter_blocks(block_ids, staging)
 
             channel.recv_into(staging, scatter)
         except Exception as exc:  # noqa: BLE001 - the peer died mid-payload

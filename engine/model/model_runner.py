@@ -11,7 +11,6 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -210,27 +209,16 @@ class ModelRunner:
         # Block-major layout: one index_select, ready to send as one message.
         return self.kv_cache.index_select(0, self._block_index(block_ids))
 
-    def step_fence(self) -> torch.cuda.Event | None:
-        """Marks the end of every step launched so far (None: nothing is in flight on a
-        device). Take it when blocks are allocated for an import: only steps launched
-        before then can still be writing them (blocks freed while a step was in flight)."""
-        return self._last_step_done
-
-    def scatter_blocks(
-        self,
-        block_ids: Sequence[int],
-        data: torch.Tensor,
-        fence: torch.cuda.Event | None | Literal["latest"] = "latest",
-    ) -> None:
+    def scatter_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Write `data` (as from `gather_blocks`) into these blocks of the cache, on the
-        caller's stream, once `fence` (from `step_fence()` when the blocks were allocated;
-        by default every step launched so far) has passed."""
+        caller's stream, after every step launched so far (a launched step may still be
+        writing blocks the host has since freed and handed to this import)."""
         expected = (len(block_ids), *self.kv_cache.shape[1:])
         if tuple(data.shape) != expected:
             raise ValueError(f"KV data of shape {tuple(data.shape)}, expected {expected}")
         if data.dtype != self.kv_cache.dtype:
             raise ValueError(f"KV data in {data.dtype}, cache in {self.kv_cache.dtype}")
-        step_done = self._last_step_done if fence == "latest" else fence
+        step_done = self._last_step_done
         if step_done is not None:
             torch.cuda.current_stream(self.device).wait_event(step_done)
         self.kv_cache.index_copy_(0, self._block_index(block_ids), data.to(self.device))

@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from engine.core.outputs import GenerationInput
 from engine.transfer.handoff import HandoffHeader, Reservation
@@ -24,9 +23,6 @@ class HeldReservation:
     expires_at: float
     importing: bool = False
     aborted: bool = False
-    # The engine's step fence when the blocks were allocated (ModelRunner.step_fence):
-    # the import writes them once the steps launched before that have finished.
-    fence: Any = None
 
 
 class ReservationBook:
@@ -40,13 +36,9 @@ class ReservationBook:
         with self._lock:
             return len(self._held)
 
-    def add(
-        self, inp: GenerationInput, reservation: Reservation, lease_s: float, fence: Any = None
-    ) -> None:
+    def add(self, inp: GenerationInput, reservation: Reservation, lease_s: float) -> None:
         with self._lock:
-            self._held[inp.req_id] = HeldReservation(
-                reservation, inp, time.monotonic() + lease_s, fence=fence
-            )
+            self._held[inp.req_id] = HeldReservation(reservation, inp, time.monotonic() + lease_s)
 
     def claim(self, header: HandoffHeader) -> tuple[HeldReservation | None, str | None]:
         """Match an arriving header to its reservation and mark it importing; on a
