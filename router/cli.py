@@ -80,10 +80,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g.add_argument(
             "--no-async-scheduling",
             dest="async_scheduling",
-            action="store_const",
-            const=False,
-            default=None,
-            help="CUDA: schedule each step only after the one before has finished",
+            action="store_false",
+            help="CUDA: schedule each step only after the one before has finished "
+            "(by default decode and colocated engines run one step ahead)",
         ),
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block"),
     ]
@@ -262,7 +261,8 @@ def _engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
         block_size=ns.block_size,
         enforce_eager=ns.enforce_eager,
         compile_model=ns.compile_model,
-        async_scheduling=ns.async_scheduling,
+        # True: the engine's own default (one step ahead where it pays), not a forced on.
+        async_scheduling=None if ns.async_scheduling else False,
         num_blocks=get("num_blocks"),  # type: ignore[arg-type]
         kv_cache_gib=get("kv_cache_gib"),  # type: ignore[arg-type]
         gpu_memory_utilization=get("gpu_memory_utilization"),  # type: ignore[arg-type]

@@ -174,3 +174,14 @@ def test_ctrl_c_in_the_client_exits_quietly() -> None:
         conn.close()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "interrupted" in err
+
+
+def test_no_async_scheduling_turns_the_step_ahead_loop_off() -> None:
+    from router.cli import _engine_args
+
+    parser = build_parser()
+    assert _engine_args(parser.parse_args(["generate", "x"])).async_scheduling is None  # auto
+    off = parser.parse_args(["generate", "x", "--no-async-scheduling"])
+    assert _engine_args(off).async_scheduling is False
+    serve = parser.parse_args(["serve", "--no-async-scheduling"])
+    assert _engine_args(serve, "decode").async_scheduling is False
