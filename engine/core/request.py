@@ -99,15 +99,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def check_stop(self, num_outputs: int | None = None) -> FinishReason | None:
-        """Token-level stop rules for the output token number `num_outputs` (default: the
-        last); later outputs may still be placeholders when scheduling runs ahead."""
-        outputs = self.output_token_ids
-        if num_outputs is None:
-            num_outputs = len(outputs)
+    def check_stop(self, num_outputs: int) -> FinishReason | None:
+        """Token-level stop rules for output token number `num_outputs` (later outputs may
+        still be placeholders when scheduling runs ahead)."""
         if num_outputs <= 0:
             return None
-        last, sampling = outputs[num_outputs - 1], self.sampling
+        last, sampling = self.output_token_ids[num_outputs - 1], self.sampling
         if (not sampling.ignore_eos and last in self.eos_token_ids) or (
             last in sampling.stop_token_ids
         ):
