@@ -313,7 +313,7 @@ class Scheduler:
     def _roll_back(self, batch: Batch, reqs: tuple[Request, ...]) -> None:
         """Forget a batch that will never be updated: its tokens are scheduled again."""
         for seq, req in zip(batch.seqs, reqs, strict=True):
-            if self.requests.get(seq.req_id) is req and req.status is RequestStatus.RUNNING:
+            if req.status is RequestStatus.RUNNING:
                 req.num_inflight_tokens -= len(seq.token_ids)
                 if seq.sample:
                     req.drop_placeholders()
@@ -331,12 +331,12 @@ class Scheduler:
     def update(self, batch: Batch, sampled: dict[str, int]) -> list[RequestUpdate]:
         """Apply a step's results: progress, new tokens, stop checks, finishing."""
         updates: list[RequestUpdate] = []
-        requests, running_status = self.requests, RequestStatus.RUNNING
+        running_status = RequestStatus.RUNNING
         cache_full_blocks = self.kv.cache_full_blocks
         handoff = self.handoff_after_first_token
         for seq, req in zip(batch.seqs, self._requests_of(batch), strict=True):
             req_id = seq.req_id
-            if req is None or req.status is not running_status or requests.get(req_id) is not req:
+            if req is None or req.status is not running_status:
                 continue  # aborted or preempted while the step ran
             num_new = len(seq.token_ids)
             req.num_computed_tokens += num_new
