@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 SENDER_RANK = 0
 RECEIVER_RANK = 1
+# The spec's timeout bounds pairing and each transfer. Hand-offs may be any time apart, so
+# the wait for the next header has no practical limit; a peer that dies closes its
+# connection, which ends the wait at once.
+_NEXT_HEADER_WAIT = datetime.timedelta(days=365)
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,7 @@ class KVChannel:
         """Block until the next header arrives (call from the one receiving thread)."""
         raw = torch.empty(self.header_size, dtype=torch.int64)
         self._group()  # raises when closed
-        self._ctrl.recv([raw], self.peer, 0).wait()
+        self._ctrl.recv([raw], self.peer, 0).wait(_NEXT_HEADER_WAIT)
         header = HandoffHeader.decode(raw)
         if header.kind is HeaderKind.CLOSE:
             raise ChannelClosed(f"{self._peer_name()} closed the channel")

@@ -1,0 +1,45 @@
+"""A KV channel stays usable however long it sits idle between hand-offs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from torch.distributed import TCPStore
+
+from engine.transfer.channel import RECEIVER_RANK, SENDER_RANK, ChannelSpec, KVChannel
+from engine.transfer.handoff import HandoffHeader, HeaderKind
+
+
+def test_a_channel_idle_past_its_timeout_still_delivers_the_next_hand_off() -> None:
+    # The timeout bounds pairing and each transfer; waiting for the next header is not a
+    # transfer: a receiver idle for longer must still be there when a header comes.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    spec = ChannelSpec("127.0.0.1", store.port, "prefill-0", 1, "decode-0", 2, 8, timeout_s=1.0)
+    sender = KVChannel(spec, SENDER_RANK, torch.device("cpu"))
+    receiver = KVChannel(spec, RECEIVER_RANK, torch.device("cpu"))
+    opener = threading.Thread(target=receiver.open)
+    opener.start()
+    sender.open()
+    opener.join()
+    received: list[object] = []
+    payload = torch.empty(4)
+
+    def receive() -> None:  # as a decode worker's standing receiver: header, then payload
+        try:
+            received.append(receiver.recv_header().req_id)
+            receiver.recv_into(payload)
+            received.append(payload.tolist())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            received.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    time.sleep(2.0)  # twice the timeout, with nothing on the wire
+    header = HandoffHeader(HeaderKind.HANDOFF, sender.next_seq(), req_id="r1")
+    sender.send(header, torch.arange(4.0)).result(10)
+    thread.join(10)
+    assert received == ["r1", [0.0, 1.0, 2.0, 3.0]]
+    sender.close(notify_peer=False)
+    receiver.close(notify_peer=False)
