@@ -135,9 +135,11 @@ def bench_model(
     profile_at: set[tuple[int, int]] | None = None,
     profile_log: list[str] | None = None,
     compile_model: bool = True,
+    gemv: bool = True,
 ) -> list[dict[str, Any]]:
     """Time every (batch, context) of one model shape in each mode, with the decoder
-    compiled (the default engine) or as transformers runs it."""
+    compiled (the default engine) or as transformers runs it, and one-row products on
+    the Triton GEMV (the default) or on cuBLAS."""
     from engine.core.batch import Batch, ScheduledSeq
     from engine.model.model_runner import ModelRunner
     from engine.sampling_params import GREEDY
@@ -154,6 +156,7 @@ def bench_model(
         block_size=BLOCK_SIZE,
         cuda_graph_batch_sizes=batch_sizes,
         compile_model=compile_model,
+        small_batch_gemv=gemv,
     )
     load_s = time.perf_counter() - t0
     graphs = runner.cuda_graphs
@@ -190,6 +193,7 @@ def bench_model(
             row: dict[str, Any] = {
                 "model": name,
                 "compiled": compile_model,
+                "gemv": gemv,
                 "batch": n,
                 "context": ctx,
                 "weight_bytes": weight_bytes,
@@ -215,7 +219,8 @@ def bench_model(
                     try:
                         row[f"{mode}_profile_ms"] = profile_step(
                             lambda b=batch, kw=kw: runner.execute(b, **kw),
-                            f"{name} batch {n} ctx {ctx} {mode} compiled={compile_model}",
+                            f"{name} batch {n} ctx {ctx} {mode} "
+                            f"compiled={compile_model} gemv={gemv}",
                             profile_log,
                         )
                     except Exception:
@@ -287,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         help="on, off or both (on,off): the decoder compiled, and/or as transformers runs it",
     )
     p.add_argument(
+        "--gemv",
+        default="on",
+        help="on, off or both: one-row products on the Triton GEMV, and/or on cuBLAS",
+    )
+    p.add_argument(
         "--profile",
         default="llama-3.2-1b:128:512,llama-3.1-8b:1:512,llama-3.1-8b:128:2048",
         help="model:batch:context triples to profile (GPU time per kernel class)",
@@ -316,15 +326,27 @@ def main(argv: list[str] | None = None) -> int:
     profiles = [t.split(":") for t in args.profile.split(",") if t]
     profile_log: list[str] = []
     compile_modes = [c == "on" for c in args.compile.split(",") if c]
-    for name, compile_model in itertools.product(args.models.split(","), compile_modes):
+    gemv_modes = [c == "on" for c in args.gemv.split(",") if c]
+    for name, compile_model, gemv in itertools.product(
+        args.models.split(","), compile_modes, gemv_modes
+    ):
         at = {(int(b), int(c)) for m, b, c in profiles if m == name}
         try:
             result["steps"] += bench_model(
-                name, args.batch_sizes, args.contexts, args.steps, at, profile_log, compile_model
+                name,
+                args.batch_sizes,
+                args.contexts,
+                args.steps,
+                at,
+                profile_log,
+                compile_model,
+                gemv,
             )
         except Exception as exc:
             traceback.print_exc()
-            result.setdefault("errors", []).append(f"{name} compiled={compile_model}: {exc!r}")
+            result.setdefault("errors", []).append(
+                f"{name} compiled={compile_model} gemv={gemv}: {exc!r}"
+            )
         gc.collect()  # the runner of this model goes before the next one loads
         torch.cuda.empty_cache()
         for row in result["steps"]:
@@ -336,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2))
 
     print(f"\n{result['device']}, copy {bandwidth / 1e9:.0f} GB/s; ms per decode step (median)")
-    head = f"{'model':14} {'comp':>4} {'batch':>5} {'ctx':>5} {'floor':>7} {'sdpa':>7}"
+    head = f"{'model':14} {'comp':>4} {'gemv':>4} {'batch':>5} {'ctx':>5} {'floor':>7} {'sdpa':>7}"
     print(head + f" {'triton':>7} {'graphs':>7} {'gpu':>7} {'floor/graphs':>12}")
     for r in result["steps"]:
 
@@ -345,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
 
         eff = r["floor_ms"] / r["graphs_ms"]["median"] if "graphs_ms" in r else float("nan")
         print(
-            f"{r['model']:14} {'on' if r['compiled'] else 'off':>4} {r['batch']:5d} "
+            f"{r['model']:14} {'on' if r['compiled'] else 'off':>4} "
+            f"{'on' if r.get('gemv', True) else 'off':>4} {r['batch']:5d} "
             f"{r['context']:5d} {r['floor_ms']:7.2f} "
             f"{ms('sdpa_ms')} {ms('triton_ms')} {ms('graphs_ms')} {ms('graph_gpu_ms')} "
             f"{eff:12.2f}"

@@ -24,6 +24,7 @@ from engine.model.model_spec import ModelSpec
 from engine.model.sampler import SamplingBatch, is_greedy, sample
 from engine.model.staging import to_device
 from engine.model.triton_attention import triton_available
+from engine.model.triton_gemv import use_gemv
 from engine.sampling_params import GREEDY
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,17 @@ class ModelRunner:
         cuda_graph_batch_sizes: Sequence[int] | None = None,
         paged_decode: bool | None = None,
         compile_model: bool | None = None,
+        small_batch_gemv: bool | None = None,
     ) -> None:
         """`enforce_eager` turns CUDA graphs off; they are captured here (CUDA only) for
         decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`).
         `paged_decode` False runs attention as padded SDPA even where the Triton
         kernels could (None: Triton on CUDA when it imports). `compile_model` runs the
         decoder compiled by torch.compile (engine.model.compiled; None: on CUDA when
-        Triton imports); it compiles here, at start-up, not on the first request."""
+        Triton imports); it compiles here, at start-up, not on the first request.
+        `small_batch_gemv` runs one-row products of 16-bit weights (batch-1 decode steps,
+        a lone sequence's logits) with the Triton GEMV (engine.model.triton_gemv; None:
+        on CUDA when Triton imports)."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         if block_size < 1:
@@ -96,6 +101,8 @@ class ModelRunner:
             log.warning("triton does not import: CUDA graphs off, attention runs SDPA")
             use_graphs = False
         use_triton = self.device.type == "cuda" and triton_available()
+        if use_triton if small_batch_gemv is None else small_batch_gemv:
+            use_gemv(self.model)
         if use_triton if compile_model is None else compile_model:
             compile_decoder(self.model)
         if num_blocks is None:
