@@ -159,9 +159,12 @@ def _launch(
 # launches the kernel from its own generated code, between its fused kernels and inside
 # CUDA graphs, without a dispatcher call per product (an opaque custom operator cost
 # about 90 us of host time per call, which doubled an ungraphed one-token step).
-@torch.library.triton_op("pdserve::gemv", mutates_args=())
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _launch(torch.library.wrap_triton(_gemv_kernel), x, weight, bias, None)
+# Registered only where Triton imports (torch warns at registration otherwise).
+if triton is not None:
+
+    @torch.library.triton_op("pdserve::gemv", mutates_args=())
+    def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _launch(torch.library.wrap_triton(_gemv_kernel), x, weight, bias, None)
 
 
 class GemvLinear(torch.nn.Linear):
@@ -186,6 +189,8 @@ class GemvLinear(torch.nn.Linear):
 
 def use_gemv(model: torch.nn.Module) -> int:
     """Make the model's 16-bit CUDA Linear layers GemvLinear; returns how many changed."""
+    if triton is None:
+        return 0
     changed = 0
     for module in model.modules():
         if (
