@@ -5,6 +5,7 @@
 * Decode steps replayed from CUDA graphs give the eager runner's tokens (tiny float32
   Llama, padded and unpadded batch sizes) and, on the Llama-3.2-1B shape with random
   bf16 weights, the eager logits; padding never touches a block no request owns.
+* The one-launch K/V cache write against `index_copy_`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import pytest
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
-from engine.model.attention import build_metadata, paged_attention_forward, paged_step
+from engine.model.attention import (
+    PagedAttentionMetadata,
+    build_metadata,
+    paged_attention_forward,
+    paged_step,
+    write_kv,
+)
 from engine.model.compiled import is_compiled
 from engine.model.model_runner import ModelRunner
 from engine.model.triton_attention import paged_decode_attention, triton_available
@@ -380,3 +387,42 @@ def test_launching_a_step_never_waits_for_the_device(tiny_llama_path: Path) -> N
         batch = Batch(tuple(s._replace(token_ids=(known[-1][s.req_id],)) for s in batch.seqs), bs)
         known.append(runner.execute(batch))
     assert tokens == known
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim,dtype",
+    [
+        (8, 64, torch.bfloat16),
+        (8, 128, torch.bfloat16),
+        (2, 16, torch.float32),
+        (3, 96, torch.float16),
+    ],
+)
+def test_triton_kv_write_matches_index_copy(
+    num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """One launch writes each token's K and V where the two `index_copy_` calls did, from
+    contiguous and from transposed (as transformers hands them over) inputs."""
+    torch.manual_seed(num_kv_heads * head_dim)
+    num_blocks, layers, block_size, tokens = 12, 3, 16, 37
+    shape = (num_blocks, layers, 2, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(shape, device="cuda").to(dtype)
+    expected = cache.clone()
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:tokens]
+    slot_rows = (slots // block_size) * (layers * 2 * block_size) + slots % block_size
+    meta = PagedAttentionMetadata(
+        positions=slots,
+        slot_rows=slot_rows,
+        rows_per_layer=2 * block_size,
+        block_size=block_size,
+        groups=(),
+    )
+    key = torch.randn(1, num_kv_heads, tokens, head_dim, device="cuda").to(dtype)[0].transpose(0, 1)
+    value = torch.randn(tokens, num_kv_heads, head_dim, device="cuda").to(dtype)
+    for layer in (0, 2):
+        write_kv(cache, layer, key, value, meta)
+        rows = expected.view(-1, num_kv_heads * head_dim)
+        k_rows = slot_rows + layer * 2 * block_size
+        rows.index_copy_(0, k_rows, key.reshape(tokens, -1))
+        rows.index_copy_(0, k_rows + block_size, value.reshape(tokens, -1))
+        assert torch.equal(cache, expected)

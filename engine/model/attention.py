@@ -34,7 +34,13 @@ import torch.nn.functional as F
 
 from engine.core.batch import Batch
 from engine.model.staging import to_device
-from engine.model.triton_attention import num_splits_for, paged_decode_attention, triton_available
+from engine.model.triton_attention import (
+    num_splits_for,
+    paged_decode_attention,
+    triton_available,
+    use_triton_for,
+    write_kv_rows,
+)
 from engine.model.triton_prefill import paged_varlen_attention
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
@@ -357,6 +363,10 @@ def write_kv(
 ) -> None:
     """Store the step's new K/V ([T, KVH, D] each) into their slots of layer `layer_idx`."""
     rows = kv_cache.view(-1, key.shape[1] * key.shape[2])
+    if use_triton_for(kv_cache):
+        offset = layer_idx * meta.rows_per_layer
+        write_kv_rows(rows, key, value, meta.slot_rows, offset, meta.block_size)
+        return
     k_rows = meta.slot_rows + layer_idx * meta.rows_per_layer
     rows.index_copy_(0, k_rows, key.reshape(key.shape[0], -1))
     rows.index_copy_(0, k_rows + meta.block_size, value.reshape(value.shape[0], -1))

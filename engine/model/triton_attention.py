@@ -196,6 +196,67 @@ if triton is not None:
             mask=d_mask,
         )
 
+    @triton.jit
+    def _write_kv_kernel(
+        key_ptr,  # [T, KVH, D], any strides over T and KVH
+        value_ptr,
+        rows_ptr,  # the cache viewed as rows of KVH * D
+        slot_rows_ptr,  # [T] int64: layer 0's K row of each token
+        layer_offset,  # this layer's first row past layer 0's
+        v_offset,  # rows from a K row to its V row (the block size)
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        row = tl.load(slot_rows_ptr + t) + layer_offset
+        dst = offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask)
+        v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask)
+        row_len = NUM_KV_HEADS * HEAD_DIM
+        tl.store(rows_ptr + row * row_len + dst, k.to(rows_ptr.dtype.element_ty), mask)
+        tl.store(rows_ptr + (row + v_offset) * row_len + dst, v.to(rows_ptr.dtype.element_ty), mask)
+
+
+def write_kv_rows(
+    rows: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_rows: torch.Tensor,
+    layer_offset: int,
+    v_offset: int,
+) -> None:
+    """K and V of each token [T, KVH, D] into cache rows `slot_rows + layer_offset` and
+    `+ v_offset`, in one launch: `index_copy_` took two, plus two for the row indices."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if key.stride(2) != 1 or value.stride(2) != 1:
+        key, value = key.contiguous(), value.contiguous()
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        rows,
+        slot_rows,
+        layer_offset,
+        v_offset,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
+    )
+
 
 def paged_decode_attention(
     query: torch.Tensor,
