@@ -237,7 +237,7 @@ def _runs(section: Any) -> list[dict]:
 def format_tables(result: dict) -> str:
     lines = []
     head = f"{'shape':<6}{'system':<24}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}"
-    head += f"{'TPOT p50':>10}{'p99':>9}{'ok':>8}"
+    head += f"{'TPOT p50':>10}{'p99':>9}{'ITL p50':>9}{'ok':>8}"
     lines += ["== throughput and latency (ms) ==", head]
     for shape, rec in result.get("shapes", {}).items():
         if rec.get("skipped"):
@@ -250,6 +250,7 @@ def format_tables(result: dict) -> str:
                     f"{shape:<6}{r['system']:<24}{r['concurrency']:>5}{_fmt(r['output_tok_s']):>10}"
                     f"{_fmt(r['ttft_ms']['p50']):>10}{_fmt(r['ttft_ms']['p99']):>9}"
                     f"{_fmt(r['tpot_ms']['p50'], 2):>10}{_fmt(r['tpot_ms']['p99'], 2):>9}"
+                    f"{_fmt(r.get('itl_ms', {}).get('p50'), 2):>9}"
                     f"{r['num_ok']:>4}/{r['num_requests']:<3}"
                 )
         for name, section in (("a", off.get("a")), ("a2", off.get("a2")), ("b", off.get("b"))):

@@ -6,7 +6,7 @@ import json
 import math
 import random
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,18 @@ class ReqTiming:
     kv_wire_s: float | None = None
     prefill_s: float | None = None
     error: str = ""
+    # Seconds between consecutive arrivals of output (inter-token latency): TPOT is their
+    # mean per request, so one long gap (a prefill step between two decodes) lifts a
+    # request's TPOT while most of its tokens still come at the decode step's pace.
+    gaps_s: list[float] = field(default_factory=list)
+
+    def add_tokens(self, now: float, count: int) -> None:
+        """Output of `count` tokens arrived at `now`."""
+        if self.last_s is not None:
+            self.gaps_s.append(now - self.last_s)
+        self.first_s = now if self.first_s is None else self.first_s
+        self.last_s = now
+        self.num_tokens += count
 
     @property
     def ttft_s(self) -> float | None:
@@ -141,6 +153,7 @@ def summarize(
         "output_tok_s": round(tokens / wall_s, 2) if wall_s > 0 else math.nan,
         "ttft_ms": dist_ms([t.ttft_s for t in ok if t.ttft_s is not None]),
         "tpot_ms": dist_ms([t.tpot_s for t in ok if t.tpot_s is not None]),
+        "itl_ms": dist_ms([gap for t in ok for gap in t.gaps_s]),
         "errors": sorted({t.error for t in timings if not t.ok})[:5],
         **extra,
     }

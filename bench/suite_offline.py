@@ -150,9 +150,7 @@ def run_engine(
                     if ev.chunk is not None and ev.chunk.token_ids:
                         now = time.perf_counter()
                         t = round_t[ev.index]
-                        t.first_s = now if t.first_s is None else t.first_s
-                        t.last_s = now
-                        t.num_tokens += len(ev.chunk.token_ids)
+                        t.add_tokens(now, len(ev.chunk.token_ids))
                 wall += time.perf_counter() - start
                 timings += round_t
         finally:

@@ -119,9 +119,7 @@ async def _call(
         async for resp in stub.Generate(request, timeout=timeout):
             now = time.perf_counter()
             if resp.token_ids:
-                t.first_s = now if t.first_s is None else t.first_s
-                t.last_s = now
-                t.num_tokens += len(resp.token_ids)
+                t.add_tokens(now, len(resp.token_ids))
             if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 t.kv_transfer_s = resp.timings.kv_transfer_seconds
                 t.kv_wire_s = resp.timings.kv_wire_seconds
