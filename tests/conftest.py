@@ -81,16 +81,19 @@ def tiny_model_paths(
 
 
 @pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    """One in-process Ray instance for every test that starts a Cluster here.
+def ray_session() -> Iterator[str]:
+    """One in-process Ray instance for the session; yields its address.
 
-    Starting and stopping Ray per module costs seconds and, on a loaded 2-core machine,
-    can time out; the CPU count is a scheduling token (clusters place several actors).
+    Tests that start a Cluster here use it, and the services of the end-to-end modules
+    join it (`--ray-address`). Starting and stopping Ray per module or service costs
+    seconds each and, on a loaded 2-core machine, can time out; the CPU count is a
+    scheduling token (clusters place several actors, pools scale and replace workers).
+    (tests/test_service_2p2d.py's service starts a Ray of its own, as `make run` does.)
     """
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address="local", num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1")
-    yield
+    yield ray.get_runtime_context().gcs_address
     ray.shutdown()

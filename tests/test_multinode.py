@@ -84,19 +84,20 @@ def test_pools_on_their_own_nodes_match_the_colocated_engine(
         tmp_path / "service.log",
     )
     try:
+        # The colocated engine's tokens, made while the service's workers start.
+        llm = LLM(EngineArgs(kv_cache_gib=0.25))
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        expected = [list(o.token_ids) for o in llm.generate(PROMPTS, [params] * len(PROMPTS))]
         svc.wait_serving()
-        placement = subprocess.run(
+        # A second driver reads where the actors run while the requests are served.
+        placement = subprocess.Popen(
             [sys.executable, "-c", _PLACEMENT, ray_nodes],
             cwd=REPO,
             env=service_env(),
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
-            check=True,
         )
-        actors = json.loads(placement.stdout.strip().splitlines()[-1])
-        nodes = {cls: node for cls, node in actors if "Prefill" in cls or "Decode" in cls}
-        assert nodes == {"PrefillWorker": ["prefill_node"], "DecodeWorker": ["decode_node"]}
 
         async def served() -> list[list[int]]:
             outputs = []
@@ -111,11 +112,16 @@ def test_pools_on_their_own_nodes_match_the_colocated_engine(
                 outputs.append(tokens)
             return outputs
 
-        got = asyncio.run(served())
+        try:
+            got = asyncio.run(served())
+            stdout, stderr = placement.communicate(timeout=120)
+        finally:
+            placement.kill()  # a no-op once it has exited
+        assert placement.returncode == 0, stderr
+        actors = json.loads(stdout.strip().splitlines()[-1])
+        nodes = {cls: node for cls, node in actors if "Prefill" in cls or "Decode" in cls}
+        assert nodes == {"PrefillWorker": ["prefill_node"], "DecodeWorker": ["decode_node"]}
     finally:
         code = svc.stop()
     assert code == 0, svc.log_tail()
-    llm = LLM(EngineArgs(kv_cache_gib=0.25))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    expected = [list(o.token_ids) for o in llm.generate(PROMPTS, [params] * len(PROMPTS))]
     assert got == expected

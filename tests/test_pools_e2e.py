@@ -41,10 +41,12 @@ MAX_TOKENS = [3, 6, 10, 4, 8, 5, 7, 3, 9, 6]
 
 @pytest.fixture(scope="module")
 def service(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, ray_session: str
 ) -> Iterator[ServiceProcess]:
     svc = ServiceProcess(
         [
+            "--ray-address",
+            ray_session,
             "--enable-admin",
             "--prefill-kv-cache-gib",
             "0.05",

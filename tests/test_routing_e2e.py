@@ -29,10 +29,12 @@ SYSTEM = "You are a careful assistant who answers questions about geography in d
 
 @pytest.fixture(scope="module")
 def service(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, ray_session: str
 ) -> Iterator[ServiceProcess]:
     svc = ServiceProcess(
         [
+            "--ray-address",
+            ray_session,
             "--prefill-workers",
             "2",
             "--prefill-kv-cache-gib",
@@ -53,11 +55,17 @@ def service(
     assert svc.stop() == 0, svc.log_tail()
 
 
-async def _run(address: str, **kwargs: object) -> tuple[list[int], pb.GenerateResponse, float]:
+async def _run(
+    address: str, decoding: asyncio.Event | None = None, **kwargs: object
+) -> tuple[list[int], pb.GenerateResponse, float]:
+    """Tokens, final message and finish time; `decoding` is set at the second token (the
+    first may come from a prefill worker, the second comes from the decode worker)."""
     tokens: list[int] = []
     final = None
     async for resp in stream_generate(address, temperature=0.0, ignore_eos=True, **kwargs):
         tokens.extend(resp.token_ids)
+        if decoding is not None and len(tokens) >= 2:
+            decoding.set()
         if resp.finish_reason:
             final = resp
     assert final is not None
@@ -105,13 +113,22 @@ def test_short_prompt_takes_the_local_path(service: ServiceProcess, smollm2_path
 def test_urgent_request_overtakes_a_full_batch(service: ServiceProcess) -> None:
     async def scenario() -> None:
         # Two long, unimportant requests fill the decode worker's batch (2 sequences).
+        # The urgent one comes once both decode, not after a fixed wait: then each long
+        # one has dozens of steps left against the urgent one's few on any machine.
+        decoding = [asyncio.Event() for _ in range(2)]
         slow = [
             asyncio.ensure_future(
-                _run(service.address, prompt=f"Count slowly {i}.", max_tokens=80, priority=5)
+                _run(
+                    service.address,
+                    decoding=decoding[i],
+                    prompt=f"Count slowly {i}.",
+                    max_tokens=40,
+                    priority=5,
+                )
             )
             for i in range(2)
         ]
-        await asyncio.sleep(1.0)
+        await asyncio.wait_for(asyncio.gather(*(d.wait() for d in decoding)), 120)
         _, urgent, urgent_done = await _run(
             service.address, prompt="Quick: say yes.", max_tokens=4, priority=-5
         )

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from engine.factory import EngineArgs
-from engine.llm import LLM
+from engine.llm import LLM, CompletionOutput
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 from router.client import get_pool_stats, stream_generate
@@ -51,11 +51,13 @@ MAX_TOKENS = [12, 20, 8, 16, 10, 24, 14, 6, 18, 9, 11, 7, 22, 13, 5, 15]
 
 @pytest.fixture(scope="module")
 def service(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, ray_session: str
 ) -> Iterator[ServiceProcess]:
     log = tmp_path_factory.mktemp("svc") / "service.log"
     svc = ServiceProcess(
         [
+            "--ray-address",
+            ray_session,
             "--local-prefill-max-tokens",  # every prompt goes through the prefill pool
             "0",
             "--prefill-long-prefill-token-threshold",
@@ -84,7 +86,10 @@ def colocated(smollm2_path: Path) -> LLM:
     return LLM(EngineArgs(kv_cache_gib=0.25))
 
 
-async def _collect(address: str, **kwargs: object) -> tuple[list[int], str, pb.GenerateResponse]:
+Collected = tuple[list[int], str, pb.GenerateResponse]  # tokens, text, final message
+
+
+async def _collect(address: str, **kwargs: object) -> Collected:
     tokens: list[int] = []
     text = ""
     final = None
@@ -117,19 +122,22 @@ def test_greedy_streams_match_colocated_engine_and_transformers(
     service: ServiceProcess, colocated: LLM, smollm2_path: Path
 ) -> None:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
-    reference = colocated.generate(PROMPTS, params)
 
-    async def run() -> list[tuple[list[int], str, pb.GenerateResponse]]:
-        return await asyncio.gather(
+    async def run() -> tuple[list[Collected], list[CompletionOutput]]:
+        # The colocated engine runs in a thread of this process while the service (other
+        # processes) serves: neither waits for the other.
+        reference = asyncio.ensure_future(asyncio.to_thread(colocated.generate, PROMPTS, params))
+        # Put the shared prefix in the prefill pool's prefix cache first.
+        await _collect(service.address, prompt=SHARED + "Hi.", max_tokens=2)
+        served = await asyncio.gather(
             *(
                 _collect(service.address, prompt=p, max_tokens=n, temperature=0.0, ignore_eos=True)
                 for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
             )
         )
+        return served, await reference
 
-    # Put the shared prefix in the prefill pool's prefix cache first.
-    asyncio.run(_collect(service.address, prompt=SHARED + "Hi.", max_tokens=2))
-    served = asyncio.run(run())
+    served, reference = asyncio.run(run())
     for i, (tokens, text, final) in enumerate(served):
         assert tokens == list(reference[i].token_ids), f"prompt {i} differs from colocated"
         assert text == reference[i].text

@@ -17,7 +17,7 @@ ARGS = EngineArgs(kv_cache_gib=0.1)
 
 
 def test_mismatched_pairing_fails_startup_naming_the_field(
-    smollm2_path: Path, ray_session: None
+    smollm2_path: Path, ray_session: str
 ) -> None:
     bad = Cluster(
         ClusterConfig(prefill_args=ARGS, decode_args=EngineArgs(kv_cache_gib=0.1, dtype="bfloat16"))
@@ -27,7 +27,7 @@ def test_mismatched_pairing_fails_startup_naming_the_field(
 
 
 def test_bad_model_path_fails_startup_with_the_workers_error(
-    tmp_path: Path, ray_session: None
+    tmp_path: Path, ray_session: str
 ) -> None:
     bad = Cluster(
         ClusterConfig(prefill_args=EngineArgs(model=str(tmp_path / "nope")), decode_args=ARGS)
