@@ -135,29 +135,36 @@ def bench_model(
     profile_at: set[tuple[int, int]] | None = None,
     profile_log: list[str] | None = None,
     compile_model: bool = True,
-    gemv: bool = True,
+    gemv: str = "on",
 ) -> list[dict[str, Any]]:
     """Time every (batch, context) of one model shape in each mode, with the decoder
     compiled (the default engine) or as transformers runs it, and one-row products on
-    the Triton GEMV (the default) or on cuBLAS."""
+    the Triton GEMV (the default: "on", with q/k/v and gate/up packed into one product
+    each), on the GEMV with every projection its own product ("unpacked"), or on cuBLAS
+    ("off")."""
+    from unittest import mock
+
     from engine.core.batch import Batch, ScheduledSeq
+    from engine.model import triton_gemv
     from engine.model.model_runner import ModelRunner
     from engine.sampling_params import GREEDY
 
     max_blocks = -(-(max(contexts) + 1) // BLOCK_SIZE)
     num_blocks = max(batch_sizes) * max_blocks
     t0 = time.perf_counter()
-    runner = ModelRunner(
-        CONFIGS / name,
-        device="cuda",
-        dtype="bfloat16",
-        load_format="dummy",
-        num_blocks=num_blocks,
-        block_size=BLOCK_SIZE,
-        cuda_graph_batch_sizes=batch_sizes,
-        compile_model=compile_model,
-        small_batch_gemv=gemv,
-    )
+    packing = () if gemv == "unpacked" else triton_gemv.PACKED_SIBLINGS
+    with mock.patch.object(triton_gemv, "PACKED_SIBLINGS", packing):
+        runner = ModelRunner(
+            CONFIGS / name,
+            device="cuda",
+            dtype="bfloat16",
+            load_format="dummy",
+            num_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            cuda_graph_batch_sizes=batch_sizes,
+            compile_model=compile_model,
+            small_batch_gemv=gemv != "off",
+        )
     load_s = time.perf_counter() - t0
     graphs = runner.cuda_graphs
     if graphs is None:
@@ -294,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--gemv",
         default="on",
-        help="on, off or both: one-row products on the Triton GEMV, and/or on cuBLAS",
+        help="on, unpacked, off, or several (on,off): one-row products on the Triton GEMV "
+        "(q/k/v and gate/up packed), on the GEMV one product per projection, on cuBLAS",
     )
     p.add_argument(
         "--profile",
@@ -326,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     profiles = [t.split(":") for t in args.profile.split(",") if t]
     profile_log: list[str] = []
     compile_modes = [c == "on" for c in args.compile.split(",") if c]
-    gemv_modes = [c == "on" for c in args.gemv.split(",") if c]
+    gemv_modes = [c for c in args.gemv.split(",") if c]
+    if not set(gemv_modes) <= {"on", "unpacked", "off"}:
+        p.error(f"--gemv takes on, unpacked and off, not {args.gemv!r}")
     for name, compile_model, gemv in itertools.product(
         args.models.split(","), compile_modes, gemv_modes
     ):
@@ -358,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2))
 
     print(f"\n{result['device']}, copy {bandwidth / 1e9:.0f} GB/s; ms per decode step (median)")
-    head = f"{'model':14} {'comp':>4} {'gemv':>4} {'batch':>5} {'ctx':>5} {'floor':>7} {'sdpa':>7}"
+    head = f"{'model':14} {'comp':>4} {'gemv':>8} {'batch':>5} {'ctx':>5} {'floor':>7} {'sdpa':>7}"
     print(head + f" {'triton':>7} {'graphs':>7} {'gpu':>7} {'floor/graphs':>12}")
     for r in result["steps"]:
 
@@ -368,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         eff = r["floor_ms"] / r["graphs_ms"]["median"] if "graphs_ms" in r else float("nan")
         print(
             f"{r['model']:14} {'on' if r['compiled'] else 'off':>4} "
-            f"{'on' if r.get('gemv', True) else 'off':>4} {r['batch']:5d} "
+            f"{r['gemv']:>8} {r['batch']:5d} "
             f"{r['context']:5d} {r['floor_ms']:7.2f} "
             f"{ms('sdpa_ms')} {ms('triton_ms')} {ms('graphs_ms')} {ms('graph_gpu_ms')} "
             f"{eff:12.2f}"

@@ -1,6 +1,7 @@
 """GEMV micro-benchmark: the Triton small-batch GEMV against cuBLAS (`F.linear`).
 
-For every projection of a model shape (q, k/v, o, gate/up, down, lm_head) and a few row
+For every projection of a model shape (q, k/v, o, gate/up, down, lm_head, and q/k/v and
+gate/up packed into one product each, as one-row steps run them) and a few row
 counts (the decode batch), times both inside one CUDA graph per measurement that runs the
 product over enough distinct copies of the weight to exceed the L2 cache, as a decode
 step does (each weight is read once per step, never from cache). Reports microseconds per
@@ -62,8 +63,10 @@ def shapes_of(model: str) -> dict[str, tuple[int, int]]:
     return {
         "q": (heads * head_dim, h),
         "k/v": (kv_heads * head_dim, h),
+        "q+k+v packed": ((heads + 2 * kv_heads) * head_dim, h),
         "o": (h, heads * head_dim),
         "gate/up": (inter, h),
+        "gate+up packed": (2 * inter, h),
         "down": (h, inter),
         "lm_head": (cfg["vocab_size"], h),
     }

@@ -2,9 +2,12 @@
 
 * The kernel against a float64 reference: one to eight rows, ragged feature counts,
   reduction lengths that are not a multiple of the tile, bias, bf16 and fp16.
+* Packed siblings (q/k/v, gate/up stacked into one product) give each projection exactly
+  the bits of its own product.
 * In the runner (Llama-3.2-1B shape, random bf16 weights): every projection and the
-  lm_head of a one-sequence decode step runs on it, steps of more sequences never do,
-  and the batch-1 CUDA graph's logits match the same step on cuBLAS.
+  lm_head of a one-sequence decode step runs on it, q/k/v and gate/up as one launch
+  each; steps of more sequences never do; the batch-1 CUDA graph's logits match the
+  same step on cuBLAS, and packed logits are bitwise those of one product a projection.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ import torch
 from engine.core.batch import Batch, ScheduledSeq
 from engine.model.model_runner import ModelRunner
 from engine.model.triton_attention import triton_available
-from engine.model.triton_gemv import GemvConfig, GemvLinear, gemv, uses_gemv
+from engine.model.triton_gemv import (
+    GemvConfig,
+    gemv,
+    packed_modules,
+    remove_gemv,
+    use_gemv,
+    uses_gemv,
+)
 from engine.sampling_params import GREEDY
 
 pytestmark = [
@@ -61,6 +71,22 @@ def test_gemv_matches_float64_reference(
         gemv(x, w.t().contiguous().t(), b)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_product_gives_each_projection_its_own_bits(bias: bool) -> None:
+    torch.manual_seed(7)
+    k, widths = 2048, (2048, 512, 512)  # a 1B layer's q, k and v
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for n in widths]
+    biases = [torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None for n in widths]
+    packed = gemv(
+        x,
+        torch.cat(weights),
+        torch.cat(biases) if bias else None,  # type: ignore[arg-type]
+    )
+    own = torch.cat([gemv(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=1)
+    assert torch.equal(packed, own)
+
+
 def _decode_batch(prompts: list[list[int]], tables: list[tuple[int, ...]]) -> Batch:
     return Batch(
         tuple(
@@ -92,6 +118,7 @@ def test_one_sequence_decode_runs_every_projection_on_the_gemv() -> None:
     )
     assert uses_gemv(runner.model) and runner.cuda_graphs is not None
     layers = runner.spec.num_layers
+    assert packed_modules(runner.model) == 2 * layers  # attention and MLP of every layer
     rng = random.Random(3)
     prompts = [[rng.randrange(0, 128000) for _ in range(rng.randrange(20, 300))] for _ in range(4)]
     ids = rng.sample(range(256), k=4 * 20)
@@ -106,26 +133,25 @@ def test_one_sequence_decode_runs_every_projection_on_the_gemv() -> None:
     runner.execute(prefill)
     four, one = _decode_batch(prompts, tables), _decode_batch(prompts[:1], tables[:1])
     assert _gemv_launches(lambda: runner.execute(four, use_cuda_graphs=False)) == 0  # cuBLAS
-    # q, k, v, o, gate, up, down in every layer, and the lm_head: compiled, ungraphed...
-    assert _gemv_launches(lambda: runner.execute(one, use_cuda_graphs=False)) == 7 * layers + 1
+    # q+k+v, o, gate+up, down in every layer, and the lm_head: compiled, ungraphed...
+    assert _gemv_launches(lambda: runner.execute(one, use_cuda_graphs=False)) == 4 * layers + 1
     # ...and replayed from the batch-1 graph.
-    assert _gemv_launches(lambda: runner.execute(one)) == 7 * layers + 1
+    assert _gemv_launches(lambda: runner.execute(one)) == 4 * layers + 1
 
-    # The batch-1 graph (captured with the GEMV) against the same step on cuBLAS.
     with torch.inference_mode():
         graph = runner.cuda_graphs.run(one).float()
-        linears = [mod for mod in runner.model.modules() if isinstance(mod, GemvLinear)]
-        for mod in linears:
-            mod.__class__ = torch.nn.Linear
         decoder = runner.model.get_decoder()
-        compiled_forward = decoder.forward
-        del decoder.forward  # transformers' own forward on cuBLAS: the reference
-        try:
-            reference = runner._forward_eager(one, None).float()
-        finally:
-            decoder.forward = compiled_forward
-            for mod in linears:
-                mod.__class__ = GemvLinear
+        del decoder.forward  # transformers' own forward from here on (no compiled graphs)
+        packed = runner._forward_eager(one, None)
+        # One GEMV a projection: the same bits as the packed products.
+        remove_gemv(runner.model)
+        use_gemv(runner.model, pack=False)
+        assert packed_modules(runner.model) == 0
+        assert torch.equal(runner._forward_eager(one, None), packed)
+        # The batch-1 graph (captured with the GEMV) against the same step on cuBLAS.
+        remove_gemv(runner.model)
+        assert not uses_gemv(runner.model)
+        reference = runner._forward_eager(one, None).float()
     scale = reference.abs().max().item()
     diff = (graph - reference).abs().max().item()
     assert torch.isfinite(graph).all() and diff < 0.05 * scale, (diff, scale)
