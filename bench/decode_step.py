@@ -55,18 +55,21 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     return 2 * nbytes / (statistics.median(times) / 1e3)
 
 
-def _event_times(fn: Any, reps: int, warmup: int = 3) -> list[float]:
-    """Milliseconds per call of fn, timed with CUDA events, `reps` times."""
+def _event_times(fn: Any, reps: int, warmup: int = 3, calls: int = 1) -> list[float]:
+    """Milliseconds per call of fn, timed with CUDA events, `reps` times. Each sample
+    times `calls` calls back to back; with several, the host's launch of the first one
+    (which the start event also times: the device waits for it) is spread over them."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return times
 
 
@@ -220,6 +223,7 @@ def bench_model(
             size = next(s for s in graphs.batch_sizes if s >= n)
             graph = graphs._graphs[size][0]
             row["graph_gpu_ms"] = _stats(_event_times(graph.replay, steps))
+            row["graph_gpu_back_to_back_ms"] = _stats(_event_times(graph.replay, steps, calls=10))
             if profile_at and (n, ctx) in profile_at and profile_log is not None:
                 for mode in ("triton", "graphs"):
                     kw = _mode_kwargs(mode)
@@ -369,19 +373,24 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{result['device']}, copy {bandwidth / 1e9:.0f} GB/s; ms per decode step (median)")
     head = f"{'model':14} {'comp':>4} {'gemv':>8} {'batch':>5} {'ctx':>5} {'floor':>7} {'sdpa':>7}"
-    print(head + f" {'triton':>7} {'graphs':>7} {'gpu':>7} {'floor/graphs':>12}")
+    print(
+        head + f" {'triton':>7} {'graphs':>7} {'gpu':>7} {'gpu b2b':>7} {'×floor':>7} {'b2b×fl':>7}"
+    )
     for r in result["steps"]:
 
         def ms(key: str, r: dict[str, Any] = r) -> str:
-            return f"{r[key]['median']:7.2f}" if key in r else "    err"
+            return f"{r[key]['median']:7.3f}" if key in r else "    err"
 
-        eff = r["floor_ms"] / r["graphs_ms"]["median"] if "graphs_ms" in r else float("nan")
+        def ratio(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key]['median'] / r['floor_ms']:7.2f}" if key in r else "    err"
+
         print(
             f"{r['model']:14} {'on' if r['compiled'] else 'off':>4} "
             f"{r['gemv']:>8} {r['batch']:5d} "
-            f"{r['context']:5d} {r['floor_ms']:7.2f} "
+            f"{r['context']:5d} {r['floor_ms']:7.3f} "
             f"{ms('sdpa_ms')} {ms('triton_ms')} {ms('graphs_ms')} {ms('graph_gpu_ms')} "
-            f"{eff:12.2f}"
+            f"{ms('graph_gpu_back_to_back_ms')} {ratio('graph_gpu_ms')} "
+            f"{ratio('graph_gpu_back_to_back_ms')}"
         )
     print("\nTriton kernel, one 8B layer: batch ctx block_n splits ms GB/s")
     for k in result["kernel"]:
