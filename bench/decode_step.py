@@ -139,16 +139,18 @@ def bench_model(
     profile_log: list[str] | None = None,
     compile_model: bool = True,
     gemv: str = "on",
+    kv_write: str = "fused",
 ) -> list[dict[str, Any]]:
     """Time every (batch, context) of one model shape in each mode, with the decoder
     compiled (the default engine) or as transformers runs it, and one-row products on
     the Triton GEMV (the default: "on", with q/k/v and gate/up packed into one product
     each), on the GEMV with every projection its own product ("unpacked"), or on cuBLAS
-    ("off")."""
+    ("off"); a decode step's K/V written by the attention kernel ("fused", the default)
+    or by a kernel of its own first ("separate")."""
     from unittest import mock
 
     from engine.core.batch import Batch, ScheduledSeq
-    from engine.model import triton_gemv
+    from engine.model import attention, triton_gemv
     from engine.model.model_runner import ModelRunner
     from engine.sampling_params import GREEDY
 
@@ -156,7 +158,23 @@ def bench_model(
     num_blocks = max(batch_sizes) * max_blocks
     t0 = time.perf_counter()
     packing = () if gemv == "unpacked" else triton_gemv.PACKED_SIBLINGS
-    with mock.patch.object(triton_gemv, "PACKED_SIBLINGS", packing):
+    attend_paged = attention._attend_paged
+
+    def write_then_attend(*args: Any) -> torch.Tensor:  # the K/V write as its own kernel
+        query, kv_cache, layer_idx, group, scale, *new_kv = args
+        if new_kv and new_kv[0] is not None:
+            key, value, meta = new_kv[0]
+            attention.write_kv(kv_cache, layer_idx, key, value, meta)
+        return attend_paged(query, kv_cache, layer_idx, group, scale)
+
+    separate = kv_write == "separate"
+    # Patched for the whole measurement (capture, eager steps and profiles alike).
+    with (
+        mock.patch.object(triton_gemv, "PACKED_SIBLINGS", packing),
+        mock.patch.object(
+            attention, "_attend_paged", write_then_attend if separate else attend_paged
+        ),
+    ):
         runner = ModelRunner(
             CONFIGS / name,
             device="cuda",
@@ -168,77 +186,80 @@ def bench_model(
             compile_model=compile_model,
             small_batch_gemv=gemv != "off",
         )
-    load_s = time.perf_counter() - t0
-    graphs = runner.cuda_graphs
-    if graphs is None:
-        raise RuntimeError("CUDA graph capture failed (see the log)")
-    runner._kv_storage.normal_()  # random K/V: never time on zeros
-    spec = runner.spec
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv_token_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
-    vocab = spec.vocab_size
-    rng = random.Random(0)
-    rows = []
-    for ctx in contexts:
-        for n in batch_sizes:
-            ids = list(range(num_blocks))
-            rng.shuffle(ids)
-            per_seq = -(-ctx // BLOCK_SIZE)
-            batch = Batch(
-                tuple(
-                    ScheduledSeq(
-                        f"r{i}",
-                        (rng.randrange(vocab),),
-                        ctx - 1,  # the new token's position: ctx tokens after its write
-                        tuple(ids[i * per_seq : (i + 1) * per_seq]),
-                        True,
-                        GREEDY,
-                        0,
-                    )
-                    for i in range(n)
-                ),
-                BLOCK_SIZE,
-            )
-            kv_bytes = n * ctx * kv_token_bytes
-            row: dict[str, Any] = {
-                "model": name,
-                "compiled": compile_model,
-                "gemv": gemv,
-                "batch": n,
-                "context": ctx,
-                "weight_bytes": weight_bytes,
-                "kv_bytes": kv_bytes,
-                "load_s": round(load_s, 1),
-            }
-            for mode in ("sdpa", "triton", "graphs"):
-                kw = _mode_kwargs(mode)
-                try:
-                    row[f"{mode}_ms"] = _stats(
-                        _wall_times(lambda b=batch, kw=kw: runner.execute(b, **kw), steps)
-                    )
-                except Exception as exc:  # keep the other numbers of this run
-                    traceback.print_exc()
-                    row[f"{mode}_error"] = repr(exc)
-            graphs.run(batch)  # fill the static inputs for this batch
-            size = next(s for s in graphs.batch_sizes if s >= n)
-            graph = graphs._graphs[size][0]
-            row["graph_gpu_ms"] = _stats(_event_times(graph.replay, steps))
-            row["graph_gpu_back_to_back_ms"] = _stats(_event_times(graph.replay, steps, calls=10))
-            if profile_at and (n, ctx) in profile_at and profile_log is not None:
-                for mode in ("triton", "graphs"):
+        load_s = time.perf_counter() - t0
+        graphs = runner.cuda_graphs
+        if graphs is None:
+            raise RuntimeError("CUDA graph capture failed (see the log)")
+        runner._kv_storage.normal_()  # random K/V: never time on zeros
+        spec = runner.spec
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        kv_token_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+        vocab = spec.vocab_size
+        rng = random.Random(0)
+        rows = []
+        for ctx in contexts:
+            for n in batch_sizes:
+                ids = list(range(num_blocks))
+                rng.shuffle(ids)
+                per_seq = -(-ctx // BLOCK_SIZE)
+                batch = Batch(
+                    tuple(
+                        ScheduledSeq(
+                            f"r{i}",
+                            (rng.randrange(vocab),),
+                            ctx - 1,  # the new token's position: ctx tokens after its write
+                            tuple(ids[i * per_seq : (i + 1) * per_seq]),
+                            True,
+                            GREEDY,
+                            0,
+                        )
+                        for i in range(n)
+                    ),
+                    BLOCK_SIZE,
+                )
+                kv_bytes = n * ctx * kv_token_bytes
+                row: dict[str, Any] = {
+                    "model": name,
+                    "compiled": compile_model,
+                    "gemv": gemv,
+                    "kv_write": kv_write,
+                    "batch": n,
+                    "context": ctx,
+                    "weight_bytes": weight_bytes,
+                    "kv_bytes": kv_bytes,
+                    "load_s": round(load_s, 1),
+                }
+                for mode in ("sdpa", "triton", "graphs"):
                     kw = _mode_kwargs(mode)
                     try:
-                        row[f"{mode}_profile_ms"] = profile_step(
-                            lambda b=batch, kw=kw: runner.execute(b, **kw),
-                            f"{name} batch {n} ctx {ctx} {mode} "
-                            f"compiled={compile_model} gemv={gemv}",
-                            profile_log,
+                        row[f"{mode}_ms"] = _stats(
+                            _wall_times(lambda b=batch, kw=kw: runner.execute(b, **kw), steps)
                         )
-                    except Exception:
+                    except Exception as exc:  # keep the other numbers of this run
                         traceback.print_exc()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
+                        row[f"{mode}_error"] = repr(exc)
+                graphs.run(batch)  # fill the static inputs for this batch
+                size = next(s for s in graphs.batch_sizes if s >= n)
+                graph = graphs._graphs[size][0]
+                row["graph_gpu_ms"] = _stats(_event_times(graph.replay, steps))
+                row["graph_gpu_back_to_back_ms"] = _stats(
+                    _event_times(graph.replay, steps, calls=10)
+                )
+                if profile_at and (n, ctx) in profile_at and profile_log is not None:
+                    for mode in ("triton", "graphs"):
+                        kw = _mode_kwargs(mode)
+                        try:
+                            row[f"{mode}_profile_ms"] = profile_step(
+                                lambda b=batch, kw=kw: runner.execute(b, **kw),
+                                f"{name} batch {n} ctx {ctx} {mode} "
+                                f"compiled={compile_model} gemv={gemv} kv_write={kv_write}",
+                                profile_log,
+                            )
+                        except Exception:
+                            traceback.print_exc()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        return rows
 
 
 def bench_kernel(batch_sizes: list[int], context: int) -> list[dict[str, Any]]:
@@ -309,6 +330,13 @@ def main(argv: list[str] | None = None) -> int:
         "(q/k/v and gate/up packed), on the GEMV one product per projection, on cuBLAS",
     )
     p.add_argument(
+        "--kv-write",
+        default="fused",
+        help="fused, separate or both: a decode step's K/V written by the attention "
+        "kernel where the step splits contexts (the default), or always by a kernel of its "
+        "own first",
+    )
+    p.add_argument(
         "--profile",
         default="llama-3.2-1b:128:512,llama-3.1-8b:1:512,llama-3.1-8b:128:2048",
         help="model:batch:context triples to profile (GPU time per kernel class)",
@@ -341,8 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     gemv_modes = [c for c in args.gemv.split(",") if c]
     if not set(gemv_modes) <= {"on", "unpacked", "off"}:
         p.error(f"--gemv takes on, unpacked and off, not {args.gemv!r}")
-    for name, compile_model, gemv in itertools.product(
-        args.models.split(","), compile_modes, gemv_modes
+    kv_writes = [c for c in args.kv_write.split(",") if c]
+    if not set(kv_writes) <= {"fused", "separate"}:
+        p.error(f"--kv-write takes fused and separate, not {args.kv_write!r}")
+    for name, compile_model, gemv, kv_write in itertools.product(
+        args.models.split(","), compile_modes, gemv_modes, kv_writes
     ):
         at = {(int(b), int(c)) for m, b, c in profiles if m == name}
         try:
@@ -355,11 +386,12 @@ def main(argv: list[str] | None = None) -> int:
                 profile_log,
                 compile_model,
                 gemv,
+                kv_write,
             )
         except Exception as exc:
             traceback.print_exc()
             result.setdefault("errors", []).append(
-                f"{name} compiled={compile_model} gemv={gemv}: {exc!r}"
+                f"{name} compiled={compile_model} gemv={gemv} kv_write={kv_write}: {exc!r}"
             )
         gc.collect()  # the runner of this model goes before the next one loads
         torch.cuda.empty_cache()
@@ -372,9 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2))
 
     print(f"\n{result['device']}, copy {bandwidth / 1e9:.0f} GB/s; ms per decode step (median)")
-    head = f"{'model':14} {'comp':>4} {'gemv':>8} {'batch':>5} {'ctx':>5} {'floor':>7} {'sdpa':>7}"
+    head = f"{'model':14} {'comp':>4} {'gemv':>8} {'kv write':>8} {'batch':>5} {'ctx':>5}"
     print(
-        head + f" {'triton':>7} {'graphs':>7} {'gpu':>7} {'gpu b2b':>7} {'×floor':>7} {'b2b×fl':>7}"
+        head + f" {'floor':>7} {'sdpa':>7} {'triton':>7} {'graphs':>7} {'gpu':>7} {'gpu b2b':>7}"
+        f" {'×floor':>7} {'b2b×fl':>7}"
     )
     for r in result["steps"]:
 
@@ -386,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(
             f"{r['model']:14} {'on' if r['compiled'] else 'off':>4} "
-            f"{r['gemv']:>8} {r['batch']:5d} "
+            f"{r['gemv']:>8} {r.get('kv_write', 'separate'):>8} {r['batch']:5d} "
             f"{r['context']:5d} {r['floor_ms']:7.3f} "
             f"{ms('sdpa_ms')} {ms('triton_ms')} {ms('graphs_ms')} {ms('graph_gpu_ms')} "
             f"{ms('graph_gpu_back_to_back_ms')} {ratio('graph_gpu_ms')} "

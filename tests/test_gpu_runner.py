@@ -82,6 +82,7 @@ def _reference(q, cache, layer, table, ctx, scale):  # type: ignore[no-untyped-d
     ],
 )
 @pytest.mark.parametrize("num_splits", [1, 4, 32])
+@pytest.mark.parametrize("write_new", [False, True])
 def test_decode_kernel_matches_reference(
     num_heads: int,
     num_kv_heads: int,
@@ -89,6 +90,7 @@ def test_decode_kernel_matches_reference(
     block_size: int,
     dtype: torch.dtype,
     num_splits: int,
+    write_new: bool,
 ) -> None:
     gen = torch.Generator(device="cuda").manual_seed(num_heads * 1000 + head_dim + num_splits)
     num_blocks, num_layers, max_blocks, n = 600, 3, 80, 7
@@ -106,8 +108,25 @@ def test_decode_kernel_matches_reference(
         dtype=torch.int32,
         device="cuda",
     ).clamp(max=max_blocks * block_size)
+    new_kv: dict[str, torch.Tensor] = {}
+    if write_new:
+        # Each sequence's newest K/V come as inputs; its cache slot (layer 2 only) holds
+        # NaN until the kernel writes them there, and no other slot may change.
+        new_k, new_v = (
+            torch.randn((n, num_kv_heads, head_dim), generator=gen, device="cuda").to(dtype)
+            for _ in range(2)
+        )
+        new_kv = {"new_key": new_k, "new_value": new_v}
+        last = (ctx - 1).long()
+        blocks = table[torch.arange(n, device="cuda"), last // block_size].long()
+        expected = cache.clone()
+        expected[blocks, 2, 0, last % block_size] = new_k
+        expected[blocks, 2, 1, last % block_size] = new_v
+        cache[blocks, 2, :, last % block_size] = float("nan")
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    paged_decode_attention(q, cache, 2, table, ctx, head_dim**-0.5, num_splits, out=out)
+    paged_decode_attention(q, cache, 2, table, ctx, head_dim**-0.5, num_splits, out=out, **new_kv)
+    if write_new:
+        assert torch.equal(cache, expected)
     ref = _reference(q, cache, 2, table, ctx, head_dim**-0.5)
     assert torch.isfinite(out).all()
     err = ((out.double() - ref).norm() / ref.norm()).item()

@@ -422,13 +422,35 @@ def _attend_paged(
     layer_idx: int,
     group: AttentionGroup,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata] | None = None,
 ) -> torch.Tensor:
-    """The Triton paged kernel for a decode group: [n, H, D] for its n sequences."""
+    """The Triton paged kernel for a decode group: [n, H, D] for its n sequences.
+
+    `new_kv`: an identity group's new K and V, not yet in the cache. When the step splits
+    each context (few sequences, where launches cost more than bytes) the attention
+    kernel writes them itself; otherwise the write kernel runs first, since carrying them
+    through the attention kernel slowed a full batch's loop by 7 % (1B, batch 128,
+    `bench.decode_step --kv-write`)."""
     q = query if group.identity else query.index_select(0, group.q_index[:, 0])
     n = q.shape[0]
     splits = num_splits_for(n, kv_cache.shape[4], group.max_context, q.device)
+    new_key = new_value = None
+    if new_kv is not None:
+        key, value, meta = new_kv
+        if splits == 1:
+            write_kv(kv_cache, layer_idx, key, value, meta)
+        else:
+            new_key, new_value = key, value
     return paged_decode_attention(
-        q, kv_cache, layer_idx, group.block_table, group.context_lens, scale, splits
+        q,
+        kv_cache,
+        layer_idx,
+        group.block_table,
+        group.context_lens,
+        scale,
+        splits,
+        new_key=new_key,
+        new_value=new_value,
     )
 
 
@@ -475,10 +497,15 @@ def paged_attention(
     [T, H, D] and key/value [T, KVH, D], over the current `paged_step`."""
     step = _current_step()
     meta, kv_cache = step.metadata, step.kv_cache
-    # Write first: a sequence's new tokens must see their own K/V.
-    write_kv(kv_cache, layer_idx, key, value, meta)
     groups = meta.groups
     first = groups[0]
+    pure_decode = len(groups) == 1 and isinstance(first, AttentionGroup) and first.identity
+    if pure_decode and isinstance(first, AttentionGroup) and first.paged:
+        # Token i is sequence i: the Triton decode path writes their K/V, in a kernel of
+        # its own or in the attention kernel.
+        return _attend_paged(query, kv_cache, layer_idx, first, scale, (key, value, meta))
+    # Write first: a sequence's new tokens must see their own K/V.
+    write_kv(kv_cache, layer_idx, key, value, meta)
     if isinstance(first, VarlenGroup):  # a step with prompt chunks, on the Triton path
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         paged_varlen_attention(
@@ -494,9 +521,8 @@ def paged_attention(
             out=out,
         )
         return out
-    if len(groups) == 1 and first.identity:  # a pure decode step: no gather, no scatter
-        if first.paged:
-            return _attend_paged(query, kv_cache, layer_idx, first, scale)
+    if pure_decode:  # on SDPA: no gather, no scatter
+        assert isinstance(first, AttentionGroup)
         return _attend_sdpa(query, kv_cache, layer_idx, meta, first, scale)[:, :, 0]
     out = torch.empty_like(query)
     for group in groups:  # decode group(s), then prefill

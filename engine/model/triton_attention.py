@@ -69,6 +69,8 @@ if triton is not None:
         ctx_ptr,
         out_ptr,  # [n, H, D] when NUM_SPLITS == 1, else [n, H, S, D] float32
         lse_ptr,  # [n, H, S] float32 (unused when NUM_SPLITS == 1)
+        new_k_ptr,  # [n, KVH, D]: each sequence's newest K (WRITE_NEW only)
+        new_v_ptr,
         kv_layer_offset,  # elements from a block's start to this layer's K
         stride_q_seq,
         stride_q_head,
@@ -80,6 +82,10 @@ if triton is not None:
         stride_out_seq,
         stride_out_head,
         stride_out_split,
+        stride_new_k_seq,
+        stride_new_k_head,
+        stride_new_v_seq,
+        stride_new_v_head,
         qk_scale,  # softmax scale * log2(e)
         BLOCK_SIZE: tl.constexpr,
         GROUP: tl.constexpr,  # query heads per kv head
@@ -89,6 +95,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         IEEE: tl.constexpr,  # float32 inputs: exact dots, not tf32
+        WRITE_NEW: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -112,9 +119,22 @@ if triton is not None:
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
         table_row = table_ptr + seq.to(tl.int64) * stride_table_seq
+        last = ctx - 1
+        if WRITE_NEW:
+            # The newest position's K/V come as inputs, not from the cache: the loop skips
+            # it, the split that holds it adds it last and then writes it into the cache,
+            # so a decode step needs no separate write kernel and no program waits on a
+            # store before its first tile. The inputs load before the loop.
+            has_new = (last >= start) & (last < end)
+            src = seq.to(tl.int64) * stride_new_k_seq + kv_head * stride_new_k_head
+            new_k = tl.load(new_k_ptr + src + offs_d, mask=d_mask & has_new, other=0.0)
+            src = seq.to(tl.int64) * stride_new_v_seq + kv_head * stride_new_v_head
+            new_v = tl.load(new_v_ptr + src + offs_d, mask=d_mask & has_new, other=0.0)
         for tile in range(start, end, BLOCK_N):
             pos = tile + tl.arange(0, BLOCK_N)
             valid = pos < end
+            if WRITE_NEW:
+                valid = valid & (pos != last)
             block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             row = (
                 block * stride_kv_block
@@ -130,8 +150,11 @@ if triton is not None:
                 qk = tl.dot(q, tl.trans(k))
             qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(qk - m_new[:, None])
+            m_exp = m_new
+            if WRITE_NEW:  # a first tile of only the skipped position: keep exp2 finite
+                m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_exp)
+            p = tl.math.exp2(qk - m_exp[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
@@ -142,6 +165,27 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+
+        if WRITE_NEW:  # noqa: SIM102 (a constexpr branch around a run-time one)
+            if has_new:
+                qk_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * qk_scale
+                m_new = tl.maximum(m_i, qk_new)
+                alpha = tl.math.exp2(m_i - m_new)
+                p_new = tl.math.exp2(qk_new - m_new)
+                l_i = l_i * alpha + p_new
+                acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)[None, :]
+                m_i = m_new
+                block = tl.load(table_row + last // BLOCK_SIZE).to(tl.int64)
+                dst = (
+                    kv_ptr
+                    + block * stride_kv_block
+                    + kv_layer_offset
+                    + (last % BLOCK_SIZE) * stride_kv_tok
+                    + kv_head * stride_kv_head
+                    + offs_d
+                )
+                tl.store(dst, new_k.to(kv_ptr.dtype.element_ty), mask=d_mask)
+                tl.store(dst + stride_kv_kv, new_v.to(kv_ptr.dtype.element_ty), mask=d_mask)
 
         # An empty split (start >= ctx) leaves l_i == 0: output 0, lse -inf (weight 0).
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -267,12 +311,17 @@ def paged_decode_attention(
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     query [n, H, D]; kv_cache [num_blocks, L, 2, block_size, KVH, D]; block_table
     [n, max_blocks] (int32 or int64); context_lens [n] (tokens in the cache, the query's
     own K/V included; 0 gives a zero output). Returns (or fills) out [n, H, D].
+    With `new_key` and `new_value` ([n, KVH, D] each), the kernel first writes them into
+    each sequence's newest position (context_lens - 1) of layer `layer_idx`: a decode
+    step's K/V write and attention in one launch.
     """
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
@@ -287,6 +336,16 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if query.stride(2) != 1 or kv_cache.stride(5) != 1 or block_table.stride(1) != 1:
         raise ValueError("query, kv_cache and block_table need a contiguous last dim")
+    if (new_key is None) != (new_value is None):
+        raise ValueError("new_key and new_value come together")
+    if new_key is not None and new_value is not None:
+        if new_key.shape != (n, num_kv_heads, head_dim) or new_value.shape != new_key.shape:
+            raise ValueError(
+                f"new_key/new_value must be [{n}, {num_kv_heads}, {head_dim}], got "
+                f"{list(new_key.shape)} and {list(new_value.shape)}"
+            )
+        if new_key.stride(2) != 1 or new_value.stride(2) != 1:
+            new_key, new_value = new_key.contiguous(), new_value.contiguous()
     if out is None:
         out = torch.empty_like(query)
     if n == 0:
@@ -317,6 +376,16 @@ def paged_decode_attention(
         block_table.stride(0),
     )
     qk_scale = scale * 1.4426950408889634  # log2(e): the kernel uses exp2
+    write_new = new_key is not None
+    new_k = new_key if new_key is not None else query  # unread placeholders otherwise
+    new_v = new_value if new_value is not None else query
+    new_args = (
+        new_k.stride(0),
+        new_k.stride(1),
+        new_v.stride(0),
+        new_v.stride(1),
+        qk_scale,
+    )
     if num_splits == 1:
         _decode_split_kernel[grid](
             query,
@@ -325,11 +394,14 @@ def paged_decode_attention(
             context_lens,
             out,
             out,
+            new_k,
+            new_v,
             *kv_args,
             out.stride(0),
             out.stride(1),
             0,
-            qk_scale,
+            *new_args,
+            WRITE_NEW=write_new,
             **common,
         )
         return out
@@ -344,11 +416,14 @@ def paged_decode_attention(
         context_lens,
         part,
         lse,
+        new_k,
+        new_v,
         *kv_args,
         part.stride(0),
         part.stride(1),
         part.stride(2),
-        qk_scale,
+        *new_args,
+        WRITE_NEW=write_new,
         **common,
     )
     _merge_splits_kernel[(n, num_heads)](
