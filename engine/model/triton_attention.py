@@ -319,8 +319,9 @@ def paged_decode_attention(
     query [n, H, D]; kv_cache [num_blocks, L, 2, block_size, KVH, D]; block_table
     [n, max_blocks] (int32 or int64); context_lens [n] (tokens in the cache, the query's
     own K/V included; 0 gives a zero output). Returns (or fills) out [n, H, D].
-    With `new_key` and `new_value` ([n, KVH, D] each), the kernel first writes them into
-    each sequence's newest position (context_lens - 1) of layer `layer_idx`: a decode
+    With `new_key` and `new_value` ([n, KVH, D] each), they are each sequence's newest
+    K/V (position context_lens - 1), not yet in the cache: the kernel attends to them
+    from the inputs and stores them into that position of layer `layer_idx`, a decode
     step's K/V write and attention in one launch.
     """
     if triton is None:
