@@ -296,6 +296,14 @@ def _pack_siblings(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
     return True
 
 
+def _fits_gemv(weight: torch.Tensor) -> bool:
+    return (
+        weight.is_cuda
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and weight.is_contiguous()
+    )
+
+
 def use_gemv(model: torch.nn.Module, pack: bool = True) -> int:
     """Make the model's 16-bit CUDA Linear layers GemvLinear and, with `pack`, pack
     sibling projections (PACKED_SIBLINGS) into one product each; returns how many
@@ -304,12 +312,7 @@ def use_gemv(model: torch.nn.Module, pack: bool = True) -> int:
         return 0
     changed = 0
     for module in model.modules():
-        if (
-            type(module) is torch.nn.Linear
-            and module.weight.is_cuda
-            and module.weight.dtype in (torch.bfloat16, torch.float16)
-            and module.weight.is_contiguous()
-        ):
+        if type(module) is torch.nn.Linear and _fits_gemv(module.weight):
             module.__class__ = GemvLinear
             changed += 1
     if pack:
