@@ -19,6 +19,7 @@ Not a test: numbers depend on the card; compare only numbers from one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -171,9 +172,9 @@ def bench_model(
     # Patched for the whole measurement (capture, eager steps and profiles alike).
     with (
         mock.patch.object(triton_gemv, "PACKED_SIBLINGS", packing),
-        mock.patch.object(
-            attention, "_attend_paged", write_then_attend if separate else attend_paged
-        ),
+        mock.patch.object(attention, "_attend_paged", write_then_attend)
+        if separate
+        else contextlib.nullcontext(),
     ):
         runner = ModelRunner(
             CONFIGS / name,
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(
             f"{r['model']:14} {'on' if r['compiled'] else 'off':>4} "
-            f"{r['gemv']:>8} {r.get('kv_write', 'separate'):>8} {r['batch']:5d} "
+            f"{r['gemv']:>8} {r['kv_write']:>8} {r['batch']:5d} "
             f"{r['context']:5d} {r['floor_ms']:7.3f} "
             f"{ms('sdpa_ms')} {ms('triton_ms')} {ms('graphs_ms')} {ms('graph_gpu_ms')} "
             f"{ms('graph_gpu_back_to_back_ms')} {ratio('graph_gpu_ms')} "

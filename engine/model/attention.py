@@ -499,11 +499,11 @@ def paged_attention(
     meta, kv_cache = step.metadata, step.kv_cache
     groups = meta.groups
     first = groups[0]
-    pure_decode = len(groups) == 1 and isinstance(first, AttentionGroup) and first.identity
-    if pure_decode and isinstance(first, AttentionGroup) and first.paged:
-        # Token i is sequence i: the Triton decode path writes their K/V, in a kernel of
-        # its own or in the attention kernel.
-        return _attend_paged(query, kv_cache, layer_idx, first, scale, (key, value, meta))
+    # A pure decode step: token i is sequence i, no gather and no scatter.
+    decode = first if isinstance(first, AttentionGroup) and first.identity else None
+    if decode is not None and decode.paged:
+        # The Triton path writes the new K/V, in a kernel of its own or the attention's.
+        return _attend_paged(query, kv_cache, layer_idx, decode, scale, (key, value, meta))
     # Write first: a sequence's new tokens must see their own K/V.
     write_kv(kv_cache, layer_idx, key, value, meta)
     if isinstance(first, VarlenGroup):  # a step with prompt chunks, on the Triton path
@@ -521,9 +521,8 @@ def paged_attention(
             out=out,
         )
         return out
-    if pure_decode:  # on SDPA: no gather, no scatter
-        assert isinstance(first, AttentionGroup)
-        return _attend_sdpa(query, kv_cache, layer_idx, meta, first, scale)[:, :, 0]
+    if decode is not None:
+        return _attend_sdpa(query, kv_cache, layer_idx, meta, decode, scale)[:, :, 0]
     out = torch.empty_like(query)
     for group in groups:  # decode group(s), then prefill
         assert isinstance(group, AttentionGroup)

@@ -380,13 +380,7 @@ def paged_decode_attention(
     write_new = new_key is not None
     new_k = new_key if new_key is not None else query  # unread placeholders otherwise
     new_v = new_value if new_value is not None else query
-    new_args = (
-        new_k.stride(0),
-        new_k.stride(1),
-        new_v.stride(0),
-        new_v.stride(1),
-        qk_scale,
-    )
+    new_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1))
     if num_splits == 1:
         _decode_split_kernel[grid](
             query,
@@ -401,7 +395,8 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             0,
-            *new_args,
+            *new_strides,
+            qk_scale,
             WRITE_NEW=write_new,
             **common,
         )
@@ -423,7 +418,8 @@ def paged_decode_attention(
         part.stride(0),
         part.stride(1),
         part.stride(2),
-        *new_args,
+        *new_strides,
+        qk_scale,
         WRITE_NEW=write_new,
         **common,
     )

@@ -253,15 +253,15 @@ def _packed_class(cls: type) -> type:
     return _PACKED_CLASSES[cls]
 
 
-def _pack_siblings(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
+def _pack_siblings(module: torch.nn.Module, names: tuple[str, ...]) -> None:
     """Stack the siblings' weights (and biases) into one buffer of `module`, make each
     sibling's parameters views of it (no extra memory), and swap in the packing classes.
-    False, changing nothing, where the siblings do not fit (types, dtypes, inputs) or
-    the packed width could be mistaken for the input's."""
+    Nothing changes where the siblings do not fit (types, dtypes, inputs) or the packed
+    width could be mistaken for the input's."""
     found = [getattr(module, name, None) for name in names]
     projections = [p for p in found if type(p) is GemvLinear]
     if len(projections) != len(names):
-        return False
+        return
     first = projections[0]
     if any(
         p.in_features != first.in_features
@@ -269,13 +269,13 @@ def _pack_siblings(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
         or (p.bias is None) != (first.bias is None)
         for p in projections
     ):
-        return False
+        return
     width = sum(p.out_features for p in projections)
     if width == first.in_features or isinstance(module, _PacksSiblings):
-        return False
+        return
     params = list(inspect.signature(type(module).forward).parameters)
     if len(params) < 2:
-        return False
+        return
     with torch.no_grad():
         weight = torch.cat([p.weight for p in projections])
         bias = None if first.bias is None else torch.cat([p.bias for p in projections])
@@ -293,7 +293,6 @@ def _pack_siblings(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
         offset += p.out_features
     module._packed_input = params[1]  # type: ignore[assignment]
     module.__class__ = _packed_class(type(module))
-    return True
 
 
 def _fits_gemv(weight: torch.Tensor) -> bool:
@@ -329,7 +328,7 @@ def remove_gemv(model: torch.nn.Module) -> None:
         if isinstance(module, GemvLinear):
             module.__class__ = torch.nn.Linear  # type: ignore[assignment]
         elif isinstance(module, _PacksSiblings):
-            module.__class__ = type(module).__mro__[2]
+            module.__class__ = type(module).__bases__[1]  # (_PacksSiblings, own class)
 
 
 def uses_gemv(model: torch.nn.Module) -> bool:
