@@ -294,6 +294,23 @@ def format_tables(result: dict) -> str:
                 f"{_fmt(wire):>11}{_fmt(r.get('gib_s')):>11}{_fmt(ratio, 2):>7}"
                 f"{_fmt(wire_ratio, 2):>11}"
             )
+    lines += [
+        "",
+        "== TPOT p50 / ITL p50 over b's full-batch decode step (same concurrency) ==",
+        f"{'shape':<6}{'system':<24}{'conc':>5}{'step ms':>9}{'TPOT/step':>11}{'ITL/step':>10}",
+    ]
+    for shape, rec in result.get("shapes", {}).items():
+        b_runs = {r["concurrency"]: r for r in _runs(rec.get("offline", {}).get("b"))}
+        for r in [*b_runs.values(), *_runs(rec.get("service"))]:
+            step = b_runs.get(r["concurrency"], {}).get("decode_step", {}).get("step_ms")
+            if not step or r["concurrency"] == 1:
+                continue
+            itl = r.get("itl_ms", {}).get("p50")
+            lines.append(
+                f"{shape:<6}{r['system']:<24}{r['concurrency']:>5}{_fmt(step, 2):>9}"
+                f"{_fmt(r['tpot_ms']['p50'] / step, 2):>11}"
+                f"{_fmt(itl / step if itl else None, 2):>10}"
+            )
     lines += ["", "== TTFT at concurrency 1: c (1P1D, gRPC) vs b (engine in-process), ms p50 =="]
     for shape, rec in result.get("shapes", {}).items():
         b = {r["concurrency"]: r for r in _runs(rec.get("offline", {}).get("b"))}.get(1)
