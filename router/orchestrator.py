@@ -40,6 +40,7 @@ from router.admission import Admission
 from router.cluster import POOLS
 from router.config import RouterConfig
 from router.errors import NotReadyError, QueueFullError
+from router.inbox import UpdateInbox
 from router.kv_index import PrefixIndex
 from router.pools import Pools, WorkerRef
 from router.protocol import GenerateCall, PoolStats, ServerInfo
@@ -59,7 +60,7 @@ class _Attempt:
     """One try at running a request; its id is what the workers know it by."""
 
     inp: GenerationInput
-    queue: asyncio.Queue[TokenUpdate | BaseException] = field(default_factory=asyncio.Queue)
+    inbox: UpdateInbox = field(default_factory=UpdateInbox)
     decode_ref: WorkerRef | None = None  # holds num_assigned while set
     prefill_ref: WorkerRef | None = None
 
@@ -174,7 +175,7 @@ class DisaggregatedGenerator:
                 for update in batch.updates:
                     attempt = self._attempts.get(update.req_id)
                     if attempt is not None:
-                        attempt.queue.put_nowait(update)
+                        attempt.inbox.put(update)
         finally:
             self._pollers.pop(ref, None)
 
@@ -187,7 +188,7 @@ class DisaggregatedGenerator:
     def _on_worker_death(self, ref: WorkerRef, reason: str) -> None:
         for attempt in list(self._attempts.values()):
             if attempt.decode_ref is ref:
-                attempt.queue.put_nowait(WorkerLost(reason))
+                attempt.inbox.put(WorkerLost(reason))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -461,8 +462,8 @@ class DisaggregatedGenerator:
         """Turn token updates into text chunks until the request finishes."""
         while True:
             out = self.outputs.process(out_id, tokens, reason)
-            progress.num_out += len(tokens)
             if out.chunk is not None:
+                progress.num_out += len(out.chunk.token_ids)
                 progress.t_first = progress.t_first or time.perf_counter()
                 yield out.chunk
             if out.finish_reason is not None:
@@ -472,9 +473,7 @@ class DisaggregatedGenerator:
                 progress.finish_reason = out.finish_reason
                 return
             try:
-                item = await asyncio.wait_for(
-                    attempt.queue.get(), self.config.token_stall_timeout_s
-                )
+                item = await attempt.inbox.take(self.config.token_stall_timeout_s)
             except TimeoutError as exc:
                 raise RuntimeError(
                     f"no token for {self.config.token_stall_timeout_s:.0f}s"

@@ -50,3 +50,29 @@ def test_no_stop_match_flushes_everything(tokenizer) -> None:  # type: ignore[no
     deltas, detok = stream(tokenizer, " hello world", stop=("zzz",))
     assert not detok.stopped
     assert "".join(deltas) == " hello world"
+
+
+def test_tokens_given_together_past_a_stop_string_are_not_reported(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # A router behind on delivery hands the output processor several steps' tokens at
+    # once; the chunk must end at the token that completed the stop string, as it does
+    # when the tokens come one at a time.
+    from engine.core.request import FinishReason
+    from engine.frontend.output_processor import OutputProcessor
+
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    ids = tokenizer.encode(" one two STOP three four", add_special_tokens=False)
+    one_at_a_time = OutputProcessor(tokenizer)
+    one_at_a_time.add("a", prompt, ("STOP",))
+    read = []
+    for token in ids:
+        out = one_at_a_time.process("a", [token], None)
+        read += out.chunk.token_ids if out.chunk else []
+        if out.finish_reason is not None:
+            break
+    together = OutputProcessor(tokenizer)
+    together.add("b", prompt, ("STOP",))
+    out = together.process("b", ids, None)
+    assert out.finish_reason is FinishReason.STOP
+    assert out.chunk is not None and out.chunk.text == " one two "
+    assert list(out.chunk.token_ids) == read
+    assert len(read) < len(ids)

@@ -32,6 +32,9 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded output text (truncated at a stop string)
         self._num_emitted = 0
         self.stopped = False  # a stop string was found
+        # Of the tokens given to the last add(), how many it read: fewer than given when
+        # a stop string ended the output part-way through them.
+        self.num_read = 0
 
     def _decode(self, token_ids: list[int]) -> str:
         if self._tokenizer is None:  # dummy-weight models may ship no tokenizer: ids only
@@ -40,9 +43,11 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed new tokens; returns the text that became final."""
+        self.num_read = 0
         if self.stopped:
             return ""
         for token in token_ids:
+            self.num_read += 1
             self._tokens.append(token)
             prefix = self._decode(self._tokens[self._prefix_offset : self._read_offset])
             full = self._decode(self._tokens[self._prefix_offset :])

@@ -43,6 +43,7 @@ class OutputProcessor:
         stopped = detok.stopped
         if stopped:
             finish_reason = FinishReason.STOP
+            new_token_ids = new_token_ids[: detok.num_read]  # none past the stop string
         elif finish_reason is not None:
             text += detok.flush()
         if finish_reason is not None:

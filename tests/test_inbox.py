@@ -1,0 +1,76 @@
+"""A request's inbox merges what arrived while its stream was busy, never across a failure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.core.outputs import TokenUpdate
+from engine.core.request import FinishReason
+from router.inbox import UpdateInbox
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_updates_that_arrived_together_come_out_as_one() -> None:
+    async def main() -> list[TokenUpdate]:
+        inbox = UpdateInbox()
+        inbox.put(TokenUpdate("r", kv_wire_s=0.002))
+        for token in (5, 6, 7):
+            inbox.put(TokenUpdate("r", (token,), num_cached_tokens=16))
+        first = await inbox.take(1.0)
+        inbox.put(TokenUpdate("r", (8,), FinishReason.LENGTH))
+        return [first, await inbox.take(1.0)]
+
+    first, last = run(main())
+    assert first.new_token_ids == (5, 6, 7)
+    assert first.kv_wire_s == 0.002 and first.num_cached_tokens == 16
+    assert first.finish_reason is None
+    assert last.new_token_ids == (8,) and last.finish_reason is FinishReason.LENGTH
+
+
+def test_tokens_before_a_failure_come_first_then_the_failure() -> None:
+    async def main() -> list[object]:
+        inbox = UpdateInbox()
+        inbox.put(TokenUpdate("r", (1,)))
+        inbox.put(TokenUpdate("r", (2,)))
+        inbox.put(RuntimeError("worker lost"))
+        inbox.put(TokenUpdate("r", (3,)))
+        return [await inbox.take(1.0) for _ in range(3)]
+
+    tokens, failure, after = run(main())
+    assert tokens.new_token_ids == (1, 2)
+    assert isinstance(failure, RuntimeError)
+    assert after.new_token_ids == (3,)
+
+
+def test_an_error_update_is_not_merged_into_tokens() -> None:
+    async def main() -> list[TokenUpdate]:
+        inbox = UpdateInbox()
+        inbox.put(TokenUpdate("r", (1,)))
+        inbox.put(TokenUpdate("r", finish_reason=FinishReason.ERROR, error="import failed"))
+        return [await inbox.take(1.0), await inbox.take(1.0)]
+
+    tokens, error = run(main())
+    assert tokens.new_token_ids == (1,) and tokens.finish_reason is None
+    assert error.finish_reason is FinishReason.ERROR and error.error == "import failed"
+
+
+def test_nothing_is_merged_past_the_finish() -> None:
+    async def main() -> list[TokenUpdate]:
+        inbox = UpdateInbox()
+        inbox.put(TokenUpdate("r", (1,), FinishReason.STOP))
+        inbox.put(TokenUpdate("r", (2,)))
+        return [await inbox.take(1.0), await inbox.take(1.0)]
+
+    done, late = run(main())
+    assert done.new_token_ids == (1,) and done.finish_reason is FinishReason.STOP
+    assert late.new_token_ids == (2,)
+
+
+def test_an_empty_inbox_times_out() -> None:
+    with pytest.raises(TimeoutError):
+        run(UpdateInbox().take(0.01))
