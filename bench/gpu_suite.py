@@ -297,7 +297,8 @@ def format_tables(result: dict) -> str:
     lines += [
         "",
         "== TPOT p50 / ITL p50 over b's full-batch decode step (same concurrency) ==",
-        f"{'shape':<6}{'system':<24}{'conc':>5}{'step ms':>9}{'TPOT/step':>11}{'ITL/step':>10}",
+        f"{'shape':<6}{'system':<24}{'conc':>5}{'step ms':>9}{'TPOT/step':>11}{'ITL/step':>10}"
+        f"{'tok/msg':>9}",
     ]
     for shape, rec in result.get("shapes", {}).items():
         b_runs = {r["concurrency"]: r for r in _runs(rec.get("offline", {}).get("b"))}
@@ -310,6 +311,7 @@ def format_tables(result: dict) -> str:
                 f"{shape:<6}{r['system']:<24}{r['concurrency']:>5}{_fmt(step, 2):>9}"
                 f"{_fmt(r['tpot_ms']['p50'] / step, 2):>11}"
                 f"{_fmt(itl / step if itl else None, 2):>10}"
+                f"{_fmt(r.get('tokens_per_message'), 2):>9}"
             )
     lines += ["", "== TTFT at concurrency 1: c (1P1D, gRPC) vs b (engine in-process), ms p50 =="]
     for shape, rec in result.get("shapes", {}).items():

@@ -154,6 +154,8 @@ def summarize(
         "ttft_ms": dist_ms([t.ttft_s for t in ok if t.ttft_s is not None]),
         "tpot_ms": dist_ms([t.tpot_s for t in ok if t.tpot_s is not None]),
         "itl_ms": dist_ms([gap for t in ok for gap in t.gaps_s]),
+        # Above 1 when the server sent several tokens in one message (it fell behind).
+        "tokens_per_message": round(tokens / max(1, sum(len(t.gaps_s) + 1 for t in ok)), 2),
         "errors": sorted({t.error for t in timings if not t.ok})[:5],
         **extra,
     }

@@ -224,8 +224,9 @@ def run_disaggregated(
     try:
         out["startup_s"] = round(svc.wait_serving(startup_timeout_s), 2)
         out["on_gpus"] = "on GPUs" in svc.log_path.read_text(errors="replace")
-        warm = make_prompts(4, prompt_len, geo.vocab_size, seed=97)
-        asyncio.run(drive(svc.address, warm, 4, concurrency=4))
+        # The engine part's warm-up: the largest burst's prefill and a few decode steps.
+        warm = make_prompts(max(concurrency), prompt_len, geo.vocab_size, seed=97)
+        asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
         asyncio.run(drive(svc.address, warm[:1], 4, concurrency=1))
         if "c" in parts:
             runs = []
