@@ -6,6 +6,7 @@ memory is returned to the driver when it exits):
 * b0: the same engine with the decoder as transformers runs it (not compiled);
 * bs: the same engine scheduling each step only after the one before has finished (no
   async scheduling);
+* bt: the same engine with `--step-tokens` tokens a step (max_num_batched_tokens);
 * a:  transformers `generate()` with static batches (one batch per concurrency);
 * a2: transformers' continuous batching, `model.generate_batch(...)` (paged attention).
 
@@ -99,6 +100,7 @@ ENGINE_PARTS = {
     "b": "b_pdserve_engine",
     "b0": "b0_pdserve_engine_uncompiled",
     "bs": "bs_pdserve_engine_no_async_scheduling",
+    "bt": "bt_pdserve_engine_step_tokens",  # b with --step-tokens per step
 }
 
 
@@ -125,7 +127,10 @@ def run_engine(
             kv_cache_gib=ns.kv_cache_gib,
             compile_model=part != "b0",
             async_scheduling=part != "bs",
-            scheduler=SchedulerConfig(max_num_seqs=max(128, *ns.concurrency)),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max(128, *ns.concurrency),
+                **({"max_num_batched_tokens": ns.step_tokens} if part == "bt" else {}),
+            ),
         )
     )
     startup_s = time.perf_counter() - t0
@@ -329,6 +334,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=8.0)
     p.add_argument("--rounds-at-c1", type=int, default=3)
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
+    p.add_argument(
+        "--step-tokens",
+        type=int,
+        default=8192,
+        help="part bt: the engine's max_num_batched_tokens (b keeps the default)",
+    )
     p.add_argument("--out", required=True)
     ns = p.parse_args(argv)
     ns.parts = set(ns.parts.split(","))
