@@ -112,7 +112,7 @@ def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -
     tokenizer = load_tokenizer(str(path)) if has_tokenizer(path) else None
     core = EngineCore(
         runner,
-        args.scheduler,
+        args.scheduler.for_device(device.type),
         CacheConfig(num_blocks=runner.num_blocks, block_size=args.block_size),
         max_model_len=spec.max_model_len,
         vocab_size=spec.vocab_size,

@@ -103,7 +103,7 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix: str = "") -> list[argpa
             f"--{dash}max-num-batched-tokens",
             type=int,
             default=d.max_num_batched_tokens,
-            help="tokens per step (prompt chunks + decodes)",
+            help="tokens per step (prompt chunks + decodes); default 8192 on GPUs, 2048 on CPU",
         ),
         g.add_argument(
             f"--{dash}long-prefill-token-threshold",

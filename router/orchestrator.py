@@ -26,7 +26,6 @@ from engine.core.outputs import (
     GenerationInput,
     PhaseTimings,
     TextChunk,
-    TokenUpdate,
     Usage,
 )
 from engine.core.request import FinishReason

@@ -68,6 +68,16 @@ def test_budget_splits_between_decodes_and_a_new_prompt() -> None:
     assert long_req.num_tokens - long_req.num_computed_tokens - per_req["long"] == 872
 
 
+def test_an_unset_step_budget_is_the_device_default() -> None:
+    unset = SchedulerConfig()
+    assert unset.for_device("cuda").max_num_batched_tokens == 8192
+    assert unset.for_device("cpu").max_num_batched_tokens == 2048
+    assert SchedulerConfig(max_num_batched_tokens=512).for_device("cuda").step_tokens == 512
+    core, _ = make_engine(num_blocks=2048)  # no device: the 2048-token fallback
+    add(core, "long", 5000, 1)
+    assert core.scheduler.schedule().num_tokens == 2048
+
+
 def test_long_prompt_runs_in_chunks_of_the_threshold() -> None:
     core, runner = make_engine(num_blocks=512, long_prefill_token_threshold=512)
     add(core, "r", 4000, 1)

@@ -189,7 +189,7 @@ class Scheduler:
         """Pick this step's work under the token budget, the seq limit and free blocks."""
         while len(self._inflight) > self.max_batches_in_flight:
             self._roll_back(*self._inflight.popleft())
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.step_tokens
         chunks: dict[str, int] = {}
         self._preempted_now.clear()
         if self.config.prioritize_prefill:
