@@ -283,7 +283,7 @@ def test_queue_full_is_resource_exhausted(service: ServiceProcess) -> None:
     async def burst() -> list[grpc.StatusCode]:
         async def one() -> grpc.StatusCode:
             try:
-                await _collect(service.address, prompt="hi", max_tokens=16, ignore_eos=True)
+                await _collect(service.address, prompt="hi", max_tokens=6, ignore_eos=True)
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
             return grpc.StatusCode.OK
