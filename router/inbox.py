@@ -44,14 +44,16 @@ class UpdateInbox:
         first = self._ready.popleft()
         if _is_failure(first):
             return first
-        merged: TokenUpdate = first  # type: ignore[assignment]
-        while self._ready and not _is_failure(self._ready[0]) and merged.finish_reason is None:
-            nxt: TokenUpdate = self._ready.popleft()  # type: ignore[assignment]
-            merged = replace(
-                merged,
-                new_token_ids=merged.new_token_ids + nxt.new_token_ids,
-                finish_reason=nxt.finish_reason,
-                num_cached_tokens=max(merged.num_cached_tokens, nxt.num_cached_tokens),
-                kv_wire_s=nxt.kv_wire_s or merged.kv_wire_s,
-            )
-        return merged
+        assert isinstance(first, TokenUpdate)
+        taken = [first]
+        while self._ready and not _is_failure(self._ready[0]) and taken[-1].finish_reason is None:
+            taken.append(self._ready.popleft())  # type: ignore[arg-type]
+        if len(taken) == 1:
+            return first
+        return replace(
+            first,
+            new_token_ids=tuple(t for u in taken for t in u.new_token_ids),
+            finish_reason=taken[-1].finish_reason,
+            num_cached_tokens=max(u.num_cached_tokens for u in taken),
+            kv_wire_s=next((u.kv_wire_s for u in reversed(taken) if u.kv_wire_s), 0.0),
+        )
