@@ -1,0 +1,24 @@
+"""What tests and benchmarks share to drive a real service from outside.
+
+* `service`: `pdserve serve` as a subprocess on a free loopback port (`ServiceProcess`);
+* `ports`: `free_port`;
+* `polling`: deadline-bounded waits (`wait_until`, `wait_until_async`);
+* `streams`: one Generate call read to its end (`generate` → `StreamResult`);
+* `pools`: the leak check (`assert_pools_empty`) and `wait_pool_sizes`;
+* `metrics`: the Prometheus endpoint (`scrape`, `value`).
+
+Nothing here imports from `tests/`; tests import from here.
+"""
+
+from bench.harness.polling import wait_until, wait_until_async
+from bench.harness.ports import free_port
+from bench.harness.service import REPO, ServiceProcess, service_env
+
+__all__ = [
+    "REPO",
+    "ServiceProcess",
+    "free_port",
+    "service_env",
+    "wait_until",
+    "wait_until_async",
+]

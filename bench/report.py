@@ -1,0 +1,130 @@
+"""What every benchmark's JSON shares: one percentile definition and one provenance record.
+
+* `percentile(values, q)`: linear interpolation between the two nearest ranks (numpy's
+  default, and `statistics.median` at q = 50). Every table in docs/benchmarks.md that
+  gives a p50, p90 or p99 from a run of this tree uses it.
+* `provenance(module, args)`: the commit, whether the tree had uncommitted changes, the
+  date (UTC), the machine (CPU model, GPU names) and the command line that reproduces
+  the run. Benchmarks put it under the key "provenance" of their JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import importlib.metadata
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The q-th percentile (q in [0, 100]), linearly interpolated; NaN for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def distribution(
+    values: Iterable[float], quantiles: Sequence[float] = (50, 90, 99), *, scale: float = 1.0
+) -> dict[str, float]:
+    """{"mean", "p50", ...} of `values` times `scale` (1000: seconds to ms); NaN when empty."""
+    scaled = [v * scale for v in values]
+    out = {"mean": sum(scaled) / len(scaled) if scaled else math.nan}
+    for q in quantiles:
+        out[f"p{q:g}"] = percentile(scaled, q)
+    return out
+
+
+def git_commit() -> str | None:
+    """Short HEAD of this repository, or None outside a git checkout."""
+    return _git("rev-parse", "--short", "HEAD")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=REPO, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def hardware() -> dict[str, Any]:
+    """The machine: CPU model and count, and each GPU's name and memory (nvidia-smi)."""
+    info: dict[str, Any] = {
+        "cpu": _cpu_model() or platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "gpus": _gpus(),
+    }
+    return info
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _gpus() -> list[str]:
+    """'NVIDIA H100 80GB HBM3, 81559 MiB, driver 580.95.05' per GPU; [] without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    query = "--query-gpu=name,memory.total,driver_version"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.stdout.strip().splitlines():
+        name, memory, driver = (part.strip() for part in line.split(",", 2))
+        gpus.append(f"{name}, {memory}, driver {driver}")
+    return gpus
+
+
+def _versions() -> dict[str, str]:
+    """Installed versions of the packages that decide the numbers (no imports)."""
+    out = {"python": platform.python_version()}
+    for name in ("torch", "triton", "transformers", "ray", "grpcio"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[name] = importlib.metadata.version(name)
+    return out
+
+
+def provenance(module: str, args: Sequence[str]) -> dict[str, Any]:
+    """Where and how a run was made: `python -m <module> <args>` on this machine, now."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "commit": git_commit(),
+        "dirty": bool(status) if status is not None else None,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "-m", module, *args]),
+        "hardware": hardware(),
+        "versions": _versions(),
+    }
