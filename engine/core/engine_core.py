@@ -126,12 +126,13 @@ class EngineCore:
         return self.scheduler.kv.block_ids(req_id)
 
     def admit_imported(self, inp: GenerationInput, first_token: int) -> None:
-        """Run a request whose prompt KV was imported into its reserved blocks: it
-        continues after `first_token`, exactly where the prefill engine stopped."""
+        """Queue a request whose prompt KV was imported into its reserved blocks: it
+        continues after `first_token`, exactly where the prefill engine stopped, once
+        the scheduler gives it a slot (it holds its blocks until then)."""
         req = self.make_request(inp, validate=False)
         req.append_output_token(first_token)
         req.num_computed_tokens = len(inp.prompt_token_ids)
-        self.scheduler.add_running(req)
+        self.scheduler.add_imported(req)
 
     def stats(self) -> EngineStats:
         """Occupancy and counters of this engine's cache and queues."""

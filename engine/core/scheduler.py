@@ -9,6 +9,10 @@ appends a placeholder token; `update()` turns in-flight tokens into computed one
 fills the placeholder in. Called in turn (schedule, execute, update) that is the plain
 step loop; the engine may also schedule step N+1 before applying step N's results
 (engine.core.engine_core), and this bookkeeping is what lets it.
+
+A request's life here: waiting (a new prompt, a preempted request, or, on a decode
+worker, an imported one: its prompt KV already in its blocks) -> running -> finished.
+Every waiting request, imported ones included, is admitted only under `max_num_seqs`.
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ class Scheduler:
         self.handoff_after_first_token = handoff_after_first_token
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
+        # Waiting requests whose KV was imported (decode pool): they hold their blocks
+        # while they wait for a slot and rank ahead of prompts of the same priority
+        # (their prompt costs no compute; holding blocks idle helps nobody).
+        self._imported: set[str] = set()
         self.running: list[Request] = []
         self.aging = PriorityAging(config.priority_aging_s if config.policy == "priority" else 0)
         self.num_preemptions = 0  # since start, for metrics
@@ -83,9 +91,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _queue_key(self, req: Request) -> tuple[float, ...]:
+        prompt_first = 0 if req.req_id in self._imported else 1
         if self.config.policy == "priority":
-            return (self.aging.effective_priority(req), req.arrival_time)
-        return (req.arrival_time,)
+            return (self.aging.effective_priority(req), prompt_first, req.arrival_time)
+        return (prompt_first, req.arrival_time)
 
     def _enqueue_waiting(self, req: Request) -> None:
         # Sorted insert keeps the queue in policy order; a preempted request keeps
@@ -111,16 +120,22 @@ class Scheduler:
             raise ValueError(f"request id {req_id!r} already holds blocks here")
         return self.kv.allocate_slots(req_id, 0, num_tokens)
 
-    def add_running(self, req: Request) -> None:
-        """Decode pool: admit a request whose KV was imported into its reserved blocks."""
+    def add_imported(self, req: Request) -> None:
+        """Decode pool: queue a request whose KV was imported into its reserved blocks.
+
+        It keeps those blocks while it waits and is admitted like any waiting request
+        (under max_num_seqs, preempting a less urgent one under the priority policy),
+        ahead of prompts of the same priority; an abort while it waits frees them.
+        """
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         if not self.kv.holds(req.req_id):
             raise ValueError(f"request {req.req_id!r} has no reserved blocks")
         self.requests[req.req_id] = req
-        req.status = RequestStatus.RUNNING
+        req.status = RequestStatus.WAITING
         self.kv.cache_full_blocks(req.req_id, req.all_token_ids, req.num_computed_tokens)
-        self.running.append(req)
+        self._imported.add(req.req_id)
+        self._enqueue_waiting(req)
 
     def release(self, req_id: str) -> None:
         """Free blocks held outside the queues (a reservation or a finished hand-off)."""
@@ -141,6 +156,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
+            self._imported.discard(req_id)
         self.aging.forget(req_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -254,28 +270,57 @@ class Scheduler:
                 if freed is None:
                     break
                 budget += freed
-            is_new = req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
-            prefix = self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes)
-            num_hit = len(prefix) * self.block_size
-            req.num_computed_tokens = num_hit
-            num_new = self._chunk(req, budget)
-            if self.kv.allocate_slots(req.req_id, num_hit, num_new, prefix) is None:
-                req.num_computed_tokens = 0
+            is_new = False
+            if req.req_id in self._imported:  # its KV is here: only the next token to run
+                num_new = self._chunk(req, budget)
+                allocated = self.kv.allocate_slots(req.req_id, req.num_computed_tokens, num_new)
+            else:
+                is_new = req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
+                prefix = self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes)
+                num_hit = len(prefix) * self.block_size
+                req.num_computed_tokens = num_hit
+                num_new = self._chunk(req, budget)
+                allocated = self.kv.allocate_slots(req.req_id, num_hit, num_new, prefix)
+                if allocated is None:
+                    req.num_computed_tokens = 0
+            if allocated is None:
                 freed = self._preempt_for(req, chunks)
-                if freed is None:
-                    break  # head-of-line waits for blocks; running requests are never starved
-                budget += freed
-                continue
+                if freed is not None:
+                    budget += freed
+                    continue
+                if not self.running and self._return_imported_blocks():
+                    continue
+                break  # head-of-line waits for blocks; running requests are never starved
             if is_new:
                 req.num_cached_tokens = num_hit
                 self.kv.record_prefix_query(req.num_prompt_tokens, num_hit)
             self.waiting.pop(0)
+            self._imported.discard(req.req_id)
             self.aging.stop_waiting(req.req_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks[req.req_id] = num_new
             budget -= num_new
         return budget
+
+    def _return_imported_blocks(self) -> bool:
+        """Nothing runs, so no block will come free, yet the head of the queue needs one:
+        the least urgent waiting import gives its blocks back and will recompute (its
+        blocks stay in the prefix cache until reused). False when there is none."""
+        holders = [r for r in self.waiting if r.req_id in self._imported]
+        if not holders:
+            return False
+        victim = self._pick_victim(holders)
+        self.waiting.remove(victim)
+        self._imported.discard(victim.req_id)
+        self.kv.free(victim.req_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.aging.stop_waiting(victim.req_id)
+        self._enqueue_waiting(victim)
+        return True
 
     def _build_batch(self, chunks: dict[str, int]) -> Batch:
         seqs = []
