@@ -2,7 +2,9 @@
 memory is returned to the driver when it exits):
 
 * floor: device-to-device copy bandwidth (the memory floor's denominator);
-* b:  pdserve's colocated engine (engine.llm.LLM), with per-step timings;
+* b:  pdserve's colocated engine (engine.llm.LLM), with per-step timings: closed loops at
+  each concurrency (bench.suite_plan: a burst and/or several rounds), and single requests
+  of each `--ttft-lens` length;
 * b0: the same engine with the decoder as transformers runs it (not compiled);
 * bs: the same engine scheduling each step only after the one before has finished (no
   async scheduling);
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +37,13 @@ from bench.suite_common import (
     error_record,
     make_prompts,
     summarize,
-    workload_seed,
 )
+from bench.suite_plan import RunSpec, parse_ints, plan_runs, prompts_for
 
 
-def workload(
-    shape: str, concurrency: int, prompt_len: int, vocab_size: int, rounds_at_c1: int
-) -> list[list[list[int]]]:
-    """Rounds of prompts: `rounds_at_c1` single prompts at concurrency 1, else one round."""
-    seed = workload_seed(shape, concurrency, prompt_len)
-    if concurrency == 1:
-        return [make_prompts(1, prompt_len, vocab_size, seed + r) for r in range(rounds_at_c1)]
-    return [make_prompts(concurrency, prompt_len, vocab_size, seed)]
+def burst_prompts(shape: str, concurrency: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    """a, a2: one batch of `concurrency` prompts, the same as b's and c's burst."""
+    return prompts_for(shape, RunSpec(concurrency, 1, prompt_len), vocab)
 
 
 def _sync(device: torch.device) -> None:
@@ -140,33 +139,32 @@ def run_engine(
     warm = make_prompts(max(ns.concurrency), ns.prompt_len, geo.vocab_size, seed=99)
     llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     llm.generate(warm[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for length in sorted(set(ns.ttft_lens) - {ns.prompt_len}):  # first prompt of each length
+        llm.generate(
+            make_prompts(1, length, geo.vocab_size, seed=98),
+            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        )
     params = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
     runs = []
-    for c in ns.concurrency:
+    for spec in engine_plan(ns):
         profile = StepProfile()
         uninstall = profile.install(llm)
-        timings: list[ReqTiming] = []
-        wall = 0.0
         try:
-            for prompts in workload(ns.shape, c, ns.prompt_len, geo.vocab_size, ns.rounds_at_c1):
-                start = time.perf_counter()
-                round_t = [ReqTiming(start) for _ in prompts]
-                for ev in llm.stream(prompts, params):
-                    if ev.chunk is not None and ev.chunk.token_ids:
-                        now = time.perf_counter()
-                        t = round_t[ev.index]
-                        t.add_tokens(now, len(ev.chunk.token_ids))
-                wall += time.perf_counter() - start
-                timings += round_t
+            prompts = prompts_for(ns.shape, spec, geo.vocab_size)
+            timings, wall = closed_loop(llm, prompts, params, spec.concurrency)
         finally:
             uninstall()
         runs.append(
             summarize(
                 ENGINE_PARTS[part],
-                c,
+                spec.concurrency,
                 timings,
                 wall,
-                decode_step=decode_step_stats(profile, c, weight_bytes, geo, bandwidth),
+                prompt_len=spec.prompt_len,
+                rounds=spec.rounds,
+                decode_step=decode_step_stats(
+                    profile, spec.concurrency, weight_bytes, geo, bandwidth
+                ),
             )
         )
     info = {
@@ -180,6 +178,74 @@ def run_engine(
     del llm
     _free(device)
     return info
+
+
+def engine_plan(ns: argparse.Namespace) -> list[RunSpec]:
+    return plan_runs(
+        ns.concurrency,
+        ns.prompt_len,
+        rounds=ns.rounds,
+        rounds_at_c1=ns.rounds_at_c1,
+        burst=ns.burst,
+        ttft_lens=ns.ttft_lens,
+    )
+
+
+_run_ids = itertools.count()
+
+
+def closed_loop(
+    llm: Any, prompts: Sequence[Sequence[int]], params: Any, concurrency: int
+) -> tuple[list[ReqTiming], float]:
+    """Every prompt through the engine with at most `concurrency` in flight: a request
+    that finishes is replaced by the next prompt at that step boundary, as a client that
+    sends its next request on an answer would. Returns each request's timings (sent when
+    queued) and the wall time to the last answer."""
+    from engine.core.outputs import GenerationInput
+    from engine.frontend.output_processor import OutputProcessor
+
+    core = llm.core
+    outputs = OutputProcessor(llm.tokenizer)
+    timings = [ReqTiming(0.0) for _ in prompts]
+    index_of: dict[str, int] = {}
+    run = next(_run_ids)
+    next_index = 0
+
+    def admit(now: float) -> None:
+        nonlocal next_index
+        while next_index < len(prompts) and len(index_of) < concurrency:
+            inp = GenerationInput(f"bench-{run}-{next_index}", tuple(prompts[next_index]), params)
+            core.add_request(inp)
+            outputs.add(inp.req_id, inp.prompt_token_ids, params.stop)
+            index_of[inp.req_id] = next_index
+            timings[next_index].sent_s = now
+            next_index += 1
+
+    start = time.perf_counter()
+    admit(start)
+    try:
+        while index_of:
+            for upd in core.step():
+                i = index_of.get(upd.req_id)
+                if i is None:
+                    continue
+                out = outputs.process(upd.req_id, upd.new_token_ids, upd.finish_reason)
+                if out.chunk is not None and out.chunk.token_ids:
+                    timings[i].add_tokens(time.perf_counter(), len(out.chunk.token_ids))
+                if out.finish_reason is not None:
+                    del index_of[upd.req_id]
+                    t = timings[i]
+                    if t.num_tokens != params.max_tokens:
+                        t.ok = False
+                        t.error = f"{out.finish_reason.name}: {t.num_tokens} tokens"
+            admit(time.perf_counter())
+        wall = time.perf_counter() - start
+    finally:
+        for req_id in index_of:  # an error leaves nothing behind in the engine
+            core.abort(req_id)
+    while core.has_unfinished:  # the step launched ahead (async scheduling), untimed
+        core.step()
+    return timings, wall
 
 
 def decode_step_stats(
@@ -233,7 +299,7 @@ def run_hf_static(model: Any, ns: argparse.Namespace, device: torch.device) -> l
     vocab = model.config.vocab_size
     runs = []
     for c in ns.concurrency:
-        prompts = workload(ns.shape, c, ns.prompt_len, vocab, 1)[0]
+        prompts = burst_prompts(ns.shape, c, ns.prompt_len, vocab)
         ids = torch.tensor(prompts, device=device)
         mask = torch.ones_like(ids)
         kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0)
@@ -298,7 +364,7 @@ def run_hf_continuous(model: Any, ns: argparse.Namespace, device: torch.device) 
         setup_s = time.perf_counter() - t0
         _cb_round(manager, make_prompts(2, ns.prompt_len, vocab, seed=98), 4)  # warm-up
         for c in ns.concurrency:
-            prompts = workload(ns.shape, c, ns.prompt_len, vocab, 1)[0]
+            prompts = burst_prompts(ns.shape, c, ns.prompt_len, vocab)
             start = time.perf_counter()
             results = _cb_round(manager, prompts, ns.output_len)
             wall = time.perf_counter() - start
@@ -333,6 +399,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--kv-cache-gib", type=float, default=8.0)
     p.add_argument("--rounds-at-c1", type=int, default=3)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help="b: closed loop over ROUNDS x concurrency prompts at each concurrency > 1 "
+        "(default: 4 from concurrency 32 on, 1 below)",
+    )
+    p.add_argument(
+        "--burst",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="b: also one round (a burst) where the closed loop has several",
+    )
+    p.add_argument("--ttft-lens", default="", help="b: prompt lengths run alone (concurrency 1)")
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
     p.add_argument(
         "--step-tokens",
@@ -343,7 +422,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     ns = p.parse_args(argv)
     ns.parts = set(ns.parts.split(","))
-    ns.concurrency = [int(c) for c in ns.concurrency.split(",")]
+    ns.concurrency = parse_ints(ns.concurrency)
+    ns.ttft_lens = parse_ints(ns.ttft_lens)
     return ns
 
 
