@@ -1,10 +1,13 @@
-"""Shared fixtures: the embedded SmolLM2 folder and tiny random models of each architecture."""
+"""Shared fixtures: the embedded SmolLM2 folder, tiny random models of each architecture,
+one Ray for the session, the reference engine, and services started per module."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -16,42 +19,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from bench.harness import ServiceProcess, running_service  # noqa: E402
 from engine.model.embedded import default_cache_dir, ensure_embedded_model  # noqa: E402
+from tests.tiny_models import TINY_ARCHS, tiny_config  # noqa: E402
 
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+if TYPE_CHECKING:
+    from engine.llm import LLM
 
-# A wider init than HF's 0.02 makes logits of the random models peaked enough that
-# greedy picks are not near-ties (fp32 packed vs unpacked differ in the last bits).
-_TINY_COMMON = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-    tie_word_embeddings=False,
-)
-
-
-def tiny_config(arch: str) -> object:
-    """A tiny transformers config of `arch` (GQA 4 q heads / 2 kv heads, head_dim 16)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    if arch == "llama":
-        return LlamaConfig(**_TINY_COMMON)
-    if arch == "mistral":
-        return MistralConfig(**_TINY_COMMON, sliding_window=None)
-    if arch == "qwen2":
-        return Qwen2Config(**_TINY_COMMON)  # Qwen2 has q/k/v biases: covered here
-    if arch == "qwen3":
-        return Qwen3Config(**_TINY_COMMON)  # Qwen3 has q/k RMSNorm: covered here
-    raise ValueError(arch)
+StartService = Callable[..., ServiceProcess]
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +72,36 @@ def ray_session() -> Iterator[str]:
     ray.init(address="local", num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference_llm(smollm2_path: Path) -> LLM:
+    """The colocated engine in this process on the embedded model (float32, CPU): what
+    every end-to-end service must reproduce token for token, greedy or seeded."""
+    from engine.factory import EngineArgs
+    from engine.llm import LLM
+
+    return LLM(EngineArgs(kv_cache_gib=0.25))
+
+
+@pytest.fixture(scope="module")
+def start_service(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+) -> Iterator[StartService]:
+    """`start_service(args, name=..., env=..., timeout=...)` starts `pdserve serve ARGS` on
+    the embedded model and returns it once SERVING. Every service started so is stopped
+    after the module's last test, and the module errors unless each exits 0 on SIGTERM.
+    """
+    with ExitStack() as stack:
+
+        def start(
+            args: list[str],
+            *,
+            name: str = "service",
+            env: dict[str, str] | None = None,
+            timeout: float = 300.0,
+        ) -> ServiceProcess:
+            log = tmp_path_factory.mktemp(name) / "service.log"
+            return stack.enter_context(running_service(args, log, env=env, timeout=timeout))
+
+        yield start

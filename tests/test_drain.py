@@ -9,10 +9,11 @@ import signal
 import grpc
 import pytest
 
+from bench.harness import wait_until_async
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.grpc_server import GrpcServer, serve
-from tests.test_servicer import FakeCore, read_rest, run_with_server, wait_until
+from tests.fake_core import FakeCore, read_rest, refuses_new_calls, run_with_server
 
 
 async def _start_calls(channel: grpc.aio.Channel, n: int) -> list[grpc.aio.UnaryStreamCall]:
@@ -43,7 +44,7 @@ def test_drain_past_grace_gives_every_stream_one_final_abort() -> None:
         for call in calls:
             await _assert_one_final_abort(call, "drain grace of 0.2s is over")
         # Every core stream was closed, so the core released the requests.
-        await wait_until(lambda: core.num_closed == 3 and core.num_aclose == 3)
+        await wait_until_async(lambda: core.num_closed == 3 and core.num_aclose == 3, 2)
         assert core.num_completed == 0
 
     run_with_server(FakeCore(num_chunks=1), body)
@@ -60,13 +61,13 @@ def test_second_signal_stops_at_once(sig: signal.Signals) -> None:
         task = asyncio.create_task(
             serve(core, "127.0.0.1", 0, drain_grace_s=60.0, on_started=started.append)
         )
-        while not started:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: started, 5)
         async with grpc.aio.insecure_channel(started[0].address) as channel:
             (call,) = await _start_calls(channel, 1)
             os.kill(os.getpid(), sig)
-            await asyncio.sleep(0.2)
-            assert not task.done()  # the first signal drains: waits for the call
+            # The first signal drains: new calls are refused, the one in flight is awaited.
+            await wait_until_async(lambda: refuses_new_calls(channel), 5)
+            assert not task.done()
             os.kill(os.getpid(), sig)
             await asyncio.wait_for(task, timeout=5.0)
             await _assert_one_final_abort(call, "second signal")

@@ -19,7 +19,7 @@ from router.client import ClientSecurity, get_server_info, stream_generate
 from router.grpc_server import GrpcServer
 from router.security import EdgeSecurity
 from tests.certs import CertificateAuthority, Issued
-from tests.test_servicer import FakeCore
+from tests.fake_core import FakeCore
 
 TOKEN = "s3cret-token-for-tests"
 

@@ -28,7 +28,7 @@ from engine.model.compiled import is_compiled
 from engine.model.model_runner import ModelRunner
 from engine.model.triton_attention import paged_decode_attention, triton_available
 from engine.sampling_params import GREEDY
-from tests.conftest import tiny_config
+from tests.tiny_models import tiny_config
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from bench.harness import REPO
 from engine.model.embedded import EMBEDDED_MODEL_NAME, default_cache_dir
-from tests.service import REPO
 
 
 def test_makefile_model_target_runs_the_entry_point() -> None:

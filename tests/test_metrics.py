@@ -9,22 +9,21 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness import REPO, free_port
+from bench.harness.metrics import scrape, value
 from router import metrics as router_metrics
 from router.client import ClientSecurity, stream_generate
 from router.grpc_server import GrpcServer
 from router.metrics import RouterMetrics
 from router.protocol import PoolStats, WorkerStats
 from router.security import EdgeSecurity
-from tests.service import REPO, free_port
-from tests.test_servicer import FakeCore
+from tests.fake_core import FakeCore
 
 HISTOGRAMS = (
     "pdserve_time_to_first_token_seconds",
@@ -55,26 +54,6 @@ GAUGES = {
     "pdserve_router_in_flight": set(),
     "pdserve_router_queued": set(),
 }
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(port: int) -> tuple[dict[str, str], Samples, dict[str, set[str]]]:
-    """(family -> type, (sample, labels) -> value, family -> label names seen)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    types, samples, labels = {}, {}, {}
-    for family in text_string_to_metric_families(text):
-        types[family.name] = family.type
-        labels[family.name] = set()
-        for s in family.samples:
-            samples[(s.name, frozenset(s.labels.items()))] = s.value
-            labels[family.name] |= set(s.labels) - {"le"}
-    return types, samples, labels
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
 
 
 def worker(pool: str, index: int, **kw: int) -> WorkerStats:

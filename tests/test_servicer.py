@@ -5,148 +5,31 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.core.outputs import FinalResult, PhaseTimings, TextChunk, Usage
+from bench.harness import wait_until_async
 from engine.core.request import FinishReason
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.client import get_pool_stats, stream_generate
 from router.errors import NotReadyError, QueueFullError
 from router.grpc_server import GENERATION_SERVICE, GrpcServer, serve
-from router.protocol import GenerateCall, PoolStats, ServerInfo, WorkerStats
-
-MAX_MODEL_LEN = 64
-
-
-class FakeCore:
-    """Scripted Generator: `num_chunks` chunks `delay_s` apart, then a final result."""
-
-    def __init__(
-        self,
-        *,
-        num_chunks: int = 3,
-        delay_s: float = 0.0,
-        raise_exc: Exception | None = None,
-        finish: FinishReason = FinishReason.LENGTH,
-        error: str = "",
-    ) -> None:
-        self.num_chunks = num_chunks
-        self.delay_s = delay_s
-        self.raise_exc = raise_exc
-        self.finish = finish
-        self.error = error
-        self.ready = True
-        self.raise_sync: Exception | None = None  # raised by generate() itself
-        self.calls: list[GenerateCall] = []
-        self.num_closed = 0  # the stream's `finally` ran
-        self.num_aclose = 0  # the servicer called aclose(), as the core's contract asks
-        self.num_completed = 0
-        self.closed = asyncio.Event()
-        self.release: asyncio.Event | None = None  # when set, hold the final until released
-
-    def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
-        """Record the call and return its scripted stream."""
-        self.calls.append(call)
-        if self.raise_sync is not None:
-            raise self.raise_sync
-        return ClosableStream(self, self._stream())
-
-    async def _stream(self) -> AsyncGenerator[TextChunk | FinalResult, None]:
-        try:
-            if self.raise_exc is not None:
-                raise self.raise_exc
-            for i in range(self.num_chunks):
-                await asyncio.sleep(self.delay_s)
-                yield TextChunk(text=f"t{i} ", token_ids=(i,))
-            if self.release is not None:
-                await self.release.wait()
-            # Counted before the yield: the servicer closes the stream right after the final.
-            self.num_completed += 1
-            yield FinalResult(
-                finish_reason=self.finish,
-                usage=Usage(prompt_tokens=2, completion_tokens=self.num_chunks),
-                timings=PhaseTimings(time_to_first_token_s=0.01),
-                error=self.error,
-            )
-        finally:
-            self.num_closed += 1
-            self.closed.set()
-
-    def server_info(self) -> ServerInfo:
-        return ServerInfo("fake-model", MAX_MODEL_LEN, 16, 1, 2, 8, 32, num_colocated_workers=3)
-
-    async def pool_stats(self) -> PoolStats:
-        worker = WorkerStats("decode", 1, 100, 7, 1, 0, 32, 64)
-        return PoolStats(workers=(worker,), num_in_flight=1, num_queued=0)
-
-    def is_ready(self) -> bool:
-        return self.ready
-
-
-class ClosableStream:
-    """Counts explicit aclose() calls; a bare async generator would also be closed by GC,
-    which would hide a servicer that forgets to close (a real core's stream might not be)."""
-
-    def __init__(self, core: FakeCore, inner: AsyncGenerator[TextChunk | FinalResult, None]):
-        self._core = core
-        self._inner = inner
-
-    def __aiter__(self) -> ClosableStream:
-        return self
-
-    async def __anext__(self) -> TextChunk | FinalResult:
-        return await self._inner.__anext__()
-
-    async def aclose(self) -> None:
-        self._core.num_aclose += 1
-        await self._inner.aclose()
-
-
-Body = Callable[[GrpcServer, grpc.aio.Channel, FakeCore], Coroutine[Any, Any, None]]
-
-
-def run_with_server(core: FakeCore, body: Body, *, serving: bool = True) -> None:
-    """Start a server on 127.0.0.1:0 around `body`, then stop it (one event loop per test)."""
-
-    async def main() -> None:
-        server = GrpcServer(core, host="127.0.0.1", port=0, drain_grace_s=2.0)
-        await server.start()
-        if serving:
-            await server.set_serving()
-        try:
-            async with grpc.aio.insecure_channel(server.address) as channel:
-                await body(server, channel, core)
-        finally:
-            await server.stop(0)
-
-    asyncio.run(main())
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
-    """Poll for a condition the handler reaches just after the client already saw its status."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
-async def collect(channel: grpc.aio.Channel, **kwargs: Any) -> list[pb.GenerateResponse]:
-    return [r async for r in stream_generate(channel, **kwargs)]
-
-
-async def expect_code(code: grpc.StatusCode, channel: grpc.aio.Channel, **kwargs: Any) -> str:
-    """Run a Generate call that must fail with `code`; return its details."""
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await collect(channel, **kwargs)
-    assert info.value.code() == code, info.value.details()
-    return info.value.details() or ""
+from tests.fake_core import (
+    MAX_MODEL_LEN,
+    FakeCore,
+    collect,
+    expect_code,
+    health_is,
+    health_status,
+    read_rest,
+    refuses_new_calls,
+    run_with_server,
+)
 
 
 def test_streams_chunks_then_one_final() -> None:
@@ -276,9 +159,9 @@ def test_deadline_closes_core_stream() -> None:
     async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
         await expect_code(grpc.StatusCode.DEADLINE_EXCEEDED, channel, prompt="hi", timeout=0.3)
         await asyncio.wait_for(core.closed.wait(), timeout=2.0)
-        await wait_until(lambda: core.num_aclose == 1)
+        await wait_until_async(lambda: core.num_aclose == 1, 2.0)
         assert core.num_completed == 0
-        await wait_until(lambda: server.num_in_flight == 0)
+        await wait_until_async(lambda: server.num_in_flight == 0, 2.0)
 
     run_with_server(FakeCore(num_chunks=100, delay_s=0.05), body)
 
@@ -291,23 +174,9 @@ def test_client_cancel_closes_core_stream() -> None:
         call.cancel()
         await asyncio.wait_for(core.closed.wait(), timeout=2.0)
         assert core.num_completed == 0
-        await wait_until(lambda: server.num_in_flight == 0 and core.num_aclose == 1)
+        await wait_until_async(lambda: server.num_in_flight == 0 and core.num_aclose == 1, 2.0)
 
     run_with_server(FakeCore(num_chunks=1000, delay_s=0.01), body)
-
-
-async def read_rest(call: Any) -> list[pb.GenerateResponse]:
-    """Read a call to its end with read() (grpc.aio forbids mixing read() and iteration)."""
-    responses = []
-    while (response := await call.read()) is not grpc.aio.EOF:
-        responses.append(response)
-    return responses
-
-
-async def health_status(channel: grpc.aio.Channel, service: str) -> int:
-    stub = health_pb2_grpc.HealthStub(channel)
-    response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-    return response.status
 
 
 def test_health_follows_warmup_and_drain() -> None:
@@ -327,12 +196,12 @@ def test_health_follows_warmup_and_drain() -> None:
         assert (await call.read()).text == "t0 "
         server.drain_notice_s = 0.3
         stop = asyncio.create_task(server.stop(grace=5.0))
-        await asyncio.sleep(0.1)  # inside the notice period: still answering, NOT_SERVING
-        assert await health_status(channel, GENERATION_SERVICE) == not_serving
-        await asyncio.sleep(0.4)  # notice over: new calls are refused
-        await expect_code(grpc.StatusCode.UNAVAILABLE, channel, prompt="late")
+        # Health turns NOT_SERVING first; once the notice is over, new calls are refused.
+        await wait_until_async(lambda: health_is(channel, GENERATION_SERVICE, not_serving), 2)
+        await wait_until_async(lambda: refuses_new_calls(channel), 5)
         await server.set_serving()  # the owner cannot flip a drain back
-        assert not stop.done()
+        assert await health_status(channel, GENERATION_SERVICE) == not_serving
+        assert not stop.done()  # the drain is refusing calls, and waits for the one in flight
         core.release.set()
         rest = await read_rest(call)
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
@@ -349,7 +218,7 @@ def test_drain_grace_ends_stragglers_with_abort() -> None:
         await call.read()
         await asyncio.wait_for(server.stop(grace=0.2), timeout=3.0)
         await asyncio.wait_for(core.closed.wait(), timeout=2.0)
-        await wait_until(lambda: core.num_aclose == 1)
+        await wait_until_async(lambda: core.num_aclose == 1, 2.0)
         assert core.num_completed == 0
         rest = await read_rest(call)
         assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
@@ -451,20 +320,17 @@ def test_serve_warms_up_then_drains_on_sigterm() -> None:
                 on_started=started.append,
             )
         )
-        while not started:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: started, 5)
         async with grpc.aio.insecure_channel(started[0].address) as channel:
             assert await health_status(channel, "") == health_pb2.HealthCheckResponse.NOT_SERVING
-            warm.set()
-            for _ in range(200):  # serve() flips to SERVING once warm-up returns
-                if await health_status(channel, "") == health_pb2.HealthCheckResponse.SERVING:
-                    break
-                await asyncio.sleep(0.01)
-            assert await health_status(channel, "") == health_pb2.HealthCheckResponse.SERVING
+            warm.set()  # serve() flips to SERVING once warm-up returns
+            await wait_until_async(
+                lambda: health_is(channel, "", health_pb2.HealthCheckResponse.SERVING), 2
+            )
             call = pb_grpc.GenerationServiceStub(channel).Generate(pb.GenerateRequest(prompt="x"))
             await call.read()
             os.kill(os.getpid(), signal.SIGTERM)
-            await asyncio.sleep(0.05)
+            await wait_until_async(lambda: refuses_new_calls(channel), 5)
             assert not task.done()  # draining: waits for the call in flight
             core.release.set()
             rest = await read_rest(call)
@@ -473,40 +339,3 @@ def test_serve_warms_up_then_drains_on_sigterm() -> None:
 
     asyncio.run(main())
     assert core.num_completed == 1
-
-
-def test_bench_load_reports_every_request() -> None:
-    """bench/load.py end to end against the scripted core: counts and exact output lengths."""
-    from bench.load import parse_args, run_load, summarize
-
-    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
-        args = parse_args(
-            [
-                "--target",
-                server.address,
-                "--rate",
-                "200",
-                "--concurrency",
-                "4",
-                "--num-requests",
-                "12",
-                "--prompt-len",
-                "3:8",
-                "--output-len",
-                "5",
-                "--ttft-slo",
-                "5",
-            ]
-        )
-        outcomes = await run_load(args)
-        summary = summarize(outcomes, args)
-        assert summary["num_ok"] == 12 and summary["errors"] == {}
-        # The fake streams num_chunks tokens whatever max_tokens says.
-        assert summary["total_output_tokens"] == 12 * core.num_chunks
-        assert summary["goodput"] == pytest.approx(summary["request_throughput"])
-        assert all(
-            c.prompt_token_ids is not None and 3 <= len(c.prompt_token_ids) <= 8 for c in core.calls
-        )
-        assert all(c.sampling.ignore_eos and c.sampling.max_tokens == 5 for c in core.calls)
-
-    run_with_server(FakeCore(num_chunks=5, delay_s=0.001), body)
