@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import random
-import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,12 +24,13 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from bench.harness import ServiceProcess, running_service
+from bench.harness.pools import assert_pools_empty
 from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import HandoffHeader, HeaderKind
-from tests.service import ServiceProcess
 
 pytestmark = pytest.mark.gpu
 
@@ -299,30 +299,23 @@ def test_nccl_handoff_between_two_gpus_is_bit_exact(tmp_path: Path) -> None:
 
 
 def _gpu_service(tmp_path: Path, *pools: str) -> Iterator[ServiceProcess]:
-    svc = ServiceProcess(
-        [
-            *pools,
-            "--local-prefill-max-tokens",  # every prompt goes through a hand-off
-            "0",
-            "--model",
-            str(CONFIG_1B),
-            "--load-format",
-            "dummy",
-            "--prefill-kv-cache-gib",
-            "2",
-            "--decode-kv-cache-gib",
-            "2",
-            "--drain-grace-s",
-            "10",
-        ],
-        tmp_path / "service.log",
-    )
-    try:
-        svc.wait_serving(timeout=300)
+    args = [
+        *pools,
+        "--local-prefill-max-tokens",  # every prompt goes through a hand-off
+        "0",
+        "--model",
+        str(CONFIG_1B),
+        "--load-format",
+        "dummy",
+        "--prefill-kv-cache-gib",
+        "2",
+        "--decode-kv-cache-gib",
+        "2",
+        "--drain-grace-s",
+        "10",
+    ]
+    with running_service(args, tmp_path / "service.log", timeout=300) as svc:
         yield svc
-    finally:
-        code = svc.stop()
-    assert code == 0, f"service exit code {code}:\n{svc.log_tail()}"
 
 
 @pytest.fixture
@@ -379,7 +372,6 @@ def check_service_matches_colocated(address: str, model: Path, device: str) -> N
     """Sequential requests: the same tokens as the colocated engine. A burst: every
     request finishes at full length, and the pools return to zero blocks in use."""
     from pdserve.v1 import generation_pb2 as pb
-    from router.client import get_pool_stats
 
     prompts = fixed_prompts(seed=1) + [fixed_prompts(seed=2)[-1] * 6]  # + a 600-token prompt
     colocated = LLM(
@@ -401,10 +393,5 @@ def check_service_matches_colocated(address: str, model: Path, device: str) -> N
 
     for tokens, final in asyncio.run(burst()):  # batched: all finish, full length
         assert len(tokens) == 24 and final.finish_reason == pb.FINISH_REASON_LENGTH
-    deadline = time.monotonic() + 15
-    while True:  # blocks return to the pools shortly after the last final message
-        stats = asyncio.run(get_pool_stats(address))
-        if all(w.num_blocks_in_use == 0 for w in stats.workers):
-            break
-        assert time.monotonic() < deadline, f"blocks still in use: {stats}"
-        time.sleep(0.2)
+    # Blocks return to both pools shortly after the last final message.
+    asyncio.run(assert_pools_empty(address, timeout=15, pools={pb.POOL_PREFILL, pb.POOL_DECODE}))

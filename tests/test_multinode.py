@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.factory import EngineArgs
+from bench.harness import REPO, running_service, service_env
+from bench.harness.pools import assert_pools_empty
+from bench.harness.streams import generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from router.client import stream_generate
-from tests.service import REPO, ServiceProcess, service_env
+from pdserve.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.e2e
 
@@ -64,31 +65,25 @@ def ray_nodes() -> Iterator[str]:
 
 
 def test_pools_on_their_own_nodes_match_the_colocated_engine(
-    ray_nodes: str, tmp_path: Path, smollm2_path: Path
+    ray_nodes: str, tmp_path: Path, reference_llm: LLM
 ) -> None:
-    svc = ServiceProcess(
-        [
-            "--ray-address",
-            ray_nodes,
-            "--prefill-resources",
-            '{"prefill_node": 1}',
-            "--decode-resources",
-            '{"decode_node": 1}',
-            "--prefill-kv-cache-gib",
-            "0.25",
-            "--decode-kv-cache-gib",
-            "0.25",
-            "--local-prefill-max-tokens",  # every prompt crosses the nodes
-            "0",
-        ],
-        tmp_path / "service.log",
-    )
-    try:
-        # The colocated engine's tokens, made while the service's workers start.
-        llm = LLM(EngineArgs(kv_cache_gib=0.25))
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-        expected = [list(o.token_ids) for o in llm.generate(PROMPTS, [params] * len(PROMPTS))]
-        svc.wait_serving()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    expected = [list(o.token_ids) for o in reference_llm.generate(PROMPTS, [params] * len(PROMPTS))]
+    args = [
+        "--ray-address",
+        ray_nodes,
+        "--prefill-resources",
+        '{"prefill_node": 1}',
+        "--decode-resources",
+        '{"decode_node": 1}',
+        "--prefill-kv-cache-gib",
+        "0.25",
+        "--decode-kv-cache-gib",
+        "0.25",
+        "--local-prefill-max-tokens",  # every prompt crosses the nodes
+        "0",
+    ]
+    with running_service(args, tmp_path / "service.log") as svc:
         # A second driver reads where the actors run while the requests are served.
         placement = subprocess.Popen(
             [sys.executable, "-c", _PLACEMENT, ray_nodes],
@@ -102,14 +97,13 @@ def test_pools_on_their_own_nodes_match_the_colocated_engine(
         async def served() -> list[list[int]]:
             outputs = []
             for prompt in PROMPTS:
-                tokens: list[int] = []
-                async for r in stream_generate(
+                result = await generate(
                     svc.address, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, timeout=120
-                ):
-                    tokens.extend(r.token_ids)
-                    if r.finish_reason:
-                        assert r.timings.kv_transfer_seconds > 0  # KV crossed nodes
-                outputs.append(tokens)
+                )
+                assert result.final is not None, result
+                assert result.final.timings.kv_transfer_seconds > 0  # KV crossed nodes
+                outputs.append(result.tokens)
+            await assert_pools_empty(svc.address, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
             return outputs
 
         try:
@@ -117,11 +111,8 @@ def test_pools_on_their_own_nodes_match_the_colocated_engine(
             stdout, stderr = placement.communicate(timeout=120)
         finally:
             placement.kill()  # a no-op once it has exited
-        assert placement.returncode == 0, stderr
-        actors = json.loads(stdout.strip().splitlines()[-1])
-        nodes = {cls: node for cls, node in actors if "Prefill" in cls or "Decode" in cls}
-        assert nodes == {"PrefillWorker": ["prefill_node"], "DecodeWorker": ["decode_node"]}
-    finally:
-        code = svc.stop()
-    assert code == 0, svc.log_tail()
+    assert placement.returncode == 0, stderr
+    actors = json.loads(stdout.strip().splitlines()[-1])
+    nodes = {cls: node for cls, node in actors if "Prefill" in cls or "Decode" in cls}
+    assert nodes == {"PrefillWorker": ["prefill_node"], "DecodeWorker": ["decode_node"]}
     assert got == expected

@@ -1,11 +1,12 @@
 """Independent pools under fire: scaling while streaming, and workers killed mid-traffic.
 
-One service runs the module's scenario in order: 1P1D scales to 2P2D while requests
-stream, and a burst spreads over both pairs; two hundred requests (mixed lengths, ~20 %
-cancelled at random points, some with short deadlines) run while a prefill and a decode
-worker are SIGKILLed (the decode one twice); the pools come back; then it scales back
-to 1P1D while streaming. Every stream ends with exactly one terminal outcome, no block
-stays in use, and greedy outputs equal the in-process engine's.
+One service (starting at 1 prefill + 1 decode worker) serves the module; each test first
+brings the pools to the size it starts from, so any test runs alone or in any order.
+Scaling up to 2P2D and back down happens while requests stream; a burst spreads over
+both pairs; two hundred requests (mixed lengths, ~20 % cancelled at random points, some
+with short deadlines) run while a prefill and a decode worker are SIGKILLed (the decode
+one twice) and the pools come back. Every stream ends with exactly one terminal outcome,
+no block stays in use, and greedy outputs equal the in-process engine's.
 """
 
 from __future__ import annotations
@@ -14,21 +15,20 @@ import asyncio
 import os
 import random
 import signal
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
-from engine.factory import EngineArgs
+from bench.harness import ServiceProcess
+from bench.harness.pools import assert_pools_empty, wait_pool_sizes
+from bench.harness.streams import StreamResult, generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2 as admin_pb
 from pdserve.v1 import generation_pb2 as pb
 from router.admin_client import list_workers, scale_pool
-from router.client import get_pool_stats, stream_generate
-from tests.service import ServiceProcess
+from router.client import get_pool_stats
+from tests.conftest import StartService
 
 pytestmark = pytest.mark.e2e
 
@@ -40,10 +40,8 @@ MAX_TOKENS = [3, 6, 10, 4, 8, 5, 7, 3, 9, 6]
 
 
 @pytest.fixture(scope="module")
-def service(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, ray_session: str
-) -> Iterator[ServiceProcess]:
-    svc = ServiceProcess(
+def service(start_service: StartService, ray_session: str) -> ServiceProcess:
+    return start_service(
         [
             "--ray-address",
             ray_session,
@@ -55,74 +53,42 @@ def service(
             "--local-prefill-max-tokens",  # every prompt goes through a hand-off
             "0",
         ],
-        tmp_path_factory.mktemp("svc-pools") / "service.log",
+        name="svc-pools",
     )
-    svc.wait_serving()
-    yield svc
-    assert svc.stop() == 0, svc.log_tail()
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2_path: Path) -> dict[int, list[int]]:
+def expected(reference_llm: LLM) -> dict[int, list[int]]:
     """Greedy tokens of each prompt from the in-process engine."""
-    llm = LLM(EngineArgs(kv_cache_gib=0.05))
-    outs = llm.generate(
+    outs = reference_llm.generate(
         PROMPTS,
         [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS],
     )
     return {i: list(o.token_ids) for i, o in enumerate(outs)}
 
 
-async def _one(address: str, i: int, timeout: float | None = None) -> tuple[str, list[int]]:
-    """('final:<REASON>', tokens) or ('status:<CODE>', tokens); exactly one per call."""
-    tokens: list[int] = []
-    finals = 0
-    reason = ""
-    try:
-        async for resp in stream_generate(
-            address,
-            prompt=PROMPTS[i],
-            max_tokens=MAX_TOKENS[i],
-            temperature=0.0,
-            ignore_eos=True,
-            timeout=timeout,
-        ):
-            assert finals == 0, "a message after the final one"
-            tokens.extend(resp.token_ids)
-            if resp.finish_reason:
-                finals += 1
-                reason = pb.FinishReason.Name(resp.finish_reason)
-    except grpc.aio.AioRpcError as exc:
-        if finals:
-            # ERROR finals are followed by INTERNAL: still one terminal message.
-            return f"final:{reason}", tokens
-        return f"status:{exc.code().name}", tokens
-    assert finals == 1, "stream ended without a final message"
-    return f"final:{reason}", tokens
+async def _one(address: str, i: int, timeout: float | None = None) -> StreamResult:
+    """Prompt i, greedy; the result must have at most one final and nothing after it."""
+    result = await generate(
+        address,
+        prompt=PROMPTS[i],
+        max_tokens=MAX_TOKENS[i],
+        temperature=0.0,
+        ignore_eos=True,
+        timeout=timeout,
+    )
+    assert result.num_finals <= 1 and result.num_after_final == 0, result
+    # A status without a final is an ending too (DEADLINE_EXCEEDED); OK needs its final.
+    assert result.final is not None or result.code != grpc.StatusCode.OK, result
+    return result
 
 
-async def _wait_pools(address: str, prefill: int, decode: int, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        listing = await list_workers(address)
-        live = [w for w in listing.workers if w.state == admin_pb.WORKER_STATE_LIVE]
-        pools = [w.pool for w in live]
-        # The pools are at size, and every live pair has its channel.
-        paired = all(len(w.peers) == (decode if w.pool == "prefill" else prefill) for w in live)
-        if pools.count("prefill") == prefill and pools.count("decode") == decode and paired:
-            return
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"pools not at {prefill}P{decode}D: {listing}")
-
-
-async def _wait_no_blocks(address: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = await get_pool_stats(address)
-        if all(w.num_blocks_in_use == 0 for w in stats.workers) and stats.num_in_flight == 0:
-            return
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"blocks still in use: {stats}")
+async def _pools_at(address: str, prefill: int, decode: int) -> None:
+    """Bring the pools to the given size (no-op when there), all paired, nothing in use."""
+    await scale_pool(address, "prefill", prefill)
+    await scale_pool(address, "decode", decode)
+    await wait_pool_sizes(address, prefill, decode)
+    await assert_pools_empty(address)
 
 
 async def _resize_while_streaming(
@@ -135,29 +101,36 @@ async def _resize_while_streaming(
         for pool, size in sizes:
             await scale_pool(address, pool, size)
 
-    sent: list[asyncio.Task[tuple[str, list[int]]]] = []
+    sent: list[asyncio.Task[StreamResult]] = []
     action = asyncio.ensure_future(resize())
     while not action.done() or len(sent) < 4:
         sent.append(asyncio.ensure_future(_one(address, len(sent) % len(PROMPTS))))
         await asyncio.sleep(0.3)
     await action
     results = await asyncio.gather(*sent)
-    for n, (outcome, tokens) in enumerate(results):
-        assert outcome == "final:FINISH_REASON_LENGTH", (n, outcome)
-        assert tokens == expected[n % len(PROMPTS)]
+    for n, result in enumerate(results):
+        assert result.outcome == "final:FINISH_REASON_LENGTH", (n, result.outcome)
+        assert result.tokens == expected[n % len(PROMPTS)]
     final = dict(sizes)
-    await _wait_pools(address, final["prefill"], final["decode"])
-    await _wait_no_blocks(address)
+    await wait_pool_sizes(address, final["prefill"], final["decode"])
+    await assert_pools_empty(address)
 
 
 def test_scale_up_while_streaming(service: ServiceProcess, expected: dict[int, list[int]]) -> None:
-    asyncio.run(_resize_while_streaming(service.address, expected, [("prefill", 2), ("decode", 2)]))
+    async def scenario() -> None:
+        await _pools_at(service.address, 1, 1)
+        await _resize_while_streaming(service.address, expected, [("prefill", 2), ("decode", 2)])
+
+    asyncio.run(scenario())
 
 
 def test_requests_spread_over_both_pairs(
     service: ServiceProcess, expected: dict[int, list[int]]
 ) -> None:
-    async def scenario() -> tuple[list[tuple[str, list[int]]], set[tuple[int, int]]]:
+    async def scenario() -> tuple[list[StreamResult], set[tuple[int, int]]]:
+        await _pools_at(service.address, 2, 2)
+        before = await get_pool_stats(service.address)
+        queried = {(w.pool, w.index): w.prefix_query_tokens for w in before.workers}
         tasks = [asyncio.ensure_future(_one(service.address, i)) for i in range(len(PROMPTS))]
         busy: set[tuple[int, int]] = set()  # (pool, index) seen with running requests
         while not all(t.done() for t in tasks):
@@ -165,19 +138,22 @@ def test_requests_spread_over_both_pairs(
             busy |= {(w.pool, w.index) for w in stats.workers if w.num_running > 0}
             await asyncio.sleep(0.05)
         stats = await get_pool_stats(service.address)
+        # A prefill worker that looked prompts up in its cache since the burst began ran
+        # some of them (its requests may start and end between two polls).
         busy |= {
             (w.pool, w.index)
             for w in stats.workers
-            if w.pool == pb.POOL_PREFILL and w.prefix_query_tokens > 0
+            if w.pool == pb.POOL_PREFILL
+            and w.prefix_query_tokens > queried.get((w.pool, w.index), 0)
         }
         return [await t for t in tasks], busy
 
     results, busy = asyncio.run(scenario())
     assert {(pb.POOL_PREFILL, 0), (pb.POOL_PREFILL, 1)} <= busy
     assert {(pb.POOL_DECODE, 0), (pb.POOL_DECODE, 1)} <= busy
-    for i, (outcome, tokens) in enumerate(results):
-        assert outcome == "final:FINISH_REASON_LENGTH"
-        assert tokens == expected[i]
+    for i, result in enumerate(results):
+        assert result.outcome == "final:FINISH_REASON_LENGTH"
+        assert result.tokens == expected[i]
 
 
 def test_chaos_kills_cancels_and_deadlines(
@@ -225,15 +201,19 @@ def test_chaos_kills_cancels_and_deadlines(
             await asyncio.sleep(rng.uniform(0.0, 1.5))
             task.cancel()
             try:
-                outcome, tokens = await task
+                result = await task
+                outcome, tokens = result.outcome, result.tokens
             except asyncio.CancelledError:
                 outcome, tokens = "cancelled", []
         else:
             timeout = rng.uniform(0.05, 0.5) if kind == "deadline" else 120
-            outcome, tokens = await _one(service.address, i, timeout)
+            result = await _one(service.address, i, timeout)
+            outcome, tokens = result.outcome, result.tokens
         return i, outcome, tokens, kind
 
     async def scenario() -> None:
+        await _pools_at(service.address, 2, 2)
+        restarts_before = (await list_workers(service.address)).num_restarts
         kills = [kill_twice("decode", 4), kill("prefill", 9)]
         results = await asyncio.gather(*(request(n) for n in range(200)), *kills)
         outcomes = [r for r in results if r is not None]
@@ -250,14 +230,13 @@ def test_chaos_kills_cancels_and_deadlines(
                 assert tokens == expected[i]
         assert completed >= 100, completed
         # The killed workers were replaced, paired and serve again.
-        await _wait_pools(service.address, 2, 2)
-        listing = await list_workers(service.address)
-        assert listing.num_restarts == 3
+        listing = await wait_pool_sizes(service.address, 2, 2)
+        assert listing.num_restarts - restarts_before == 3
         after = await asyncio.gather(*(_one(service.address, i) for i in range(len(PROMPTS))))
-        for i, (outcome, tokens) in enumerate(after):
-            assert outcome == "final:FINISH_REASON_LENGTH"
-            assert tokens == expected[i]
-        await _wait_no_blocks(service.address)
+        for i, result in enumerate(after):
+            assert result.outcome == "final:FINISH_REASON_LENGTH"
+            assert result.tokens == expected[i]
+        await assert_pools_empty(service.address)
 
     try:
         asyncio.run(scenario())
@@ -268,10 +247,14 @@ def test_chaos_kills_cancels_and_deadlines(
 def test_scale_down_while_streaming(
     service: ServiceProcess, expected: dict[int, list[int]]
 ) -> None:
-    asyncio.run(_resize_while_streaming(service.address, expected, [("decode", 1), ("prefill", 1)]))
+    async def scenario() -> None:
+        await _pools_at(service.address, 2, 2)
+        await _resize_while_streaming(service.address, expected, [("decode", 1), ("prefill", 1)])
+
+    asyncio.run(scenario())
 
 
-def test_admin_is_refused_unless_enabled(tmp_path: Path) -> None:
+def test_admin_is_refused_unless_enabled() -> None:
     from router.admin import AdminServicer
     from router.grpc_server import GrpcServer
     from router.service import WarmingGenerator

@@ -5,18 +5,16 @@ overtake a full batch."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
+import grpc
 import pytest
 
-from engine.factory import EngineArgs
+from bench.harness import ServiceProcess
+from bench.harness.streams import StreamResult, generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
-from router.client import stream_generate
-from tests.service import ServiceProcess
+from tests.conftest import StartService
 
 pytestmark = pytest.mark.e2e
 
@@ -28,10 +26,8 @@ SYSTEM = "You are a careful assistant who answers questions about geography in d
 
 
 @pytest.fixture(scope="module")
-def service(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, ray_session: str
-) -> Iterator[ServiceProcess]:
-    svc = ServiceProcess(
+def service(start_service: StartService, ray_session: str) -> ServiceProcess:
+    return start_service(
         [
             "--ray-address",
             ray_session,
@@ -48,28 +44,28 @@ def service(
             "--local-prefill-max-tokens",
             "24",
         ],
-        tmp_path_factory.mktemp("svc-routing") / "service.log",
+        name="svc-routing",
     )
-    svc.wait_serving()
-    yield svc
-    assert svc.stop() == 0, svc.log_tail()
 
 
 async def _run(
     address: str, decoding: asyncio.Event | None = None, **kwargs: object
-) -> tuple[list[int], pb.GenerateResponse, float]:
-    """Tokens, final message and finish time; `decoding` is set at the second token (the
-    first may come from a prefill worker, the second comes from the decode worker)."""
-    tokens: list[int] = []
-    final = None
-    async for resp in stream_generate(address, temperature=0.0, ignore_eos=True, **kwargs):
-        tokens.extend(resp.token_ids)
-        if decoding is not None and len(tokens) >= 2:
+) -> StreamResult:
+    """Greedy, full length; `decoding` is set at the second token (the first may come from
+    a prefill worker, the second comes from the decode worker)."""
+
+    def progress(num_tokens: int) -> None:
+        if decoding is not None and num_tokens >= 2:
             decoding.set()
-        if resp.finish_reason:
-            final = resp
-    assert final is not None
-    return tokens, final, time.monotonic()
+
+    result = await generate(address, temperature=0.0, ignore_eos=True, on_tokens=progress, **kwargs)
+    assert result.code == grpc.StatusCode.OK and result.final is not None, result
+    return result
+
+
+def _final(result: StreamResult) -> pb.GenerateResponse:
+    assert result.final is not None
+    return result.final
 
 
 def test_next_turn_lands_where_its_history_is_cached(service: ServiceProcess) -> None:
@@ -82,12 +78,14 @@ def test_next_turn_lands_where_its_history_is_cached(service: ServiceProcess) ->
         firsts = await asyncio.gather(
             *(_run(service.address, prompt=p, max_tokens=8) for p in sessions)
         )
-        for history, (_, first, _) in zip(sessions, firsts, strict=True):
+        for history, first_turn in zip(sessions, firsts, strict=True):
+            first = _final(first_turn)
             prompt_tokens = first.usage.prompt_tokens
             # The next turn extends the history; it must find all of it but the
             # last partial block in a prefill worker's cache.
             # (long enough a new part that the decode worker does not run it itself)
-            _, second, _ = await _run(service.address, prompt=history + FOLLOW_UP, max_tokens=4)
+            second_turn = await _run(service.address, prompt=history + FOLLOW_UP, max_tokens=4)
+            second = _final(second_turn)
             assert not second.timings.local_prefill
             assert second.usage.cached_prompt_tokens >= prompt_tokens - 16, (
                 first.usage,
@@ -97,17 +95,17 @@ def test_next_turn_lands_where_its_history_is_cached(service: ServiceProcess) ->
     asyncio.run(scenario())
 
 
-def test_short_prompt_takes_the_local_path(service: ServiceProcess, smollm2_path: Path) -> None:
+def test_short_prompt_takes_the_local_path(service: ServiceProcess, reference_llm: LLM) -> None:
     prompt = "Name three colours."
-    tokens, final, _ = asyncio.run(_run(service.address, prompt=prompt, max_tokens=12))
+    result = asyncio.run(_run(service.address, prompt=prompt, max_tokens=12))
+    final = _final(result)
     assert final.finish_reason == pb.FINISH_REASON_LENGTH
     assert final.timings.local_prefill
     assert final.timings.kv_transfer_seconds == 0 and final.timings.prefill_seconds == 0
-    llm = LLM(EngineArgs(kv_cache_gib=0.05))
-    expected = llm.generate(
+    expected = reference_llm.generate(
         [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     )
-    assert tokens == list(expected[0].token_ids)
+    assert result.tokens == list(expected[0].token_ids)
 
 
 def test_urgent_request_overtakes_a_full_batch(service: ServiceProcess) -> None:
@@ -129,14 +127,13 @@ def test_urgent_request_overtakes_a_full_batch(service: ServiceProcess) -> None:
             for i in range(2)
         ]
         await asyncio.wait_for(asyncio.gather(*(d.wait() for d in decoding)), 120)
-        _, urgent, urgent_done = await _run(
-            service.address, prompt="Quick: say yes.", max_tokens=4, priority=-5
-        )
-        assert urgent.finish_reason == pb.FINISH_REASON_LENGTH
+        urgent = await _run(service.address, prompt="Quick: say yes.", max_tokens=4, priority=-5)
+        assert _final(urgent).finish_reason == pb.FINISH_REASON_LENGTH
         results = await asyncio.gather(*slow)
         # It did not wait for a slot: it finished while both long ones were still running,
         # and they still completed (the preempted one recomputed its tokens).
-        assert all(done > urgent_done for _, _, done in results)
-        assert all(final.finish_reason == pb.FINISH_REASON_LENGTH for _, final, _ in results)
+        assert all(r.done_at > urgent.done_at for r in results)
+        assert all(_final(r).finish_reason == pb.FINISH_REASON_LENGTH for r in results)
+        assert all(len(r.tokens) == 40 for r in results)
 
     asyncio.run(scenario())

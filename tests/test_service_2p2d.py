@@ -16,70 +16,69 @@ from pathlib import Path
 
 import pytest
 
-from engine.factory import EngineArgs
+from bench.harness import ServiceProcess
+from bench.harness.pools import assert_pools_empty
+from bench.harness.streams import generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
-from router.client import get_pool_stats, stream_generate
-from tests.service import ServiceProcess
+from router.client import get_pool_stats
+from tests.conftest import StartService
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def colocated_service(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
-) -> Iterator[ServiceProcess]:
+def colocated_service(start_service: StartService) -> Iterator[ServiceProcess]:
     # Ray looks for the last `ray start` in $RAY_TMPDIR/ray/ray_current_cluster; point it
     # at a head that is gone. A short directory: Ray's socket paths must stay < 108 bytes.
     ray_tmp = Path(tempfile.mkdtemp(prefix="pdray-"))
     (ray_tmp / "ray").mkdir()
     (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9\n")
-    svc = ServiceProcess(
-        ["--colocated-workers", "2", "--decode-kv-cache-gib", "0.1"],
-        tmp_path_factory.mktemp("svc-colo") / "service.log",
-        env={"RAY_TMPDIR": str(ray_tmp)},
-    )
     try:
-        svc.wait_serving()
+        svc = start_service(
+            ["--colocated-workers", "2", "--decode-kv-cache-gib", "0.1"],
+            name="svc-colo",
+            env={"RAY_TMPDIR": str(ray_tmp)},
+        )
         yield svc
+        svc.stop()  # before its Ray directory goes; start_service checks the exit code
     finally:
-        code = svc.stop()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert code == 0, svc.log_tail()
 
 
-def test_colocated_replicas_behind_the_router(colocated_service: ServiceProcess) -> None:
+def test_colocated_replicas_behind_the_router(
+    colocated_service: ServiceProcess, reference_llm: LLM
+) -> None:
     prompts = [f"Tell me about the number {i}." for i in range(6)]
+    address = colocated_service.address
 
     async def scenario() -> list[list[int]]:
-        async def one(p: str) -> list[int]:
-            tokens: list[int] = []
-            async for resp in stream_generate(
-                colocated_service.address, prompt=p, max_tokens=12, temperature=0.0, ignore_eos=True
-            ):
-                tokens.extend(resp.token_ids)
-            return tokens
-
-        return await asyncio.gather(*(one(p) for p in prompts))
+        before = await get_pool_stats(address)
+        queried = {w.index: w.prefix_query_tokens for w in before.workers}
+        results = await asyncio.gather(
+            *(
+                generate(address, prompt=p, max_tokens=12, temperature=0.0, ignore_eos=True)
+                for p in prompts
+            )
+        )
+        stats = await assert_pools_empty(address, pools={pb.POOL_COLOCATED})
+        assert {w.pool for w in stats.workers} == {pb.POOL_COLOCATED}
+        assert len(stats.workers) == 2
+        # Both replicas looked prompts up in their caches during this burst: both served.
+        assert all(w.prefix_query_tokens > queried[w.index] for w in stats.workers), stats
+        assert all(r.outcome == "final:FINISH_REASON_LENGTH" for r in results)
+        return [r.tokens for r in results]
 
     outputs = asyncio.run(scenario())
-    stats = asyncio.run(get_pool_stats(colocated_service.address))
-    assert {w.pool for w in stats.workers} == {pb.POOL_COLOCATED}
-    assert all(w.prefix_query_tokens > 0 for w in stats.workers), "both replicas served"
-    assert all(w.num_blocks_in_use == 0 for w in stats.workers)
-    reference = LLM(EngineArgs(kv_cache_gib=0.1)).generate(
+    reference = reference_llm.generate(
         prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     )
     assert outputs == [list(r.token_ids) for r in reference]
 
 
-# After the test above: this request would count as a replica having served there.
 def test_stale_ray_address_file_does_not_stop_serve(colocated_service: ServiceProcess) -> None:
-    async def one() -> list[pb.GenerateResponse]:
-        return [
-            r async for r in stream_generate(colocated_service.address, prompt="Hi", max_tokens=3)
-        ]
-
-    responses = asyncio.run(one())
-    assert responses[-1].finish_reason != 0
+    # The fixture's service started (its own Ray, despite the stale file) and serves.
+    result = asyncio.run(generate(colocated_service.address, prompt="Hi", max_tokens=3))
+    assert result.outcome == "final:FINISH_REASON_LENGTH"
+    assert len(result.tokens) == 3

@@ -4,21 +4,24 @@ real gRPC on loopback, against the colocated engine and transformers."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Iterator
+import contextlib
 from pathlib import Path
 
 import grpc
 import pytest
 
-from engine.factory import EngineArgs
+from bench.harness import ServiceProcess
+from bench.harness.metrics import scrape
+from bench.harness.metrics import value as metric_value
+from bench.harness.pools import assert_pools_empty
+from bench.harness.streams import StreamResult, generate
+from engine.frontend.prompt import encode_prompt
 from engine.llm import LLM, CompletionOutput
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
-from router.client import get_pool_stats, stream_generate
-from tests.service import ServiceProcess
-from tests.test_metrics import scrape
-from tests.test_metrics import value as metric_value
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.client import build_request, stream_generate
+from tests.conftest import StartService
 
 pytestmark = pytest.mark.e2e
 
@@ -50,11 +53,8 @@ MAX_TOKENS = [12, 20, 8, 16, 10, 24, 14, 6, 18, 9, 11, 7, 22, 13, 5, 15]
 
 
 @pytest.fixture(scope="module")
-def service(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, ray_session: str
-) -> Iterator[ServiceProcess]:
-    log = tmp_path_factory.mktemp("svc") / "service.log"
-    svc = ServiceProcess(
+def service(start_service: StartService, ray_session: str) -> ServiceProcess:
+    return start_service(
         [
             "--ray-address",
             ray_session,
@@ -73,44 +73,19 @@ def service(
             "--drain-grace-s",
             "20",
         ],
-        log,
+        name="svc",
     )
-    svc.wait_serving()
-    yield svc
-    code = svc.stop()
-    assert code == 0, f"service did not exit cleanly on SIGTERM ({code}):\n{svc.log_tail()}"
 
 
-@pytest.fixture(scope="module")
-def colocated(smollm2_path: Path) -> LLM:
-    return LLM(EngineArgs(kv_cache_gib=0.25))
+async def _collect(address: str, **kwargs: object) -> StreamResult:
+    """One call that must end with exactly one final message and status OK."""
+    result = await generate(address, **kwargs)
+    assert result.code == grpc.StatusCode.OK, (result.code, result.details)
+    assert result.num_finals == 1 and result.num_after_final == 0, result
+    return result
 
 
-Collected = tuple[list[int], str, pb.GenerateResponse]  # tokens, text, final message
-
-
-async def _collect(address: str, **kwargs: object) -> Collected:
-    tokens: list[int] = []
-    text = ""
-    final = None
-    async for resp in stream_generate(address, **kwargs):  # type: ignore[arg-type]
-        tokens.extend(resp.token_ids)
-        text += resp.text
-        if resp.finish_reason:
-            final = resp
-    assert final is not None, "stream ended without a final message"
-    return tokens, text, final
-
-
-async def _wait_pools_empty(address: str, timeout: float = 15.0) -> pb.GetPoolStatsResponse:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = await get_pool_stats(address)
-        if all(w.num_blocks_in_use == 0 for w in stats.workers) and stats.num_in_flight == 0:
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"blocks still in use: {stats}")
-        await asyncio.sleep(0.2)
+BOTH_POOLS = {pb.POOL_PREFILL, pb.POOL_DECODE}
 
 
 def test_health_went_from_not_serving_to_serving(service: ServiceProcess) -> None:
@@ -119,14 +94,16 @@ def test_health_went_from_not_serving_to_serving(service: ServiceProcess) -> Non
 
 
 def test_greedy_streams_match_colocated_engine_and_transformers(
-    service: ServiceProcess, colocated: LLM, smollm2_path: Path
+    service: ServiceProcess, reference_llm: LLM, smollm2_path: Path
 ) -> None:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
 
-    async def run() -> tuple[list[Collected], list[CompletionOutput]]:
+    async def run() -> tuple[list[StreamResult], list[CompletionOutput]]:
         # The colocated engine runs in a thread of this process while the service (other
         # processes) serves: neither waits for the other.
-        reference = asyncio.ensure_future(asyncio.to_thread(colocated.generate, PROMPTS, params))
+        reference = asyncio.ensure_future(
+            asyncio.to_thread(reference_llm.generate, PROMPTS, params)
+        )
         # Put the shared prefix in the prefill pool's prefix cache first.
         await _collect(service.address, prompt=SHARED + "Hi.", max_tokens=2)
         served = await asyncio.gather(
@@ -138,14 +115,15 @@ def test_greedy_streams_match_colocated_engine_and_transformers(
         return served, await reference
 
     served, reference = asyncio.run(run())
-    for i, (tokens, text, final) in enumerate(served):
-        assert tokens == list(reference[i].token_ids), f"prompt {i} differs from colocated"
-        assert text == reference[i].text
-        assert final.finish_reason == pb.FINISH_REASON_LENGTH
-        assert final.usage.completion_tokens == MAX_TOKENS[i]
+    for i, result in enumerate(served):
+        assert result.tokens == list(reference[i].token_ids), f"prompt {i} differs from colocated"
+        assert result.text == reference[i].text
+        assert result.final is not None
+        assert result.final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert result.final.usage.completion_tokens == MAX_TOKENS[i]
     # Shared-prefix prompts were served partly from the prefill pool's prefix cache.
     shared = [i for i, p in enumerate(PROMPTS) if p.startswith(SHARED)]
-    assert all(served[i][2].usage.cached_prompt_tokens >= 16 for i in shared)
+    assert all(_final(served[i]).usage.cached_prompt_tokens >= 16 for i in shared)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -155,40 +133,51 @@ def test_greedy_streams_match_colocated_engine_and_transformers(
         ids = tok(PROMPTS[i], return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=MAX_TOKENS[i], do_sample=False)
         hf_tokens = out[0, ids.shape[1] :].tolist()
+        assert hf_tokens, f"transformers generated nothing for prompt {i}"
         # generate() stops at EOS; the service ran on (ignore_eos): compare what both made.
-        assert served[i][0][: len(hf_tokens)] == hf_tokens, f"prompt {i} differs from HF"
+        assert served[i].tokens[: len(hf_tokens)] == hf_tokens, f"prompt {i} differs from HF"
+
+
+def _final(result: StreamResult) -> pb.GenerateResponse:
+    assert result.final is not None
+    return result.final
 
 
 def test_seeded_sampling_reproducible_and_equal_to_colocated(
-    service: ServiceProcess, colocated: LLM
+    service: ServiceProcess, reference_llm: LLM
 ) -> None:
     kw = dict(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     first = asyncio.run(_collect(service.address, prompt="Tell me a story", **kw))
     second = asyncio.run(_collect(service.address, prompt="Tell me a story", **kw))
-    assert first[0] == second[0]
-    ref = colocated.generate(
+    assert len(first.tokens) == 16
+    assert first.tokens == second.tokens
+    ref = reference_llm.generate(
         ["Tell me a story"],
         SamplingParams(
             max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True
         ),
     )[0]
-    assert first[0] == list(ref.token_ids)
+    assert first.tokens == list(ref.token_ids)
     other = asyncio.run(_collect(service.address, prompt="Tell me a story", **{**kw, "seed": 99}))
-    assert other[0] != first[0]
+    assert other.tokens != first.tokens
 
 
-def test_stop_string_and_chat_messages(service: ServiceProcess, colocated: LLM) -> None:
-    ref = colocated.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=20, temperature=0.0))[0]
+def test_stop_string_and_chat_messages(service: ServiceProcess, reference_llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    ref = reference_llm.generate(["1, 2, 3, 4,"], greedy)[0]
     stop = ref.text[6:9]  # somewhere in the middle of what greedy produces
-    tokens, text, final = asyncio.run(
+    stopped = asyncio.run(
         _collect(service.address, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0.0, stop=[stop])
     )
-    assert final.finish_reason == pb.FINISH_REASON_STOP
-    assert text == ref.text[: ref.text.index(stop)]
-    _, chat_text, chat_final = asyncio.run(
-        _collect(service.address, messages=[("user", "Say hello.")], max_tokens=12, temperature=0.0)
-    )
-    assert chat_text and chat_final.usage.prompt_tokens > 5
+    assert _final(stopped).finish_reason == pb.FINISH_REASON_STOP
+    assert stopped.text == ref.text[: ref.text.index(stop)]
+    # A chat turn goes through the model's chat template, as the engine's own encoding does.
+    messages = [("user", "Say hello.")]
+    chat = asyncio.run(_collect(service.address, messages=messages, max_tokens=12, temperature=0.0))
+    ids = encode_prompt(reference_llm.tokenizer, messages=messages)
+    chat_ref = reference_llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert _final(chat).usage.prompt_tokens == len(ids)
+    assert chat.tokens == list(chat_ref.token_ids) and chat.text == chat_ref.text
 
 
 @pytest.mark.parametrize(
@@ -208,12 +197,12 @@ def test_stop_string_and_chat_messages(service: ServiceProcess, colocated: LLM) 
 def test_invalid_requests_are_refused_and_server_keeps_serving(
     service: ServiceProcess, kwargs: dict[str, object], field: str
 ) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        asyncio.run(_collect(service.address, **kwargs))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in err.value.details()
-    tokens, _, _ = asyncio.run(_collect(service.address, prompt="hi", max_tokens=2))
-    assert len(tokens) == 2
+    refused = asyncio.run(generate(service.address, **kwargs))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in refused.details
+    assert refused.tokens == [] and refused.final is None
+    ok = asyncio.run(_collect(service.address, prompt="hi", max_tokens=2))
+    assert len(ok.tokens) == 2
 
 
 def test_cancellations_and_deadlines_free_every_block(service: ServiceProcess) -> None:
@@ -229,28 +218,24 @@ def test_cancellations_and_deadlines_free_every_block(service: ServiceProcess) -
                 break  # leaving the iterator cancels the RPC
         return n
 
-    async def cancel_after(delay: float, **kwargs: object) -> grpc.StatusCode:
-        async def consume() -> None:
-            async for _ in stream_generate(address, **kwargs):  # type: ignore[arg-type]
-                pass
+    async def cancel_once(started: asyncio.Event, **kwargs: object) -> bool:
+        """Cancel the call once `started` is set; True if it was still running then."""
+        call = asyncio.ensure_future(generate(address, **kwargs))
+        await started.wait()
+        cancelled = not call.done()
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        return cancelled
 
-        task = asyncio.ensure_future(consume())
-        await asyncio.sleep(delay)
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            return grpc.StatusCode.CANCELLED
-        return grpc.StatusCode.OK
-
-    async def deadline() -> grpc.StatusCode:
-        try:
-            await _collect(
-                address, prompt="Write a long essay.", max_tokens=400, ignore_eos=True, timeout=1.0
-            )
-        except grpc.aio.AioRpcError as exc:
-            return exc.code()
-        return grpc.StatusCode.OK
+    async def cancel_once_sent(**kwargs: object) -> grpc.StatusCode:
+        """Cancel a call as soon as the router has it (queued, reserving or prefilling)."""
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            call = stub.Generate(build_request(**kwargs))  # type: ignore[arg-type]
+            await call.wait_for_connection()
+            call.cancel()
+            return await call.code()
 
     async def scenario() -> None:
         bystanders = [
@@ -259,45 +244,59 @@ def test_cancellations_and_deadlines_free_every_block(service: ServiceProcess) -
             )
             for p in PROMPTS[:4]
         ]
-        long_prompt = "The history of the world, told in detail. " * 40  # many chunks
-        results = await asyncio.gather(
-            cancel_mid_stream(),
-            cancel_after(0.3, prompt=long_prompt, max_tokens=50),  # while prefilling
-            cancel_after(0.05, prompt="queued or reserving", max_tokens=50),
-            deadline(),
+        # Cancelled while prefilling: a prompt of many chunks, cancelled once a short
+        # prompt sent beside it has its first token (the long one's prefill is under way).
+        long_prompt = "The history of the world, told in detail. " * 40
+        short_done = asyncio.Event()
+        short = asyncio.ensure_future(
+            generate(address, prompt="Hi", max_tokens=1, on_tokens=lambda n: short_done.set())
         )
-        assert results[0] >= 3
-        assert results[1] == grpc.StatusCode.CANCELLED
-        assert results[3] == grpc.StatusCode.DEADLINE_EXCEEDED
+        mid, prefilling, early, deadline = await asyncio.gather(
+            cancel_mid_stream(),
+            cancel_once(short_done, prompt=long_prompt, max_tokens=50),
+            cancel_once_sent(prompt="queued or reserving", max_tokens=50),
+            generate(
+                address, prompt="Write a long essay.", max_tokens=400, ignore_eos=True, timeout=1.0
+            ),
+        )
+        assert (await short).num_finals == 1
+        assert mid >= 3
+        assert prefilling, "the long prompt finished before it could be cancelled"
+        assert early == grpc.StatusCode.CANCELLED
+        assert deadline.code == grpc.StatusCode.DEADLINE_EXCEEDED
         for fut in bystanders:  # other streams unaffected
-            tokens, _, final = await fut
-            assert len(tokens) == 24 and final.finish_reason == pb.FINISH_REASON_LENGTH
-        stats = await _wait_pools_empty(address)
-        assert {w.pool for w in stats.workers} == {pb.POOL_PREFILL, pb.POOL_DECODE}
+            result = await fut
+            assert len(result.tokens) == 24
+            assert _final(result).finish_reason == pb.FINISH_REASON_LENGTH
+        await assert_pools_empty(address, timeout=15, pools=BOTH_POOLS)
 
     asyncio.run(scenario())
 
 
 def test_queue_full_is_resource_exhausted(service: ServiceProcess) -> None:
     # 24 in flight + 64 queued fit; a burst of 120 must see RESOURCE_EXHAUSTED for some.
-    async def burst() -> list[grpc.StatusCode]:
-        async def one() -> grpc.StatusCode:
-            try:
-                await _collect(service.address, prompt="hi", max_tokens=6, ignore_eos=True)
-            except grpc.aio.AioRpcError as exc:
-                return exc.code()
-            return grpc.StatusCode.OK
+    async def burst() -> list[StreamResult]:
+        return await asyncio.gather(
+            *(
+                generate(service.address, prompt="hi", max_tokens=6, ignore_eos=True)
+                for _ in range(120)
+            )
+        )
 
-        return await asyncio.gather(*(one() for _ in range(120)))
-
-    codes = asyncio.run(burst())
+    results = asyncio.run(burst())
+    codes = [r.code for r in results]
     assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
-    assert grpc.StatusCode.OK in codes
-    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
-    asyncio.run(_wait_pools_empty(service.address))
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    # At most what fits was admitted; every admitted request ran to its full length.
+    admitted = [r for r in results if r.code == grpc.StatusCode.OK]
+    assert len(admitted) >= 24
+    assert all(len(r.tokens) == 6 and r.num_finals == 1 for r in admitted)
+    asyncio.run(assert_pools_empty(service.address, pools=BOTH_POOLS))
 
 
 def test_metrics_endpoint_shows_requests_and_every_worker(service: ServiceProcess) -> None:
+    # Other tests' requests may still be leaving the pools: start from a quiet service.
+    asyncio.run(assert_pools_empty(service.address))
     before = scrape(service.metrics_port)[1]
 
     async def run() -> None:
