@@ -1,7 +1,12 @@
 """Load generator for GenerationService: TTFT, TPOT, inter-token latency, throughput, goodput.
 
 Open loop (`--rate`, Poisson arrivals) or closed loop (`--concurrency`), a fixed
-number of requests, then it stops. Example:
+number of requests, then it stops. A request counts as completed only when its final
+message says STOP or LENGTH; every other ending (ABORT, ERROR, a gRPC status such as
+UNAVAILABLE) is reported by reason and left out of every latency, throughput and goodput
+figure. Prompts are fresh random tokens on every run (so a rerun does not hit the prefix
+cache the last one filled); `--seed N` repeats a run's prompts, and the summary gives the
+share of prompt tokens the server found cached. Example:
 
     python -m bench.load --target 127.0.0.1:50051 --rate 8 --num-requests 200 \\
         --prompt-len 256:1024 --output-len 64:256 --ttft-slo 0.5 --tpot-slo 0.05 --out run.json
@@ -14,6 +19,7 @@ import asyncio
 import json
 import math
 import random
+import secrets
 import sys
 import time
 from collections import Counter
@@ -22,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from bench.report import distribution, provenance
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.client import ClientSecurity, add_security_arguments
@@ -36,6 +43,9 @@ _WORD_TEXT = (
 _WORDS = _WORD_TEXT.split()
 
 
+COMPLETED = ("stop", "length")  # the finish reasons of a request that ran to its end
+
+
 @dataclass
 class Outcome:
     """What one request saw, in seconds since the benchmark started."""
@@ -45,18 +55,32 @@ class Outcome:
     max_tokens: int
     sent_s: float = 0.0
     first_token_s: float | None = None
-    done_s: float | None = None
+    done_s: float | None = None  # the final message's arrival
+    end_s: float | None = None  # the call's end, whatever ended it
     chunk_times_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
-    finish_reason: str = ""
-    status: str = "OK"
+    finish_reason: str = ""  # "stop", "length", "abort", "error"; "" without a final
+    status: str = "OK"  # the call's gRPC status code
     error: str = ""
 
     @property
-    def ok(self) -> bool:
-        return self.status == "OK" and self.done_s is not None
+    def completed(self) -> bool:
+        """Ran to its end: a STOP or LENGTH final message and status OK."""
+        return self.status == "OK" and self.finish_reason in COMPLETED
+
+    @property
+    def outcome(self) -> str:
+        """'stop' or 'length' when completed; otherwise why not: the finish reason
+        ('ABORT', 'ERROR'), else the gRPC status ('UNAVAILABLE'), else 'NO_FINAL'."""
+        if self.completed:
+            return self.finish_reason
+        if self.finish_reason and self.finish_reason not in COMPLETED:
+            return self.finish_reason.upper()
+        if self.status != "OK":
+            return self.status
+        return "NO_FINAL"
 
     @property
     def ttft_s(self) -> float | None:
@@ -83,19 +107,9 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def build_requests(args: argparse.Namespace) -> list[tuple[pb.GenerateRequest, Outcome]]:
-    """All requests up front (seeded), so generating them does not perturb arrival times."""
+    """All requests up front (from `args.seed`), so generating them does not perturb
+    arrival times."""
     rng = random.Random(args.seed)
     lo_id, hi_id = args.token_ids
     requests = []
@@ -145,10 +159,11 @@ async def run_one(
                 outcome.finish_reason = name.removeprefix("FINISH_REASON_").lower()
                 outcome.prompt_tokens = response.usage.prompt_tokens
                 outcome.cached_prompt_tokens = response.usage.cached_prompt_tokens
+                outcome.error = response.error
     except grpc.aio.AioRpcError as exc:
         outcome.status = exc.code().name
-        outcome.error = exc.details() or ""
-        outcome.done_s = None
+        outcome.error = outcome.error or exc.details() or ""
+    outcome.end_s = time.perf_counter() - t0
 
 
 async def run_load(args: argparse.Namespace) -> list[Outcome]:
@@ -194,16 +209,21 @@ async def run_load(args: argparse.Namespace) -> list[Outcome]:
 
 
 def summarize(outcomes: list[Outcome], args: argparse.Namespace) -> dict[str, Any]:
-    """Aggregate metrics; latencies in milliseconds, rates per second."""
-    ok = [o for o in outcomes if o.ok]
+    """Aggregate metrics; latencies in milliseconds, rates per second.
+
+    Only completed requests (STOP or LENGTH) enter latencies, throughput and goodput; the
+    duration runs from the first send to the end of the last request, whatever its end.
+    """
+    done = [o for o in outcomes if o.completed]
+    failed = [o for o in outcomes if not o.completed]
     start = min((o.sent_s for o in outcomes), default=0.0)
-    end = max((o.done_s for o in ok if o.done_s is not None), default=start)
+    end = max((o.end_s for o in outcomes if o.end_s is not None), default=start)
     duration = max(end - start, 1e-9)
-    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
-    tpots = [o.tpot_s for o in ok if o.tpot_s is not None]
+    ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
+    tpots = [o.tpot_s for o in done if o.tpot_s is not None]
     # One inter-token sample per gap between chunks (decode sends one chunk per step).
-    itls = [b - a for o in ok for a, b in zip(o.chunk_times_s, o.chunk_times_s[1:], strict=False)]
-    latencies = [o.latency_s for o in ok if o.latency_s is not None]
+    itls = [b - a for o in done for a, b in zip(o.chunk_times_s, o.chunk_times_s[1:], strict=False)]
+    latencies = [o.latency_s for o in done if o.latency_s is not None]
 
     def meets_slo(o: Outcome) -> bool:
         if args.ttft_slo is not None and (o.ttft_s is None or o.ttft_s > args.ttft_slo):
@@ -211,41 +231,42 @@ def summarize(outcomes: list[Outcome], args: argparse.Namespace) -> dict[str, An
         # A one-token answer has no TPOT and so cannot miss that SLO.
         return args.tpot_slo is None or o.tpot_s is None or o.tpot_s <= args.tpot_slo
 
-    def dist(values: list[float]) -> dict[str, float]:
-        ms = [v * 1000 for v in values]
-        return {
-            "mean": sum(ms) / len(ms) if ms else math.nan,
-            "p50": percentile(ms, 50),
-            "p90": percentile(ms, 90),
-            "p99": percentile(ms, 99),
-        }
-
-    output_tokens = sum(o.output_tokens for o in ok)
+    # The cached share, from every final message's usage (an aborted request's prompt
+    # was looked up in the cache too).
+    finals = [o for o in outcomes if o.finish_reason]
+    prompt_tokens_seen = sum(o.prompt_tokens for o in finals)
+    cached = sum(o.cached_prompt_tokens for o in finals)
+    output_tokens = sum(o.output_tokens for o in done)
     return {
         "num_requests": len(outcomes),
+        "seed": args.seed,
         # The lengths asked for: uniform MIN:MAX ranges, exact when ignore_eos.
         "prompt_len": list(args.prompt_len),
         "output_len": list(args.output_len),
         "ignore_eos": not args.allow_eos,
-        "num_ok": len(ok),
-        "errors": dict(Counter(o.status for o in outcomes if not o.ok)),
+        "num_completed": len(done),
+        # Every ending, by reason: "stop"/"length" (completed), then finish reasons in
+        # capitals ("ABORT", "ERROR") and gRPC status codes ("UNAVAILABLE").
+        "outcomes": dict(sorted(Counter(o.outcome for o in outcomes).items())),
+        "not_completed": dict(sorted(Counter(o.outcome for o in failed).items())),
         "duration_s": duration,
-        "request_throughput": len(ok) / duration,
+        "request_throughput": len(done) / duration,
         "output_token_throughput": output_tokens / duration,
         "total_output_tokens": output_tokens,
-        "total_prompt_tokens": sum(o.prompt_tokens for o in ok),
-        "cached_prompt_tokens": sum(o.cached_prompt_tokens for o in ok),
-        "goodput": sum(meets_slo(o) for o in ok) / duration,
-        "ttft_ms": dist(ttfts),
-        "tpot_ms": dist(tpots),
-        "itl_ms": dist(itls),
-        "e2e_latency_ms": dist(latencies),
+        "total_prompt_tokens": sum(o.prompt_tokens for o in done),
+        "cached_prompt_tokens": cached,
+        "cached_prompt_share": cached / prompt_tokens_seen if prompt_tokens_seen else math.nan,
+        "goodput": sum(meets_slo(o) for o in done) / duration,
+        "ttft_ms": distribution(ttfts, scale=1000),
+        "tpot_ms": distribution(tpots, scale=1000),
+        "itl_ms": distribution(itls, scale=1000),
+        "e2e_latency_ms": distribution(latencies, scale=1000),
     }
 
 
 def _lengths_line(summary: dict[str, Any]) -> str:
     (p_lo, p_hi), (o_lo, o_hi) = summary["prompt_len"], summary["output_len"]
-    n = max(summary["num_ok"], 1)
+    n = max(summary["num_completed"], 1)
     exact = "" if summary["ignore_eos"] else ", or less at end-of-text"
     return (
         f"lengths           prompt {p_lo}-{p_hi} tokens (mean "
@@ -255,11 +276,17 @@ def _lengths_line(summary: dict[str, Any]) -> str:
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    """Human-readable report."""
+    """Human-readable report; every figure below the first lines counts completed requests."""
+    failed = summary["not_completed"]
+    requests = f"requests          {summary['num_completed']}/{summary['num_requests']} completed"
+    if failed:
+        requests += "; not completed: " + ", ".join(f"{k} {v}" for k, v in failed.items())
+    share = summary["cached_prompt_share"]
     lines = [
-        f"requests          {summary['num_ok']}/{summary['num_requests']} ok"
-        + (f"  errors {summary['errors']}" if summary["errors"] else ""),
+        requests,
         _lengths_line(summary),
+        f"prompts           seed {summary['seed']} (--seed {summary['seed']} sends them "
+        f"again); {share:.1%} of prompt tokens were in the server's prefix cache",
         f"duration          {summary['duration_s']:.2f} s",
         f"request tput      {summary['request_throughput']:.2f} req/s",
         f"output tok tput   {summary['output_token_throughput']:.1f} tok/s",
@@ -308,7 +335,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, s")
     p.add_argument("--connect-timeout", type=float, default=10.0)
     p.add_argument("--channels", type=int, default=1, help="gRPC channels (connections)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="prompts, lengths and arrival gaps from this seed (default: a fresh one per "
+        "run, printed in the report, so a rerun does not meet the last run's prompts in the "
+        "server's prefix cache)",
+    )
     p.add_argument("--out", help="write summary and per-request records as JSON here")
     add_security_arguments(p)
     args = p.parse_args(argv)
@@ -320,11 +353,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--concurrency must be >= 1")
     if args.num_requests < 1 or args.channels < 1:
         p.error("--num-requests and --channels must be >= 1")
+    if args.seed is None:
+        args.seed = secrets.randbelow(2**31)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark, print the table, optionally write JSON; exit 1 if any request failed."""
+    """Run the benchmark, print the table, optionally write JSON; exit 1 unless every
+    request completed."""
     args = parse_args(argv)
     try:
         outcomes = asyncio.run(run_load(args))
@@ -336,17 +372,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         config = {k: v for k, v in vars(args).items() if k != "out"}
         record = {
+            "provenance": provenance("bench.load", sys.argv[1:] if argv is None else argv),
             "config": config,
             "summary": summary,
             "requests": [
-                {**asdict(o), "ttft_s": o.ttft_s, "tpot_s": o.tpot_s, "latency_s": o.latency_s}
+                {
+                    **asdict(o),
+                    "outcome": o.outcome,
+                    "ttft_s": o.ttft_s,
+                    "tpot_s": o.tpot_s,
+                    "latency_s": o.latency_s,
+                }
                 for o in outcomes
             ],
         }
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
         print(f"wrote {args.out}", file=sys.stderr)
-    return 0 if summary["num_ok"] == summary["num_requests"] else 1
+    return 0 if summary["num_completed"] == summary["num_requests"] else 1
 
 
 if __name__ == "__main__":
