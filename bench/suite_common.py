@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import math
 import random
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.load import percentile
+from bench.harness.ports import free_port as free_port  # where the suite's parts import it
+from bench.report import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -129,6 +129,7 @@ class ReqTiming:
 
 
 def dist_ms(values_s: list[float]) -> dict[str, float]:
+    """p50, p99 and mean of `values_s` in milliseconds (bench.report's percentile)."""
     ms = [v * 1000 for v in values_s]
     return {
         "p50": round(percentile(ms, 50), 3),
@@ -159,12 +160,6 @@ def summarize(
         "errors": sorted({t.error for t in timings if not t.ok})[:5],
         **extra,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def error_record(exc: BaseException) -> dict[str, str]:

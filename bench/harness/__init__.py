@@ -1,6 +1,7 @@
 """What tests and benchmarks share to drive a real service from outside.
 
-* `service`: `pdserve serve` as a subprocess on a free loopback port (`ServiceProcess`);
+* `service`: `pdserve serve` as a subprocess on a free loopback port (`ServiceProcess`,
+  `running_service`);
 * `ports`: `free_port`;
 * `polling`: deadline-bounded waits (`wait_until`, `wait_until_async`);
 * `streams`: one Generate call read to its end (`generate` → `StreamResult`);
@@ -12,12 +13,20 @@ Nothing here imports from `tests/`; tests import from here.
 
 from bench.harness.polling import wait_until, wait_until_async
 from bench.harness.ports import free_port
-from bench.harness.service import REPO, ServiceProcess, service_env
+from bench.harness.service import (
+    REPO,
+    ServiceExitError,
+    ServiceProcess,
+    running_service,
+    service_env,
+)
 
 __all__ = [
     "REPO",
+    "ServiceExitError",
     "ServiceProcess",
     "free_port",
+    "running_service",
     "service_env",
     "wait_until",
     "wait_until_async",

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -101,3 +103,29 @@ class ServiceProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+class ServiceExitError(AssertionError):
+    """A service did not exit with 0 on SIGTERM (the drain or the shutdown failed)."""
+
+
+@contextmanager
+def running_service(
+    args: list[str],
+    log_path: Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 300.0,
+) -> Iterator[ServiceProcess]:
+    """A SERVING service for the `with` block, stopped after it; ServiceExitError (with the
+    log's tail) if it then does not exit 0. An error inside the block wins over that."""
+    svc = ServiceProcess(args, log_path, env=env)
+    try:
+        svc.wait_serving(timeout)
+        yield svc
+    except BaseException:
+        svc.stop()
+        raise
+    code = svc.stop()
+    if code != 0:
+        raise ServiceExitError(f"service exited with {code} on SIGTERM:\n{svc.log_tail()}")
