@@ -34,8 +34,9 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
+from engine.transfer.base import KVPoll
 from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import HandoffHeader, HeaderKind
+from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
 
 # (layers, kv heads, head dim): block = [layers, 2, block_size, kv heads, head dim]
 SHAPES = {"tiny": (4, 2, 16), "1b": (16, 8, 64), "8b": (32, 8, 128)}
@@ -77,20 +78,22 @@ def _handoff_once(
         header = HandoffHeader(
             HeaderKind.HANDOFF,
             channel.next_seq(),
-            req_id="bench",
             dst_epoch=2,
-            dst_block_ids=tuple(ids),
+            entries=(HandoffEntry("bench", len(ids) * 16, len(ids), 0),),
             num_bytes=nbytes,
         )
-        channel.send(header, payload).result()
+        handle = channel.send(header, payload)
+        if handle.wait() is not KVPoll.SUCCESS:
+            raise RuntimeError(handle.failure)
         return
     header = channel.recv_header()
-    num_blocks = len(header.dst_block_ids)
+    num_blocks = header.num_blocks
     staging = torch.empty((num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=device)
     if gathered is not None:
         channel.recv_into(staging)
         return
-    index = torch.tensor(header.dst_block_ids, device=device)
+    # The receiver knows its destination blocks from its own reservation.
+    index = torch.tensor(ids, device=device)
 
     def scatter() -> None:
         cache.index_copy_(0, index, staging)

@@ -1,16 +1,14 @@
 """Decode pool worker: reserves blocks, receives KV on standing receivers, decodes.
 
-A request's life here, as named states of the reservation book:
-* reserved: `reserve()` allocated its blocks under a lease; nothing is ever received
-  into memory that was not reserved first;
-* importing: a header for it arrived on a channel and matched the reservation (epoch,
-  block ids, token count); the payload lands in a staging buffer, then in the blocks;
-* running: admitted at the next step boundary, tokens flow out through `next_tokens()`;
-* gone: finished, aborted, expired or refused: blocks released, exactly once.
+A request's life here, as named states of the reservation book
+(`engine/transfer/receiver.py` walks them): reserved (blocks allocated under a lease
+the router renews while the request is queued or prefilling) → importing (its header
+matched) → running (admitted at a step boundary; tokens flow out through
+`next_tokens()`) → gone (finished, aborted, expired or refused: blocks released,
+exactly once). A reservation made for KV from one sender fails at once when that
+sender's channel breaks, so its request is re-run instead of waiting out the lease.
 
-Each prefill peer has one channel and one receiving thread. A header that does not match
-a reservation is refused loudly: its payload is drained (so the channel stays in step)
-and discarded, and the request ends with an error in the token stream.
+Each sending peer has one channel and one receiving thread.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from typing import Any
 
 import torch
@@ -27,9 +24,10 @@ import torch
 from engine.core.outputs import GenerationInput, TokenBatch, TokenUpdate
 from engine.core.request import FinishReason
 from engine.core.scheduler import RequestUpdate
-from engine.transfer.channel import RECEIVER_RANK, ChannelClosed, ChannelSpec, KVChannel
-from engine.transfer.handoff import HandoffHeader, Reservation
-from engine.transfer.reservations import HeldReservation, ReservationBook
+from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
+from engine.transfer.handoff import Reservation
+from engine.transfer.receiver import ChannelReceiver
+from engine.transfer.reservations import ReservationBook
 from engine.worker import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -47,6 +45,7 @@ class DecodeWorker(WorkerBase):
         self._outbox: list[TokenUpdate] = []
         self._outbox_ready = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
+        self._sources: dict[str, str] = {}  # req_id → the peer its KV comes from
 
     def on_started(self) -> None:
         self._book = ReservationBook(self.epoch, self.built.layout.block_size)  # type: ignore[union-attr]
@@ -59,9 +58,10 @@ class DecodeWorker(WorkerBase):
 
     # ---------------------------------------------------------------- reservation
     async def reserve(
-        self, inp: GenerationInput, lease_s: float = DEFAULT_LEASE_S
+        self, inp: GenerationInput, lease_s: float = DEFAULT_LEASE_S, source: str | None = None
     ) -> Reservation | None:
-        """Hold blocks for the request's prompt KV; None when they don't fit now."""
+        """Hold blocks for the request's prompt KV; None when they don't fit now.
+        `source` names the sender, if known: its channel breaking fails the request."""
         num_tokens = len(inp.prompt_token_ids)
         block_ids = await self.on_engine(lambda: self.core.reserve(inp.req_id, num_tokens))
         if block_ids is None:
@@ -71,125 +71,59 @@ class DecodeWorker(WorkerBase):
             return None
         reservation = Reservation(self.worker_id, self.epoch, tuple(block_ids))
         self.book.add(inp, reservation, lease_s)
+        if source is not None:
+            self._sources[inp.req_id] = source
         return reservation
+
+    async def renew(self, req_ids: list[str], lease_s: float = DEFAULT_LEASE_S) -> int:
+        """Extend the leases of reservations whose requests still make progress
+        elsewhere (queued or prefilling); returns how many are still held."""
+        return self.book.renew(req_ids, lease_s)
 
     async def _sweep_leases(self) -> None:
         while True:
             await asyncio.sleep(LEASE_SWEEP_S)
             for req_id in self.book.expire():
                 log.warning("reservation for %s expired before its KV arrived; freeing", req_id)
-                self._release(req_id)
+                self.release(req_id)
+                self.fail(req_id, "KV hand-off refused: the reservation expired")
 
-    def _release(self, req_id: str) -> None:
+    # ---------------------------------------------------------------- ImportTarget
+    @property
+    def block_bytes(self) -> int:
+        cache = self.runner.kv_cache
+        return int(cache[0].numel() * cache.element_size())
+
+    def staging(self, num_blocks: int) -> torch.Tensor:
+        cache = self.runner.kv_cache
+        return torch.empty((num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+
+    def scatter(self, block_ids: list[int], rows: torch.Tensor, row_ids: list[int] | None) -> None:
+        if row_ids is not None:
+            rows = rows.index_select(0, torch.tensor(row_ids, device=rows.device))
+        self.runner.scatter_blocks(block_ids, rows)
+
+    def admit(self, inp: GenerationInput, first_token: int) -> None:
+        # Engine commands run in order: any abort issued after this is applied after
+        # the admission, so the request cannot slip past it.
+        assert self.loop_thread is not None
+        req_id = inp.req_id
+        self._sources.pop(req_id, None)
+        self.loop_thread.submit(
+            lambda: self.core.admit_imported(inp, first_token)
+        ).add_done_callback(lambda fut: self._admit_failed(req_id, fut.exception()))
+
+    def arrived(self, req_id: str, wire_s: float, handoff_s: float) -> None:
+        self._post(TokenUpdate(req_id, kv_wire_s=wire_s, kv_handoff_s=handoff_s))
+
+    def release(self, req_id: str) -> None:
         """Give a reservation's blocks back at the next step boundary (any thread)."""
         assert self.loop_thread is not None
+        self._sources.pop(req_id, None)
         self.loop_thread.submit(lambda: self.core.release(req_id))
 
-    # ---------------------------------------------------------------- receiving
-    def channel_rank(self) -> int:
-        return RECEIVER_RANK
-
-    def channel_peer(self, spec: ChannelSpec) -> str:
-        return spec.prefill_id
-
-    def on_connected(self, channel: KVChannel) -> None:
-        thread = threading.Thread(
-            target=self._receive_loop,
-            args=(channel,),
-            name=f"kv-recv-{channel.spec.prefill_id}",
-            daemon=True,
-        )
-        thread.start()
-
-    def _receive_loop(self, channel: KVChannel) -> None:
-        """Standing receiver for one prefill peer: header, payload, repeat."""
-        expected_seq = 0
-        while not channel.closed:
-            try:
-                header = channel.recv_header()
-            except ChannelClosed:
-                break
-            except Exception as exc:  # noqa: BLE001 - the peer died or the channel broke
-                if not channel.closed:
-                    log.warning("channel from %s broke: %s", channel.spec.prefill_id, exc)
-                break
-            if header.seq_no != expected_seq:
-                log.error(
-                    "channel from %s out of step: header %d, expected %d; closing it",
-                    channel.spec.prefill_id,
-                    header.seq_no,
-                    expected_seq,
-                )
-                break
-            expected_seq += 1
-            if not self._import(channel, header):
-                break
-        channel.close(notify_peer=False)
-
-    def _import(self, channel: KVChannel, header: HandoffHeader) -> bool:
-        """Receive one payload; False when the channel can no longer be trusted."""
-        layout = self.built.layout  # type: ignore[union-attr]
-        cache = self.runner.kv_cache
-        block_bytes = cache[0].numel() * cache.element_size()
-        num_blocks = len(header.dst_block_ids)
-        if header.num_bytes != num_blocks * block_bytes:
-            log.error(
-                "hand-off of %s: %d bytes for %d blocks of %d bytes (layout %s); closing",
-                header.req_id,
-                header.num_bytes,
-                num_blocks,
-                block_bytes,
-                layout,
-            )
-            self._emit_error(header.req_id, "KV hand-off refused: byte count does not match")
-            return False
-        held, problem = self.book.claim(header)
-        staging = torch.empty(
-            (num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=cache.device
-        )
-        posted = time.perf_counter()
-        try:
-            # Drained even when refused (the channel stays in step); scattered into the
-            # reserved blocks on the channel's stream when accepted.
-            block_ids = list(header.dst_block_ids)
-            scatter = None
-            if held is not None:
-
-                def scatter() -> None:
-                    self.runner.scatter_blocks(block_ids, staging)
-
-            channel.recv_into(staging, scatter)
-        except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
-            if held is not None:
-                self.book.fail(header.req_id)
-                self._release(header.req_id)
-                self._emit_error(header.req_id, f"KV hand-off broke off: {exc}")
-            return False
-        wire_s = time.perf_counter() - posted
-        if held is None:
-            log.warning("refused hand-off of %s: %s", header.req_id, problem)
-            if not self.is_buried(header.req_id):
-                self._emit_error(header.req_id, f"KV hand-off refused: {problem}")
-            return True
-        self._admit(held, header, wire_s)
-        return True
-
-    def _admit(self, held: HeldReservation, header: HandoffHeader, wire_s: float) -> None:
-        req_id = header.req_id
-        assert self.loop_thread is not None
-        loop_thread = self.loop_thread
-
-        def enqueue() -> None:
-            # Engine commands run in order: any abort issued after this is applied after
-            # the admission, so the request cannot slip past it.
-            loop_thread.submit(
-                lambda: self.core.admit_imported(held.inp, header.first_token)
-            ).add_done_callback(lambda fut: self._admit_failed(req_id, fut.exception()))
-
-        if self.book.complete(req_id, enqueue):
-            self._post(TokenUpdate(req_id, kv_wire_s=wire_s))
-        else:  # aborted while its bytes were on the wire
-            self._release(req_id)
+    def fail(self, req_id: str, error: str) -> None:
+        self._post(TokenUpdate(req_id, finish_reason=FinishReason.ERROR, error=error))
 
     def _admit_failed(self, req_id: str, exc: BaseException | None) -> None:
         # Engine thread. Never expected; if it happens, free the blocks and tell the router.
@@ -197,10 +131,34 @@ class DecodeWorker(WorkerBase):
             return
         log.error("admitting %s after its hand-off failed: %r", req_id, exc)
         self.core.release(req_id)
-        self._emit_error(req_id, f"admitting the request failed: {exc}")
+        self.fail(req_id, f"admitting the request failed: {exc}")
 
-    def _emit_error(self, req_id: str, error: str) -> None:
-        self._post(TokenUpdate(req_id, finish_reason=FinishReason.ERROR, error=error))
+    # ---------------------------------------------------------------- receiving
+    def channel_rank(self) -> int:
+        return RECEIVER_RANK
+
+    def channel_peer(self, spec: ChannelSpec) -> str:
+        return spec.sender_id
+
+    def on_connected(self, channel: KVChannel) -> None:
+        thread = threading.Thread(
+            target=self._receive,
+            args=(channel,),
+            name=f"kv-recv-{channel.peer_id}",
+            daemon=True,
+        )
+        thread.start()
+
+    def _receive(self, channel: KVChannel) -> None:
+        ChannelReceiver(channel, self.book, self).run()
+        # The sender is gone: reservations waiting for its KV will never be filled.
+        self._loop.call_soon_threadsafe(self._fail_waiting_on, channel.peer_id)
+
+    def _fail_waiting_on(self, peer_id: str) -> None:
+        for req_id, source in list(self._sources.items()):
+            if source == peer_id and self.book.abort(req_id):
+                self.release(req_id)
+                self.fail(req_id, f"KV hand-off refused: the channel from {peer_id} closed")
 
     def _post(self, update: TokenUpdate) -> None:
         """Queue an update from any thread."""
@@ -226,11 +184,12 @@ class DecodeWorker(WorkerBase):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._outbox_ready.wait(), wait_s)
         out, self._outbox = self._outbox, []
-        return TokenBatch(tuple(out), self.take_kv_events())
+        return TokenBatch(tuple(out), self.take_kv_events(), self.latest_stats())
 
     async def submit(self, inp: GenerationInput) -> None:
-        """Run a request's prompt here too (no hand-off: short or cached prompts, and
-        colocated replicas); its tokens arrive through next_tokens()."""
+        """Run a request's prompt here too (no hand-off: short or cached prompts, a
+        prefill pool that is saturated or down, and colocated replicas); its tokens
+        arrive through next_tokens()."""
         if self.is_buried(inp.req_id):
             return  # aborted before it got here
         # The router validated the prompt already.
@@ -242,6 +201,7 @@ class DecodeWorker(WorkerBase):
         running → finished and freed at the next step boundary."""
         self.bury(req_id)
         if self._book is not None and self.book.abort(req_id):
+            self._sources.pop(req_id, None)
             await self.on_engine(lambda: self.core.release(req_id))
             return
         await self.on_engine(lambda: self.core.abort(req_id))

@@ -206,6 +206,12 @@ class WorkerBase:
         stats = await self.on_engine(self.core.stats)
         return WorkerStats(pool=self.pool, index=self.index, **asdict(stats))  # type: ignore[arg-type]
 
+    def latest_stats(self) -> WorkerStats:
+        """The same, read from the event loop without waiting for a step boundary: a
+        snapshot of plain counters for routing hints, not for accounting."""
+        stats = self.core.stats()
+        return WorkerStats(pool=self.pool, index=self.index, **asdict(stats))  # type: ignore[arg-type]
+
     async def read_blocks(self, block_ids: list[int]) -> Any:
         """A copy of these blocks' KV as a CPU tensor (for hand-off verification)."""
         return await self.on_engine(lambda: self.runner.gather_blocks(block_ids).cpu())

@@ -1,11 +1,12 @@
-"""Prefill pool worker: runs prompts, samples the first token, sends the KV to decode.
+"""Prefill pool worker: runs prompts, samples the first token, sends the KV on.
 
 A request's life here: queued → prefilling (chunks, prefix cache) → first token sampled
-→ its blocks gathered into one send buffer on the engine thread and released at once
-(into the prefix cache) → header + payload posted on the channel of the decode worker
-that reserved room → the reply to the router carries the first token. No call to the
-decode worker sits on this path: the decode side checks the header against its
-reservation and reports problems in its own token stream.
+→ at that step boundary, on the engine thread, every request of the step that goes to
+the same receiver is gathered into one send buffer (one `index_select`), its blocks are
+released at once (into the prefix cache), and one header + payload is posted on the
+pair's channel → the reply to the router carries the first token without waiting for
+the bytes: the receiver checks each entry against its reservation and reports arrival,
+refusal or a broken transfer in its own token stream.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from engine.core.kv_events import KVEvents
 from engine.core.outputs import GenerationInput
 from engine.core.request import FinishReason
 from engine.core.scheduler import RequestUpdate
+from engine.transfer.base import KVPoll, TransferHandle
 from engine.transfer.channel import SENDER_RANK, ChannelSpec
-from engine.transfer.handoff import HandoffHeader, HeaderKind, Reservation
+from engine.transfer.handoff import HandoffHeader, HandoffTarget, HeaderKind, Reservation
+from engine.transfer.sender import ReadyKV, plan_messages
 from engine.worker import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -34,13 +37,13 @@ class PrefillResult:
     """First token, and how the request goes on."""
 
     first_token: int | None
-    # None: the KV went to decode, which continues the request. Otherwise the request
-    # ended here (STOP/LENGTH on its first token, ABORT, or ERROR with `error`).
+    # None: the KV is on its way to the target, which continues the request. Otherwise
+    # the request ended here (STOP/LENGTH on its first token, ABORT, or ERROR with
+    # `error`: then nothing was sent and the caller may run it elsewhere).
     finish_reason: FinishReason | None
     num_cached_tokens: int
     prefill_s: float
-    transfer_s: float = 0.0  # header + payload handed to the channel until sent
-    transfer_bytes: int = 0
+    transfer_bytes: int = 0  # posted on the channel (arrival is the receiver's to report)
     error: str = ""
     kv_events: tuple[KVEvents, ...] = ()  # this worker's prefix-cache changes, for routing
 
@@ -51,11 +54,12 @@ class PrefillAborted(Exception):
 
 @dataclass(frozen=True)
 class _Prefilled:
-    """A finished prefill for one request, with its KV already gathered for the hand-off."""
+    """A finished prefill for one request, and what became of its KV."""
 
     update: RequestUpdate
-    payload: torch.Tensor | None
-    ready: torch.cuda.Event | None  # recorded after the gather (CUDA)
+    handle: TransferHandle | None = None  # the message that carries its KV
+    num_bytes: int = 0
+    error: str = ""  # the KV could not be posted
 
 
 class PrefillWorker(WorkerBase):
@@ -65,30 +69,72 @@ class PrefillWorker(WorkerBase):
     def __init__(self, args: Any, index: int) -> None:
         super().__init__(args, index)
         self._waiters: dict[str, asyncio.Future[_Prefilled]] = {}
+        # Where each request's KV goes, and how many tokens of it (read on the engine
+        # thread, set before the request reaches it).
+        self._targets: dict[str, tuple[HandoffTarget, int]] = {}
 
     def channel_rank(self) -> int:
         return SENDER_RANK
 
     def channel_peer(self, spec: ChannelSpec) -> str:
-        return spec.decode_id
+        return spec.receiver_id
 
     def _updates_from_thread(self, updates: list[RequestUpdate]) -> None:
-        # Engine thread, between two steps: gather each hand-off's blocks right here
-        # (ordered after the step that wrote them) and give the blocks back at once:
+        # Engine thread, between two steps: post this step's hand-offs right here
+        # (ordered after the step that wrote the KV) and give the blocks back at once:
         # later kernels on the engine's stream run after the gather.
-        prefilled = []
+        outcome: dict[str, _Prefilled] = {}
+        ready: list[ReadyKV] = []
         for upd in updates:
-            payload, ready = None, None
-            if upd.kv_kept:
-                payload = self.runner.gather_blocks(self.core.block_ids(upd.req_id))
-                if payload.is_cuda:
-                    ready = torch.cuda.Event()
-                    ready.record()
+            if not upd.kv_kept:
+                continue
+            destination = self._targets.get(upd.req_id)
+            if destination is None:  # aborted meanwhile: nobody waits for this KV
                 self.core.release(upd.req_id)
-            prefilled.append(_Prefilled(upd, payload, ready))
+                continue
+            target, num_tokens = destination
+            block_ids = tuple(self.core.block_ids(upd.req_id))
+            ready.append(ReadyKV(upd.req_id, target, block_ids, num_tokens, upd.new_token_ids[0]))
+        by_id = {u.req_id: u for u in updates}
+        for message in plan_messages(ready, self.block_bytes):
+            channel = self.channels.get(message.target.worker_id)
+            if channel is None or channel.closed:
+                for item in message.items:
+                    self.core.release(item.req_id)
+                    outcome[item.req_id] = _Prefilled(
+                        by_id[item.req_id], error=f"no channel to {message.target.worker_id}"
+                    )
+                continue
+            payload = self.runner.gather_blocks(message.block_ids)
+            event = None
+            if payload.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+            for item in message.items:
+                self.core.release(item.req_id)
+            header = HandoffHeader(
+                kind=HeaderKind.HANDOFF,
+                seq_no=channel.next_seq(),  # taken and posted on this thread: in order
+                dst_epoch=message.target.epoch,
+                src_epoch=self.epoch,
+                entries=message.entries,
+                num_bytes=int(payload.numel() * payload.element_size()),
+                posted_at_us=int(time.time() * 1e6),
+            )
+            handle = channel.send(header, payload, event)
+            for item in message.items:
+                outcome[item.req_id] = _Prefilled(
+                    by_id[item.req_id], handle, len(item.block_ids) * self.block_bytes
+                )
+        prefilled = [outcome.get(u.req_id) or _Prefilled(u) for u in updates]
         # After the releases above, so the freed blocks' cache entries are included.
         events = self.core.take_kv_events()
         self._loop.call_soon_threadsafe(self._deliver, prefilled, events)
+
+    @property
+    def block_bytes(self) -> int:
+        cache = self.runner.kv_cache
+        return int(cache[0].numel() * cache.element_size())
 
     def _deliver(self, prefilled: list[_Prefilled], events: KVEvents) -> None:
         self.add_kv_events(events)  # before any reply these wake up
@@ -97,84 +143,73 @@ class PrefillWorker(WorkerBase):
             if waiter is not None and not waiter.done():
                 waiter.set_result(item)
 
-    async def prefill(self, inp: GenerationInput, target: Reservation | None) -> PrefillResult:
-        """Run the prompt; if the request continues, send its KV into `target`. The reply
-        also carries the prefix-cache changes since the previous one."""
+    async def prefill(
+        self, inp: GenerationInput, target: HandoffTarget | Reservation | None
+    ) -> PrefillResult:
+        """Run the prompt; if the request continues, send its KV to `target` (the
+        receiver checks it against the reservation it holds for this request). The
+        reply also carries the prefix-cache changes since the previous one."""
+        if isinstance(target, Reservation):
+            target = target.target
         result = await self._prefill(inp, target)
         return replace(result, kv_events=self.take_kv_events())
 
-    async def _prefill(self, inp: GenerationInput, target: Reservation | None) -> PrefillResult:
+    async def _prefill(self, inp: GenerationInput, target: HandoffTarget | None) -> PrefillResult:
         start = time.perf_counter()
         if self.is_buried(inp.req_id):
             return PrefillResult(None, FinishReason.ABORT, 0, 0.0)
         waiter: asyncio.Future[_Prefilled] = asyncio.get_running_loop().create_future()
         self._waiters[inp.req_id] = waiter
+        if target is not None:
+            self._targets[inp.req_id] = (target, len(inp.prompt_token_ids))
         try:
-            # The router validated the prompt and fixed the seed: decode continues the
-            # same random stream.
+            # The router validated the prompt and fixed the seed: the receiver continues
+            # the same random stream.
             await self.on_engine(lambda: self.core.add_request(inp, validate=False))
             done = await waiter
         except PrefillAborted:
             return PrefillResult(None, FinishReason.ABORT, 0, time.perf_counter() - start)
         finally:
             self._waiters.pop(inp.req_id, None)
+            self._targets.pop(inp.req_id, None)
         prefill_s = time.perf_counter() - start
         upd = done.update
         token = upd.new_token_ids[0]
+        cached = upd.num_cached_tokens
         if not upd.kv_kept:  # the first token ended it
-            return PrefillResult(token, upd.finish_reason, upd.num_cached_tokens, prefill_s)
+            return PrefillResult(token, upd.finish_reason, cached, prefill_s)
         if target is None:
-            return PrefillResult(token, FinishReason.ABORT, upd.num_cached_tokens, prefill_s)
-        t0 = time.perf_counter()
-        try:
-            nbytes = await self._send(inp, token, target, done)
-        except Exception as exc:  # noqa: BLE001 - reported to the router as this request's error
-            log.warning("hand-off of %s to %s failed: %s", inp.req_id, target.worker_id, exc)
+            return PrefillResult(token, FinishReason.ABORT, cached, prefill_s)
+        handle = done.handle
+        failure = done.error or (
+            (handle.failure or "failed") if handle and handle.poll() is KVPoll.FAILED else ""
+        )
+        if handle is None or failure:
+            log.warning("hand-off of %s to %s failed: %s", inp.req_id, target.worker_id, failure)
             return PrefillResult(
                 token,
                 FinishReason.ERROR,
-                upd.num_cached_tokens,
+                cached,
                 prefill_s,
-                time.perf_counter() - t0,
-                error=f"KV hand-off to {target.worker_id} failed: {exc}",
+                error=f"KV hand-off to {target.worker_id} failed: {failure}",
             )
-        return PrefillResult(
-            token, None, upd.num_cached_tokens, prefill_s, time.perf_counter() - t0, nbytes
-        )
-
-    async def _send(
-        self, inp: GenerationInput, token: int, target: Reservation, done: _Prefilled
-    ) -> int:
-        payload = done.payload
-        assert payload is not None
-        if payload.shape[0] != len(target.block_ids):
-            raise RuntimeError(
-                f"{payload.shape[0]} blocks here, {len(target.block_ids)} reserved on "
-                f"{target.worker_id}"
-            )
-        channel = self.channels.get(target.worker_id)
-        if channel is None:
-            raise RuntimeError(f"no channel to {target.worker_id}")
-        nbytes = int(payload.numel() * payload.element_size())
-        header = HandoffHeader(
-            kind=HeaderKind.HANDOFF,
-            seq_no=channel.next_seq(),  # taken and posted with no await between: in order
-            req_id=inp.req_id,
-            dst_epoch=target.epoch,
-            src_epoch=self.epoch,
-            dst_block_ids=target.block_ids,
-            num_bytes=nbytes,
-            num_computed_tokens=len(inp.prompt_token_ids),
-            first_token=token,
-        )
-        await asyncio.wrap_future(channel.send(header, payload, done.ready))
-        return nbytes
+        req_id, peer = inp.req_id, target.worker_id
+        handle.add_done_callback(lambda state: _log_failure(state, handle, req_id, peer))
+        return PrefillResult(token, None, cached, prefill_s, done.num_bytes)
 
     async def abort(self, req_id: str) -> None:
         """Idempotent, any state: queued or prefilling requests end here; once the KV
         is on its way, there is nothing left to free on this side."""
         self.bury(req_id)
+        self._targets.pop(req_id, None)
         await self.on_engine(lambda: self.core.abort(req_id))
         waiter = self._waiters.pop(req_id, None)
         if waiter is not None and not waiter.done():
             waiter.set_exception(PrefillAborted(req_id))
+
+
+def _log_failure(state: KVPoll, handle: TransferHandle, req_id: str, peer: str) -> None:
+    # The receiver ends the request (a broken channel, or an unfilled reservation's
+    # lease); this side only records what it saw.
+    if state is KVPoll.FAILED:
+        log.warning("hand-off of %s to %s failed after posting: %s", req_id, peer, handle.failure)

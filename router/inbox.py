@@ -56,4 +56,5 @@ class UpdateInbox:
             finish_reason=taken[-1].finish_reason,
             num_cached_tokens=max(u.num_cached_tokens for u in taken),
             kv_wire_s=next((u.kv_wire_s for u in reversed(taken) if u.kv_wire_s), 0.0),
+            kv_handoff_s=next((u.kv_handoff_s for u in reversed(taken) if u.kv_handoff_s), 0.0),
         )

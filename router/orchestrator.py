@@ -410,7 +410,7 @@ class DisaggregatedGenerator:
         self._apply_kv_events(prefill_ref, result.kv_events)
         progress.t_decoding = time.perf_counter()
         progress.num_cached = result.num_cached_tokens
-        progress.timings = PhaseTimings(queued_s, result.prefill_s, result.transfer_s)
+        progress.timings = PhaseTimings(queued_s, result.prefill_s)
         if result.finish_reason is FinishReason.ERROR:
             metrics.kv_transfer_failed()
             raise WorkerLost(result.error)  # nothing reached the client yet: retry
@@ -480,7 +480,9 @@ class DisaggregatedGenerator:
             if isinstance(item, BaseException):
                 raise item
             if item.kv_wire_s:
-                progress.timings = replace(progress.timings, kv_wire_s=item.kv_wire_s)
+                progress.timings = replace(
+                    progress.timings, kv_wire_s=item.kv_wire_s, kv_transfer_s=item.kv_handoff_s
+                )
             if item.finish_reason is FinishReason.ERROR:
                 raise WorkerLost(item.error or "the decode worker reported an error")
             tokens, reason = item.new_token_ids, item.finish_reason

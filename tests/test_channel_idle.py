@@ -8,8 +8,9 @@ import time
 import torch
 from torch.distributed import TCPStore
 
+from engine.transfer.base import KVPoll
 from engine.transfer.channel import RECEIVER_RANK, SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import HandoffHeader, HeaderKind
+from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
 
 
 def test_a_channel_idle_past_its_timeout_still_delivers_the_next_hand_off() -> None:
@@ -28,7 +29,7 @@ def test_a_channel_idle_past_its_timeout_still_delivers_the_next_hand_off() -> N
 
     def receive() -> None:  # as a decode worker's standing receiver: header, then payload
         try:
-            received.append(receiver.recv_header().req_id)
+            received.append(receiver.recv_header().entries[0].req_id)
             receiver.recv_into(payload)
             received.append(payload.tolist())
         except BaseException as exc:  # noqa: BLE001 - reported below
@@ -37,8 +38,9 @@ def test_a_channel_idle_past_its_timeout_still_delivers_the_next_hand_off() -> N
     thread = threading.Thread(target=receive)
     thread.start()
     time.sleep(2.0)  # twice the timeout, with nothing on the wire
-    header = HandoffHeader(HeaderKind.HANDOFF, sender.next_seq(), req_id="r1")
-    sender.send(header, torch.arange(4.0)).result(10)
+    entry = HandoffEntry("r1", num_tokens=1, num_blocks=1, first_token=0)
+    header = HandoffHeader(HeaderKind.HANDOFF, sender.next_seq(), entries=(entry,))
+    assert sender.send(header, torch.arange(4.0)).wait(10) is KVPoll.SUCCESS
     thread.join(10)
     assert received == ["r1", [0.0, 1.0, 2.0, 3.0]]
     sender.close(notify_peer=False)

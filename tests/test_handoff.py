@@ -138,7 +138,7 @@ def test_decode_blocks_are_bit_identical_to_prefill_blocks(
     run(loop, body())
 
 
-@pytest.mark.parametrize("tamper", ["epoch", "blocks"])
+@pytest.mark.parametrize("tamper", ["epoch", "tokens"])
 def test_stale_or_mismatched_handoff_is_refused_and_the_channel_stays_in_step(
     loop: asyncio.AbstractEventLoop, pair: Pair, tamper: str
 ) -> None:
@@ -146,11 +146,12 @@ def test_stale_or_mismatched_handoff_is_refused_and_the_channel_stays_in_step(
         inp = _input(f"t-{tamper}", 40)
         res = await pair.decode.reserve(inp)
         assert res is not None
+        target: Reservation = res
         if tamper == "epoch":
-            bad = replace(res, epoch=res.epoch ^ 0xFF)
-        else:
-            bad = Reservation(res.worker_id, res.epoch, tuple(reversed(res.block_ids)))
-        result = await pair.prefill.prefill(inp, bad)
+            target = replace(res, epoch=res.epoch ^ 0xFF)
+        else:  # KV for another prompt than the one the reservation was made for
+            inp = _input(inp.req_id, 24)
+        result = await pair.prefill.prefill(inp, target)
         assert result.finish_reason is None  # sent: the receiver is the one that checks
         updates = await pair.updates_for(inp.req_id)
         assert updates[-1].finish_reason is FinishReason.ERROR
@@ -186,5 +187,33 @@ def test_abort_during_import_and_expired_lease_free_every_block(
         assert lease is not None
         assert (await pair.blocks_in_use())[1] == 4
         await pair.wait_zero(timeout=5)
+
+    run(loop, body())
+
+
+def test_requests_prefilled_in_one_step_travel_in_one_message(
+    loop: asyncio.AbstractEventLoop, pair: Pair
+) -> None:
+    async def body() -> None:
+        channel = pair.prefill.channels["decode-0"]
+        inputs = [_input(f"burst-{i}", 12 + i) for i in range(6)]
+        reservations = await asyncio.gather(*(pair.decode.reserve(inp) for inp in inputs))
+        # Queued together: they share the engine's first step (6 x ~15 tokens < 2048).
+        posted_before = channel.num_posted
+        results = await asyncio.gather(
+            *(pair.prefill.prefill(inp, res) for inp, res in zip(inputs, reservations, strict=True))
+        )
+        assert all(r.finish_reason is None for r in results), results
+        seen: dict[str, list[TokenUpdate]] = {inp.req_id: [] for inp in inputs}
+        deadline = loop.time() + 20
+        while loop.time() < deadline and not all(u and u[-1].finish_reason for u in seen.values()):
+            for u in (await pair.decode.next_tokens(0.2)).updates:
+                if u.req_id in seen:
+                    seen[u.req_id].append(u)
+        for updates in seen.values():
+            assert updates[-1].finish_reason is FinishReason.LENGTH
+            assert updates[0].kv_handoff_s >= updates[0].kv_wire_s > 0
+        assert channel.num_posted - posted_before < len(inputs)
+        await pair.wait_zero()
 
     run(loop, body())

@@ -84,7 +84,10 @@ class TokenUpdate:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     error: str = ""  # with finish_reason ERROR: what went wrong on the worker
-    kv_wire_s: float = 0.0  # set once, when the request's KV has arrived: the receive time
+    # Set once, when the request's KV has arrived: the receive itself, and the whole
+    # hand-off from the sender's KV being ready to the KV in place.
+    kv_wire_s: float = 0.0
+    kv_handoff_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class TokenBatch:
     updates: tuple[TokenUpdate, ...]
     # The worker's prefix-cache changes since the last batch, in order (for routing).
     kv_events: tuple[KVEvents, ...] = ()
+    stats: WorkerStats | None = None  # occupancy when the batch left (for routing)
 
 
 PoolName = Literal["prefill", "decode", "colocated"]

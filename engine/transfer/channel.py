@@ -8,6 +8,9 @@ decode end waits for the next hand-off on the CPU and posts a GPU receive only f
 payload that is on its way. The prefill end (rank 0) only sends and the decode end
 (rank 1) only receives, each from one thread, so messages arrive in the order they were
 posted; every pair has its own CUDA stream, so pairs move data concurrently.
+
+`KVChannel` is the process-group backend of `engine.transfer.base`'s `KVSender` (rank 0)
+and `KVReceiver` (rank 1).
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import datetime
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from engine.transfer.base import ChannelClosed, FutureHandle, KVPoll
 from engine.transfer.handoff import HandoffHeader, HeaderKind
 
 log = logging.getLogger(__name__)
@@ -45,18 +49,22 @@ class ChannelSpec:
     prefill_epoch: int
     decode_id: str
     decode_epoch: int
-    max_blocks: int  # most blocks one request can hand off (sizes the header)
+    max_blocks: int  # most blocks one request can hand off
     timeout_s: float = 60.0
+
+    @property
+    def sender_id(self) -> str:
+        return self.prefill_id
+
+    @property
+    def receiver_id(self) -> str:
+        return self.decode_id
 
     @property
     def prefix(self) -> str:
         return (
             f"kv/{self.prefill_id}.{self.prefill_epoch:x}/{self.decode_id}.{self.decode_epoch:x}/"
         )
-
-
-class ChannelClosed(RuntimeError):
-    """The peer left (a CLOSE header), or this end was closed."""
 
 
 class KVChannel:
@@ -80,8 +88,8 @@ class KVChannel:
         self._stream: torch.cuda.Stream | None = None
 
     @property
-    def header_size(self) -> int:
-        return HandoffHeader.size(self.spec.max_blocks)
+    def peer_id(self) -> str:
+        return self.spec.receiver_id if self.rank == SENDER_RANK else self.spec.sender_id
 
     @property
     def closed(self) -> bool:
@@ -114,13 +122,15 @@ class KVChannel:
 
     def _group(self) -> Any:
         if self._pg is None or self.closed:
-            raise ChannelClosed(f"channel to {self._peer_name()} is closed")
+            raise ChannelClosed(f"channel to {self.peer_id} is closed")
         return self._pg
 
-    def _peer_name(self) -> str:
-        return self.spec.decode_id if self.rank == SENDER_RANK else self.spec.prefill_id
-
     # ---------------------------------------------------------------- sending (prefill end)
+    @property
+    def num_posted(self) -> int:
+        """Headers posted on this end so far."""
+        return self._seq
+
     def next_seq(self) -> int:
         """The sequence number of the next header posted on this channel."""
         seq, self._seq = self._seq, self._seq + 1
@@ -131,41 +141,52 @@ class KVChannel:
         header: HandoffHeader,
         payload: torch.Tensor | None,
         ready: torch.cuda.Event | None = None,
-    ) -> Future[None]:
+    ) -> FutureHandle:
         """Post header then payload on this channel's lane (one thread: order is kept).
 
         `ready` is recorded after the payload was gathered on the engine's stream; the
         send waits for it on this channel's stream instead of stalling the engine.
         """
-        encoded = header.encode(self.spec.max_blocks)
+        encoded = header.encode()
+        handle = FutureHandle()
 
         def run() -> None:
-            pg = self._group()
-            self._ctrl.send([encoded], self.peer, 0).wait()
-            if self._stream is None:
-                if payload is not None:
-                    pg.send([payload], self.peer, 0).wait()
+            try:
+                pg = self._group()
+                handle.started()
+                self._ctrl.send([encoded], self.peer, 0).wait()
+                if self._stream is None:
+                    if payload is not None:
+                        pg.send([payload], self.peer, 0).wait()
+                else:
+                    torch.cuda.set_device(self.device)
+                    with torch.cuda.stream(self._stream):
+                        if ready is not None:
+                            self._stream.wait_event(ready)
+                        if payload is not None:
+                            pg.send([payload], self.peer, 0).wait()
+                    # The payload must outlive the transfer: hold it until it is sent.
+                    self._stream.synchronize()
+            except Exception as exc:  # noqa: BLE001 - reported as the handle's state
+                handle.finish(f"{type(exc).__name__}: {exc}")
                 return
-            torch.cuda.set_device(self.device)
-            with torch.cuda.stream(self._stream):
-                if ready is not None:
-                    self._stream.wait_event(ready)
-                if payload is not None:
-                    pg.send([payload], self.peer, 0).wait()
-            # The payload must outlive the transfer: hold it until the stream is done.
-            self._stream.synchronize()
+            handle.finish()
 
-        return self._lane.submit(run)
+        try:
+            self._lane.submit(run)
+        except RuntimeError as exc:  # the lane was shut down: the channel is closed
+            handle.finish(f"channel to {self.peer_id} is closed ({exc})")
+        return handle
 
     # ---------------------------------------------------------------- receiving (decode end)
     def recv_header(self) -> HandoffHeader:
         """Block until the next header arrives (call from the one receiving thread)."""
-        raw = torch.empty(self.header_size, dtype=torch.int64)
+        raw = torch.empty(HandoffHeader.size(), dtype=torch.int64)
         self._group()  # raises when closed
         self._ctrl.recv([raw], self.peer, 0).wait(_NEXT_HEADER_WAIT)
         header = HandoffHeader.decode(raw)
         if header.kind is HeaderKind.CLOSE:
-            raise ChannelClosed(f"{self._peer_name()} closed the channel")
+            raise ChannelClosed(f"{self.peer_id} closed the channel")
         return header
 
     def recv_into(self, buffer: torch.Tensor, then: Callable[[], None] | None = None) -> None:
@@ -194,14 +215,13 @@ class KVChannel:
         if self.closed:
             return
         if notify_peer and self.rank == SENDER_RANK and self._pg is not None:
-            try:
-                self.send(HandoffHeader(HeaderKind.CLOSE, self.next_seq()), None).result(timeout_s)
-            except Exception as exc:  # noqa: BLE001 - the peer may be gone already
-                log.info("channel to %s: close not delivered (%s)", self._peer_name(), exc)
+            handle = self.send(HandoffHeader(HeaderKind.CLOSE, self.next_seq()), None)
+            if handle.wait(timeout_s) is not KVPoll.SUCCESS:
+                log.info("channel to %s: close not delivered (%s)", self.peer_id, handle.failure)
         self._closed.set()
         if self._pg is not None and self.is_cuda:
             try:
                 self._pg.abort()
             except Exception as exc:  # noqa: BLE001 - best effort on the way out
-                log.info("channel to %s: abort: %s", self._peer_name(), exc)
+                log.info("channel to %s: abort: %s", self.peer_id, exc)
         self._lane.shutdown(wait=False, cancel_futures=True)

@@ -1,10 +1,13 @@
-"""What travels with a request's KV: the reservation it fills and the header before the bytes.
+"""What travels with KV: the reservation it fills and the header before the bytes.
 
-A hand-off needs no control call: the decode worker reserved blocks and handed the router
-a `Reservation`; the prefill worker sends a fixed-size `HandoffHeader` (request id,
-decode epoch, per-channel sequence number, destination block ids, byte count) and then
-the payload on the pair's channel. The receiver checks the header against its
-reservation before a single byte lands in the cache.
+A hand-off needs no control call: the receiving worker reserved blocks for each request
+(its own book knows which); the sender posts one fixed-size `HandoffHeader` and then
+one payload on the pair's channel. A header carries up to `MAX_ENTRIES` requests whose
+KV became ready in the same engine step, so a burst moves as a few large messages, not
+one small message per request. Each entry names the request, how many tokens of KV it
+brings and the token that follows them; the payload holds the entries' blocks one
+after the other, in entry order. The receiver checks every entry against its
+reservation (epoch, request, token count, byte count) before a byte lands in the cache.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-MAGIC = 0x5044_534B_5631  # "PDSKV1": a header that does not start with this is not one
+MAGIC = 0x5044_534B_5632  # "PDSKV2": a header that does not start with this is not one
 MAX_REQ_ID_BYTES = 64
-_FIXED = 10 + MAX_REQ_ID_BYTES // 8  # int64 fields before the block ids
+MAX_ENTRIES = 64  # requests one message may carry; a larger step sends several
+_ID_WORDS = MAX_REQ_ID_BYTES // 8
+_FIXED = 8  # int64 fields before the entries
+_ENTRY = 4 + _ID_WORDS  # num_tokens, num_blocks, first_token, id length, id bytes
 
 
 class HeaderKind(enum.IntEnum):
@@ -25,13 +31,38 @@ class HeaderKind(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class HandoffTarget:
+    """Where a request's KV goes: the receiving worker and its incarnation."""
+
+    worker_id: str
+    epoch: int
+
+
+@dataclass(frozen=True)
 class Reservation:
-    """Blocks a decode worker holds for one request's incoming KV (the one type on both
-    sides of the seam: returned by the decode worker, carried by the router to prefill)."""
+    """Blocks a receiving worker holds for one request's incoming KV."""
 
     worker_id: str
     epoch: int
     block_ids: tuple[int, ...]
+
+    @property
+    def target(self) -> HandoffTarget:
+        return HandoffTarget(self.worker_id, self.epoch)
+
+
+@dataclass(frozen=True)
+class HandoffEntry:
+    """One request's part of a hand-off message."""
+
+    req_id: str
+    num_tokens: int  # tokens of KV the blocks hold (the whole prompt, for a prefill)
+    num_blocks: int
+    first_token: int  # the token sampled after them: the receiver continues from it
+
+    def __post_init__(self) -> None:
+        if len(self.req_id.encode()) > MAX_REQ_ID_BYTES:
+            raise ValueError(f"request id longer than {MAX_REQ_ID_BYTES} bytes: {self.req_id!r}")
 
 
 @dataclass(frozen=True)
@@ -40,46 +71,46 @@ class HandoffHeader:
 
     kind: HeaderKind
     seq_no: int
-    req_id: str = ""
     dst_epoch: int = 0
     src_epoch: int = 0
-    dst_block_ids: tuple[int, ...] = ()
-    num_bytes: int = 0
-    num_computed_tokens: int = 0
-    first_token: int = 0
+    entries: tuple[HandoffEntry, ...] = ()
+    num_bytes: int = 0  # the whole payload
+    posted_at_us: int = 0  # sender's wall clock when the KV was ready (for timings)
+
+    def __post_init__(self) -> None:
+        if len(self.entries) > MAX_ENTRIES:
+            raise ValueError(f"{len(self.entries)} entries exceed {MAX_ENTRIES} per message")
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(e.num_blocks for e in self.entries)
 
     @staticmethod
-    def size(max_blocks: int) -> int:
-        """Number of int64 elements of a header on a channel of this block capacity."""
-        return _FIXED + max_blocks
+    def size() -> int:
+        """Number of int64 elements of every header."""
+        return _FIXED + MAX_ENTRIES * _ENTRY
 
-    def encode(self, max_blocks: int) -> torch.Tensor:
+    def encode(self) -> torch.Tensor:
         """The header as a host tensor (headers travel host to host)."""
-        raw = self.req_id.encode()
-        if len(raw) > MAX_REQ_ID_BYTES:
-            raise ValueError(f"request id longer than {MAX_REQ_ID_BYTES} bytes: {self.req_id!r}")
-        if len(self.dst_block_ids) > max_blocks:
-            raise ValueError(
-                f"{len(self.dst_block_ids)} blocks exceed the channel's {max_blocks} per request"
-            )
         fields = [
             MAGIC,
             int(self.kind),
             self.seq_no,
             self.dst_epoch,
             self.src_epoch,
-            len(self.dst_block_ids),
+            len(self.entries),
             self.num_bytes,
-            self.num_computed_tokens,
-            self.first_token,
-            len(raw),
+            self.posted_at_us,
         ]
-        padded = raw.ljust(MAX_REQ_ID_BYTES, b"\0")
-        fields += [
-            int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, 64, 8)
-        ]
-        fields += list(self.dst_block_ids)
-        out = torch.zeros(self.size(max_blocks), dtype=torch.int64)
+        for e in self.entries:
+            raw = e.req_id.encode()
+            padded = raw.ljust(MAX_REQ_ID_BYTES, b"\0")
+            fields += [e.num_tokens, e.num_blocks, e.first_token, len(raw)]
+            fields += [
+                int.from_bytes(padded[i : i + 8], "little", signed=True)
+                for i in range(0, MAX_REQ_ID_BYTES, 8)
+            ]
+        out = torch.zeros(self.size(), dtype=torch.int64)
         out[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
         return out
 
@@ -87,21 +118,29 @@ class HandoffHeader:
     def decode(cls, raw: torch.Tensor) -> HandoffHeader:
         """Parse a received header; raises ValueError when it is not one."""
         values = raw.cpu().tolist()
-        if len(values) < _FIXED or values[0] != MAGIC:
+        if len(values) != cls.size() or values[0] != MAGIC:
             raise ValueError("not a hand-off header: the channel is out of step")
-        kind = HeaderKind(values[1])
-        num_blocks, id_len = values[5], values[9]
-        if not 0 <= num_blocks <= len(values) - _FIXED or not 0 <= id_len <= MAX_REQ_ID_BYTES:
+        num_entries = values[5]
+        if not 0 <= num_entries <= MAX_ENTRIES:
             raise ValueError("corrupt hand-off header")
-        id_bytes = b"".join(v.to_bytes(8, "little", signed=True) for v in values[10:_FIXED])
+        entries = []
+        for k in range(num_entries):
+            at = _FIXED + k * _ENTRY
+            num_tokens, num_blocks, first_token, id_len = values[at : at + 4]
+            if not 0 <= id_len <= MAX_REQ_ID_BYTES or num_blocks < 0 or num_tokens < 0:
+                raise ValueError("corrupt hand-off header")
+            id_bytes = b"".join(
+                v.to_bytes(8, "little", signed=True) for v in values[at + 4 : at + _ENTRY]
+            )
+            entries.append(
+                HandoffEntry(id_bytes[:id_len].decode(), num_tokens, num_blocks, first_token)
+            )
         return cls(
-            kind=kind,
+            kind=HeaderKind(values[1]),
             seq_no=values[2],
-            req_id=id_bytes[:id_len].decode(),
             dst_epoch=values[3],
             src_epoch=values[4],
-            dst_block_ids=tuple(values[_FIXED : _FIXED + num_blocks]),
+            entries=tuple(entries),
             num_bytes=values[6],
-            num_computed_tokens=values[7],
-            first_token=values[8],
+            posted_at_us=values[7],
         )

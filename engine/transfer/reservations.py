@@ -1,8 +1,10 @@
-"""The decode side's book of reservations: which blocks wait for which request's KV.
+"""The receiving side's book of reservations: which blocks wait for which request's KV.
 
-Plain Python and thread-safe: the worker's event loop reserves and aborts, each channel's
-receiving thread claims and completes. Every reservation ends exactly one way: filled
-(the request runs), refused/expired/aborted (the caller releases its blocks).
+Plain Python and thread-safe: the worker's event loop reserves, renews and aborts, each
+channel's receiving thread claims and completes. Every reservation ends exactly one
+way: filled (the request runs), refused/expired/aborted (the caller releases its
+blocks). A lease counts from the last sign of progress: the router renews the
+reservations of requests still queued or prefilling, so waiting is never a failure.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.outputs import GenerationInput
-from engine.transfer.handoff import HandoffHeader, Reservation
+from engine.transfer.handoff import HandoffEntry, Reservation
 
 
 @dataclass
@@ -40,33 +42,31 @@ class ReservationBook:
         with self._lock:
             self._held[inp.req_id] = HeldReservation(reservation, inp, time.monotonic() + lease_s)
 
-    def claim(self, header: HandoffHeader) -> tuple[HeldReservation | None, str | None]:
-        """Match an arriving header to its reservation and mark it importing; on a
-        mismatch (None, reason): the payload must be drained and discarded."""
+    def claim(
+        self, entry: HandoffEntry, dst_epoch: int
+    ) -> tuple[HeldReservation | None, str | None]:
+        """Match an arriving entry to its reservation and mark it importing; on a
+        mismatch (None, reason): its bytes must be drained and discarded."""
         with self._lock:
-            if header.dst_epoch != self.epoch:
+            if dst_epoch != self.epoch:
                 return None, (
-                    f"addressed to epoch {header.dst_epoch:x}, this worker is epoch {self.epoch:x}"
+                    f"addressed to epoch {dst_epoch:x}, this worker is epoch {self.epoch:x}"
                 )
-            held = self._held.get(header.req_id)
+            held = self._held.get(entry.req_id)
             if held is None:
                 return None, "no reservation (expired, aborted or never made)"
             if held.importing:
                 return None, "already importing"
             reserved = held.reservation.block_ids
-            if header.dst_block_ids != reserved:
+            needed = -(-entry.num_tokens // self.block_size)
+            num_prompt = len(held.inp.prompt_token_ids)
+            if entry.num_blocks != len(reserved) or needed != len(reserved):
                 return None, (
-                    f"destination blocks {list(header.dst_block_ids)} are not the reserved "
-                    f"{list(reserved)}"
+                    f"{entry.num_blocks} blocks for {entry.num_tokens} tokens of KV, "
+                    f"{len(reserved)} reserved"
                 )
-            needed = -(-header.num_computed_tokens // self.block_size)
-            if needed != len(reserved) or header.num_computed_tokens != len(
-                held.inp.prompt_token_ids
-            ):
-                return None, (
-                    f"{header.num_computed_tokens} tokens of KV for a reservation of "
-                    f"{len(reserved)} blocks and {len(held.inp.prompt_token_ids)} prompt tokens"
-                )
+            if entry.num_tokens != num_prompt:
+                return None, f"{entry.num_tokens} tokens of KV for a prompt of {num_prompt}"
             held.importing = True
             return held, None
 
@@ -98,6 +98,18 @@ class ReservationBook:
                 return False
             del self._held[req_id]
             return True
+
+    def renew(self, req_ids: list[str], lease_s: float, now: float | None = None) -> int:
+        """Push these idle reservations' leases to `lease_s` from now; how many were held."""
+        now = time.monotonic() if now is None else now
+        renewed = 0
+        with self._lock:
+            for req_id in req_ids:
+                held = self._held.get(req_id)
+                if held is not None:
+                    held.expires_at = max(held.expires_at, now + lease_s)
+                    renewed += 1
+        return renewed
 
     def holds(self, req_id: str) -> bool:
         with self._lock:

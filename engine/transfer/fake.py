@@ -1,0 +1,149 @@
+"""An in-process transfer backend: both ends of a pair in one process, joined by a queue.
+
+It keeps the channel's contract (order, CLOSE, a broken peer fails the pending receive)
+so hand-off, abort, epoch and routing logic can be tested in milliseconds, with no
+process group. Tests steer it: `hold()` keeps posted messages WAITING until `release()`,
+`fail_next(reason)` fails the next send, `break_()` fails every pending and later
+operation as a dead peer would.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from engine.transfer.base import ChannelClosed, FutureHandle
+from engine.transfer.handoff import HandoffHeader, HeaderKind
+
+_BROKEN = object()
+
+
+class _Link:
+    """What both ends share."""
+
+    def __init__(self) -> None:
+        self.messages: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.held: list[tuple[HandoffHeader, Any, FutureHandle]] = []
+        self.holding = False
+        self.fail_next: str | None = None
+        self.broken = False
+        self.lock = threading.Lock()
+        self.num_sent = 0
+
+
+class FakeChannel:
+    """One end (sender or receiver) of an in-process pair."""
+
+    def __init__(self, link: _Link, peer_id: str, sending: bool) -> None:
+        self._link = link
+        self._peer_id = peer_id
+        self._sending = sending
+        self._seq = 0
+        self._closed = threading.Event()
+        self._pending_payload: Any = None
+
+    @classmethod
+    def pair(cls, sender_id: str, receiver_id: str) -> tuple[FakeChannel, FakeChannel]:
+        """(the sender's end, the receiver's end)."""
+        link = _Link()
+        return cls(link, receiver_id, True), cls(link, sender_id, False)
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    @property
+    def num_sent(self) -> int:
+        """Messages that left this pair's sender (hand-offs and CLOSE)."""
+        return self._link.num_sent
+
+    # ---------------------------------------------------------------- test controls
+    def hold(self) -> None:
+        """Keep messages posted from now on WAITING until release()."""
+        self._link.holding = True
+
+    def release(self) -> None:
+        with self._link.lock:
+            self._link.holding = False
+            held, self._link.held = self._link.held, []
+        for header, payload, handle in held:
+            self._deliver(header, payload, handle)
+
+    def fail_next(self, reason: str) -> None:
+        """The next send fails before anything reaches the receiver."""
+        self._link.fail_next = reason
+
+    def break_(self) -> None:
+        """The peer died: pending and later operations on both ends fail."""
+        self._link.broken = True
+        self._link.messages.put(_BROKEN)
+
+    # ---------------------------------------------------------------- sending
+    def next_seq(self) -> int:
+        seq, self._seq = self._seq, self._seq + 1
+        return seq
+
+    def send(self, header: HandoffHeader, payload: Any, ready: Any = None) -> FutureHandle:
+        handle = FutureHandle()
+        if self.closed or self._link.broken:
+            handle.finish("channel is closed")
+            return handle
+        if self._link.fail_next is not None:
+            reason, self._link.fail_next = self._link.fail_next, None
+            handle.finish(reason)
+            return handle
+        # A copy: the sender may reuse its buffer once the send is done, as with NCCL.
+        data = None if payload is None else payload.clone()
+        with self._link.lock:
+            if self._link.holding:
+                self._link.held.append((header, data, handle))
+                return handle
+        self._deliver(header, data, handle)
+        return handle
+
+    def _deliver(self, header: HandoffHeader, payload: Any, handle: FutureHandle) -> None:
+        handle.started()
+        self._link.messages.put((header, payload))
+        self._link.num_sent += 1
+        handle.finish()
+
+    # ---------------------------------------------------------------- receiving
+    def recv_header(self) -> HandoffHeader:
+        if self.closed:
+            raise ChannelClosed(f"channel from {self._peer_id} is closed")
+        item = self._link.messages.get()
+        if item is _BROKEN or self._link.broken:
+            raise ConnectionResetError(f"{self._peer_id} is gone")
+        header, self._pending_payload = item
+        if header.kind is HeaderKind.CLOSE:
+            raise ChannelClosed(f"{self._peer_id} closed the channel")
+        return header
+
+    def recv_into(self, buffer: Any, then: Callable[[], None] | None = None) -> None:
+        if self._link.broken:
+            raise ConnectionResetError(f"{self._peer_id} is gone")
+        payload, self._pending_payload = self._pending_payload, None
+        if payload is not None:
+            buffer.copy_(payload.reshape(buffer.shape))
+        if then is not None:
+            then()
+
+    # ---------------------------------------------------------------- teardown
+    def close(self, notify_peer: bool) -> None:
+        if self.closed:
+            return
+        if notify_peer and self._sending and not self._link.broken:
+            self.send(HandoffHeader(HeaderKind.CLOSE, self.next_seq()), None)
+        self._closed.set()
+        if not self._sending:
+            self._link.messages.put(_BROKEN if self._link.broken else _closed_marker())
+
+
+def _closed_marker() -> tuple[HandoffHeader, None]:
+    return HandoffHeader(HeaderKind.CLOSE, -1), None

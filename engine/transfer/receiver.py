@@ -1,0 +1,169 @@
+"""The receiving loop of one channel: header, checks, payload, scatter, admit; repeat.
+
+An entry's life here, as named states of the reservation book:
+* reserved: the worker allocated its blocks under a lease;
+* importing: its header arrived and matched the reservation (epoch, request, tokens,
+  blocks); its rows land in a staging buffer, then in the reserved blocks;
+* admitted: handed to the engine at its next step boundary;
+* refused/broken: its rows are drained (the channel stays in step) and dropped, its
+  blocks released, and the request ends with an error its router reads as a token
+  update.
+
+Plain logic over three seams: a `KVReceiver` (channel or fake), the `ReservationBook`,
+and an `ImportTarget` (the worker: staging, scatter, admission, errors), so it is
+tested without process groups or a model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from engine.core.outputs import GenerationInput
+from engine.transfer.base import ChannelClosed, KVReceiver
+from engine.transfer.handoff import HandoffEntry, HandoffHeader
+from engine.transfer.reservations import HeldReservation, ReservationBook
+
+log = logging.getLogger(__name__)
+
+
+class ImportTarget(Protocol):
+    """What the receiving loop needs from its worker."""
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of KV (all layers)."""
+        ...
+
+    def staging(self, num_blocks: int) -> Any:
+        """A buffer for num_blocks blocks, where the payload lands first."""
+        ...
+
+    def scatter(self, block_ids: list[int], rows: Any, row_ids: list[int] | None) -> None:
+        """Write staging rows (all, or `row_ids` of them) into these blocks."""
+        ...
+
+    def admit(self, inp: GenerationInput, first_token: int) -> None:
+        """Queue the request to run from its imported KV (called under the book's lock,
+        so an abort issued later is ordered after it; must not block)."""
+        ...
+
+    def arrived(self, req_id: str, wire_s: float, handoff_s: float) -> None:
+        """Tell the router the KV is in place (with the receive time)."""
+        ...
+
+    def release(self, req_id: str) -> None:
+        """Give a reservation's blocks back (any thread)."""
+        ...
+
+    def fail(self, req_id: str, error: str) -> None:
+        """End a request with an error its router sees (any thread)."""
+        ...
+
+    def is_buried(self, req_id: str) -> bool:
+        """Was it aborted here (its router is no longer waiting)?"""
+        ...
+
+
+class ChannelReceiver:
+    """Drives one KVReceiver until the peer leaves or the channel breaks."""
+
+    def __init__(self, channel: KVReceiver, book: ReservationBook, target: ImportTarget) -> None:
+        self.channel = channel
+        self.book = book
+        self.target = target
+        self.expected_seq = 0
+
+    def run(self) -> None:
+        """Receive until the channel ends; then close this end."""
+        while not self.channel.closed:
+            try:
+                header = self.channel.recv_header()
+            except ChannelClosed:
+                break
+            except Exception as exc:  # noqa: BLE001 - the peer died or the channel broke
+                if not self.channel.closed:
+                    log.warning("channel from %s broke: %s", self.channel.peer_id, exc)
+                break
+            if header.seq_no != self.expected_seq:
+                log.error(
+                    "channel from %s out of step: header %d, expected %d; closing it",
+                    self.channel.peer_id,
+                    header.seq_no,
+                    self.expected_seq,
+                )
+                break
+            self.expected_seq += 1
+            if not self.receive(header):
+                break
+        self.channel.close(notify_peer=False)
+
+    def receive(self, header: HandoffHeader) -> bool:
+        """One message; False when the channel can no longer be trusted."""
+        expected_bytes = header.num_blocks * self.target.block_bytes
+        if header.num_bytes != expected_bytes:
+            log.error(
+                "hand-off from %s: %d bytes for %d blocks of %d bytes; closing",
+                self.channel.peer_id,
+                header.num_bytes,
+                header.num_blocks,
+                self.target.block_bytes,
+            )
+            for entry in header.entries:
+                self._refuse(entry, "byte count does not match the layout")
+            return False
+        claims: list[tuple[HandoffEntry, HeldReservation | None, str | None]] = [
+            (entry, *self.book.claim(entry, header.dst_epoch)) for entry in header.entries
+        ]
+        block_ids: list[int] = []
+        row_ids: list[int] = []
+        row = 0
+        for entry, held, _ in claims:
+            if held is not None:
+                block_ids += held.reservation.block_ids
+                row_ids += range(row, row + entry.num_blocks)
+            row += entry.num_blocks
+        staging = self.target.staging(header.num_blocks)
+        posted = time.perf_counter()
+        try:
+            # Drained even when refused (the channel stays in step); scattered into the
+            # reserved blocks right behind the receive when accepted.
+            def scatter() -> None:
+                if block_ids:
+                    rows = None if len(row_ids) == header.num_blocks else row_ids
+                    self.target.scatter(block_ids, staging, rows)
+
+            self.channel.recv_into(staging, scatter)
+        except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
+            for entry, held, _ in claims:
+                if held is not None:
+                    self.book.fail(entry.req_id)
+                    self.target.release(entry.req_id)
+                    self.target.fail(entry.req_id, f"KV hand-off broke off: {exc}")
+            return False
+        wire_s = time.perf_counter() - posted
+        # Sender's clock to ours: exact on one node, as good as the clocks across nodes.
+        handoff_s = max(wire_s, time.time() - header.posted_at_us / 1e6)
+        for entry, held, problem in claims:
+            if held is None:
+                log.warning("refused hand-off of %s: %s", entry.req_id, problem)
+                self._refuse(entry, problem or "refused")
+                continue
+            self._admit(held, entry, wire_s, handoff_s)
+        return True
+
+    def _refuse(self, entry: HandoffEntry, problem: str) -> None:
+        if not self.target.is_buried(entry.req_id):
+            self.target.fail(entry.req_id, f"KV hand-off refused: {problem}")
+
+    def _admit(
+        self, held: HeldReservation, entry: HandoffEntry, wire_s: float, handoff_s: float
+    ) -> None:
+        def admit() -> None:
+            self.target.admit(held.inp, entry.first_token)
+
+        if self.book.complete(entry.req_id, admit):
+            self.target.arrived(entry.req_id, wire_s, handoff_s)
+        else:  # aborted while its bytes were on the wire
+            self.target.release(entry.req_id)

@@ -1,0 +1,258 @@
+"""The transfer interface over its in-process backend: hand-off messages of several
+requests, refusals, aborts racing a transfer, a peer that dies mid-message, and the
+sender's plan. No process group, no model: a plain tensor stands in for the cache."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.core.outputs import GenerationInput
+from engine.sampling_params import SamplingParams
+from engine.transfer.base import KVPoll
+from engine.transfer.fake import FakeChannel
+from engine.transfer.handoff import HandoffHeader, HandoffTarget, HeaderKind, Reservation
+from engine.transfer.receiver import ChannelReceiver
+from engine.transfer.reservations import ReservationBook
+from engine.transfer.sender import Message, ReadyKV, plan_messages
+
+EPOCH = 0x77
+BLOCK = 4  # tokens a block
+ROW = (2, BLOCK, 3)  # one block of the fake cache: K/V, tokens, width
+
+
+class Worker:
+    """The receiving worker's side of ImportTarget, over a tensor cache."""
+
+    def __init__(self, num_blocks: int = 16) -> None:
+        self.cache = torch.zeros((num_blocks, *ROW))
+        self.free = list(range(num_blocks))
+        self.held: dict[str, list[int]] = {}
+        self.book = ReservationBook(EPOCH, BLOCK)
+        self.admitted: dict[str, int] = {}
+        self.errors: dict[str, str] = {}
+        self.arrivals: list[str] = []
+        self.buried: set[str] = set()
+
+    def reserve(self, req_id: str, num_tokens: int) -> Reservation:
+        ids = [self.free.pop(0) for _ in range(-(-num_tokens // BLOCK))]
+        self.held[req_id] = ids
+        res = Reservation("decode-0", EPOCH, tuple(ids))
+        inp = GenerationInput(req_id, tuple(range(num_tokens)), SamplingParams(max_tokens=4))
+        self.book.add(inp, res, lease_s=30.0)
+        return res
+
+    @property
+    def blocks_in_use(self) -> int:
+        return sum(len(ids) for ids in self.held.values())
+
+    # ImportTarget
+    @property
+    def block_bytes(self) -> int:
+        return self.cache[0].numel() * self.cache.element_size()
+
+    def staging(self, num_blocks: int) -> torch.Tensor:
+        return torch.empty((num_blocks, *ROW))
+
+    def scatter(self, block_ids: list[int], rows: torch.Tensor, row_ids: list[int] | None) -> None:
+        if row_ids is not None:
+            rows = rows[row_ids]
+        self.cache[block_ids] = rows
+
+    def admit(self, inp: GenerationInput, first_token: int) -> None:
+        self.admitted[inp.req_id] = first_token
+
+    def arrived(self, req_id: str, wire_s: float, handoff_s: float) -> None:
+        assert handoff_s >= wire_s >= 0
+        self.arrivals.append(req_id)
+
+    def release(self, req_id: str) -> None:
+        self.free += self.held.pop(req_id, [])
+
+    def fail(self, req_id: str, error: str) -> None:
+        self.errors[req_id] = error
+
+    def is_buried(self, req_id: str) -> bool:
+        return req_id in self.buried
+
+
+def _blocks(*values: float) -> torch.Tensor:
+    return torch.stack([torch.full(ROW, float(v)) for v in values])
+
+
+def _send(
+    channel: FakeChannel, entries: list[tuple[str, int, int]], payload: torch.Tensor, **kw: int
+) -> KVPoll:
+    """entries: (req_id, num_tokens, first_token)."""
+    ready = [
+        ReadyKV(r, HandoffTarget("decode-0", EPOCH), tuple(range(-(-n // BLOCK))), n, t)
+        for r, n, t in entries
+    ]
+    header = HandoffHeader(
+        HeaderKind.HANDOFF,
+        kw.get("seq", channel.next_seq()),
+        kw.get("epoch", EPOCH),
+        1,
+        Message(ready[0].target, tuple(ready)).entries,
+        num_bytes=kw.get("num_bytes", payload.numel() * payload.element_size()),
+    )
+    return channel.send(header, payload).poll()
+
+
+def _run_receiver(channel: FakeChannel, worker: Worker) -> threading.Thread:
+    receiver = ChannelReceiver(channel, worker.book, worker)
+    thread = threading.Thread(target=receiver.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_one_message_carries_several_requests_into_their_own_blocks() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    a, b = worker.reserve("a", 8), worker.reserve("b", 3)
+    thread = _run_receiver(recv, worker)
+    assert _send(send, [("a", 8, 11), ("b", 3, 22)], _blocks(1, 2, 3)) is KVPoll.SUCCESS
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert worker.admitted == {"a": 11, "b": 22} and worker.arrivals == ["a", "b"]
+    assert torch.equal(worker.cache[list(a.block_ids)], _blocks(1, 2))
+    assert torch.equal(worker.cache[list(b.block_ids)], _blocks(3))
+    assert recv.closed  # the CLOSE header ended the receiver
+
+
+def test_a_refused_entry_is_drained_while_its_neighbours_land() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    a, c = worker.reserve("a", 4), worker.reserve("c", 4)
+    thread = _run_receiver(recv, worker)
+    # "b" has no reservation: its rows must not land anywhere, the others' must.
+    _send(send, [("a", 4, 1), ("b", 4, 2), ("c", 4, 3)], _blocks(5, 6, 7))
+    # The channel stays in step: the next message is read as a message.
+    d = worker.reserve("d", 4)
+    _send(send, [("d", 4, 4)], _blocks(8))
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert worker.admitted == {"a": 1, "c": 3, "d": 4}
+    assert "no reservation" in worker.errors["b"]
+    assert torch.equal(
+        worker.cache[[a.block_ids[0], c.block_ids[0], d.block_ids[0]]], _blocks(5, 7, 8)
+    )
+    assert (worker.cache == 6).sum() == 0
+
+
+def test_a_stale_epoch_is_refused_and_an_aborted_request_is_not_reported() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    worker.reserve("old", 4)
+    worker.buried.add("gone")  # aborted here: its router no longer waits
+    thread = _run_receiver(recv, worker)
+    _send(send, [("old", 4, 1)], _blocks(1), epoch=EPOCH + 1)
+    _send(send, [("gone", 4, 1)], _blocks(2))
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert "epoch" in worker.errors["old"] and "gone" not in worker.errors
+    assert worker.admitted == {} and worker.book.holds("old")  # the router aborts it
+
+
+def test_abort_while_the_bytes_are_on_the_wire_frees_the_blocks() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    worker.reserve("r", 8)
+    claimed = threading.Event()
+    original_claim = worker.book.claim
+
+    def claim_then_abort(entry, epoch):  # type: ignore[no-untyped-def]
+        out = original_claim(entry, epoch)
+        claimed.set()
+        assert not worker.book.abort(entry.req_id)  # importing: only marked
+        return out
+
+    worker.book.claim = claim_then_abort  # type: ignore[method-assign]
+    thread = _run_receiver(recv, worker)
+    _send(send, [("r", 8, 9)], _blocks(1, 2))
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert claimed.is_set() and worker.admitted == {}
+    assert worker.blocks_in_use == 0 and len(worker.book) == 0
+
+
+def test_a_peer_that_dies_mid_message_fails_its_claimed_requests() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    worker.reserve("r", 4)
+    original_claim = worker.book.claim
+
+    def claim_then_break(entry, epoch):  # type: ignore[no-untyped-def]
+        out = original_claim(entry, epoch)
+        send.break_()  # the sender dies after its header, before the payload
+        return out
+
+    worker.book.claim = claim_then_break  # type: ignore[method-assign]
+    thread = _run_receiver(recv, worker)
+    _send(send, [("r", 4, 9)], _blocks(1))
+    thread.join(5)
+    assert not thread.is_alive() and recv.closed
+    assert "broke off" in worker.errors["r"]
+    assert worker.blocks_in_use == 0 and len(worker.book) == 0
+
+
+def test_a_wrong_byte_count_closes_the_channel_and_fails_its_entries() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    worker.reserve("r", 4)
+    thread = _run_receiver(recv, worker)
+    _send(send, [("r", 4, 9)], _blocks(1), num_bytes=3)
+    thread.join(5)
+    assert recv.closed and "byte count" in worker.errors["r"]
+
+
+def test_an_out_of_step_header_closes_the_channel() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    worker.reserve("r", 4)
+    thread = _run_receiver(recv, worker)
+    _send(send, [("r", 4, 9)], _blocks(1), seq=5)
+    thread.join(5)
+    assert recv.closed and worker.admitted == {}
+
+
+def test_send_states_waiting_then_success_and_failure_with_a_reason() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    send.hold()
+    header = HandoffHeader(HeaderKind.HANDOFF, send.next_seq())
+    handle = send.send(header, None)
+    assert handle.poll() is KVPoll.WAITING
+    seen: list[KVPoll] = []
+    handle.add_done_callback(seen.append)
+    send.release()
+    assert handle.wait(1) is KVPoll.SUCCESS and seen == [KVPoll.SUCCESS]
+    send.fail_next("link down")
+    failed = send.send(HandoffHeader(HeaderKind.HANDOFF, send.next_seq()), None)
+    assert failed.poll() is KVPoll.FAILED and failed.failure == "link down"
+    recv.close(notify_peer=False)
+
+
+def _ready(req_id: str, target: str, num_blocks: int) -> ReadyKV:
+    return ReadyKV(req_id, HandoffTarget(target, 1), tuple(range(num_blocks)), num_blocks * 4, 0)
+
+
+def test_one_steps_hand_offs_are_one_message_per_target_within_the_caps() -> None:
+    ready = [_ready("a", "d0", 2), _ready("b", "d1", 1), _ready("c", "d0", 3)]
+    plan = plan_messages(ready, block_bytes=100)
+    assert [(m.target.worker_id, [i.req_id for i in m.items]) for m in plan] == [
+        ("d0", ["a", "c"]),
+        ("d1", ["b"]),
+    ]
+    assert plan[0].block_ids == [0, 1, 0, 1, 2]
+    by_entries = plan_messages([_ready(str(i), "d0", 1) for i in range(5)], 100, max_entries=2)
+    assert [len(m.items) for m in by_entries] == [2, 2, 1]
+    by_bytes = plan_messages(ready, block_bytes=100, max_bytes=250)
+    assert [[i.req_id for i in m.items] for m in by_bytes] == [["a"], ["c"], ["b"]]
+
+
+@pytest.mark.parametrize("num_blocks", [0, 5])
+def test_a_message_too_large_for_the_byte_cap_still_goes_alone(num_blocks: int) -> None:
+    plan = plan_messages([_ready("big", "d0", 9), _ready("s", "d0", num_blocks)], 100, max_bytes=50)
+    assert [[i.req_id for i in m.items] for m in plan] == [["big"], ["s"]]
