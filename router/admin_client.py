@@ -10,6 +10,8 @@ import grpc
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.client import ClientSecurity, add_security_arguments, parse_target
+from router.flag_types import at_least
+from router.flags import POOLS
 
 # Scaling waits for new workers to load their model, or old ones to drain.
 SCALE_TIMEOUT_S = 900.0
@@ -58,20 +60,31 @@ def add_admin_arguments(scale: argparse.ArgumentParser, workers: argparse.Argume
             "--server", type=parse_target, required=True, help="router address, HOST:PORT"
         )
         add_security_arguments(parser)
-    for pool in ("prefill", "decode", "colocated"):
-        scale.add_argument(f"--{pool}", type=int, metavar="N", help=f"{pool} pool size")
+    for pool in POOLS:
+        scale.add_argument(f"--{pool}", type=at_least(0), metavar="N", help=f"{pool} pool size")
     scale.add_argument("--drain", metavar="WORKER_ID", help="drain one worker (e.g. decode-1)")
 
 
+# Epochs are 62 random bits in hex: padded to 16 digits, one incarnation's epoch lines up
+# with the next one's.
+EPOCH_WIDTH = 16
+
+
+def _sort_key(w: pb.WorkerDescription) -> tuple[int, str, int]:
+    rank = POOLS.index(w.pool) if w.pool in POOLS else len(POOLS)
+    return (rank, w.pool, w.index)
+
+
 def _table(workers: list[pb.WorkerDescription]) -> str:
+    """Workers by pool (prefill, decode, colocated), then index, as aligned columns."""
     rows = [("worker", "state", "epoch", "in flight", "device", "node", "peers")]
-    for w in workers:
+    for w in sorted(workers, key=_sort_key):
         state = pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
         rows.append(
             (
                 w.worker_id,
                 state,
-                w.epoch,
+                w.epoch.rjust(EPOCH_WIDTH, "0"),
                 str(w.num_in_flight),
                 w.device,
                 w.node_ip,
@@ -79,21 +92,17 @@ def _table(workers: list[pb.WorkerDescription]) -> str:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(n) for c, n in zip(r, widths, strict=True)) for r in rows)
+    lines = ("  ".join(c.ljust(n) for c, n in zip(r, widths, strict=True)) for r in rows)
+    return "\n".join(line.rstrip() for line in lines)
 
 
-async def run_admin(ns: argparse.Namespace) -> int:
-    security = ClientSecurity.from_args(ns)
+async def run_admin(ns: argparse.Namespace, security: ClientSecurity | None = None) -> int:
+    """`pdserve scale` / `pdserve workers`: act, then print the workers; the exit status."""
+    security = security or ClientSecurity.from_args(ns)
     try:
         if ns.command == "scale":
-            sizes = {p: getattr(ns, p) for p in ("prefill", "decode", "colocated")}
+            sizes = {p: getattr(ns, p) for p in POOLS}
             requested = {p: n for p, n in sizes.items() if n is not None}
-            if not requested and not ns.drain:
-                print(
-                    "pdserve scale: give --prefill, --decode, --colocated or --drain",
-                    file=sys.stderr,
-                )
-                return 2
             if ns.drain:
                 await drain_worker(ns.server, ns.drain, security)
             for pool, size in requested.items():

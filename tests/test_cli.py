@@ -3,36 +3,46 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 
-from router.cli import _sampling_params, build_parser, main
+from engine.core.request import FinishReason
+from router.cli import build_parser, main
+from router.commands import sampling_params
+from router.flags import engine_args
 from router.grpc_server import GrpcServer
 from tests.service import REPO, service_env
 from tests.test_servicer import FakeCore, run_with_server
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """Run `pdserve argv` in-process; it must exit 2 (usage error). Returns stderr."""
+    """Run `pdserve argv` in-process; it must exit 2 (usage error) with one line on stderr,
+    which is returned."""
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
-    return capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
 
 
-def test_unknown_flag_shows_the_subcommands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_flag_is_one_line_naming_the_subcommand(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     err = _fails(["serve", "--bogus"], capsys)
-    assert "usage: pdserve serve" in err
-    assert "pdserve serve: error: unrecognized arguments: --bogus" in err
+    assert err.startswith("pdserve serve: error: unrecognized arguments: --bogus")
+    assert "pdserve serve --help" in err
     err = _fails(["generate", "hi", "--bogus", "1"], capsys)
-    assert "usage: pdserve generate" in err and "--bogus" in err
+    assert err.startswith("pdserve generate: error:") and "--bogus" in err
 
 
 def test_abbreviated_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,7 +100,8 @@ def test_server_without_port_is_refused(capsys: pytest.CaptureFixture[str]) -> N
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--top-p", "0"], "top_p must be in (0, 1]"),
         (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
-        (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+        (["--max-num-seqs", "0"], "--max-num-seqs: must be >= 1, got 0"),
+        (["--kv-cache-gib", "0"], "--kv-cache-gib: must be > 0"),
     ],
 )
 def test_inapplicable_or_bad_generate_flags_fail_before_any_work(
@@ -109,10 +120,110 @@ def test_missing_model_folder_fails_before_loading(
     assert "no config.json" in err
 
 
+def test_unsupported_model_folder_fails_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    for argv in (["generate", "hi"], ["serve"]):
+        err = _fails([*argv, "--model", str(tmp_path)], capsys)
+        assert "unsupported model architecture 'GPT2LMHeadModel'" in err
+        assert "LlamaForCausalLM" in err  # what is supported
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--port", "99999"], "argument --port: must be 0-65535, got 99999"),
+        (["serve", "--metrics-port", "-1"], "argument --metrics-port: must be >= 0, got -1"),
+        (["serve", "--max-in-flight", "0"], "argument --max-in-flight: must be >= 1, got 0"),
+        (["serve", "--max-queue", "-1"], "argument --max-queue: must be >= 0"),
+        (["serve", "--prefill-workers", "0"], "argument --prefill-workers: must be >= 1"),
+        (["serve", "--decode-max-num-seqs", "x"], "--decode-max-num-seqs: expected an integer"),
+        (["serve", "--drain-grace-s", "-2"], "argument --drain-grace-s: must be >= 0"),
+        (["serve", "--decode-gpu-memory-utilization", "1.5"], "must be > 0 and <= 1, got 1.5"),
+        (["serve", "--port", "9400"], "--port and --metrics-port are both 9400"),
+        (["serve", "--tls-cert", "x.pem"], "--tls-cert and --tls-key must be given together"),
+        (["scale", "--server", "127.0.0.1:1", "--prefill", "-1"], "--prefill: must be >= 0"),
+        (["scale", "--server", "127.0.0.1:1"], "give --prefill, --decode, --colocated or --drain"),
+        (["workers", "--server", "127.0.0.1:1", "--auth-token-file", "/no/such"], "no such file"),
+    ],
+)
+def test_bad_values_are_one_line_usage_errors_before_anything_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start = time.monotonic()
+    err = _fails(argv, capsys)
+    assert err.startswith(f"pdserve {argv[0]}: error: ") and message in err
+    assert time.monotonic() - start < 5  # no Ray, no model, no network call
+
+
+@pytest.mark.parametrize(
+    ("argv", "flags"),
+    [
+        (["--colocated-workers", "2", "--prefill-workers", "2"], "--prefill-workers"),
+        (["--colocated-workers", "2", "--decode-workers", "3"], "--decode-workers"),
+        (["--colocated-workers", "1", "--prefill-max-num-seqs", "8"], "--prefill-max-num-seqs"),
+        (["--colocated-workers", "1", "--local-prefill-max-tokens", "0"], "--local-prefill-max"),
+        (["--colocated-resources", '{"gpu_node": 1}'], "--colocated-resources"),
+        (["--metrics-port", "0", "--metrics-host", "0.0.0.0"], "--metrics-host"),
+    ],
+)
+def test_flags_that_cannot_both_apply_are_refused_naming_both(
+    argv: list[str], flags: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _fails(["serve", *argv], capsys)
+    assert flags in err and argv[0] in err
+
+
+@pytest.mark.parametrize(
+    ("finish", "error", "shown"),
+    [
+        (FinishReason.ABORT, "server is draining; grace period over", "finish=abort"),
+        (FinishReason.ERROR, "decode worker 0 died", "finish=error"),
+    ],
+)
+def test_generate_from_a_server_reports_an_abort_or_error_and_fails(
+    finish: FinishReason, error: str, shown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rcs = []
+
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        rcs.append(
+            await asyncio.get_running_loop().run_in_executor(
+                None, main, ["generate", "--server", server.address, "hi"]
+            )
+        )
+
+    run_with_server(FakeCore(finish=finish, error=error), body)
+    out, err = capsys.readouterr()
+    assert rcs == [1]
+    assert out.startswith("t0 t1 t2")  # the text that did arrive is kept
+    (line,) = err.strip().splitlines()
+    assert shown in line and line.endswith(f"error: {error}")
+    assert "ttft=" not in line and "prompt=" not in line
+
+
+def test_generate_from_a_server_that_completes_exits_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rcs = []
+
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        rcs.append(
+            await asyncio.get_running_loop().run_in_executor(
+                None, main, ["generate", "--server", server.address, "hi"]
+            )
+        )
+
+    run_with_server(FakeCore(finish=FinishReason.STOP), body)
+    assert rcs == [0]
+    assert "finish=stop prompt=" in capsys.readouterr().err
+
+
 def test_generate_defaults_are_the_same_offline_and_served() -> None:
     """The request the CLI sends carries exactly the sampling the offline path uses."""
     ns = build_parser().parse_args(["generate", "hi"])
-    offline = _sampling_params(ns)
+    offline = sampling_params(ns)
     assert (offline.max_tokens, offline.temperature) == (256, 0.0)
 
     async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
@@ -150,6 +261,27 @@ def test_port_in_use_is_one_line_and_nonzero_exit() -> None:
     assert proc.returncode == 1
 
 
+def test_busy_metrics_port_fails_before_ray_starts() -> None:
+    # Colocated replicas with decode knobs: accepted, so start-up gets as far as the ports.
+    flags = ["--colocated-workers", "2", "--decode-max-num-seqs", "8", "--port", "0"]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "router.cli", "serve", *flags, "--metrics-port", str(port)],
+            cwd=REPO,
+            env=service_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert _one_line_failure(proc) == (
+        f"pdserve: startup failed: 127.0.0.1:{port} is in use (--metrics-port)"
+    )
+    assert proc.returncode == 1
+
+
 def test_ctrl_c_in_the_client_exits_quietly() -> None:
     # A server that accepts connections but never answers: the call waits until Ctrl-C.
     with socket.socket() as silent:
@@ -177,11 +309,9 @@ def test_ctrl_c_in_the_client_exits_quietly() -> None:
 
 
 def test_no_async_scheduling_turns_the_step_ahead_loop_off() -> None:
-    from router.cli import _engine_args
-
     parser = build_parser()
-    assert _engine_args(parser.parse_args(["generate", "x"])).async_scheduling is None  # auto
+    assert engine_args(parser.parse_args(["generate", "x"])).async_scheduling is None  # auto
     off = parser.parse_args(["generate", "x", "--no-async-scheduling"])
-    assert _engine_args(off).async_scheduling is False
+    assert engine_args(off).async_scheduling is False
     serve = parser.parse_args(["serve", "--no-async-scheduling"])
-    assert _engine_args(serve, "decode").async_scheduling is False
+    assert engine_args(serve, "decode").async_scheduling is False

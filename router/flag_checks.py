@@ -1,0 +1,101 @@
+"""Checks across `pdserve`'s flags: combinations that cannot all apply, flags that mean
+nothing in a mode, and a --model folder pdserve cannot run. Each raises ValueError with
+one line naming the flags; the CLI reports it as a usage error before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from engine.model.model_spec import check_architecture
+from router.flags import POOLS, add_engine_args, add_model_args
+
+
+def given_flags(argv: Sequence[str]) -> set[str]:
+    """The options written on the command line (abbreviations are off, so names are exact)."""
+    flags = set()
+    for token in argv:
+        if token == "--":
+            break
+        if token.startswith("--"):
+            flags.add(token.split("=", 1)[0])
+    return flags
+
+
+def option_strings(adders: Iterable[Callable[[argparse.ArgumentParser], object]]) -> set[str]:
+    """Every option name that these `add_*` functions define."""
+    probe = argparse.ArgumentParser(add_help=False)
+    for add in adders:
+        add(probe)
+    return {opt for action in probe._actions for opt in action.option_strings}
+
+
+def check_model_folder(model: str | None) -> None:
+    """--model must be a folder with a config.json of an architecture pdserve runs."""
+    if model is None:
+        return
+    config_path = Path(model) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"--model {model}: no config.json in that folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--model {model}: config.json is unreadable: {exc}") from None
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if architectures:  # without it the engine maps model_type, and says so if it cannot
+        try:
+            check_architecture(str(architectures[0]))
+        except ValueError as exc:
+            raise ValueError(f"--model {model}: {exc}") from None
+
+
+def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
+    """Refuse values and combinations that cannot all apply; raises ValueError."""
+    if ns.colocated_workers:
+        pool_only = sorted(
+            f
+            for f in given
+            if f.startswith("--prefill-")
+            or f in ("--decode-workers", "--decode-resources", "--local-prefill-max-tokens")
+        )
+        if pool_only:
+            raise ValueError(
+                f"{', '.join(pool_only)} and --colocated-workers cannot both apply: colocated "
+                "replicas replace both pools and take the --decode-* knobs"
+            )
+    elif "--colocated-resources" in given:
+        raise ValueError("--colocated-resources applies only with --colocated-workers N")
+    if ns.metrics_port == 0 and "--metrics-host" in given:
+        raise ValueError("--metrics-host and --metrics-port 0 (metrics off) cannot both apply")
+    if ns.metrics_port and ns.metrics_port == ns.port:
+        raise ValueError(f"--port and --metrics-port are both {ns.port}")
+    check_model_folder(ns.model)
+
+
+def check_generate_flags(ns: argparse.Namespace, given: set[str]) -> None:
+    """Refuse flags that do not apply: engine flags with --server, client flags offline."""
+    if ns.server:
+        wrong = sorted(given & option_strings([add_model_args, add_engine_args]))
+        if wrong:
+            raise ValueError(
+                f"{', '.join(wrong)}: only for offline generation (without --server); "
+                "a server's model and engine are set by `pdserve serve`"
+            )
+        return
+    from router.client import add_security_arguments
+
+    client_only = {"--timeout", "--request-id"} | option_strings([add_security_arguments])
+    wrong = sorted(given & client_only)
+    if wrong:
+        raise ValueError(
+            f"{', '.join(wrong)}: only with --server (offline generation is in-process)"
+        )
+    check_model_folder(ns.model)
+
+
+def check_scale_flags(ns: argparse.Namespace) -> None:
+    """`pdserve scale` needs something to do."""
+    if all(getattr(ns, pool) is None for pool in POOLS) and not ns.drain:
+        raise ValueError("give --prefill, --decode, --colocated or --drain")

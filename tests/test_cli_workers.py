@@ -1,0 +1,79 @@
+"""`pdserve workers` against a scripted AdminService: rows in pool and index order, epochs
+in one width."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.v1 import admin_pb2 as pb
+from pdserve.v1 import admin_pb2_grpc as pb_grpc
+from router.cli import main
+
+
+def worker(pool: str, index: int, epoch: str) -> pb.WorkerDescription:
+    return pb.WorkerDescription(
+        worker_id=f"{pool}-{index}",
+        pool=pool,
+        index=index,
+        state=pb.WORKER_STATE_LIVE,
+        epoch=epoch,
+        device="cpu",
+        node_ip="127.0.0.1",
+    )
+
+
+class ScriptedAdmin(pb_grpc.AdminServiceServicer):
+    """Lists workers in the order a router's restarts and scaling can leave them."""
+
+    async def ListWorkers(
+        self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkersResponse:
+        return pb.ListWorkersResponse(
+            workers=[
+                worker("decode", 10, "3b"),
+                worker("prefill", 1, "2f0c41d9e8a7b6c5"),
+                worker("decode", 2, "1a2b3c4d5e6f7a8"),
+                worker("prefill", 0, "9"),
+                worker("decode", 0, "3c0ffee15badd00d"),
+            ]
+        )
+
+
+def run_workers_cli() -> int:
+    """`pdserve workers` in-process against a ScriptedAdmin; its exit status."""
+
+    async def body() -> int:
+        server = grpc.aio.server()
+        pb_grpc.add_AdminServiceServicer_to_server(ScriptedAdmin(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            argv = ["workers", "--server", f"127.0.0.1:{port}"]
+            return await asyncio.get_running_loop().run_in_executor(None, main, argv)
+        finally:
+            await server.stop(0)
+
+    return asyncio.run(body())
+
+
+def test_workers_are_listed_by_pool_then_index_with_fixed_width_epochs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_workers_cli() == 0
+    header, *rows = capsys.readouterr().out.strip().splitlines()
+    assert header.split()[:3] == ["worker", "state", "epoch"]
+    ids = [row.split()[0] for row in rows]
+    assert ids == ["prefill-0", "prefill-1", "decode-0", "decode-2", "decode-10"]
+    epochs = [row.split()[2] for row in rows]
+    assert epochs == [
+        "0000000000000009",
+        "2f0c41d9e8a7b6c5",
+        "3c0ffee15badd00d",
+        "01a2b3c4d5e6f7a8",
+        "000000000000003b",
+    ]
+    starts = {row.index(epoch) for row, epoch in zip(rows, epochs, strict=True)}
+    assert len(starts) == 1  # one column
