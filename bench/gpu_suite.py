@@ -5,18 +5,25 @@ greedy, EOS ignored) at each concurrency:
 
   a   transformers generate(), static batches, one GPU
   a2  transformers continuous batching (generate_batch, paged attention), one GPU
-  b   pdserve colocated engine (engine.llm.LLM), one GPU
-  c   pdserve 1 prefill + 1 decode worker over gRPC, two GPUs
+  b   pdserve colocated engine (engine.llm.LLM) in-process, one GPU
+  cc  pdserve 1 colocated worker behind the router, over gRPC, one GPU
+  c   pdserve 1 prefill + 1 decode worker behind the router, over gRPC, two GPUs
 
-reporting output tokens/s and TTFT / TPOT p50 and p99. Plus:
+reporting output tokens/s and TTFT / TPOT p50 and p99. b, cc and c run closed loops
+(bench.suite_plan): at concurrency C, `--rounds` x C prompts with at most C in flight (the
+steady state: 4 rounds from C = 32 on by default) and, unless --no-burst, one round (a
+burst, as a and a2 run); at concurrency 1, `--rounds-at-c1` requests in turn, for the
+main prompt length and each of `--ttft-lens`. Plus:
 
   floor    b's full-batch decode step vs the memory floor: (weight bytes + KV bytes read
            per step) / device-to-device copy bandwidth measured in the same run
   handoff  c's KV hand-off (timings.kv_transfer_seconds) for 512- and 2048-token prompts,
            GiB/s against raw dist.send of the same bytes (two processes, NCCL, same run)
-  goodput  DistServe's measure: 2048-in / 128-out requests at increasing Poisson rates;
-           the highest rate at which >= 90% meet TTFT <= 1 s and TPOT <= 50 ms, for 1P1D
-           and for two colocated replicas behind the router (`--colocated-workers 2`)
+  goodput  DistServe's measure (bench.suite_goodput): 2048-in / 128-out requests at
+           Poisson rates found by a doubling search; the highest rate at which >= 90%
+           meet TTFT <= 1 s and TPOT <= 15, 25 and 50 ms (one sweep, every request's
+           timings kept), for every prefill/decode split of --gpus GPUs and as many
+           colocated replicas behind the router; --goodput-systems picks some
 
 One-GPU parts run in a subprocess per shape (bench.suite_offline) so memory is returned
 between them; this process never touches CUDA. Prints tables; writes one JSON to --out
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -41,8 +49,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.suite_common import KVGeometry, error_record, shape_path
+from bench.suite_goodput import add_goodput_args, resolve_goodput_args
+from bench.suite_plan import RunSpec, parse_ints, plan_runs
+from bench.suite_report import format_tables
 
-ALL_PARTS = ("a", "a2", "b", "c", "floor", "handoff", "goodput")
+ALL_PARTS = ("a", "a2", "b", "cc", "c", "floor", "handoff", "goodput")
 OFFLINE_PARTS = {"a", "a2", "b", "floor"}
 DEFAULT_KV_GIB = {"1b": 8.0, "8b": 24.0, "tiny": 0.25}
 DEFAULT_OUT = Path("bench/results/gpu_suite.json")
@@ -63,21 +74,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rounds-at-c1",
         type=int,
         help="sequential requests at concurrency 1 for "
-        "b and c (a, a2 run one); default 3 (quick: 2)",
+        "b, cc and c (a, a2 run one); default 3 (quick: 2)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help="b, cc, c: closed loop over ROUNDS x C prompts at each concurrency C > 1 "
+        "(default: 4 from C = 32 on, 1 below; 1 = a burst only)",
+    )
+    p.add_argument(
+        "--burst",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="b, cc, c: also one round (a burst) where the closed loop has several",
+    )
+    p.add_argument(
+        "--ttft-lens",
+        default="512,2048",
+        help="b, cc, c: prompt lengths also run alone (concurrency 1), for the TTFT table",
     )
     p.add_argument("--kv-cache-gib", help="per shape, e.g. 1b:8,8b:24 (each worker / engine)")
     p.add_argument("--handoff-lens", default="512,2048")
     p.add_argument("--handoff-samples", type=int, help="default 5 (quick: 3)")
-    p.add_argument("--goodput-shape", help="default 8b (quick: the first shape)")
-    p.add_argument("--goodput-rates", help="req/s, increasing; default 2,4,8,16 (quick: 2,8)")
-    p.add_argument("--goodput-duration", type=float, help="s of arrivals per rate; default 6")
-    p.add_argument("--goodput-min-requests", type=int, help="per rate; default 12 (quick: 8)")
-    p.add_argument("--goodput-prompt-len", type=int, default=2048)
-    p.add_argument("--goodput-output-len", type=int, default=128)
-    p.add_argument("--ttft-slo", type=float, default=1.0, help="seconds")
-    p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds per output token")
-    p.add_argument("--attainment", type=float, default=0.9)
     p.add_argument("--startup-timeout", type=float, default=300.0, help="per service start, s")
+    p.add_argument(
+        "--serve-extra",
+        default="",
+        help="more `pdserve serve` flags for every service (cc, c, goodput), one string",
+    )
     p.add_argument("--offline-timeout", type=float, default=900.0, help="per shape, s")
     p.add_argument(
         "--time-budget",
@@ -87,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--workdir", default="/tmp/pdserve-gpu-suite", help="logs, scratch")
     p.add_argument("--out", help=f"JSON path (default {DEFAULT_OUT})")
+    add_goodput_args(p)
     ns = p.parse_args(argv)
     quick = ns.quick
 
@@ -101,12 +126,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns.concurrency = [int(c) for c in pick(ns.concurrency, "1,32,128", "1,8").split(",")]
     ns.output_len = pick(ns.output_len, 128, 32)
     ns.rounds_at_c1 = pick(ns.rounds_at_c1, 3, 2)
-    ns.handoff_lens = [int(x) for x in ns.handoff_lens.split(",")]
+    ns.handoff_lens = parse_ints(ns.handoff_lens)
     ns.handoff_samples = pick(ns.handoff_samples, 5, 3)
-    ns.goodput_shape = pick(ns.goodput_shape, "8b", ns.shapes[0])
-    ns.goodput_rates = [float(r) for r in pick(ns.goodput_rates, "2,4,8,16", "2,8").split(",")]
-    ns.goodput_duration = pick(ns.goodput_duration, 6.0, 3.0)
-    ns.goodput_min_requests = pick(ns.goodput_min_requests, 12, 8)
+    ns.ttft_lens = parse_ints(ns.ttft_lens)
+    if ns.rounds is not None and ns.rounds < 1:
+        p.error("--rounds must be >= 1")
+    ns.serve_extra = shlex.split(ns.serve_extra)
+    resolve_goodput_args(ns, p)
     kv = dict(DEFAULT_KV_GIB)
     for item in (ns.kv_cache_gib or "").split(","):
         if item:
@@ -138,6 +164,9 @@ def run_offline(
         f"--output-len={ns.output_len}",
         f"--kv-cache-gib={ns.kv_cache_gib.get(shape, 8.0)}",
         f"--rounds-at-c1={ns.rounds_at_c1}",
+        *([f"--rounds={ns.rounds}"] if ns.rounds is not None else []),
+        "--burst" if ns.burst else "--no-burst",
+        "--ttft-lens=" + ",".join(map(str, ns.ttft_lens)),
         f"--copy-bytes={(1 << 30) if ns.device == 'cuda' else (64 << 20)}",
         f"--out={out}",
     ]
@@ -173,180 +202,44 @@ def run_nccl_raw(ns: argparse.Namespace, workdir: Path) -> dict:
     return send_bandwidth(sorted(sizes), use_cuda=ns.device == "cuda")
 
 
-def run_goodput_curves(ns: argparse.Namespace, workdir: Path, deadline: float) -> dict:
-    from bench.suite_service import run_goodput, serve_help
-
-    model = shape_path(ns.goodput_shape, workdir)
-    kv = str(ns.kv_cache_gib.get(ns.goodput_shape, 8.0))
-    common = ["--max-in-flight", "1024", "--max-queue", "4096", "--drain-grace-s", "10"]
-    kwargs = dict(
-        workdir=workdir,
-        rates=ns.goodput_rates,
-        duration_s=ns.goodput_duration,
-        min_requests=ns.goodput_min_requests,
-        prompt_len=ns.goodput_prompt_len,
-        output_len=ns.goodput_output_len,
-        ttft_slo_s=ns.ttft_slo,
-        tpot_slo_s=ns.tpot_slo,
-        attainment=ns.attainment,
-        startup_timeout_s=ns.startup_timeout,
-        deadline=deadline,
+def run_plan(ns: argparse.Namespace) -> list[RunSpec]:
+    """The closed-loop runs of b, cc and c (bench.suite_offline builds the same for b)."""
+    return plan_runs(
+        ns.concurrency,
+        ns.prompt_len,
+        rounds=ns.rounds,
+        rounds_at_c1=ns.rounds_at_c1,
+        burst=ns.burst,
+        ttft_lens=ns.ttft_lens,
     )
-    out: dict[str, Any] = {
-        "shape": ns.goodput_shape,
-        "slo": {"ttft_s": ns.ttft_slo, "tpot_s": ns.tpot_slo, "attainment": ns.attainment},
-        "prompt_len": ns.goodput_prompt_len,
-        "output_len": ns.goodput_output_len,
-    }
-    systems = {
-        "1p1d": ["--prefill-kv-cache-gib", kv, "--decode-kv-cache-gib", kv, *common],
-        "colocated_x2": ["--colocated-workers", "2", "--decode-kv-cache-gib", kv, *common],
-    }
-    has_colocated = "--colocated-workers" in serve_help()
-    for system, args in systems.items():
-        if system.startswith("colocated") and not has_colocated:
-            out[system] = {"skipped": "`pdserve serve --colocated-workers` is not in this checkout"}
-            continue
-        if time.perf_counter() + 60 > deadline:
-            out[system] = {"skipped": "time budget"}
-            continue
-        try:
-            out[system] = run_goodput(system, args, model, **kwargs)  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001 - recorded; the other curve still runs
-            out[system] = error_record(exc)
-    return out
 
 
-# ---------------------------------------------------------------- report
+SERVICE_PARTS = (("cc", "colocated"), ("c", "service"))  # part, key in the shape's record
 
 
-def _fmt(x: Any, nd: int = 1) -> str:
-    if x is None or (isinstance(x, float) and x != x):
-        return "-"
-    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+def run_service(
+    ns: argparse.Namespace, part: str, shape: str, model: Path, workdir: Path, parts: set[str]
+) -> dict[str, Any]:
+    """cc, or c with the hand-off, on its own service."""
+    from bench.suite_service import run_service_part
 
-
-def _runs(section: Any) -> list[dict]:
-    if isinstance(section, list):
-        return section
-    if isinstance(section, dict):
-        return section.get("runs", [])
-    return []
-
-
-def format_tables(result: dict) -> str:
-    lines = []
-    head = f"{'shape':<6}{'system':<24}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}"
-    head += f"{'TPOT p50':>10}{'p99':>9}{'ITL p50':>9}{'ok':>8}"
-    lines += ["== throughput and latency (ms) ==", head]
-    for shape, rec in result.get("shapes", {}).items():
-        if rec.get("skipped"):
-            lines.append(f"{shape:<6} skipped: {rec['skipped']}")
-        off = rec.get("offline", {})
-        sections = [off.get("a"), off.get("a2"), off.get("b"), rec.get("service")]
-        for section in sections:
-            for r in _runs(section):
-                lines.append(
-                    f"{shape:<6}{r['system']:<24}{r['concurrency']:>5}{_fmt(r['output_tok_s']):>10}"
-                    f"{_fmt(r['ttft_ms']['p50']):>10}{_fmt(r['ttft_ms']['p99']):>9}"
-                    f"{_fmt(r['tpot_ms']['p50'], 2):>10}{_fmt(r['tpot_ms']['p99'], 2):>9}"
-                    f"{_fmt(r.get('itl_ms', {}).get('p50'), 2):>9}"
-                    f"{r['num_ok']:>4}/{r['num_requests']:<3}"
-                )
-        for name, section in (("a", off.get("a")), ("a2", off.get("a2")), ("b", off.get("b"))):
-            if isinstance(section, dict) and "error" in section:
-                lines.append(f"{shape:<6}{name:<24} ERROR {section['error'][:100]}")
-        svc = rec.get("service")
-        if isinstance(svc, dict) and "error" in svc:
-            lines.append(f"{shape:<6}{'c':<24} ERROR {svc['error'][:100]}")
-    lines += ["", "== decode step vs memory floor (b, full-batch decode-only steps) =="]
-    lines.append(
-        f"{'shape':<6}{'batch':>6}{'step ms':>10}{'exec ms':>10}{'floor ms':>10}{'x floor':>9}"
-    )
-    for shape, rec in result.get("shapes", {}).items():
-        b = rec.get("offline", {}).get("b")
-        for r in _runs(b):
-            d = r.get("decode_step", {})
-            lines.append(
-                f"{shape:<6}{r['concurrency']:>6}{_fmt(d.get('step_ms'), 2):>10}"
-                f"{_fmt(d.get('execute_ms'), 2):>10}{_fmt(d.get('floor_ms'), 3):>10}"
-                f"{_fmt(d.get('step_over_floor'), 1):>9}"
-            )
-        bw = rec.get("offline", {}).get("copy_bandwidth", {})
-        if bw.get("read_write_gb_s"):
-            lines.append(f"{shape:<6} copy bandwidth {bw['read_write_gb_s']} GB/s (read+write)")
-    raw = {row["bytes"]: row for row in result.get("nccl_raw", {}).get("sizes", [])}
-    lines += ["", "== KV hand-off vs raw dist.send (same bytes) =="]
-    lines.append(
-        f"{'shape':<6}{'prompt':>7}{'MiB':>8}{'ms p50':>9}{'GiB/s':>8}{'wire GiB/s':>11}"
-        f"{'raw GiB/s':>11}{'ratio':>7}{'wire ratio':>11}"
-    )
-    for shape, rec in result.get("shapes", {}).items():
-        svc = rec.get("service") or {}
-        for h in svc.get("handoff", []) if isinstance(svc, dict) else []:
-            r = raw.get(h["bytes"], {})
-            ratio = h.get("gib_s_p50") / r["gib_s"] if r and h.get("gib_s_p50") else None
-            wire = h.get("wire_gib_s_p50")
-            wire_ratio = wire / r["gib_s"] if r and wire else None
-            lines.append(
-                f"{shape:<6}{h['prompt_len']:>7}{h['bytes'] / 2**20:>8.1f}"
-                f"{_fmt((h.get('seconds_p50') or 0) * 1000, 2):>9}{_fmt(h.get('gib_s_p50')):>8}"
-                f"{_fmt(wire):>11}{_fmt(r.get('gib_s')):>11}{_fmt(ratio, 2):>7}"
-                f"{_fmt(wire_ratio, 2):>11}"
-            )
-    lines += [
-        "",
-        "== TPOT p50 / ITL p50 over b's full-batch decode step (same concurrency) ==",
-        f"{'shape':<6}{'system':<24}{'conc':>5}{'step ms':>9}{'TPOT/step':>11}{'ITL/step':>10}"
-        f"{'tok/msg':>9}",
-    ]
-    for shape, rec in result.get("shapes", {}).items():
-        b_runs = {r["concurrency"]: r for r in _runs(rec.get("offline", {}).get("b"))}
-        for r in [*b_runs.values(), *_runs(rec.get("service"))]:
-            step = b_runs.get(r["concurrency"], {}).get("decode_step", {}).get("step_ms")
-            if not step or r["concurrency"] == 1:
-                continue
-            itl = r.get("itl_ms", {}).get("p50")
-            lines.append(
-                f"{shape:<6}{r['system']:<24}{r['concurrency']:>5}{_fmt(step, 2):>9}"
-                f"{_fmt(r['tpot_ms']['p50'] / step, 2):>11}"
-                f"{_fmt(itl / step if itl else None, 2):>10}"
-                f"{_fmt(r.get('tokens_per_message'), 2):>9}"
-            )
-    lines += ["", "== TTFT at concurrency 1: c (1P1D, gRPC) vs b (engine in-process), ms p50 =="]
-    for shape, rec in result.get("shapes", {}).items():
-        b = {r["concurrency"]: r for r in _runs(rec.get("offline", {}).get("b"))}.get(1)
-        c = {r["concurrency"]: r for r in _runs(rec.get("service"))}.get(1)
-        if b and c:
-            lines.append(
-                f"{shape:<6} c {_fmt(c['ttft_ms']['p50'], 2)}  b {_fmt(b['ttft_ms']['p50'], 2)}"
-                f"  (+{_fmt(c['ttft_ms']['p50'] - b['ttft_ms']['p50'], 2)})"
-            )
-    gp = result.get("goodput")
-    if gp:
-        lines += [
-            "",
-            f"== goodput ({gp.get('shape')}, {gp.get('prompt_len')} in / "
-            f"{gp.get('output_len')} out, SLO {gp.get('slo')}) ==",
-        ]
-        for system in ("1p1d", "colocated_x2"):
-            rec = gp.get(system, {})
-            if "points" not in rec:
-                lines.append(f"{system:<14} {rec.get('skipped') or rec.get('error', '')[:120]}")
-                continue
-            lines.append(
-                f"{system:<14} max rate meeting SLO: {rec.get('max_rate_meeting_slo')} req/s"
-            )
-            if rec.get("stopped"):
-                lines.append(f"{'':<14} {rec['stopped']}")
-            for pt in rec["points"]:
-                lines.append(
-                    f"{'':<14} rate {pt['rate']:>5}  attained {pt['slo_attainment']:.2f}  "
-                    f"tok/s {_fmt(pt['output_tok_s'])}  TTFT p99 {_fmt(pt['ttft_ms']['p99'])}  "
-                    f"TPOT p99 {_fmt(pt['tpot_ms']['p99'], 2)}  "
-                    f"ok {pt['num_ok']}/{pt['num_requests']}"
-                )
-    return "\n".join(lines)
+    try:
+        return run_service_part(
+            part,
+            shape,
+            model,
+            workdir=workdir,
+            plan=run_plan(ns) if part in parts else [],
+            output_len=ns.output_len,
+            kv_cache_gib=ns.kv_cache_gib.get(shape, 8.0),
+            handoff_lens=ns.handoff_lens if part == "c" and "handoff" in parts else [],
+            handoff_samples=ns.handoff_samples,
+            startup_timeout_s=ns.startup_timeout,
+            kv_itemsize=kv_itemsize(ns),
+            serve_extra=ns.serve_extra,
+        )
+    except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run
+        return error_record(exc)
 
 
 def machine_meta(ns: argparse.Namespace) -> dict[str, Any]:
@@ -387,10 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: v for k, v in vars(ns).items() if k != "out"},
         "notes": [
             "random weights of the real shapes (load_format dummy, seeded); bf16 on CUDA",
-            "a, a2: one batch of `concurrency` requests; b, c: that too, except "
-            "`rounds_at_c1` sequential requests at concurrency 1",
-            "TTFT from submission (a, b: the batch start; a2: request creation; c: the "
-            "client's send) to the first token; TPOT = (last - first) / (tokens - 1)",
+            "a, a2: one batch of `concurrency` requests; b, cc, c: closed loops of "
+            "`rounds` x `concurrency` prompts, at most `concurrency` in flight (rounds 1: "
+            "the same batch as a, a2); at concurrency 1, `rounds_at_c1` requests in turn",
+            "TTFT from submission (a: the batch start; b: queued in the engine; a2: request "
+            "creation; cc, c: the client's send) to the first token; "
+            "TPOT = (last - first) / (tokens - 1)",
             "floor_ms = (weight bytes read + batch * context * KV bytes/token) / copy "
             "bandwidth (read+write bytes / s of a 1 GiB device-to-device copy)",
             "handoff bytes = whole blocks of the prompt * KV bytes/token; hand-off time "
@@ -421,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in ns.shapes:
         model = shape_path(shape, workdir)
         rec: dict[str, Any] = result["shapes"].setdefault(shape, {})
-        if (parts & OFFLINE_PARTS or parts & {"c", "handoff"}) and out_of_time(60):
+        if (parts & OFFLINE_PARTS or parts & {"cc", "c", "handoff"}) and out_of_time(60):
             rec["skipped"] = "time budget"
             continue
         if parts & OFFLINE_PARTS:
@@ -430,34 +325,21 @@ def main(argv: list[str] | None = None) -> int:
             timeout = min(ns.offline_timeout, left)
             rec["offline"] = run_offline(ns, shape, model, workdir, timeout)
             save()
-        if parts & {"c", "handoff"} and out_of_time(45):
-            rec["service"] = {"skipped": "time budget"}
-        elif parts & {"c", "handoff"}:
-            from bench.suite_service import run_disaggregated
-
-            print(f"[{time.perf_counter() - t_start:6.0f}s] {shape}: 1P1D service", flush=True)
-            try:
-                rec["service"] = run_disaggregated(
-                    shape,
-                    model,
-                    workdir=workdir,
-                    concurrency=ns.concurrency,
-                    prompt_len=ns.prompt_len,
-                    output_len=ns.output_len,
-                    rounds_at_c1=ns.rounds_at_c1,
-                    kv_cache_gib=ns.kv_cache_gib.get(shape, 8.0),
-                    handoff_lens=ns.handoff_lens,
-                    handoff_samples=ns.handoff_samples,
-                    parts=parts,
-                    startup_timeout_s=ns.startup_timeout,
-                    kv_itemsize=kv_itemsize(ns),
-                )
-            except Exception as exc:  # noqa: BLE001
-                rec["service"] = error_record(exc)
+        for part, key in SERVICE_PARTS:
+            wanted = parts & ({"c", "handoff"} if part == "c" else {part})
+            if not wanted:
+                continue
+            if out_of_time(45):
+                rec[key] = {"skipped": "time budget"}
+                continue
+            print(f"[{time.perf_counter() - t_start:6.0f}s] {shape}: service {part}", flush=True)
+            rec[key] = run_service(ns, part, shape, model, workdir, parts)
             save()
     if "goodput" in parts:
+        from bench.suite_goodput import run_goodput_part
+
         print(f"[{time.perf_counter() - t_start:6.0f}s] goodput", flush=True)
-        result["goodput"] = run_goodput_curves(ns, workdir, deadline)
+        result["goodput"] = run_goodput_part(ns, workdir, deadline)
         save()
     result["tables"] = format_tables(result)
     save()

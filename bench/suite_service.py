@@ -1,10 +1,13 @@
 """GPU suite, service parts: `pdserve serve` as a subprocess, driven over gRPC.
 
-* c: 1 prefill + 1 decode worker (one GPU each), closed loop at fixed concurrency;
-* handoff: KV hand-off time (the final message's timings.kv_transfer_seconds) and the
-  bytes it moved (from the KV layout) for prompts of 512 and 2048 tokens;
-* goodput (DistServe): Poisson arrivals of long prompts at increasing rates; the highest
-  rate at which >= 90% of requests meet both the TTFT and the TPOT objective.
+* c:  1 prefill + 1 decode worker (one GPU each), the closed-loop runs of bench.suite_plan;
+* cc: 1 colocated worker (one GPU) behind the same router, the same runs: what the router
+  and gRPC cost without a hand-off, so c against cc is the price of disaggregation;
+* handoff (on c's service): KV hand-off time (the final message's
+  timings.kv_transfer_seconds) and the bytes it moved (from the KV layout) for prompts of
+  512 and 2048 tokens.
+
+The goodput part (Poisson arrivals) is bench.suite_goodput; it uses `Service` and `drive`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +34,8 @@ from bench.suite_common import (
     free_port,
     make_prompts,
     summarize,
-    workload_seed,
 )
+from bench.suite_plan import RunSpec, prompts_for
 
 
 class Service:
@@ -145,9 +149,14 @@ async def drive(
     seed: int = 0,
     timeout_s: float = 600.0,
     channels: int = 4,
+    give_up: Callable[[list[ReqTiming], float], bool] | None = None,
 ) -> tuple[list[ReqTiming], float]:
     """Closed loop (`concurrency` in flight) or open loop (Poisson `rate`); returns each
-    request's timings and the wall time from the first send to the last answer."""
+    request's timings and the wall time from the first send to the last answer.
+
+    `give_up(timings, now)`, checked every 0.1 s, ends the run early when it returns
+    True: nothing more is sent and the calls in flight are cancelled (the router aborts
+    them in every pool); those requests and the unsent ones end not ok."""
     from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
     chans = [grpc.aio.insecure_channel(address) for _ in range(channels)]
@@ -155,105 +164,165 @@ async def drive(
     limit = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(seed)
     timings = [ReqTiming(0.0) for _ in prompts]
+    stop = asyncio.Event()
     try:
         for c in chans:
             await asyncio.wait_for(c.channel_ready(), timeout=30)
 
         async def one(i: int) -> None:
             async with limit or nullcontext():
-                await _call(stubs[i % channels], prompts[i], max_tokens, timings[i], timeout_s)
+                if not stop.is_set():
+                    await _call(stubs[i % channels], prompts[i], max_tokens, timings[i], timeout_s)
 
+        async def watch() -> None:
+            assert give_up is not None
+            while not stop.is_set():
+                await asyncio.sleep(0.1)
+                if give_up(timings, time.perf_counter()):
+                    stop.set()
+
+        watcher = asyncio.create_task(watch()) if give_up else None
         start = time.perf_counter()
         tasks = []
         for i in range(len(prompts)):
+            if stop.is_set():
+                break
             tasks.append(asyncio.create_task(one(i)))
             if rate and i + 1 < len(prompts):
-                await asyncio.sleep(rng.expovariate(rate))
-        await asyncio.gather(*tasks)
+                gap = rng.expovariate(rate)
+                with suppress(TimeoutError):  # the gap to the next arrival, or a give-up
+                    await asyncio.wait_for(stop.wait(), gap)
+        if watcher is None:
+            await asyncio.gather(*tasks)
+        else:
+            stopped: asyncio.Task[Any] = asyncio.create_task(stop.wait())
+            pending: set[asyncio.Task[Any]] = set(tasks)
+            while pending and not stop.is_set():
+                _, pending = await asyncio.wait(
+                    pending | {stopped}, return_when=asyncio.FIRST_COMPLETED
+                )
+                pending.discard(stopped)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            stop.set()
+            await asyncio.gather(watcher, stopped, return_exceptions=True)
         wall = time.perf_counter() - start
     finally:
         for c in chans:
             await c.close()
+    for t in timings:
+        if t.ok and (t.sent_s == 0.0 or t.num_tokens < max_tokens):
+            t.ok = False
+            t.error = t.error or ("not sent: gave up" if t.sent_s == 0.0 else "cancelled: gave up")
     return timings, wall
 
 
 # ---------------------------------------------------------------- c + handoff
 
 
-def run_disaggregated(
+SYSTEMS = {
+    # part: (system name in the report, description, pool flags)
+    "c": (
+        "c_pdserve_1p1d_grpc",
+        "1 prefill + 1 decode worker",
+        ["--prefill-workers", "1", "--decode-workers", "1"],
+    ),
+    "cc": (
+        "cc_pdserve_colocated_grpc",
+        "1 colocated worker behind the router",
+        ["--colocated-workers", "1"],
+    ),
+}
+
+
+def kv_args(disaggregated: bool, kv_cache_gib: float | None) -> list[str]:
+    """KV cache size flags of each pool (colocated workers take the decode knobs); none:
+    on GPUs the workers size the cache from the device's free memory."""
+    if kv_cache_gib is None:
+        return []
+    kv = str(kv_cache_gib)
+    pools = ("prefill", "decode") if disaggregated else ("decode",)
+    return [arg for pool in pools for arg in (f"--{pool}-kv-cache-gib", kv)]
+
+
+def run_service_part(
+    part: str,
     shape: str,
     model: Path,
     *,
     workdir: Path,
-    concurrency: list[int],
-    prompt_len: int,
+    plan: list[RunSpec],
     output_len: int,
-    rounds_at_c1: int,
     kv_cache_gib: float,
-    handoff_lens: list[int],
-    handoff_samples: int,
-    parts: set[str],
+    handoff_lens: list[int] = (),  # type: ignore[assignment]
+    handoff_samples: int = 0,
     startup_timeout_s: float,
     kv_itemsize: int = 2,
+    serve_extra: list[str] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
-    """Part c and the hand-off measurement on one 1P1D service."""
+    """Part c (1P1D, and the hand-off measurement when `handoff_lens`) or cc (one
+    colocated worker) on its own service: every run of `plan`."""
+    system, config, pool_args = SYSTEMS[part]
     geo = KVGeometry.of(model, kv_itemsize)
-    kv = str(kv_cache_gib)
+    max_seqs = max(128, *(spec.concurrency for spec in plan)) if plan else 128
     svc = Service(
         [
             "--model",
             str(model),
             "--load-format",
             "dummy",
-            "--prefill-kv-cache-gib",
-            kv,
-            "--decode-kv-cache-gib",
-            kv,
+            *pool_args,
+            *kv_args(part == "c", kv_cache_gib),
             "--decode-max-num-seqs",
-            str(max(128, *concurrency)),
+            str(max_seqs),
             "--max-in-flight",
             "1024",
             "--max-queue",
             "4096",
             "--drain-grace-s",
             "10",
+            *serve_extra,
         ],
-        workdir / f"service-1p1d-{shape}.log",
+        workdir / f"service-{part}-{shape}.log",
     )
-    out: dict[str, Any] = {"config": "1 prefill + 1 decode worker", "args": svc.args}
+    out: dict[str, Any] = {"config": config, "args": svc.args}
     try:
         out["startup_s"] = round(svc.wait_serving(startup_timeout_s), 2)
         out["on_gpus"] = "on GPUs" in svc.log_path.read_text(errors="replace")
-        # The engine part's warm-up: the largest burst's prefill and a few decode steps.
-        warm = make_prompts(max(concurrency), prompt_len, geo.vocab_size, seed=97)
+        # The engine part's warm-up: the largest burst's prefill and a few decode steps,
+        # one request alone, and the first prompt of every other length.
+        main_len = max((s.prompt_len for s in plan if s.concurrency > 1), default=None)
+        main_len = main_len or (plan[0].prompt_len if plan else 512)
+        widest = max((s.concurrency for s in plan), default=1)
+        warm = make_prompts(widest, main_len, geo.vocab_size, seed=97)
         asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
         asyncio.run(drive(svc.address, warm[:1], 4, concurrency=1))
-        if "c" in parts:
-            runs = []
-            for c in concurrency:
-                seed = workload_seed(shape, c, prompt_len)
-                if c == 1:
-                    prompts = [
-                        make_prompts(1, prompt_len, geo.vocab_size, seed + r)[0]
-                        for r in range(rounds_at_c1)
-                    ]
-                else:
-                    prompts = make_prompts(c, prompt_len, geo.vocab_size, seed)
-                timings, wall = asyncio.run(drive(svc.address, prompts, output_len, concurrency=c))
-                transfers = [t.kv_transfer_s for t in timings if t.kv_transfer_s]
-                runs.append(
-                    summarize(
-                        "c_pdserve_1p1d_grpc",
-                        c,
-                        timings,
-                        wall,
-                        kv_transfer_ms_p50=round(1000 * statistics.median(transfers), 3)
-                        if transfers
-                        else None,
-                    )
+        for length in sorted({s.prompt_len for s in plan} - {main_len}):
+            other = make_prompts(1, length, geo.vocab_size, seed=98)
+            asyncio.run(drive(svc.address, other, 4, concurrency=1))
+        runs = []
+        for spec in plan:
+            prompts = prompts_for(shape, spec, geo.vocab_size)
+            timings, wall = asyncio.run(
+                drive(svc.address, prompts, output_len, concurrency=spec.concurrency)
+            )
+            transfers = [t.kv_transfer_s for t in timings if t.kv_transfer_s]
+            runs.append(
+                summarize(
+                    system,
+                    spec.concurrency,
+                    timings,
+                    wall,
+                    prompt_len=spec.prompt_len,
+                    rounds=spec.rounds,
+                    kv_transfer_ms_p50=round(1000 * statistics.median(transfers), 3)
+                    if transfers
+                    else None,
                 )
-            out["runs"] = runs
-        if "handoff" in parts:
+            )
+        out["runs"] = runs
+        if handoff_lens:
             out["handoff"] = [
                 handoff_stats(svc.address, geo, n, handoff_samples) for n in handoff_lens
             ]
@@ -288,68 +357,3 @@ def handoff_stats(address: str, geo: KVGeometry, prompt_len: int, samples: int) 
         "ttft_ms_p50": round(1000 * statistics.median(t.ttft_s or 0 for t in timings), 3),
         "prefill_ms_p50": round(1000 * statistics.median(t.prefill_s or 0 for t in timings), 3),
     }
-
-
-# ---------------------------------------------------------------- goodput
-
-
-def run_goodput(
-    system: str,
-    serve_args: list[str],
-    model: Path,
-    *,
-    workdir: Path,
-    rates: list[float],
-    duration_s: float,
-    min_requests: int,
-    prompt_len: int,
-    output_len: int,
-    ttft_slo_s: float,
-    tpot_slo_s: float,
-    attainment: float,
-    startup_timeout_s: float,
-    deadline: float = float("inf"),
-) -> dict[str, Any]:
-    """Rates in increasing order until attainment drops below the target (or the
-    `deadline`, a time.perf_counter() value, would be passed by the next rate)."""
-    geo = KVGeometry.of(model)
-    svc = Service(
-        ["--model", str(model), "--load-format", "dummy", *serve_args],
-        workdir / f"service-goodput-{system}.log",
-    )
-    out: dict[str, Any] = {"system": system, "args": svc.args, "points": []}
-    try:
-        out["startup_s"] = round(svc.wait_serving(startup_timeout_s), 2)
-        out["on_gpus"] = "on GPUs" in svc.log_path.read_text(errors="replace")
-        warm = make_prompts(4, prompt_len, geo.vocab_size, seed=96)
-        asyncio.run(drive(svc.address, warm, 4, concurrency=4))
-        best = 0.0
-        for rate in rates:
-            n = max(min_requests, round(rate * duration_s))
-            if time.perf_counter() + n / rate + 10 > deadline:
-                out["stopped"] = f"time budget: rate {rate} and above not run"
-                break
-            prompts = make_prompts(n, prompt_len, geo.vocab_size, seed=int(rate * 1000) + 7)
-            timings, wall = asyncio.run(
-                drive(svc.address, prompts, output_len, rate=rate, seed=int(rate * 100))
-            )
-            met = sum(
-                1
-                for t in timings
-                if t.ok
-                and t.ttft_s is not None
-                and t.ttft_s <= ttft_slo_s
-                and (t.tpot_s is None or t.tpot_s <= tpot_slo_s)
-            )
-            point = summarize(system, 0, timings, wall, rate=rate, slo_attainment=met / n)
-            out["points"].append(point)
-            if met / n >= attainment:
-                best = rate
-            else:
-                break  # higher rates only queue more
-        out["max_rate_meeting_slo"] = best
-    finally:
-        out["exit_code"] = svc.stop()
-        if out["exit_code"] != 0 or "startup_s" not in out:
-            out["log_tail"] = svc.log_tail()
-    return out

@@ -1,0 +1,315 @@
+"""The GPU suite's tables, from its JSON: throughput and latency of every system, the
+decode step against the memory floor, the KV hand-off against raw sends, TTFT at
+concurrency 1 (engine, colocated service, 1P1D), burst against steady-state throughput,
+and goodput at each TPOT SLO.
+
+    python -m bench.suite_report RESULTS.json [MORE.json...]
+
+prints the tables of each file; goodput sections of several files (e.g. the systems of a
+4-GPU sweep run one command each) are merged into one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.suite_goodput import slo_key
+
+ENGINE_SECTIONS = ("b", "b0", "bs", "bt")
+
+
+def _fmt(x: Any, nd: int = 1) -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def runs_of(section: Any) -> list[dict]:
+    if isinstance(section, list):
+        return section
+    if isinstance(section, dict):
+        return section.get("runs", [])
+    return []
+
+
+def run_key(run: dict, main_len: int) -> tuple[int, int, int]:
+    """(concurrency, rounds, prompt_len) of a run; older JSONs lack the last two."""
+    return run["concurrency"], run.get("rounds", 1), run.get("prompt_len", main_len)
+
+
+def sections_of(rec: dict) -> dict[str, Any]:
+    """A shape's systems by part name, in report order."""
+    off = rec.get("offline", {})
+    out = {name: off.get(name) for name in ("a", "a2", *ENGINE_SECTIONS) if name in off}
+    if "colocated" in rec:
+        out["cc"] = rec["colocated"]
+    if "service" in rec:
+        out["c"] = rec["service"]
+    return out
+
+
+def format_tables(result: dict) -> str:
+    """Every table of one suite result."""
+    main_len = result.get("config", {}).get("prompt_len", 512)
+    shapes = result.get("shapes", {})
+    lines = ["== throughput and latency (ms) =="]
+    head = f"{'shape':<6}{'system':<28}{'conc':>5}{'rnds':>5}{'prompt':>7}{'tok/s':>10}"
+    head += f"{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}{'ok':>9}"
+    lines.append(head)
+    for shape, rec in shapes.items():
+        if rec.get("skipped"):
+            lines.append(f"{shape:<6} skipped: {rec['skipped']}")
+        for name, section in sections_of(rec).items():
+            for r in runs_of(section):
+                conc, rounds, plen = run_key(r, main_len)
+                lines.append(
+                    f"{shape:<6}{r['system']:<28}{conc:>5}{rounds:>5}{plen:>7}"
+                    f"{_fmt(r['output_tok_s']):>10}"
+                    f"{_fmt(r['ttft_ms']['p50']):>10}{_fmt(r['ttft_ms']['p99']):>9}"
+                    f"{_fmt(r['tpot_ms']['p50'], 2):>10}{_fmt(r['tpot_ms']['p99'], 2):>8}"
+                    f"{_fmt(r.get('itl_ms', {}).get('p50'), 2):>9}"
+                    f"{r['num_ok']:>5}/{r['num_requests']:<4}"
+                )
+            if isinstance(section, dict) and ("error" in section or "skipped" in section):
+                why = str(section.get("error") or section.get("skipped"))
+                lines.append(f"{shape:<6}{name:<28} {why[:110]}")
+    lines += ["", "== decode step vs memory floor (b, full-batch decode-only steps) =="]
+    lines.append(
+        f"{'shape':<6}{'batch':>6}{'rnds':>5}{'step ms':>10}{'exec ms':>10}{'floor ms':>10}"
+        f"{'x floor':>9}"
+    )
+    for shape, rec in shapes.items():
+        for r in runs_of(rec.get("offline", {}).get("b")):
+            conc, rounds, plen = run_key(r, main_len)
+            d = r.get("decode_step", {})
+            if plen != main_len or not d.get("steps"):
+                continue
+            lines.append(
+                f"{shape:<6}{conc:>6}{rounds:>5}{_fmt(d.get('step_ms'), 2):>10}"
+                f"{_fmt(d.get('execute_ms'), 2):>10}{_fmt(d.get('floor_ms'), 3):>10}"
+                f"{_fmt(d.get('step_over_floor'), 1):>9}"
+            )
+        bw = rec.get("offline", {}).get("copy_bandwidth", {})
+        if bw.get("read_write_gb_s"):
+            lines.append(f"{shape:<6} copy bandwidth {bw['read_write_gb_s']} GB/s (read+write)")
+    lines += _handoff(result)
+    lines += _tpot_over_step(shapes, main_len)
+    lines += _ttft_c1(shapes, main_len)
+    lines += _steady(shapes, main_len)
+    gp = result.get("goodput")
+    if gp and "systems" in gp:
+        lines += ["", format_goodput(gp)]
+    elif gp:
+        lines += ["", f"== goodput == {gp.get('error') or 'no systems (older JSON layout)'}"]
+    return "\n".join(lines)
+
+
+def _handoff(result: dict) -> list[str]:
+    raw = {row["bytes"]: row for row in result.get("nccl_raw", {}).get("sizes", [])}
+    lines = ["", "== KV hand-off vs raw dist.send (same bytes) =="]
+    lines.append(
+        f"{'shape':<6}{'prompt':>7}{'MiB':>8}{'ms p50':>9}{'GiB/s':>8}{'wire GiB/s':>11}"
+        f"{'raw GiB/s':>11}{'ratio':>7}{'wire ratio':>11}"
+    )
+    for shape, rec in result.get("shapes", {}).items():
+        svc = rec.get("service") or {}
+        for h in svc.get("handoff", []) if isinstance(svc, dict) else []:
+            r = raw.get(h["bytes"], {})
+            ratio = h.get("gib_s_p50") / r["gib_s"] if r and h.get("gib_s_p50") else None
+            wire = h.get("wire_gib_s_p50")
+            wire_ratio = wire / r["gib_s"] if r and wire else None
+            lines.append(
+                f"{shape:<6}{h['prompt_len']:>7}{h['bytes'] / 2**20:>8.1f}"
+                f"{_fmt((h.get('seconds_p50') or 0) * 1000, 2):>9}{_fmt(h.get('gib_s_p50')):>8}"
+                f"{_fmt(wire):>11}{_fmt(r.get('gib_s')):>11}{_fmt(ratio, 2):>7}"
+                f"{_fmt(wire_ratio, 2):>11}"
+            )
+    return lines
+
+
+def _tpot_over_step(shapes: dict, main_len: int) -> list[str]:
+    lines = [
+        "",
+        "== TPOT p50 / ITL p50 over b's full-batch decode step (same run shape) ==",
+        f"{'shape':<6}{'system':<28}{'conc':>5}{'rnds':>5}{'step ms':>9}{'TPOT/step':>11}"
+        f"{'ITL/step':>10}{'tok/msg':>9}",
+    ]
+    for shape, rec in shapes.items():
+        b_runs = {run_key(r, main_len): r for r in runs_of(rec.get("offline", {}).get("b"))}
+        sections = sections_of(rec)
+        for name in ("b", "cc", "c"):
+            for r in runs_of(sections.get(name)):
+                key = run_key(r, main_len)
+                step = b_runs.get(key, {}).get("decode_step", {}).get("step_ms")
+                if not step or key[0] == 1:
+                    continue
+                itl = r.get("itl_ms", {}).get("p50")
+                lines.append(
+                    f"{shape:<6}{r['system']:<28}{key[0]:>5}{key[1]:>5}{_fmt(step, 2):>9}"
+                    f"{_fmt(r['tpot_ms']['p50'] / step, 2):>11}"
+                    f"{_fmt(itl / step if itl else None, 2):>10}"
+                    f"{_fmt(r.get('tokens_per_message'), 2):>9}"
+                )
+    return lines
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b and a == a and b == b else "-"
+
+
+def _ttft_c1(shapes: dict, main_len: int) -> list[str]:
+    lines = [
+        "",
+        "== TTFT p50 at concurrency 1 (ms): engine in-process (b), colocated worker behind "
+        "the router (cc), 1P1D (c) ==",
+        f"{'shape':<6}{'prompt':>7}{'b':>9}{'cc':>9}{'c':>9}{'c/cc':>7}{'c/b':>7}{'cc/b':>7}"
+        f"{'c-cc':>8}",
+    ]
+    for shape, rec in shapes.items():
+        by_part = {
+            name: {
+                run_key(r, main_len)[2]: r["ttft_ms"]["p50"]
+                for r in runs_of(sec)
+                if r["concurrency"] == 1
+            }
+            for name, sec in sections_of(rec).items()
+        }
+        lengths = sorted({n for name in ("b", "cc", "c") for n in by_part.get(name, {})})
+        for n in lengths:
+            b, cc, c = (by_part.get(name, {}).get(n) for name in ("b", "cc", "c"))
+            diff = c - cc if c is not None and cc is not None else None
+            lines.append(
+                f"{shape:<6}{n:>7}{_fmt(b, 2):>9}{_fmt(cc, 2):>9}{_fmt(c, 2):>9}"
+                f"{_ratio(c, cc):>7}{_ratio(c, b):>7}{_ratio(cc, b):>7}{_fmt(diff, 2):>8}"
+            )
+    return lines
+
+
+def _steady(shapes: dict, main_len: int) -> list[str]:
+    lines = [
+        "",
+        "== output tok/s: burst (1 round of `conc` prompts) vs steady state (closed loop "
+        "over rounds x conc prompts), and against the engine (b) ==",
+        f"{'shape':<6}{'system':<28}{'conc':>5}{'burst':>10}{'steady':>10}{'rnds':>5}"
+        f"{'st/bu':>7}{'burst/b':>9}{'steady/b':>9}",
+    ]
+    for shape, rec in shapes.items():
+        sections = sections_of(rec)
+        tok = {
+            name: {run_key(r, main_len): r["output_tok_s"] for r in runs_of(sec)}
+            for name, sec in sections.items()
+        }
+        for name in ("b", "cc", "c"):
+            mine = tok.get(name, {})
+            for conc in sorted({k[0] for k in mine if k[0] > 1 and k[2] == main_len}):
+                rounds = max(k[1] for k in mine if k[0] == conc and k[2] == main_len)
+                burst = mine.get((conc, 1, main_len))
+                steady = mine.get((conc, rounds, main_len)) if rounds > 1 else None
+                b_burst = tok.get("b", {}).get((conc, 1, main_len))
+                b_steady = tok.get("b", {}).get((conc, rounds, main_len))
+                system = next(r["system"] for r in runs_of(sections[name]))
+                lines.append(
+                    f"{shape:<6}{system:<28}{conc:>5}{_fmt(burst):>10}{_fmt(steady):>10}"
+                    f"{rounds:>5}{_ratio(steady, burst):>7}{_ratio(burst, b_burst):>9}"
+                    f"{_ratio(steady, b_steady):>9}"
+                )
+    return lines
+
+
+def merge(sections: list[dict]) -> list[dict]:
+    """Goodput sections of several runs; systems of the same workload merge into one
+    section (a later run's system replaces an earlier one of the same name)."""
+    merged: dict[str, dict] = {}
+    for sec in sections:
+        key = json.dumps([sec.get(k) for k in ("shape", "prompt_len", "output_len", "slo")])
+        into = merged.setdefault(key, {**sec, "systems": {}})
+        into["systems"].update(sec.get("systems", {}))
+    return list(merged.values())
+
+
+def _rate(value: float | None, exact: bool) -> str:
+    if value is None:
+        return "-"
+    return f"{value:g}" if exact else f">={value:g}"
+
+
+def format_goodput(section: dict) -> str:
+    """system x TPOT SLO -> the highest rate sustained, and ratios to the colocated
+    system of the same GPU count; then each rate's attainment."""
+    slo = section.get("slo", {})
+    keys = [slo_key(x) for x in slo.get("tpot_ms", [])]
+    lines = [
+        f"== goodput ({section.get('shape')}, {section.get('prompt_len')} in / "
+        f"{section.get('output_len')} out, Poisson; TTFT <= {slo.get('ttft_s')} s and TPOT "
+        f"<= SLO for >= {slo.get('attainment', 0):.0%} of requests): max req/s sustained ==",
+        f"{'system':<14}{'GPUs':>5}"
+        + "".join(f"{k + ' ms':>9}" for k in keys)
+        + "   ratio to colocated:"
+        + "".join(f"{k + ' ms':>8}" for k in keys),
+    ]
+    systems = section.get("systems", {})
+    for name, rec in systems.items():
+        if "points" not in rec:
+            why = rec.get("skipped") or rec.get("error", "")
+            lines.append(f"{name:<14}{rec.get('gpus', ''):>5}  {why[:150]}")
+            continue
+        base = systems.get(f"colocated_x{rec.get('gpus')}", {})
+        row = f"{name:<14}{rec['gpus']:>5}"
+        for k in keys:
+            row += f"{_rate(rec['max_rate'].get(k), rec['max_rate_exact'][k]):>9}"
+        row += " " * 22
+        for k in keys:
+            mine, theirs = rec["max_rate"].get(k), base.get("max_rate", {}).get(k)
+            exact = rec["max_rate_exact"][k] and base.get("max_rate_exact", {}).get(k)
+            ratio = "-"
+            if mine and theirs:
+                ratio = f"{mine / theirs:.2f}" + ("" if exact else "*")
+            row += f"{ratio:>8}"
+        lines.append(row + (f"  {rec['device']}" if rec.get("device") else ""))
+    lines.append("(>=: no higher rate missed it; *: a ratio with such a lower bound)")
+    devices = {rec.get("device") for rec in systems.values() if rec.get("device")}
+    if len(devices) > 1:
+        lines.append(f"NOTE: systems ran on different cards {sorted(devices)}: compare with care")
+    for name, rec in systems.items():
+        for pt in rec.get("points", []):
+            met = " ".join(f"{k}ms {pt['attainment'][k]:.2f}" for k in keys)
+            ttft, tpot = pt["ttft_ms"], pt["tpot_ms"]
+            lines.append(
+                f"  {name:<12} rate {pt['rate']:>7g}  met {met}  tok/s {pt['output_tok_s']:>8}  "
+                f"TTFT p50/p99 {ttft['p50']:.0f}/{ttft['p99']:.0f} ms  "
+                f"TPOT p50/p99 {tpot['p50']:.1f}/{tpot['p99']:.1f} ms  "
+                f"ok {pt['num_ok']}/{pt['num_requests']}"
+                + ("  (cut short)" if pt["gave_up"] else "")
+            )
+        if rec.get("stopped"):
+            lines.append(f"  {name:<12} {rec['stopped']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print each file's tables; goodput of all files merged at the end."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("results", nargs="+", help="gpu_suite JSON files")
+    ns = p.parse_args(argv)
+    results = [json.loads(Path(path).read_text()) for path in ns.results]
+    goodput = []
+    for path, result in zip(ns.results, results, strict=True):
+        gp = result.get("goodput")
+        if gp and "systems" in gp:
+            device = (result.get("meta", {}).get("gpus") or ["cpu"])[0]
+            for rec in gp["systems"].values():
+                rec.setdefault("device", device)
+            goodput.append(gp)
+        one = {k: v for k, v in result.items() if k != "goodput"}
+        print(f"#### {path}\n{format_tables(one)}\n")
+    for section in merge(goodput):
+        print(format_goodput(section), end="\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
