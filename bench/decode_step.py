@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from bench.report import percentile, provenance
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "deploy" / "model_configs"
 BLOCK_SIZE = 16
@@ -87,8 +89,11 @@ def _wall_times(fn: Any, reps: int, warmup: int = 3) -> list[float]:
 
 
 def _stats(times: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
-    return {"median": statistics.median(times), "p10": q[0], "p90": q[-1]}
+    return {
+        "median": percentile(times, 50),
+        "p10": percentile(times, 10),
+        "p90": percentile(times, 90),
+    }
 
 
 def _classify(name: str) -> str:
@@ -357,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
     result: dict[str, Any] = {
+        "provenance": provenance("bench.decode_step", sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,

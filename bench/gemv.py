@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.report import provenance
 from engine.model.triton_gemv import GemvConfig, default_config, gemv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,7 +180,14 @@ def main() -> None:
                     flush=True,
                 )
     args.out.write_text(
-        json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1)
+        json.dumps(
+            {
+                "provenance": provenance("bench.gemv", sys.argv[1:]),
+                "device": torch.cuda.get_device_name(),
+                "results": results,
+            },
+            indent=1,
+        )
     )
 
 

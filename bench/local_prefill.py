@@ -20,14 +20,14 @@ import json
 import os
 import random
 import shlex
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.suite_service import Service
+from bench.harness import ServiceProcess
+from bench.report import percentile, provenance
 from router.client import stream_generate
 
 NEVER = 1_000_000
@@ -49,7 +49,7 @@ def measure(
     threshold: int, args: argparse.Namespace, lengths: list[int], log_dir: Path
 ) -> dict[int, float]:
     flags = [*shlex.split(args.serve_args), "--local-prefill-max-tokens", str(threshold)]
-    svc = Service(flags, log_dir / f"service-threshold-{threshold}.log")
+    svc = ServiceProcess(flags, log_dir / f"service-threshold-{threshold}.log")
     rng = random.Random(0)
     try:
         svc.wait_serving(600)
@@ -61,7 +61,7 @@ def measure(
                 ttft = asyncio.run(_ttft(svc.address, prompt, args.output_len))
                 if i:  # the first of each length warms that shape up
                     samples.append(ttft)
-            out[length] = statistics.median(samples)
+            out[length] = percentile(samples, 50)
         return out
     finally:
         svc.stop()
@@ -100,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:>7} {remote[n] * 1e3:>15.1f} {local[n] * 1e3:>14.1f} {ratio:>15.2f}")
     pays = [r["prompt_tokens"] for r in rows if r["ratio"] <= 1.0]
     print("shortest prompt where the hand-off pays:", pays[0] if pays else "none measured")
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    record = {
+        "provenance": provenance("bench.local_prefill", sys.argv[1:] if argv is None else argv),
+        "args": vars(args),
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(record, indent=1))
     return 0
 
 

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
+from bench.report import provenance
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
 from router.kv_index import PrefixIndex
 from router.routing import RoutingConfig, RoutingPolicy, choose_worker
@@ -361,6 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(
                 {
+                    "provenance": provenance(
+                        "bench.multiturn", sys.argv[1:] if argv is None else argv
+                    ),
                     "workload": asdict(wl),
                     "cluster": asdict(shape),
                     "results": [asdict(s) for s in summaries],

@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.harness import ServiceProcess
 from bench.multiturn import (
     ClusterShape,
     Conversation,
@@ -39,7 +39,7 @@ from bench.multiturn import (
     make_conversations,
     summarize,
 )
-from bench.suite_service import Service
+from bench.report import percentile, provenance
 from router.client import get_server_info, stream_generate
 
 DEFAULT_SERVE_ARGS = (
@@ -111,7 +111,7 @@ def run_policy(
     policy: str, args: argparse.Namespace, wl: Workload, log_dir: Path
 ) -> tuple[list[TurnResult], dict[str, Any]]:
     flags = [*shlex.split(args.serve_args), "--routing", policy]
-    svc = Service(flags, log_dir / f"service-{policy}.log")
+    svc = ServiceProcess(flags, log_dir / f"service-{policy}.log")
     try:
         svc.wait_serving(900)
         info = asyncio.run(get_server_info(svc.address))
@@ -120,11 +120,10 @@ def run_policy(
         start = time.perf_counter()
         results = live.run(make_conversations(wl), wl)
         wall = time.perf_counter() - start
-        ttfts = sorted(live.ttfts)
         stats = {
             "model": info.model,
-            "ttft_p50_ms": round(1e3 * statistics.median(ttfts), 1),
-            "ttft_p99_ms": round(1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
+            "ttft_p50_ms": round(1e3 * percentile(live.ttfts, 50), 1),
+            "ttft_p99_ms": round(1e3 * percentile(live.ttfts, 99), 1),
             "output_tok_s": round(live.output_tokens / wall, 1),
             "requests_s": round(len(results) / wall, 2),
         }
@@ -183,7 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r.get('ttft_p50_ms', '-'):>9} {r.get('ttft_p99_ms', '-'):>9} "
             f"{r.get('output_tok_s', '-'):>9}"
         )
-    Path(args.out).write_text(json.dumps({"workload": asdict(wl), "rows": rows}, indent=1))
+    record = {
+        "provenance": provenance("bench.multiturn_live", sys.argv[1:] if argv is None else argv),
+        "workload": asdict(wl),
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(record, indent=1))
     return 0
 
 

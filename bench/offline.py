@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime as dt
 import json
 import os
-import platform
 import pstats
 import random
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from bench.report import git_commit as git_commit  # bench.gpu_suite imports it here
+from bench.report import percentile, provenance
 
 if TYPE_CHECKING:
     from engine.core.batch import Batch
@@ -264,12 +263,10 @@ class StepProfile:
 
 
 def _pct_ms(values: Sequence[float], pct: float) -> float:
-    """The `pct` percentile (nearest rank) of `values` seconds, in milliseconds."""
+    """The `pct` percentile (bench.report's definition) of `values` seconds, in ms."""
     if not values:
         return 0.0
-    ordered = sorted(values)
-    rank = min(len(ordered) - 1, max(0, round(pct / 100 * len(ordered)) - 1))
-    return round(1000 * ordered[rank], 3)
+    return round(1000 * percentile(values, pct), 3)
 
 
 # ---------------------------------------------------------------- systems
@@ -461,54 +458,15 @@ def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[st
 # ---------------------------------------------------------------- report
 
 
-def git_commit() -> str | None:
-    """Short HEAD of the repository this file lives in, or None."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).resolve().parent,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
 def machine_info(device: torch.device) -> dict[str, Any]:
-    """Where the numbers came from."""
+    """What the provenance record does not say and these numbers depend on."""
     info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "device": str(device),
     }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover - a hard dependency
-        pass
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
-    else:
-        info["device_name"] = _cpu_model_name() or info["processor"]
     return info
-
-
-def _cpu_model_name() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -712,9 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ratio = rows[-1]["ratio_vs_baseline"] if baseline is not None else None
     report = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "git_commit": git_commit(),
+        "provenance": provenance("bench.offline", sys.argv[1:] if argv is None else argv),
         "machine": machine,
         "params": {
             "model": str(model_path),

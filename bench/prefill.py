@@ -18,11 +18,14 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench.report import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "deploy" / "model_configs"
@@ -98,6 +101,7 @@ def main() -> int:
     flops_per_token = 2 * params + attn
     gemm = gemm_flops_per_s()
     result: dict[str, Any] = {
+        "provenance": provenance("bench.prefill", sys.argv[1:]),
         "model": ns.model,
         "device": torch.cuda.get_device_name(),
         "num_prompts": ns.num_prompts,

@@ -6,6 +6,8 @@ closed loop at `--concurrency` requests in flight:
   colocated  `pdserve serve --colocated-workers 1`: router + one worker doing both phases
              (its TTFT minus the engine's = what the router and Ray add);
   1p1d       `pdserve serve`: router + 1 prefill + 1 decode worker, KV hand-off over gloo.
+All three get the same prompts (`--seed`, fresh per run by default); each service's
+warm-up request uses a prompt of its own, so no timed prompt meets a cached prefix.
 Prints a table and writes JSON. Usage: python -m bench.serving_cpu [--concurrency 8]
 """
 
@@ -13,23 +15,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
-import platform
-import subprocess
+import secrets
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.load import build_requests, percentile, run_load, summarize
+from bench.harness import ServiceProcess
+from bench.load import build_requests, run_load, summarize
 from bench.load import parse_args as load_args
+from bench.report import percentile, provenance
 from engine.core.config import SchedulerConfig
 from engine.core.outputs import GenerationInput
 from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.service import ServiceProcess
 
 
 def run_engine(requests: list[Any], concurrency: int, kv_gib: float) -> dict[str, Any]:
@@ -76,14 +78,17 @@ def run_engine(requests: list[Any], concurrency: int, kv_gib: float) -> dict[str
     }
 
 
-def run_service(flags: list[str], argv: list[str], log_dir: Path, name: str) -> dict[str, Any]:
+def run_service(
+    flags: list[str], argv: list[str], seed: int, log_dir: Path, name: str
+) -> dict[str, Any]:
     svc = ServiceProcess(flags, log_dir / f"{name}.log")
     try:
         svc.wait_serving()
-        args = load_args([*argv, "--target", svc.address])
-        # One short request first so the first timed one pays no warm-up.
-        warm = load_args([*argv, "--target", svc.address, "--num-requests", "1"])
-        asyncio.run(run_load(warm))
+        args = load_args([*argv, "--seed", str(seed), "--target", svc.address])
+        # One short request first so the first timed one pays no warm-up; another seed,
+        # so its prompt is none of the timed ones (no prefix-cache hit for them).
+        warm_argv = [*argv, "--seed", str(seed + 1), "--num-requests", "1"]
+        asyncio.run(run_load(load_args([*warm_argv, "--target", svc.address])))
         return summarize(asyncio.run(run_load(args)), args)
     finally:
         svc.stop()
@@ -96,8 +101,11 @@ def main() -> int:
     p.add_argument("--prompt-len", default="32:256")
     p.add_argument("--output-len", default="16:64")
     p.add_argument("--kv-cache-gib", type=float, default=0.25)
+    p.add_argument("--seed", type=int, help="the workload's seed (default: a fresh one)")
     p.add_argument("--out", default="bench/results/serving_cpu.json")
     ns = p.parse_args()
+    if ns.seed is None:
+        ns.seed = secrets.randbelow(2**31)
     argv = [
         "--concurrency",
         str(ns.concurrency),
@@ -110,7 +118,7 @@ def main() -> int:
         "--token-ids",
         "100:30000",
     ]
-    workload = load_args(argv)
+    workload = load_args([*argv, "--seed", str(ns.seed)])
     requests = build_requests(workload)
     kv = str(ns.kv_cache_gib)
     results: dict[str, Any] = {"engine": run_engine(requests, ns.concurrency, ns.kv_cache_gib)}
@@ -119,43 +127,41 @@ def main() -> int:
         results["colocated"] = run_service(
             ["--colocated-workers", "1", "--decode-kv-cache-gib", kv, *sched],
             argv,
+            ns.seed,
             Path(tmp),
             "colo",
         )
         results["1p1d"] = run_service(
             ["--prefill-kv-cache-gib", kv, "--decode-kv-cache-gib", kv, *sched],
             argv,
+            ns.seed,
             Path(tmp),
             "pd",
         )
     base = results["engine"]
     print(
         f"\nconcurrency {ns.concurrency}, {ns.num_requests} requests, prompts {ns.prompt_len}, "
-        f"outputs {ns.output_len}"
+        f"outputs {ns.output_len}, seed {ns.seed}"
     )
     print(
-        f"{'system':<10} {'out tok/s':>10} {'vs engine':>10} {'TTFT p50':>10} {'TTFT p99':>10} "
-        f"{'TPOT p50':>10}"
+        f"{'system':<10} {'completed':>10} {'out tok/s':>10} {'vs engine':>10} {'TTFT p50':>10} "
+        f"{'TTFT p99':>10} {'TPOT p50':>10}"
     )
     for name, r in results.items():
+        done = f"{r.get('num_completed', ns.num_requests)}/{ns.num_requests}"
         print(
-            f"{name:<10} {r['output_token_throughput']:>10.1f} "
+            f"{name:<10} {done:>10} {r['output_token_throughput']:>10.1f} "
             f"{r['output_token_throughput'] / base['output_token_throughput']:>10.2f} "
             f"{r['ttft_ms']['p50']:>9.0f}ms {r['ttft_ms']['p99']:>9.0f}ms "
             f"{r['tpot_ms']['p50']:>8.1f}ms"
         )
     overhead = results["colocated"]["ttft_ms"]["p50"] - base["ttft_ms"]["p50"]
     print(f"router + Ray TTFT overhead (colocated service - engine, p50): {overhead:.0f} ms")
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(
         json.dumps(
             {
-                "date": datetime.datetime.now(datetime.UTC).isoformat(),
-                "commit": commit,
-                "machine": {"platform": platform.platform(), "processor": platform.processor()},
+                "provenance": provenance("bench.serving_cpu", sys.argv[1:]),
                 "params": vars(ns),
                 "results": results,
                 "router_ttft_overhead_ms_p50": overhead,
