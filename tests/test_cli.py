@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
@@ -280,6 +281,32 @@ def test_busy_metrics_port_fails_before_ray_starts() -> None:
         f"pdserve: startup failed: 127.0.0.1:{port} is in use (--metrics-port)"
     )
     assert proc.returncode == 1
+
+
+def test_offline_generate_prints_no_progress_bars(capfd: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "hi", "--max-tokens", "2", "--kv-cache-gib", "0.05"]) == 0
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "\r" not in err
+    assert err.strip().splitlines()[-1] == "finish=length"
+
+
+@pytest.mark.parametrize("preset", [None, "token"])
+def test_serve_starts_its_local_ray_without_token_auth_unless_told(
+    preset: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ray 2.60 turns token auth on for a new local instance, with a warning in the log,
+    # unless RAY_AUTH_MODE is set; the instance serve starts listens on loopback only.
+    for name in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_COLOR_PREFIX"):
+        monkeypatch.delenv(name, raising=False)
+    if preset:
+        monkeypatch.setenv("RAY_AUTH_MODE", preset)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1  # stops before Ray starts
+    assert os.environ["RAY_AUTH_MODE"] == (preset or "disabled")
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"  # stderr is captured: no colour codes
 
 
 def test_ctrl_c_in_the_client_exits_quietly() -> None:

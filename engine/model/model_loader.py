@@ -7,6 +7,8 @@ turn text into tokens, so requests to them must carry `prompt_token_ids`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -46,6 +48,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(DTYPE_NAMES)}")
 
 
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' tqdm bars ("Loading weights") off while loading: from a worker they
+    reach the service's log as carriage-return redraws behind Ray's line prefix. Restored
+    after, for a library user who had them on."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+@_no_progress_bars()
 def load_model(
     path: str | Path,
     dtype: str | None = None,
