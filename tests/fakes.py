@@ -1,9 +1,14 @@
-"""A tiny deterministic stand-in for the model runner, for millisecond scheduler tests."""
+"""A tiny deterministic stand-in for the model runner, and engine cores built on it, for
+millisecond scheduler tests (with the engine's leak check, `assert_engine_empty`)."""
 
 from __future__ import annotations
 
 from engine.core.batch import Batch, ScheduledSeq
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.engine_core import EngineCore
+from engine.core.outputs import GenerationInput
 from engine.core.request import PLACEHOLDER_TOKEN
+from engine.sampling_params import SamplingParams
 
 
 def next_token(last_token: int, position: int) -> int:
@@ -58,3 +63,57 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
         out.append(tok)
         tokens.append(tok)
     return out
+
+
+def make_engine(
+    num_blocks: int = 512,
+    block_size: int = 16,
+    *,
+    eos: frozenset[int] = frozenset(),
+    handoff: bool = False,
+    async_scheduling: bool = False,
+    **sched: object,
+) -> tuple[EngineCore, FakeRunner]:
+    """An engine core on the fake runner: `sched` are SchedulerConfig fields."""
+    runner = FakeRunner()
+    core = EngineCore(
+        runner,
+        SchedulerConfig(**sched),  # type: ignore[arg-type]
+        CacheConfig(num_blocks=num_blocks, block_size=block_size),
+        max_model_len=100_000,
+        vocab_size=1000,
+        eos_token_ids=eos,
+        handoff_after_first_token=handoff,
+        async_scheduling=async_scheduling,
+    )
+    return core, runner
+
+
+def add(core: EngineCore, req_id: str, prompt_len: int, max_tokens: int, **kw: object) -> None:
+    """Add a request of `prompt_len` tokens (a function of its id) asking `max_tokens`."""
+    prompt = tuple((hash((req_id, i)) % 900) + 10 for i in range(prompt_len))
+    core.add_request(
+        GenerationInput(
+            req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw
+        )  # type: ignore[arg-type]
+    )
+
+
+def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[int]]:
+    """Step until nothing is left; every request's tokens."""
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not core.has_unfinished:
+            return outputs
+        for upd in core.step():
+            outputs.setdefault(upd.req_id, []).extend(upd.new_token_ids)
+    raise AssertionError("engine did not finish")
+
+
+def assert_engine_empty(core: EngineCore) -> None:
+    """The leak check of one engine (vLLM's `assert_scheduler_empty`): no request left
+    running or waiting, and every block back in the pool (cached ones count as free)."""
+    stats = core.stats()
+    assert not core.has_unfinished, "requests left unfinished"
+    assert (stats.num_running, stats.num_waiting) == (0, 0), stats
+    assert stats.num_blocks_in_use == 0, stats

@@ -13,8 +13,7 @@ from engine.core.outputs import GenerationInput
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason
 from engine.core.scheduler import RequestUpdate
 from engine.sampling_params import SamplingParams
-from tests.fakes import FakeRunner, expected_output
-from tests.test_scheduler import make_engine
+from tests.fakes import FakeRunner, assert_engine_empty, expected_output, make_engine
 
 PROMPT = (5, 6, 7)
 EXPECTED = expected_output(list(PROMPT), 8)
@@ -65,7 +64,7 @@ def test_one_step_ahead_gives_the_same_tokens_and_finishes() -> None:
         )
         add_mix(core)
         results.append(collect(run(core)))
-        assert core.scheduler.kv.num_blocks_in_use == 0
+        assert_engine_empty(core)
     assert results[0] == results[1]
     tokens, finishes = results[1]
     assert tokens["eos"] == EXPECTED[:3]
@@ -115,7 +114,7 @@ def test_an_abort_while_a_step_is_in_flight_ends_the_request_at_once() -> None:
     assert len(tokens["a"]) == 2  # nothing after the abort
     assert tokens["b"] == EXPECTED[:5]
     assert finishes == {"b": FinishReason.LENGTH}
-    assert core.scheduler.kv.num_blocks_in_use == 0
+    assert_engine_empty(core)
 
 
 def test_an_id_reused_after_an_abort_is_not_given_the_old_steps_tokens() -> None:
@@ -146,7 +145,7 @@ def test_preemption_with_a_token_in_flight_recomputes_the_same_output(policy: st
     assert sum(r.num_preemptions for r in reqs.values()) > 0
     for req_id, prompt in prompts.items():
         assert tokens[req_id] == expected_output(list(prompt), 14)
-    assert core.scheduler.kv.num_blocks_in_use == 0
+    assert_engine_empty(core)
 
 
 def test_a_prefill_engine_hands_off_after_the_first_token_without_a_wasted_step() -> None:
@@ -157,7 +156,7 @@ def test_a_prefill_engine_hands_off_after_the_first_token_without_a_wasted_step(
     assert len(runner.batches) == 1
     assert core.block_ids("r")  # kept for the hand-off until released
     core.release("r")
-    assert core.scheduler.kv.num_blocks_in_use == 0
+    assert_engine_empty(core)
 
 
 def test_a_runner_that_cannot_launch_is_refused() -> None:
@@ -206,7 +205,7 @@ def test_the_model_runner_gives_the_same_tokens_one_step_ahead(
         )
         assert llm.core.async_scheduling is async_scheduling
         outs = llm.generate(prompts, params)
-        assert llm.core.scheduler.kv.num_blocks_in_use == 0
+        assert_engine_empty(llm.core)
         return [(o.token_ids, o.finish_reason) for o in outs], llm.core.scheduler.num_preemptions
 
     plain, _ = generate(False, params)

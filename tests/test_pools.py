@@ -13,6 +13,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
+from bench.harness import wait_until_async
 from engine.transfer.layout import KVLayout
 from engine.worker import WorkerInfo
 from router.cluster import ClusterConfig, SpawnedWorker
@@ -111,7 +112,14 @@ def test_a_dead_worker_is_replaced_with_a_new_epoch_and_paired_again() -> None:
         await _settle()
         assert deaths == ["decode-0"] and victim.state == "dead"
         assert prefill.handle.dropped == ["decode-0"]  # the survivor dropped its channel
-        await asyncio.sleep(0.05)
+
+        def replaced() -> bool:
+            return any(
+                w.worker_id == "decode-0" and w.info.epoch != old_epoch
+                for w in _live(pools, "decode")
+            )
+
+        await wait_until_async(replaced, 2)
         decode = {w.worker_id: w for w in _live(pools, "decode")}
         assert set(decode) == {"decode-0", "decode-1"}
         assert decode["decode-0"].info.epoch != old_epoch
@@ -134,8 +142,8 @@ def test_scaling_up_pairs_new_workers_and_scaling_down_drains_the_newest() -> No
         busy = _live(pools, "decode")[2]
         busy.num_assigned = 1  # a request still in flight there
         shrink = asyncio.ensure_future(pools.scale("decode", 1))
-        await asyncio.sleep(0.3)
-        assert not shrink.done() and busy.state == "draining"  # waits for it
+        await wait_until_async(lambda: busy.state == "draining", 2)
+        assert not shrink.done()  # draining, and waiting for the request in flight there
         assert busy not in _live(pools, "decode")  # no new work meanwhile
         busy.num_assigned = 0
         await shrink
@@ -155,10 +163,11 @@ def test_a_drained_worker_that_dies_is_not_replaced() -> None:
         ref = _live(pools, "decode")[1]
         ref.num_assigned = 1
         drain = asyncio.ensure_future(pools.drain(ref.worker_id))
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: ref.state == "draining", 2)
         ref.handle.kill()
         await drain
-        await asyncio.sleep(0.05)
+        # The death was handled (a restart is decided there and then) and none was counted.
+        await wait_until_async(lambda: ref.state == "dead", 2)
         assert [w.worker_id for w in pools.all() if w.pool == "decode"] == ["decode-0"]
         assert pools.num_restarts == 0
         await pools.stop()
