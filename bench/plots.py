@@ -114,6 +114,8 @@ def plot_latency(result: dict, out_dir: Path, suffix: str = "") -> list[Path]:
             for name, runs in series.items():
                 ax.plot([c for c, _ in runs], [value(r) for _, r in runs], marker="o", label=name)
             ax.set_xscale("log", base=2)
+            concs = sorted({c for runs in series.values() for c, _ in runs})
+            ax.set_xticks(concs, [str(c) for c in concs])
             ax.set_xlabel("concurrency")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)

@@ -296,6 +296,7 @@ def run_system(
     args += kv_args(not system.startswith("colocated"), kv)
     args += ["--decode-max-num-seqs", str(ns.goodput_max_num_seqs)]
     args += ["--max-in-flight", "1024", "--max-queue", "4096", "--drain-grace-s", "10"]
+    started = time.perf_counter()
     svc = Service([*args, *ns.serve_extra], workdir / f"service-goodput-{system}.log")
     loosest = slo_key(max(ns.tpot_slos))
     out: dict[str, Any] = {"system": system, "gpus": ns.gpus, "args": svc.args, "points": []}
@@ -324,6 +325,7 @@ def run_system(
             results[rate] = point["attainment"][loosest] >= ns.attainment
     finally:
         out["exit_code"] = svc.stop()
+        out["elapsed_s"] = round(time.perf_counter() - started, 1)  # start to stopped
         if out["exit_code"] != 0 or "startup_s" not in out:
             out["log_tail"] = svc.log_tail()
     out["points"].sort(key=lambda p: p["rate"])

@@ -53,13 +53,30 @@ def sections_of(rec: dict) -> dict[str, Any]:
 
 
 def format_tables(result: dict) -> str:
-    """Every table of one suite result."""
+    """Every table of one suite result that has rows."""
     main_len = result.get("config", {}).get("prompt_len", 512)
     shapes = result.get("shapes", {})
-    lines = ["== throughput and latency (ms) =="]
+    tables = [
+        _throughput(shapes, main_len),
+        _floor(shapes, main_len),
+        _handoff(result),
+        _tpot_over_step(shapes, main_len),
+        _ttft_c1(shapes, main_len),
+        _steady(shapes, main_len),
+    ]
+    lines = [line for table in tables if len(table) > 3 for line in table]
+    gp = result.get("goodput")
+    if gp and "systems" in gp:
+        lines += ["", format_goodput(gp)]
+    elif gp:
+        lines += ["", f"== goodput == {gp.get('error') or 'no systems (older JSON layout)'}"]
+    return "\n".join(lines).strip("\n")
+
+
+def _throughput(shapes: dict, main_len: int) -> list[str]:
     head = f"{'shape':<6}{'system':<28}{'conc':>5}{'rnds':>5}{'prompt':>7}{'tok/s':>10}"
     head += f"{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}{'ok':>9}"
-    lines.append(head)
+    lines = ["", "== throughput and latency (ms) ==", head]
     for shape, rec in shapes.items():
         if rec.get("skipped"):
             lines.append(f"{shape:<6} skipped: {rec['skipped']}")
@@ -77,11 +94,16 @@ def format_tables(result: dict) -> str:
             if isinstance(section, dict) and ("error" in section or "skipped" in section):
                 why = str(section.get("error") or section.get("skipped"))
                 lines.append(f"{shape:<6}{name:<28} {why[:110]}")
-    lines += ["", "== decode step vs memory floor (b, full-batch decode-only steps) =="]
-    lines.append(
+    return lines
+
+
+def _floor(shapes: dict, main_len: int) -> list[str]:
+    lines = [
+        "",
+        "== decode step vs memory floor (b, full-batch decode-only steps) ==",
         f"{'shape':<6}{'batch':>6}{'rnds':>5}{'step ms':>10}{'exec ms':>10}{'floor ms':>10}"
-        f"{'x floor':>9}"
-    )
+        f"{'x floor':>9}",
+    ]
     for shape, rec in shapes.items():
         for r in runs_of(rec.get("offline", {}).get("b")):
             conc, rounds, plen = run_key(r, main_len)
@@ -96,16 +118,7 @@ def format_tables(result: dict) -> str:
         bw = rec.get("offline", {}).get("copy_bandwidth", {})
         if bw.get("read_write_gb_s"):
             lines.append(f"{shape:<6} copy bandwidth {bw['read_write_gb_s']} GB/s (read+write)")
-    lines += _handoff(result)
-    lines += _tpot_over_step(shapes, main_len)
-    lines += _ttft_c1(shapes, main_len)
-    lines += _steady(shapes, main_len)
-    gp = result.get("goodput")
-    if gp and "systems" in gp:
-        lines += ["", format_goodput(gp)]
-    elif gp:
-        lines += ["", f"== goodput == {gp.get('error') or 'no systems (older JSON layout)'}"]
-    return "\n".join(lines)
+    return lines
 
 
 def _handoff(result: dict) -> list[str]:
