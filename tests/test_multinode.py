@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import REPO, running_service, service_env
+from bench.harness import REPO, service_env, service_process
 from bench.harness.pools import assert_pools_empty
 from bench.harness.streams import generate
 from engine.llm import LLM
@@ -65,10 +65,8 @@ def ray_nodes() -> Iterator[str]:
 
 
 def test_pools_on_their_own_nodes_match_the_colocated_engine(
-    ray_nodes: str, tmp_path: Path, reference_llm: LLM
+    ray_nodes: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    expected = [list(o.token_ids) for o in reference_llm.generate(PROMPTS, [params] * len(PROMPTS))]
     args = [
         "--ray-address",
         ray_nodes,
@@ -83,7 +81,17 @@ def test_pools_on_their_own_nodes_match_the_colocated_engine(
         "--local-prefill-max-tokens",  # every prompt crosses the nodes
         "0",
     ]
-    with running_service(args, tmp_path / "service.log") as svc:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+    def reference() -> list[list[int]]:
+        # Asked for here, not as an argument: the engine loads and generates while the
+        # service's workers start.
+        llm: LLM = request.getfixturevalue("reference_llm")
+        return [list(o.token_ids) for o in llm.generate(PROMPTS, [params] * len(PROMPTS))]
+
+    with service_process(args, tmp_path / "service.log") as svc:
+        expected = reference()
+        svc.wait_serving()
         # A second driver reads where the actors run while the requests are served.
         placement = subprocess.Popen(
             [sys.executable, "-c", _PLACEMENT, ray_nodes],

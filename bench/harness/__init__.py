@@ -1,7 +1,7 @@
 """What tests and benchmarks share to drive a real service from outside.
 
 * `service`: `pdserve serve` as a subprocess on a free loopback port (`ServiceProcess`,
-  `running_service`);
+  `service_process`, `running_service`);
 * `ports`: `free_port`;
 * `polling`: deadline-bounded waits (`wait_until`, `wait_until_async`);
 * `streams`: one Generate call read to its end (`generate` → `StreamResult`);
@@ -19,6 +19,7 @@ from bench.harness.service import (
     ServiceProcess,
     running_service,
     service_env,
+    service_process,
 )
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "free_port",
     "running_service",
     "service_env",
+    "service_process",
     "wait_until",
     "wait_until_async",
 ]

@@ -110,18 +110,14 @@ class ServiceExitError(AssertionError):
 
 
 @contextmanager
-def running_service(
-    args: list[str],
-    log_path: Path,
-    *,
-    env: dict[str, str] | None = None,
-    timeout: float = 300.0,
+def service_process(
+    args: list[str], log_path: Path, *, env: dict[str, str] | None = None
 ) -> Iterator[ServiceProcess]:
-    """A SERVING service for the `with` block, stopped after it; ServiceExitError (with the
-    log's tail) if it then does not exit 0. An error inside the block wins over that."""
+    """A started service (not yet waited for: call `wait_serving`) for the `with` block,
+    stopped after it; ServiceExitError (with the log's tail) if it then does not exit 0.
+    An error inside the block wins over that."""
     svc = ServiceProcess(args, log_path, env=env)
     try:
-        svc.wait_serving(timeout)
         yield svc
     except BaseException:
         svc.stop()
@@ -129,3 +125,17 @@ def running_service(
     code = svc.stop()
     if code != 0:
         raise ServiceExitError(f"service exited with {code} on SIGTERM:\n{svc.log_tail()}")
+
+
+@contextmanager
+def running_service(
+    args: list[str],
+    log_path: Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 300.0,
+) -> Iterator[ServiceProcess]:
+    """`service_process`, SERVING when the block starts."""
+    with service_process(args, log_path, env=env) as svc:
+        svc.wait_serving(timeout)
+        yield svc
