@@ -287,7 +287,7 @@ def run_system(
     deadline: float,
 ) -> dict[str, Any]:
     """One service, one sweep of rates."""
-    from bench.suite_service import Service, drive, kv_args
+    from bench.suite_service import Service, check_warm_up, drive, kv_args
 
     kv = ns.goodput_kv_cache_gib
     if kv is None and ns.device != "cuda":
@@ -306,7 +306,8 @@ def run_system(
         out["on_gpus"] = "on GPUs" in svc.log_path.read_text(errors="replace")
         geo = KVGeometry.of(model)
         warm = make_prompts(2 * ns.gpus, ns.goodput_prompt_len, geo.vocab_size, seed=96)
-        asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
+        warm_timings, _ = asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
+        check_warm_up(warm_timings)
         out["warm_settle_s"] = asyncio.run(_settle(svc.address))
         out["workers"] = asyncio.run(_blocks(svc.address))
         search = RateSearch(
@@ -323,6 +324,10 @@ def run_system(
             point = run_point(svc.address, geo, ns, rate)
             out["points"].append(point)
             results[rate] = point["attainment"][loosest] >= ns.attainment
+            failed = [e for e in point["errors"] if not e.endswith("gave up")]
+            if failed and point["num_ok"] == 0:
+                out["stopped"] = f"every request failed at rate {rate}: {failed[0]}"
+                break
     finally:
         out["exit_code"] = svc.stop()
         out["elapsed_s"] = round(time.perf_counter() - started, 1)  # start to stopped

@@ -221,6 +221,13 @@ async def drive(
 # ---------------------------------------------------------------- c + handoff
 
 
+def check_warm_up(timings: list[ReqTiming]) -> None:
+    """Raise with the errors when no warm-up request came back whole: the service is
+    broken, and measuring it would only time errors."""
+    if not any(t.ok for t in timings):
+        raise RuntimeError(f"every warm-up request failed: {sorted({t.error for t in timings})}")
+
+
 SYSTEMS = {
     # part: (system name in the report, description, pool flags)
     "c": (
@@ -296,7 +303,8 @@ def run_service_part(
         main_len = main_len or (plan[0].prompt_len if plan else 512)
         widest = max((s.concurrency for s in plan), default=1)
         warm = make_prompts(widest, main_len, geo.vocab_size, seed=97)
-        asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
+        warm_timings, _ = asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
+        check_warm_up(warm_timings)
         asyncio.run(drive(svc.address, warm[:1], 4, concurrency=1))
         for length in sorted({s.prompt_len for s in plan} - {main_len}):
             other = make_prompts(1, length, geo.vocab_size, seed=98)
