@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.suite_goodput import slo_key
+from bench.suite_goodput import attainment, max_rate_sustained, slo_key
 from bench.suite_report import merge, run_key, runs_of, sections_of
 
 
@@ -34,6 +34,24 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def with_slos(section: dict, tpots: list[float]) -> dict:
+    """The section with each point's attainment (and each system's highest rate) at TPOT
+    objectives the run did not report, from its per-request TTFT and TPOT lists."""
+    slo = section.get("slo", {})
+    ttft_ms = 1000 * slo.get("ttft_s", 1.0)
+    target = slo.get("attainment", 0.9)
+    for rec in section.get("systems", {}).values():
+        for tpot in tpots:
+            key = slo_key(tpot)
+            for pt in rec.get("points", []):
+                if key not in pt["attainment"]:
+                    pt["attainment"][key] = attainment(pt["requests"], ttft_ms, tpot)
+            if rec.get("points") and key not in rec["max_rate"]:
+                rate, exact = max_rate_sustained(rec["points"], key, target)
+                rec["max_rate"][key], rec["max_rate_exact"][key] = rate, exact
+    return {**section, "slo": {**slo, "tpot_ms": tpots}}
 
 
 def plot_goodput(section: dict, out_dir: Path) -> list[Path]:
@@ -136,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("results", nargs="+", help="gpu_suite JSON files")
     p.add_argument("--out", default="docs/img", help="folder for the PNGs")
+    p.add_argument(
+        "--tpot-slos",
+        help="ms, comma list: goodput panels for these TPOT objectives, computed from the "
+        "per-request timings (default: those the run reported)",
+    )
     ns = p.parse_args(argv)
     out_dir = Path(ns.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         written += plot_latency(result, out_dir, f"_{i}" if len(results) > 1 else "")
     goodput = [r["goodput"] for r in results if "systems" in r.get("goodput", {})]
     for section in merge(goodput):
+        if ns.tpot_slos:
+            section = with_slos(section, [float(x) for x in ns.tpot_slos.split(",") if x])
         written += plot_goodput(section, out_dir)
     for path in written:
         print(path)
