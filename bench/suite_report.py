@@ -157,7 +157,10 @@ def _tpot_over_step(shapes: dict, main_len: int) -> list[str]:
         for name in ("b", "cc", "c"):
             for r in runs_of(sections.get(name)):
                 key = run_key(r, main_len)
+                # A steady state may have no full-batch decode-only step: the burst's then.
                 step = b_runs.get(key, {}).get("decode_step", {}).get("step_ms")
+                burst = (key[0], 1, key[2])
+                step = step or b_runs.get(burst, {}).get("decode_step", {}).get("step_ms")
                 if not step or key[0] == 1:
                     continue
                 itl = r.get("itl_ms", {}).get("p50")
