@@ -25,27 +25,12 @@ from engine.core.request import FinishReason
 from engine.core.scheduler import RequestUpdate
 from engine.transfer.base import KVPoll, TransferHandle
 from engine.transfer.channel import SENDER_RANK, ChannelSpec
-from engine.transfer.handoff import HandoffHeader, HandoffTarget, HeaderKind, Reservation
+from engine.transfer.handoff import HandoffHeader, HeaderKind
 from engine.transfer.sender import ReadyKV, plan_messages
+from engine.wire import HandoffTarget, PrefillResult, Reservation
 from engine.worker import WorkerBase
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """First token, and how the request goes on."""
-
-    first_token: int | None
-    # None: the KV is on its way to the target, which continues the request. Otherwise
-    # the request ended here (STOP/LENGTH on its first token, ABORT, or ERROR with
-    # `error`: then nothing was sent and the caller may run it elsewhere).
-    finish_reason: FinishReason | None
-    num_cached_tokens: int
-    prefill_s: float
-    transfer_bytes: int = 0  # posted on the channel (arrival is the receiver's to report)
-    error: str = ""
-    kv_events: tuple[KVEvents, ...] = ()  # this worker's prefix-cache changes, for routing
 
 
 class PrefillAborted(Exception):

@@ -6,10 +6,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from router.prefill_policy import (
+    DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+    DEFAULT_SLO_TPOT_MS,
+    DEFAULT_SLO_TTFT_MS,
+    PrefillPolicyConfig,
+)
 from router.routing import RoutingConfig
 
 AdmissionOrder = Literal["fifo", "priority"]
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -29,18 +34,27 @@ class RouterConfig:
     worker_wait_s: float = 60.0
     # Which worker runs a prompt: prefix-aware (cache overlap minus load) or least-loaded.
     routing: RoutingConfig = field(default_factory=RoutingConfig)
-    # Prompts with at most this many tokens not already in the chosen decode worker's
-    # cache run there directly, with no hand-off (0 = always hand off).
+    # Where prompts run (router/prefill_policy.py): prompts with at most this many
+    # tokens not already in the chosen decode worker's cache run there directly; longer
+    # ones run there too when the prefill pool cannot meet the TTFT target and the
+    # decode worker can take them within the TPOT target.
     local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+    slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
+    slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
     # The router's queue: "fifo", or "priority" (lower value first, aged by waiting).
     admission_order: AdmissionOrder = "fifo"
     priority_aging_s: float = 10.0  # one priority level gained per this many seconds waited
 
     def __post_init__(self) -> None:
-        if self.local_prefill_max_tokens < 0:
-            raise ValueError("local_prefill_max_tokens must be >= 0")
+        self.prefill_policy  # noqa: B018 - validates the three fields it is made of
         if self.priority_aging_s < 0:
             raise ValueError("priority_aging_s must be >= 0 (0 = no aging)")
+
+    @property
+    def prefill_policy(self) -> PrefillPolicyConfig:
+        return PrefillPolicyConfig(
+            self.local_prefill_max_tokens, self.slo_ttft_ms, self.slo_tpot_ms
+        )
 
 
 def keep_ray_on_loopback() -> None:

@@ -138,8 +138,8 @@ class RouterMetrics:
         self.prefill_paths = Counter(
             "pdserve_prefill_path",
             "Requests by where their prompt ran: remote (prefill pool, KV hand-off) or "
-            "local (the decode worker itself).",
-            ["path"],
+            "local (the decode worker itself), and why.",
+            ["path", "reason"],
             registry=r,
         )
         self.worker_restarts = Counter(
@@ -153,8 +153,8 @@ class RouterMetrics:
             self.requests.labels(finish_reason=reason)
         for pool in _POOLS:
             self.worker_restarts.labels(pool=pool)
-        for path in ("remote", "local"):
-            self.prefill_paths.labels(path=path)
+        for path, reason in PREFILL_PATH_SERIES:
+            self.prefill_paths.labels(path=path, reason=reason)
         self.pools = PoolCollector()
         r.register(self.pools)
 
@@ -291,6 +291,19 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+# The decisions a deployment makes every day, present from the start.
+PREFILL_PATH_SERIES = (
+    ("local", "short_prompt"),
+    ("local", "prefill_saturated"),
+    ("local", "no_prefill_worker"),
+    ("local", "prefill_failed"),
+    ("remote", "prefill_within_slo"),
+    ("remote", "no_estimate"),
+    ("remote", "decode_at_tpot_slo"),
+    ("remote", "decode_kv_pressure"),
+    ("remote", "remote_sooner"),
+)
+
 # Per-worker counters from WorkerStats, summed per pool: (metric, help, field).
 _POOL_COUNTERS = (
     (
@@ -417,10 +430,10 @@ def kv_transfer_failed() -> None:
     get_metrics().kv_transfer_failures.inc()
 
 
-def prefill_path(path: str) -> None:
+def prefill_path(path: str, reason: str) -> None:
     """A disaggregated request's prompt ran on the prefill pool ("remote") or on its
-    decode worker ("local")."""
-    get_metrics().prefill_paths.labels(path=path).inc()
+    decode worker ("local"), for `reason` (router/prefill_policy.py names them)."""
+    get_metrics().prefill_paths.labels(path=path, reason=reason).inc()
 
 
 def worker_restarted(pool: str) -> None:

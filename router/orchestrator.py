@@ -2,10 +2,19 @@
 
 State machine per request (docs/architecture.md): RECEIVED → VALIDATED → QUEUED →
 DECODE_RESERVED → PREFILLING → TRANSFERRING → DECODING → FINISHED. Each attempt has its
-own internal id; a worker death before any token reached the client starts a new
-attempt on other workers, after it nothing can be taken back and the request ends with
-ERROR. Whatever ends an attempt (finish, client cancel, deadline, worker death), it is
-aborted on every worker it touched; aborts are idempotent there.
+own internal id. When an attempt is lost (a worker died, a hand-off was refused or
+broke, the prefill worker failed), the next one continues the request: before any token
+reached the client it starts over on other workers; after, it resumes from the prompt
+plus every token already streamed (sampling is a function of seed and position, so the
+continuation is the same text). Whatever ends an attempt, it is aborted on every worker
+it touched; aborts are idempotent there.
+
+The disaggregated path (`_run_disaggregated`) picks the decode worker, then decides where
+the prompt runs (`router/prefill_policy.py`). A remote prefill is sent at the same time
+as the decode worker's reservation (no round trip before the prompt starts), its first
+token is streamed as soon as it is sampled, and the KV arrives at the decode worker
+behind it. The router renews the reservations of requests still queued or prefilling,
+so a long prefill queue never expires them.
 """
 
 from __future__ import annotations
@@ -14,36 +23,31 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from ray.exceptions import RayActorError
-
-from engine.core.kv_events import KVEvents
-from engine.core.outputs import (
-    FinalResult,
-    GenerationInput,
-    PhaseTimings,
-    TextChunk,
-    Usage,
-)
+from engine.core.outputs import FinalResult, PhaseTimings, TextChunk, Usage
 from engine.core.request import FinishReason
 from engine.core.validation import validate_prompt
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.prompt import encode_prompt
-from engine.transfer.handoff import Reservation
-from prefill_worker.worker import PrefillResult
+from engine.wire import GenerationInput, HandoffTarget, PrefillResult, Reservation
 from router import metrics
 from router.admission import Admission
+from router.clients import WorkerDied
 from router.cluster import POOLS
 from router.config import RouterConfig
+from router.delivery import TokenDelivery
 from router.errors import NotReadyError, QueueFullError
 from router.inbox import UpdateInbox
 from router.kv_index import PrefixIndex
 from router.pools import Pools, WorkerRef
+from router.prefill_policy import PathDecision, PathInputs, PrefillPolicyConfig, decide
 from router.protocol import GenerateCall, PoolStats, ServerInfo
-from router.routing import choose_worker, load_order
+from router.routing import choose_by_work, choose_worker
+from router.worker_load import WorkerLease
 
 log = logging.getLogger("pdserve.router")
 WORKER_WAIT_POLL_S = 0.05
@@ -51,7 +55,13 @@ T = TypeVar("T")
 
 
 class WorkerLost(RuntimeError):
-    """A worker this attempt depended on died or could not take it: retry if possible."""
+    """An attempt cannot go on where it is: continue the request in a new attempt.
+    `run_locally`: the prefill pool failed it before any KV left, so the next attempt
+    runs the prompt on a decode worker."""
+
+    def __init__(self, reason: str, run_locally: bool = False) -> None:
+        super().__init__(reason)
+        self.run_locally = run_locally
 
 
 @dataclass
@@ -60,8 +70,9 @@ class _Attempt:
 
     inp: GenerationInput
     inbox: UpdateInbox = field(default_factory=UpdateInbox)
-    decode_ref: WorkerRef | None = None  # holds num_assigned while set
+    decode_ref: WorkerRef | None = None
     prefill_ref: WorkerRef | None = None
+    leases: list[WorkerLease] = field(default_factory=list)
 
     @property
     def req_id(self) -> str:
@@ -73,12 +84,17 @@ class _Progress:
     """What the client has seen so far, across attempts."""
 
     arrival: float
-    num_out: int = 0
+    token_ids: list[int] = field(default_factory=list)  # every token streamed
     num_cached: int = 0
     t_first: float | None = None
     t_decoding: float = 0.0
     timings: PhaseTimings = field(default_factory=PhaseTimings)
     finish_reason: FinishReason = FinishReason.ERROR  # set when the stream ends
+    num_resumed: int = 0
+
+    @property
+    def num_out(self) -> int:
+        return len(self.token_ids)
 
 
 class DisaggregatedGenerator:
@@ -89,6 +105,7 @@ class DisaggregatedGenerator:
         self.colocated_mode = pools.targets["colocated"] > 0
         self.tokenizer = tokenizer
         self.config = config or RouterConfig()
+        self.prefill_policy: PrefillPolicyConfig = self.config.prefill_policy
         self.admission = Admission(
             self.config.max_in_flight,
             self.config.max_queue,
@@ -97,8 +114,10 @@ class DisaggregatedGenerator:
         )
         self.outputs = OutputProcessor(tokenizer)
         self._attempts: dict[str, _Attempt] = {}
-        self._pollers: dict[WorkerRef, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        # Reservations whose requests are still queued or prefilling, by decode worker.
+        self._renewing: dict[WorkerRef, set[str]] = defaultdict(set)
+        self._renewer: asyncio.Task[None] | None = None
         self._ready = False
         info = pools.reference
         if info is None:
@@ -113,19 +132,24 @@ class DisaggregatedGenerator:
         # Which prompt prefixes each worker's cache holds, fed by the workers' KV events.
         self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
+        self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of)
+        # A decode step's token budget (the engines' default): the largest chunk of a
+        # local prompt that one decode step carries.
+        self.step_tokens = 8192 if getattr(pools.cluster, "use_gpus", False) else 2048
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Follow every token-producing worker (new ones are picked up as they appear)."""
         self._ready = True
-        self._ensure_pollers()
+        self.delivery.ensure_pollers()
+        if not self.colocated_mode:
+            self._renewer = asyncio.ensure_future(self._renew_leases())
 
     async def stop(self) -> None:
         self._ready = False
-        tasks = list(self._pollers.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._renewer is not None:
+            self._renewer.cancel()
+        await self.delivery.stop()
 
     def is_ready(self) -> bool:
         if not self._ready:
@@ -148,41 +172,19 @@ class DisaggregatedGenerator:
 
     async def pool_stats(self) -> PoolStats:
         refs = [w for w in self.pools.all() if w.state in ("live", "draining")]
-        loads = await asyncio.gather(
-            *(w.handle.load.remote() for w in refs), return_exceptions=True
-        )
+        loads = await asyncio.gather(*(w.client.load() for w in refs), return_exceptions=True)
         workers = [load for load in loads if not isinstance(load, BaseException)]
         return PoolStats(tuple(workers), self.admission.num_in_flight, self.admission.num_queued)
 
-    # ---------------------------------------------------------------- token delivery
-    def _ensure_pollers(self) -> None:
-        for pool in ("decode", "colocated"):
-            for ref in self.pools.workers[pool]:
-                if ref.state in ("live", "draining") and ref not in self._pollers:
-                    self._pollers[ref] = asyncio.ensure_future(self._poll(ref))
+    def set_prefill_policy(self, config: PrefillPolicyConfig) -> None:
+        """Change the local-prefill thresholds while serving (the admin API)."""
+        self.prefill_policy = config
+        log.info("prefill policy now %s", config)
 
-    async def _poll(self, ref: WorkerRef) -> None:
-        """One remote call per batch of steps for all of a decode worker's requests."""
-        try:
-            while ref.state in ("live", "draining", "starting"):
-                try:
-                    batch = await ref.handle.next_tokens.remote()
-                except RayActorError as exc:
-                    self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
-                    return
-                self._apply_kv_events(ref, batch.kv_events)
-                for update in batch.updates:
-                    attempt = self._attempts.get(update.req_id)
-                    if attempt is not None:
-                        attempt.inbox.put(update)
-        finally:
-            self._pollers.pop(ref, None)
-
-    def _apply_kv_events(self, ref: WorkerRef, batches: tuple[KVEvents, ...]) -> None:
-        if ref.state in ("dead", "gone"):
-            return  # late news from a worker that is no longer routed to
-        for events in batches:
-            self.indexes[ref.pool].apply(ref.index, events)
+    # ---------------------------------------------------------------- plumbing
+    def _inbox_of(self, req_id: str) -> UpdateInbox | None:
+        attempt = self._attempts.get(req_id)
+        return None if attempt is None else attempt.inbox
 
     def _on_worker_death(self, ref: WorkerRef, reason: str) -> None:
         for attempt in list(self._attempts.values()):
@@ -198,9 +200,50 @@ class DisaggregatedGenerator:
         if ref.state in ("dead", "gone"):
             return
         try:
-            await ref.handle.abort.remote(req_id)
-        except RayActorError as exc:
+            await ref.client.abort(req_id)
+        except WorkerDied as exc:
             self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
+
+    async def _renew_leases(self) -> None:
+        """Keep reservations alive while their requests wait for a prefill worker."""
+        period = max(self.config.lease_s / 3, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            for ref, req_ids in list(self._renewing.items()):
+                if req_ids and ref.state in ("live", "draining"):
+                    self._spawn(self._renew(ref, list(req_ids)))
+
+    async def _renew(self, ref: WorkerRef, req_ids: list[str]) -> None:
+        try:
+            await ref.client.renew(req_ids, self.config.lease_s)
+        except WorkerDied as exc:
+            self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
+
+    async def _pick(
+        self,
+        candidates: Callable[[], list[WorkerRef]],
+        what: str,
+        route: Callable[[list[WorkerRef]], WorkerRef],
+    ) -> WorkerRef:
+        """The worker `route` picks among the candidates, waiting (not failing) while a
+        whole pool is down and being replaced."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.worker_wait_s
+        while True:
+            live = candidates()
+            if live:
+                return route(live)
+            if loop.time() >= deadline:
+                raise WorkerLost(f"no {what} worker became available")
+            await asyncio.sleep(WORKER_WAIT_POLL_S)
+
+    async def _call(self, ref: WorkerRef, pending: Awaitable[T]) -> T:
+        """A worker call whose failure means the worker died: mark it, lose the attempt."""
+        try:
+            return await pending
+        except WorkerDied as exc:
+            self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
+            raise WorkerLost(f"{ref.worker_id} died: {exc}") from exc
 
     # ---------------------------------------------------------------- requests
     def _to_input(self, call: GenerateCall) -> GenerationInput:
@@ -227,77 +270,49 @@ class DisaggregatedGenerator:
             sampling = replace(sampling, seed=uuid.uuid4().int >> 65)
         return GenerationInput(uuid.uuid4().hex, tuple(token_ids), sampling, call.priority)
 
-    async def _call_worker(
-        self,
-        candidates: Callable[[], list[WorkerRef]],
-        what: str,
-        call: Callable[[WorkerRef], Awaitable[T]],
-        *,
-        hold: bool,
-        route: Callable[[list[WorkerRef]], WorkerRef] | None = None,
-    ) -> tuple[WorkerRef, T]:
-        """Call the candidate `route` picks (default: the least loaded); a dead one is
-        marked and the next tried.
-
-        The worker counts the request as assigned from before the call, so concurrent
-        arrivals spread; with `hold` the count stays until the caller gives it back.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.worker_wait_s
-        while True:
-            live = candidates()
-            if not live:
-                # Every candidate is gone for now (died, being replaced): wait for one
-                # rather than fail the request at once.
-                if loop.time() >= deadline:
-                    raise WorkerLost(f"no {what} worker became available")
-                await asyncio.sleep(WORKER_WAIT_POLL_S)
-                continue
-            ref = (
-                route(live) if route is not None else min(live, key=lambda w: load_order(w.view()))
-            )
-            ref.num_assigned += 1
-            try:
-                result = await call(ref)
-            except RayActorError as exc:
-                ref.num_assigned -= 1
-                self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
-                continue
-            except BaseException:
-                ref.num_assigned -= 1
-                raise
-            if not hold:
-                ref.num_assigned -= 1
-            return ref, result
-
     async def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
         """Stream one request's chunks, then exactly one FinalResult."""
         if not self.is_ready():
             raise NotReadyError("pools are not ready")
-        self._ensure_pollers()
+        self.delivery.ensure_pollers()
         base = self._to_input(call)
         user_id = call.request_id or base.req_id  # what the client knows it by, for the log
         progress = _Progress(time.perf_counter())
         self.outputs.add(base.req_id, base.prompt_token_ids, base.sampling.stop)
         attempt: _Attempt | None = None
         finished = False
-        run = self._run_colocated if self.colocated_mode else self._run_disaggregated
+        run_locally = False
         try:
             async with self.admission.slot(priority=base.priority):
                 for number in range(self.config.max_attempts):
-                    attempt = self._begin(base, number)
+                    attempt = self._begin(base, number, progress)
                     try:
-                        async for chunk in run(attempt, progress, base.req_id):
+                        if self.colocated_mode:
+                            chunks = self._run_colocated(attempt, progress, base.req_id)
+                        else:
+                            chunks = self._run_disaggregated(
+                                attempt, progress, base.req_id, run_locally
+                            )
+                        async for chunk in chunks:
                             yield chunk
                         finished = True
                         yield self._final(user_id, base, progress, progress.finish_reason)
                         return
                     except WorkerLost as exc:
                         self._end(attempt)
-                        if progress.num_out > 0:
-                            raise RuntimeError(f"{exc} after tokens were sent") from exc
-                        log.warning("request %s: %s; retrying on other workers", user_id, exc)
-                        await asyncio.sleep(self.config.retry_delay_s * number)
+                        run_locally = exc.run_locally
+                        if progress.num_out:
+                            progress.num_resumed += 1
+                        log.warning(
+                            "request %s: %s; %s",
+                            user_id,
+                            exc,
+                            f"resuming after {progress.num_out} tokens"
+                            if progress.num_out
+                            else "retrying on other workers",
+                        )
+                        if not run_locally:
+                            await asyncio.sleep(self.config.retry_delay_s * number)
                 raise RuntimeError(f"gave up after {self.config.max_attempts} attempts")
         except (QueueFullError, NotReadyError) as exc:
             finished = True  # refused at the door: nothing to abort, not a cancellation
@@ -316,9 +331,19 @@ class DisaggregatedGenerator:
             if not finished:
                 log.info("request %s cancelled after %d tokens", user_id, progress.num_out)
 
-    def _begin(self, base: GenerationInput, number: int) -> _Attempt:
+    def _begin(self, base: GenerationInput, number: int, progress: _Progress) -> _Attempt:
+        """A new attempt: the request itself, or (after tokens were streamed) its
+        continuation: the prompt plus those tokens, and the tokens still to come."""
         req_id = base.req_id if number == 0 else f"{base.req_id}-{number}"
-        attempt = _Attempt(replace(base, req_id=req_id))
+        inp = replace(base, req_id=req_id)
+        if progress.num_out:
+            remaining = base.sampling.max_tokens - progress.num_out
+            inp = replace(
+                inp,
+                prompt_token_ids=base.prompt_token_ids + tuple(progress.token_ids),
+                sampling=replace(base.sampling, max_tokens=remaining),
+            )
+        attempt = _Attempt(inp)
         self._attempts[req_id] = attempt
         return attempt
 
@@ -327,8 +352,10 @@ class DisaggregatedGenerator:
         this may run while the generator closes on cancellation)."""
         if self._attempts.pop(attempt.req_id, None) is None:
             return
+        for lease in attempt.leases:
+            lease.release()
         if attempt.decode_ref is not None:
-            attempt.decode_ref.num_assigned -= 1
+            self._renewing[attempt.decode_ref].discard(attempt.req_id)
         if not abort:
             return
         pools = ["colocated"] if self.colocated_mode else ["prefill", "decode"]
@@ -341,7 +368,7 @@ class DisaggregatedGenerator:
 
     # ---------------------------------------------------------------- the two paths
     def _route(self, pool: str, hashes: list[int]) -> Callable[[list[WorkerRef]], WorkerRef]:
-        """The routing policy over a pool's candidates, for a prompt with these hashes."""
+        """Decode and colocated workers: cache overlap against requests in flight."""
         index = self.indexes[pool]
 
         def pick(live: list[WorkerRef]) -> WorkerRef:
@@ -352,103 +379,169 @@ class DisaggregatedGenerator:
 
         return pick
 
+    def _route_prefill(
+        self, hashes: list[int], num_prompt: int
+    ) -> Callable[[list[WorkerRef]], WorkerRef]:
+        """Prefill workers: least estimated work, queued plus uncached tokens."""
+        index = self.indexes["prefill"]
+
+        def pick(live: list[WorkerRef]) -> WorkerRef:
+            by_index = {w.index: w for w in live}
+            queued = [w.load.queued_tokens for w in live]
+            choice = choose_by_work(
+                [w.view() for w in live], queued, index, hashes, num_prompt, self.config.routing
+            )
+            assert choice is not None
+            return by_index[choice.index]
+
+        return pick
+
     async def _run_colocated(
         self, attempt: _Attempt, progress: _Progress, out_id: str
     ) -> AsyncIterator[TextChunk]:
-        def submit(ref: WorkerRef) -> Any:
-            attempt.decode_ref = ref  # before submit: tokens may come back at once
-            return ref.handle.submit.remote(attempt.inp)
-
         hashes = self.indexes["colocated"].hash_prompt(attempt.inp.prompt_token_ids)
-        await self._call_worker(
-            lambda: self.pools.routable("colocated"),
-            "colocated",
-            submit,
-            hold=True,
-            route=self._route("colocated", hashes),
-        )
-        progress.timings = PhaseTimings(queued_s=time.perf_counter() - progress.arrival)
-        progress.t_decoding = time.perf_counter()
+        while True:
+            ref = await self._pick(
+                lambda: self.pools.routable("colocated"),
+                "colocated",
+                self._route("colocated", hashes),
+            )
+            attempt.decode_ref = ref  # before submit: tokens may come back at once
+            attempt.leases.append(ref.load.lease())
+            try:
+                await ref.client.submit(attempt.inp)
+                break
+            except WorkerDied as exc:
+                attempt.leases.pop().release()
+                self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
+        self._mark_decoding(progress, PhaseTimings(queued_s=self._since(progress)))
         async for chunk in self._stream(attempt, progress, out_id, (), None):
             yield chunk
 
+    def _since(self, progress: _Progress) -> float:
+        return time.perf_counter() - progress.arrival
+
+    def _mark_decoding(self, progress: _Progress, timings: PhaseTimings) -> None:
+        if not progress.t_decoding:  # the first attempt's phases are the client's
+            progress.timings = timings
+        progress.t_decoding = progress.t_decoding or time.perf_counter()
+
+    def _place(
+        self, attempt: _Attempt, decode_ref: WorkerRef, hashes: list[int], run_locally: bool
+    ) -> tuple[PathDecision, WorkerRef | None, int]:
+        """Where the prompt runs: (decision, the prefill worker if remote, its uncached
+        tokens there)."""
+        num_prompt = len(attempt.inp.prompt_token_ids)
+        paired = [w for w in self.pools.routable("prefill") if decode_ref.worker_id in w.peers]
+        prefill_ref = self._route_prefill(hashes, num_prompt)(paired) if paired else None
+        if run_locally:
+            return PathDecision("local", "prefill_failed"), None, 0
+        cached_prefill = (
+            self.indexes["prefill"].num_cached_tokens(prefill_ref.index, hashes)
+            if prefill_ref is not None
+            else 0
+        )
+        stats = decode_ref.load.stats
+        inputs = PathInputs(
+            has_prefill=prefill_ref is not None,
+            num_uncached_decode=num_prompt
+            - self.indexes["decode"].num_cached_tokens(decode_ref.index, hashes),
+            num_uncached_prefill=num_prompt - cached_prefill,
+            prefill_queued_tokens=prefill_ref.load.queued_tokens if prefill_ref else 0,
+            prefill_tokens_per_s=prefill_ref.load.prefill_rate.tokens_per_s.value
+            if prefill_ref
+            else None,
+            handoff_s=decode_ref.load.handoff_s.value or 0.0,
+            decode_running=stats.num_running if stats is not None else 0,
+            decode_step_s=decode_ref.load.step_s.value,
+            decode_queued_tokens=decode_ref.load.queued_tokens,
+            decode_free_blocks=stats.num_blocks_free if stats is not None else None,
+            num_prompt_blocks=-(-num_prompt // self.block_size),
+            step_tokens=self.step_tokens,
+        )
+        decision = decide(inputs, self.prefill_policy)
+        if decision.path == "local":
+            return decision, None, 0
+        return decision, prefill_ref, num_prompt - cached_prefill
+
     async def _run_disaggregated(
-        self, attempt: _Attempt, progress: _Progress, out_id: str
+        self, attempt: _Attempt, progress: _Progress, out_id: str, run_locally: bool
     ) -> AsyncIterator[TextChunk]:
-        hashes = self.indexes["prefill"].hash_prompt(attempt.inp.prompt_token_ids)
-        reservation = await self._reserve_or_submit(attempt, hashes)
-        decode_ref = attempt.decode_ref
-        assert decode_ref is not None
-        queued_s = time.perf_counter() - progress.arrival
-        if reservation is None:
+        inp = attempt.inp
+        hashes = self.indexes["prefill"].hash_prompt(inp.prompt_token_ids)
+        decode_ref = await self._pick(
+            lambda: self.pools.routable("decode"), "decode", self._route("decode", hashes)
+        )
+        attempt.decode_ref = decode_ref
+        decision, prefill_ref, num_uncached = self._place(attempt, decode_ref, hashes, run_locally)
+        metrics.prefill_path(decision.path, decision.reason)
+        queued_s = self._since(progress)
+        if prefill_ref is None:
             # Local path: the decode worker runs the prompt itself; no hand-off.
-            metrics.prefill_path("local")
-            progress.timings = PhaseTimings(queued_s, local_prefill=True)
-            progress.t_decoding = time.perf_counter()
-            async for chunk in self._stream(attempt, progress, out_id, (), None):
+            num_local = len(inp.prompt_token_ids) - self.indexes["decode"].num_cached_tokens(
+                decode_ref.index, hashes
+            )
+            local = decode_ref.load.lease(num_local)
+            attempt.leases.append(local)
+            await self._call(decode_ref, decode_ref.client.submit(inp))
+            self._mark_decoding(progress, PhaseTimings(queued_s, local_prefill=True))
+            async for chunk in self._stream(attempt, progress, out_id, (), None, local):
                 yield chunk
             return
-        metrics.prefill_path("remote")
-
-        def prefill(ref: WorkerRef) -> Any:
-            attempt.prefill_ref = ref
-            return ref.handle.prefill.remote(attempt.inp, reservation)
-
-        def paired() -> list[WorkerRef]:
-            return [w for w in self.pools.routable("prefill") if decode_ref.worker_id in w.peers]
-
-        try:
-            prefill_ref, result = await asyncio.wait_for(
-                self._call_worker(
-                    paired, "prefill", prefill, hold=False, route=self._route("prefill", hashes)
-                ),
-                self.config.prefill_timeout_s,
-            )
-        except TimeoutError as exc:
-            raise RuntimeError(f"prefill took over {self.config.prefill_timeout_s:.0f}s") from exc
-        assert isinstance(result, PrefillResult)
-        self._apply_kv_events(prefill_ref, result.kv_events)
-        progress.t_decoding = time.perf_counter()
-        progress.num_cached = result.num_cached_tokens
-        progress.timings = PhaseTimings(queued_s, result.prefill_s)
+        attempt.leases.append(decode_ref.load.lease())
+        attempt.prefill_ref = prefill_ref
+        result, reservation = await self._prefill(attempt, decode_ref, prefill_ref, num_uncached)
+        self.delivery.apply_kv_events(prefill_ref, result.kv_events)
+        self._mark_decoding(progress, PhaseTimings(queued_s, result.prefill_s))
+        progress.num_cached = max(progress.num_cached, result.num_cached_tokens)
         if result.finish_reason is FinishReason.ERROR:
             metrics.kv_transfer_failed()
-            raise WorkerLost(result.error)  # nothing reached the client yet: retry
+            raise WorkerLost(result.error, run_locally=True)  # nothing was sent
         if result.finish_reason is FinishReason.ABORT:
             raise RuntimeError("prefill worker aborted the request")
         if result.transfer_bytes:
             metrics.observe_kv_transfer(result.transfer_bytes)
         if result.finish_reason is not None:  # the first token ended it: free the reservation
             self._spawn(self._abort_on(decode_ref, attempt.req_id))
+        elif reservation is None:
+            # The decode worker had no room: it refuses the KV. Stream the first token,
+            # then continue from it in the decode worker's own queue.
+            attempt.inbox.put(WorkerLost(f"no room on {decode_ref.worker_id}", run_locally=True))
         tokens = () if result.first_token is None else (result.first_token,)
         async for chunk in self._stream(attempt, progress, out_id, tokens, result.finish_reason):
             yield chunk
 
-    async def _reserve_or_submit(self, attempt: _Attempt, hashes: list[int]) -> Reservation | None:
-        """Pick a decode worker (queued in the router, not dropped, until one has room).
-
-        Returns its reservation, or None when the prompt is short enough once the decode
-        worker's own cache is counted (`local_prefill_max_tokens`): then the decode worker
-        got the whole request and runs the prompt itself.
-        """
-        num_prompt = len(attempt.inp.prompt_token_ids)
-        while True:
-
-            def reserve_or_submit(ref: WorkerRef) -> Any:
-                cached = self.indexes["decode"].num_cached_tokens(ref.index, hashes)
-                if num_prompt - cached <= self.config.local_prefill_max_tokens:
-                    attempt.decode_ref = ref  # before submit: tokens may come back at once
-                    return ref.handle.submit.remote(attempt.inp)
-                return ref.handle.reserve.remote(attempt.inp, self.config.lease_s)
-
-            ref, reservation = await self._call_worker(
-                lambda: self.pools.routable("decode"), "decode", reserve_or_submit, hold=True
+    async def _prefill(
+        self, attempt: _Attempt, decode_ref: WorkerRef, prefill_ref: WorkerRef, num_uncached: int
+    ) -> tuple[PrefillResult, Reservation | None]:
+        """Reserve on decode and run the prompt on prefill at the same time."""
+        inp = attempt.inp
+        source = prefill_ref.worker_id
+        reserving = asyncio.ensure_future(
+            self._call(decode_ref, decode_ref.client.reserve(inp, self.config.lease_s, source))
+        )
+        lease = prefill_ref.load.lease(num_uncached)
+        self._renewing[decode_ref].add(inp.req_id)
+        target = HandoffTarget(decode_ref.worker_id, decode_ref.info.epoch)
+        try:
+            result = await asyncio.wait_for(
+                self._call(prefill_ref, prefill_ref.client.prefill(inp, target)),
+                self.config.prefill_timeout_s,
             )
-            if attempt.decode_ref is ref or reservation is not None:
-                attempt.decode_ref = ref
-                return reservation
-            ref.num_assigned -= 1
-            await asyncio.sleep(self.config.reserve_poll_s)
+        except WorkerLost as exc:
+            reserving.cancel()
+            raise WorkerLost(str(exc), run_locally=True) from exc
+        except TimeoutError as exc:
+            reserving.cancel()
+            raise RuntimeError(f"prefill took over {self.config.prefill_timeout_s:.0f}s") from exc
+        finally:
+            self._renewing[decode_ref].discard(inp.req_id)
+            lease.release()
+        load = prefill_ref.load
+        load.prefill_rate.observe(
+            num_uncached, result.prefill_s, time.monotonic(), load.busy_since, lease.was_idle
+        )
+        return result, await reserving
 
     async def _stream(
         self,
@@ -457,12 +550,13 @@ class DisaggregatedGenerator:
         out_id: str,
         tokens: tuple[int, ...],
         reason: FinishReason | None,
+        local: WorkerLease | None = None,
     ) -> AsyncIterator[TextChunk]:
         """Turn token updates into text chunks until the request finishes."""
         while True:
             out = self.outputs.process(out_id, tokens, reason)
             if out.chunk is not None:
-                progress.num_out += len(out.chunk.token_ids)
+                progress.token_ids += out.chunk.token_ids
                 progress.t_first = progress.t_first or time.perf_counter()
                 yield out.chunk
             if out.finish_reason is not None:
@@ -485,6 +579,8 @@ class DisaggregatedGenerator:
                 )
             if item.finish_reason is FinishReason.ERROR:
                 raise WorkerLost(item.error or "the decode worker reported an error")
+            if local is not None and item.new_token_ids:
+                local.done_with_tokens()  # its prompt ran: no longer queued there
             tokens, reason = item.new_token_ids, item.finish_reason
             progress.num_cached = max(progress.num_cached, item.num_cached_tokens)
 
@@ -504,14 +600,14 @@ class DisaggregatedGenerator:
         )
         usage = Usage(len(base.prompt_token_ids), progress.num_out, progress.num_cached)
         result = FinalResult(reason, usage, timings, error)
-        self._log(user_id, result)
+        self._log(user_id, result, progress.num_resumed)
         return result
 
-    def _log(self, req_id: str, final: FinalResult) -> None:
+    def _log(self, req_id: str, final: FinalResult, num_resumed: int) -> None:
         t = final.timings
         log.info(
             "request %s finished=%s prompt=%d out=%d cached=%d queued=%.3fs prefill=%.3fs "
-            "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs",
+            "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s",
             req_id,
             final.finish_reason.value,
             final.usage.prompt_tokens,
@@ -523,4 +619,6 @@ class DisaggregatedGenerator:
             t.kv_wire_s,
             t.decode_s,
             t.time_to_first_token_s,
+            " local" if t.local_prefill else "",
+            f" resumed={num_resumed}" if num_resumed else "",
         )

@@ -22,8 +22,10 @@ from ray.exceptions import RayActorError
 from engine.transfer.channel import ChannelSpec
 from engine.worker import WorkerInfo
 from router import metrics
+from router.clients import RayWorkerClient
 from router.cluster import POOLS, Cluster, StartupError, root_cause
 from router.routing import WorkerLoadView
+from router.worker_load import WorkerLoad
 
 log = logging.getLogger("pdserve.pools")
 
@@ -41,8 +43,22 @@ class WorkerRef:
     info: WorkerInfo
     pg: Any = None
     state: str = "live"  # live | draining | dead | gone
-    num_assigned: int = 0  # requests this router has in flight on it
     peers: set[str] = field(default_factory=set)  # worker ids with a connected channel
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+
+    @property
+    def client(self) -> RayWorkerClient:
+        """The typed client for this worker's verbs."""
+        return RayWorkerClient(self.handle)
+
+    @property
+    def num_assigned(self) -> int:
+        """Requests this router has in flight on it."""
+        return self.load.num_assigned
+
+    @num_assigned.setter
+    def num_assigned(self, value: int) -> None:
+        self.load.num_assigned = value
 
     @property
     def worker_id(self) -> str:
@@ -54,7 +70,9 @@ class WorkerRef:
         return self.state == "live"
 
     def view(self) -> WorkerLoadView:
-        return WorkerLoadView(self.index, self.alive, self.num_assigned)
+        stats = self.load.stats
+        free = stats.num_blocks_free if stats is not None else 0
+        return WorkerLoadView(self.index, self.alive, self.num_assigned, free)
 
 
 class Pools:

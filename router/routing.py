@@ -1,7 +1,15 @@
-"""Cache-aware routing: pick the worker whose prefix cache holds most of the prompt,
-minus a penalty for its load, unless that worker is overloaded.
+"""Cache-aware routing.
 
-Pure functions over a PrefixIndex and each worker's load; no Ray, no gRPC.
+Prefill workers (`choose_by_work`): the one that would finish the prompt soonest,
+counted in tokens: the uncached prompt tokens already queued there plus this prompt's
+tokens its cache lacks (cached tokens are free), plus `load_penalty_tokens` per request
+in flight there and a small cache-balance term. Queued work, not a hit score with a
+load cut-off: a worker holding the prompt's prefix wins until its queue costs more than
+the prefix saves, so a system prompt every session shares spreads over the pool
+instead of pinning it to one worker.
+
+Decode and colocated workers (`choose_worker`), which hold running requests rather
+than a queue of prompts:
 
 Score of a live candidate = cached prompt tokens - load_penalty_tokens x requests in
 flight on it - cache_balance_tokens x (blocks its cache holds / blocks the fullest
@@ -95,6 +103,40 @@ class RouteChoice:
 def load_order(w: LoadView) -> tuple[int, int, int]:
     """Least loaded first: fewest in flight, most free blocks, lowest index."""
     return (w.num_assigned, -w.num_blocks_free, w.index)
+
+
+def choose_by_work(
+    workers: Sequence[LoadView],
+    queued_tokens: Sequence[int],
+    index: PrefixIndex,
+    block_hashes: Sequence[int],
+    num_prompt_tokens: int,
+    config: RoutingConfig,
+) -> RouteChoice | None:
+    """The live worker with the least estimated prefill work for this prompt, in tokens:
+    `queued_tokens[i]` is what the router already sent to `workers[i]`."""
+    live = [(w, q) for w, q in zip(workers, queued_tokens, strict=True) if w.alive]
+    if not live:
+        return None
+    if config.policy == "least-loaded":
+        best = min((w for w, _ in live), key=load_order)
+        return RouteChoice(best.index, index.num_cached_tokens(best.index, block_hashes))
+    most_cached = max(index.num_blocks(w.index) for w, _ in live) or 1
+    best_key: tuple[float, int, int, int, int, int] | None = None
+    choice: RouteChoice | None = None
+    for w, queued in live:
+        cached = index.num_cached_tokens(w.index, block_hashes)
+        work = (
+            queued
+            + num_prompt_tokens
+            - cached
+            + config.load_penalty_tokens * w.num_assigned
+            + config.cache_balance_tokens * index.num_blocks(w.index) / most_cached
+        )
+        key = (work, w.num_assigned, index.num_blocks(w.index), *load_order(w))
+        if best_key is None or key < best_key:
+            best_key, choice = key, RouteChoice(w.index, cached)
+    return choice
 
 
 def choose_worker(

@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
-from engine.sampling_params import SamplingParams
 
-
-@dataclass(frozen=True)
-class GenerationInput:
-    """A validated request as the frontends (offline API, router) hand it to a backend.
-
-    Exactly one of `prompt`, `prompt_token_ids` or `messages` was given by the
-    user; the frontend has already rendered and tokenized it into `prompt_token_ids`.
-    """
-
-    req_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    priority: int = 0
+# Cross-process types live in engine.wire; the engine's callers also find them here.
+from engine.wire import (  # noqa: F401
+    GenerationInput,
+    PoolName,
+    TokenBatch,
+    TokenUpdate,
+    WorkerStats,
+)
 
 
 @dataclass(frozen=True)
@@ -73,46 +65,3 @@ class EngineStats:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     num_preemptions: int = 0
-
-
-@dataclass(frozen=True)
-class TokenUpdate:
-    """One request's news from a decode worker: new tokens, its arrival, or its end."""
-
-    req_id: str
-    new_token_ids: tuple[int, ...] = ()
-    finish_reason: FinishReason | None = None
-    num_cached_tokens: int = 0
-    error: str = ""  # with finish_reason ERROR: what went wrong on the worker
-    # Set once, when the request's KV has arrived: the receive itself, and the whole
-    # hand-off from the sender's KV being ready to the KV in place.
-    kv_wire_s: float = 0.0
-    kv_handoff_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class TokenBatch:
-    """Every update of one or more steps, for every request, in one message."""
-
-    updates: tuple[TokenUpdate, ...]
-    # The worker's prefix-cache changes since the last batch, in order (for routing).
-    kv_events: tuple[KVEvents, ...] = ()
-    stats: WorkerStats | None = None  # occupancy when the batch left (for routing)
-
-
-PoolName = Literal["prefill", "decode", "colocated"]
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    """Occupancy of one worker's KV cache and scheduler."""
-
-    pool: PoolName
-    index: int
-    num_blocks_total: int
-    num_blocks_in_use: int
-    num_running: int
-    num_waiting: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    num_preemptions: int = 0  # since this worker started

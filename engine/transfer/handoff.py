@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.wire import HandoffTarget, Reservation  # noqa: F401 - the hand-off's address
+
 MAGIC = 0x5044_534B_5632  # "PDSKV2": a header that does not start with this is not one
 MAX_REQ_ID_BYTES = 64
 MAX_ENTRIES = 64  # requests one message may carry; a larger step sends several
@@ -28,27 +30,6 @@ _ENTRY = 4 + _ID_WORDS  # num_tokens, num_blocks, first_token, id length, id byt
 class HeaderKind(enum.IntEnum):
     HANDOFF = 1
     CLOSE = 2  # the sender is leaving: the receiver stops listening on this channel
-
-
-@dataclass(frozen=True)
-class HandoffTarget:
-    """Where a request's KV goes: the receiving worker and its incarnation."""
-
-    worker_id: str
-    epoch: int
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Blocks a receiving worker holds for one request's incoming KV."""
-
-    worker_id: str
-    epoch: int
-    block_ids: tuple[int, ...]
-
-    @property
-    def target(self) -> HandoffTarget:
-        return HandoffTarget(self.worker_id, self.epoch)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,163 @@
+"""Where a prompt runs: on the prefill pool (KV handed off) or on its decode worker.
+
+A decision by estimated time to first token and cost to the decode batch, not by prompt
+length alone. Inputs (`PathInputs`): the prompt's uncached tokens on the chosen decode
+worker and on the best prefill worker, the tokens already queued on that prefill worker
+(the router's own count) and its measured rate, the pair's recent hand-off time, and
+the decode worker's running batch, step time, free blocks and its own queued prompts.
+
+1. `no_prefill_worker`: no live prefill worker paired with the decode worker → local.
+2. `short_prompt`: uncached on decode ≤ `local_prefill_max_tokens` → local (a hand-off
+   costs more than it saves).
+3. `decode_kv_pressure`: the decode worker lacks free blocks for the prompt twice over →
+   remote (its own waiting queue would hold the prompt while blocks run out).
+4. `no_estimate`: no prefill rate measured yet → remote.
+5. `prefill_within_slo`: estimated remote TTFT ≤ the TTFT target → remote: the decode
+   batch keeps its pace, which is what disaggregation is for.
+6. Otherwise the prefill pool is saturated. If running the prompt on the decode worker
+   (chunked, so its running requests keep stepping) gives the first token sooner and
+   keeps the decode step under the TPOT target → local (`prefill_saturated`); else
+   remote (`decode_at_tpot_slo`, or `remote_sooner`).
+
+Pure functions and small estimators; no Ray, no gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Path = Literal["local", "remote"]
+DEFAULT_SLO_TTFT_MS = 1000.0
+DEFAULT_SLO_TPOT_MS = 50.0
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 32
+REASONS = (
+    "no_prefill_worker",
+    "short_prompt",
+    "decode_kv_pressure",
+    "no_estimate",
+    "prefill_within_slo",
+    "prefill_saturated",
+    "decode_at_tpot_slo",
+    "remote_sooner",
+    "prefill_failed",
+)
+
+
+@dataclass(frozen=True)
+class PrefillPolicyConfig:
+    """The service-level targets and the short-prompt floor (changeable while serving)."""
+
+    local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+    slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
+    slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(
+                f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}"
+            )
+        if self.slo_ttft_ms <= 0:
+            raise ValueError(f"slo_ttft_ms must be > 0, got {self.slo_ttft_ms}")
+        if self.slo_tpot_ms <= 0:
+            raise ValueError(f"slo_tpot_ms must be > 0, got {self.slo_tpot_ms}")
+
+
+@dataclass(frozen=True)
+class PathInputs:
+    """What the router knows when it places one prompt."""
+
+    has_prefill: bool
+    num_uncached_decode: int  # prompt tokens the decode worker's cache lacks
+    num_uncached_prefill: int  # ... the chosen prefill worker's cache lacks
+    prefill_queued_tokens: int  # uncached tokens already sent to that prefill worker
+    prefill_tokens_per_s: float | None  # its measured rate (None: not measured yet)
+    handoff_s: float  # the pair's recent hand-off time
+    decode_running: int  # requests decoding there now
+    decode_step_s: float | None  # its recent decode step time
+    decode_queued_tokens: int  # prompt tokens queued there to run locally
+    decode_free_blocks: int | None  # None: not reported yet
+    num_prompt_blocks: int
+    step_tokens: int  # a step's token budget: the largest chunk a local prompt adds
+
+
+@dataclass(frozen=True)
+class PathDecision:
+    path: Path
+    reason: str
+    ttft_remote_s: float | None = None
+    ttft_local_s: float | None = None
+
+
+def decide(inputs: PathInputs, config: PrefillPolicyConfig) -> PathDecision:
+    """Local or remote prefill for one prompt, with the reason (see the module doc)."""
+    if not inputs.has_prefill:
+        return PathDecision("local", "no_prefill_worker")
+    if inputs.num_uncached_decode <= config.local_prefill_max_tokens:
+        return PathDecision("local", "short_prompt")
+    free = inputs.decode_free_blocks
+    if free is not None and free < 2 * inputs.num_prompt_blocks:
+        return PathDecision("remote", "decode_kv_pressure")
+    rate = inputs.prefill_tokens_per_s
+    if not rate:
+        return PathDecision("remote", "no_estimate")
+    ttft_remote = (
+        inputs.prefill_queued_tokens + inputs.num_uncached_prefill
+    ) / rate + inputs.handoff_s
+    if ttft_remote * 1000 <= config.slo_ttft_ms:
+        return PathDecision("remote", "prefill_within_slo", ttft_remote)
+    # The decode worker runs prompts at about the prefill pool's rate (the same engine
+    # on the same kind of device), between its decode steps.
+    step_s = inputs.decode_step_s or 0.0
+    ttft_local = (inputs.decode_queued_tokens + inputs.num_uncached_decode) / rate + step_s
+    chunk = min(inputs.num_uncached_decode, inputs.step_tokens)
+    tpot_local = step_s + chunk / rate
+    if inputs.decode_running and tpot_local * 1000 > config.slo_tpot_ms:
+        return PathDecision("remote", "decode_at_tpot_slo", ttft_remote, ttft_local)
+    if ttft_local < ttft_remote:
+        return PathDecision("local", "prefill_saturated", ttft_remote, ttft_local)
+    return PathDecision("remote", "remote_sooner", ttft_remote, ttft_local)
+
+
+class Ewma:
+    """An exponentially weighted mean; None until the first sample."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value += self.weight * (sample - self.value)
+
+
+class PrefillRate:
+    """A prefill worker's tokens per second, from its replies.
+
+    Over a window in which it was busy throughout, the uncached tokens its replies
+    finished over the window's length is its throughput under load (replies of one
+    engine step arrive together, so single replies say nothing). A request sent to an
+    idle worker gives its own tokens over its prefill time.
+    """
+
+    def __init__(self, window_s: float = 0.1) -> None:
+        self.window_s = window_s
+        self.tokens_per_s = Ewma()
+        self._start: float | None = None
+        self._tokens = 0
+
+    def observe(
+        self, num_tokens: int, prefill_s: float, now: float, busy_since: float, was_idle: bool
+    ) -> None:
+        """A reply for num_tokens uncached tokens. busy_since: when the worker last went
+        from idle to busy in the router's count; was_idle: the request found it idle."""
+        if was_idle and prefill_s > 0:
+            self.tokens_per_s.add(num_tokens / prefill_s)
+        if self._start is None or busy_since > self._start:
+            self._start, self._tokens = max(busy_since, now - prefill_s), 0
+        self._tokens += num_tokens
+        if now - self._start >= self.window_s:
+            self.tokens_per_s.add(self._tokens / (now - self._start))
+            self._start, self._tokens = now, 0

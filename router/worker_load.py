@@ -1,0 +1,85 @@
+"""What the router counts of each worker's load, and the lease that keeps the count.
+
+A request holds a `WorkerLease` on every worker it occupies, from the moment it is
+routed there (so concurrent arrivals spread) until the worker is done with it; the
+lease gives its count back exactly once, however the request ends. The estimates here
+(prefill rate, decode step time, hand-off time) feed the local-prefill decision.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from engine.wire import WorkerStats
+from router.prefill_policy import Ewma, PrefillRate
+
+
+@dataclass
+class WorkerLoad:
+    """The router's running account of one worker."""
+
+    num_assigned: int = 0  # requests this router has in flight on it
+    queued_tokens: int = 0  # uncached prompt tokens sent to it and not yet answered
+    busy_since: float = 0.0  # when num_assigned last went from 0 to 1
+    stats: WorkerStats | None = None  # the worker's last report (decode: every batch)
+    prefill_rate: PrefillRate = field(default_factory=PrefillRate)
+    step_s: Ewma = field(default_factory=Ewma)  # decode step time
+    handoff_s: Ewma = field(default_factory=Ewma)  # hand-offs into this worker
+    last_batch_at: float | None = None
+
+    def lease(self, num_tokens: int = 0) -> WorkerLease:
+        return WorkerLease(self, num_tokens)
+
+    def observe_batch(self, num_steps: int, stats: WorkerStats | None, now: float) -> None:
+        """A decode worker's token batch covering num_steps steps arrived."""
+        if stats is not None:
+            self.stats = stats
+        last, self.last_batch_at = self.last_batch_at, now
+        busy = stats is None or stats.num_running > 0
+        if last is not None and num_steps > 0 and busy:
+            self.step_s.add((now - last) / num_steps)
+
+
+class WorkerLease:
+    """One request's share of a worker's load (an async context manager, or release()
+    by hand when the request keeps it past a block)."""
+
+    def __init__(self, load: WorkerLoad, num_tokens: int) -> None:
+        self._load = load
+        self.num_tokens = num_tokens
+        self.was_idle = load.num_assigned == 0
+        if self.was_idle:
+            load.busy_since = time.monotonic()
+        load.num_assigned += 1
+        load.queued_tokens += num_tokens
+        self._held = True
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def done_with_tokens(self) -> None:
+        """Its prompt tokens are no longer queued there (the prefill answered)."""
+        self._load.queued_tokens -= self.num_tokens
+        self.num_tokens = 0
+
+    def release(self) -> None:
+        """Give the count back (idempotent)."""
+        if not self._held:
+            return
+        self._held = False
+        self.done_with_tokens()
+        self._load.num_assigned -= 1
+
+    async def __aenter__(self) -> WorkerLease:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
