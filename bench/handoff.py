@@ -34,6 +34,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
+from bench.report import provenance
 from engine.transfer.base import KVPoll
 from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
@@ -187,7 +188,15 @@ def main(argv: list[str] | None = None) -> int:
             fixed[r["shape"]] = round(r["handoff_ms"] - r["raw_ms"], 4)
     print("fixed per-hand-off cost (1 block, hand-off minus raw), ms:", fixed)
     Path(args.out).write_text(
-        json.dumps({"device": args.device, "results": results, "fixed_cost_ms": fixed}, indent=1)
+        json.dumps(
+            {
+                "provenance": provenance("bench.handoff", sys.argv[1:] if argv is None else argv),
+                "device": args.device,
+                "results": results,
+                "fixed_cost_ms": fixed,
+            },
+            indent=1,
+        )
     )
     return 0
 

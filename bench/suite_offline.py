@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from bench.report import provenance
 from bench.suite_common import (
     KVGeometry,
     ReqTiming,
@@ -314,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     device = torch.device(ns.device)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    result: dict[str, Any] = {"shape": ns.shape, "device": str(device), "dtype": dtype}
+    result: dict[str, Any] = {
+        "provenance": provenance("bench.suite_offline", sys.argv[1:] if argv is None else argv),
+        "shape": ns.shape,
+        "device": str(device),
+        "dtype": dtype,
+    }
     if device.type == "cuda":
         result["device_name"] = torch.cuda.get_device_name(device)
 
