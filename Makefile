@@ -9,8 +9,10 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 
 setup: $(VENV)/.installed
 
-# torch pinned to 2.13.0 from the index configured for pip (a CPU build where that is what
-# it serves); a bare `torch` requirement from PyPI would pull a multi-GB CUDA build.
+# torch pinned to 2.13.0: the pin fixes the version, not the build. Whichever build the
+# index configured for pip serves is installed; PyPI's on Linux is the CUDA one (several GB
+# with its nvidia-* packages). A CPU build already in $(VENV) (README: "Installing without
+# a GPU") satisfies the pin and is kept.
 # Bytecode is compiled here on every core (pip would do it on one, file by file): where
 # PYTHONDONTWRITEBYTECODE is set, imports never write it, and every process would compile
 # its modules from source. A few files that are not Python 3 fail to compile, as they do
