@@ -47,6 +47,10 @@ class DecodeClient(Protocol):
     async def load(self) -> WorkerStats: ...
 
 
+class WorkerClient(PrefillClient, DecodeClient, Protocol):
+    """Every verb of a worker; each pool's workers answer their own role's."""
+
+
 async def _call(pending: Awaitable[T]) -> T:
     try:
         return await pending

@@ -578,7 +578,10 @@ class DisaggregatedGenerator:
                     progress.timings, kv_wire_s=item.kv_wire_s, kv_transfer_s=item.kv_handoff_s
                 )
             if item.finish_reason is FinishReason.ERROR:
-                raise WorkerLost(item.error or "the decode worker reported an error")
+                # A refused or broken hand-off, or an expired reservation: the decode pool
+                # is up, so the next attempt runs there from what was streamed.
+                error = item.error or "the decode worker reported an error"
+                raise WorkerLost(error, run_locally=True)
             if local is not None and item.new_token_ids:
                 local.done_with_tokens()  # its prompt ran: no longer queued there
             tokens, reason = item.new_token_ids, item.finish_reason

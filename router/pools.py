@@ -22,7 +22,7 @@ from ray.exceptions import RayActorError
 from engine.transfer.channel import ChannelSpec
 from engine.worker import WorkerInfo
 from router import metrics
-from router.clients import RayWorkerClient
+from router.clients import RayWorkerClient, WorkerClient
 from router.cluster import POOLS, Cluster, StartupError, root_cause
 from router.routing import WorkerLoadView
 from router.worker_load import WorkerLoad
@@ -45,11 +45,15 @@ class WorkerRef:
     state: str = "live"  # live | draining | dead | gone
     peers: set[str] = field(default_factory=set)  # worker ids with a connected channel
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    # The worker's verbs (tests give a fake; None: the Ray actor behind `handle`).
+    client_impl: WorkerClient | None = None
 
     @property
-    def client(self) -> RayWorkerClient:
+    def client(self) -> WorkerClient:
         """The typed client for this worker's verbs."""
-        return RayWorkerClient(self.handle)
+        if self.client_impl is None:
+            self.client_impl = RayWorkerClient(self.handle)
+        return self.client_impl
 
     @property
     def num_assigned(self) -> int:

@@ -1,0 +1,259 @@
+"""The router's serving core over fake workers: paths, retries, resumption after a lost
+worker, stop strings, cancellation and lease renewal, in milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from engine.core.outputs import FinalResult, TextChunk
+from engine.core.request import FinishReason
+from engine.sampling_params import SamplingParams
+from engine.wire import GenerationInput
+from router.config import RouterConfig
+from router.orchestrator import DisaggregatedGenerator
+from router.protocol import GenerateCall
+from tests.worker_fakes import FakePools, WordTokenizer, expected_tokens, token_at
+
+PROMPT = tuple(range(100, 164))  # 64 tokens: above the short-prompt threshold
+
+
+def _call(max_tokens: int = 8, prompt: tuple[int, ...] = PROMPT, **sampling: Any) -> GenerateCall:
+    params = SamplingParams(max_tokens=max_tokens, seed=3, ignore_eos=True, **sampling)
+    return GenerateCall("", None, prompt, None, params)
+
+
+def _generator(pools: FakePools, **config: Any) -> DisaggregatedGenerator:
+    gen = DisaggregatedGenerator(
+        pools,  # type: ignore[arg-type]
+        WordTokenizer(),
+        RouterConfig(retry_delay_s=0.0, **config),
+    )
+    gen.start()
+    return gen
+
+
+async def _collect(stream: AsyncIterator[TextChunk | FinalResult]) -> tuple[list[int], FinalResult]:
+    tokens: list[int] = []
+    async for item in stream:
+        if isinstance(item, TextChunk):
+            tokens += item.token_ids
+        else:
+            return tokens, item
+    raise AssertionError("no final result")
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def _expected(call: GenerateCall) -> list[int]:
+    return [
+        token_at(3, len(call.prompt_token_ids or ()) + i) for i in range(call.sampling.max_tokens)
+    ]
+
+
+async def _settle(pools: FakePools) -> None:
+    for _ in range(50):  # background aborts run on the loop
+        await asyncio.sleep(0)
+        if all(f.holds_nothing for f in pools.fakes.values()):
+            return
+        await asyncio.sleep(0.005)
+
+
+def test_a_long_prompt_is_prefilled_remotely_and_decoded_with_the_same_tokens() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        gen = _generator(pools)
+        tokens, final = await _collect(gen.generate(_call()))
+        assert final.finish_reason is FinishReason.LENGTH
+        assert tokens == _expected(_call())
+        verbs = [v for v, _ in pools.fakes["prefill-0"].calls]
+        assert verbs == ["prefill"]
+        decode_verbs = [v for v, _ in pools.fakes["decode-0"].calls]
+        assert "reserve" in decode_verbs and "submit" not in decode_verbs
+        assert final.timings.kv_transfer_s > 0 and not final.timings.local_prefill
+        await _settle(pools)
+        assert all(f.holds_nothing for f in pools.fakes.values())
+        await gen.stop()
+
+    _run(body())
+
+
+def test_a_short_prompt_runs_on_the_decode_worker() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        gen = _generator(pools)
+        call = _call(prompt=(1, 2, 3))
+        tokens, final = await _collect(gen.generate(call))
+        assert tokens == _expected(call) and final.timings.local_prefill
+        assert pools.fakes["prefill-0"].calls == []
+        await gen.stop()
+
+    _run(body())
+
+
+def test_a_prefill_worker_that_dies_before_sending_falls_back_to_local_prefill() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        pools.fakes["prefill-0"].die()
+        gen = _generator(pools)
+        tokens, final = await _collect(gen.generate(_call()))
+        assert final.finish_reason is FinishReason.LENGTH, final.error
+        assert tokens == _expected(_call()) and final.timings.local_prefill
+        assert pools.workers["prefill"][0].state == "dead"
+        await _settle(pools)
+        assert pools.fakes["decode-0"].holds_nothing  # the reservation was given back
+        await gen.stop()
+
+    _run(body())
+
+
+def test_a_refused_hand_off_after_the_first_token_resumes_without_repeating_it() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        pools.fakes["decode-0"].refuse_kv = True
+        gen = _generator(pools)
+        tokens, final = await _collect(gen.generate(_call()))
+        assert final.finish_reason is FinishReason.LENGTH, final.error
+        assert tokens == _expected(_call())  # the first token once, then the rest
+        assert final.usage.completion_tokens == 8
+        await gen.stop()
+
+    _run(body())
+
+
+def test_no_room_on_decode_continues_in_its_own_queue_after_the_first_token() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        pools.fakes["decode-0"].no_room = True
+        gen = _generator(pools)
+        tokens, final = await _collect(gen.generate(_call()))
+        assert final.finish_reason is FinishReason.LENGTH, final.error
+        assert tokens == _expected(_call())
+        submits = [r for v, r in pools.fakes["decode-0"].calls if v == "submit"]
+        assert len(submits) == 1 and submits[0] != _call().request_id
+        await gen.stop()
+
+    _run(body())
+
+
+def test_a_decode_worker_that_dies_mid_stream_is_resumed_on_another() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 2)
+        gen = _generator(pools)
+        call = _call(max_tokens=30)
+        stream = gen.generate(call)
+        tokens: list[int] = []
+        final = None
+        killed: list[str] = []
+        async for item in stream:
+            if isinstance(item, TextChunk):
+                tokens += item.token_ids
+                if len(tokens) >= 5 and not killed:
+                    for ref in pools.workers["decode"]:
+                        if pools.fakes[ref.worker_id].running:
+                            pools.fakes[ref.worker_id].die()
+                            killed.append(ref.worker_id)
+            else:
+                final = item
+        assert final is not None and final.finish_reason is FinishReason.LENGTH, final
+        assert tokens == _expected(call) and len(killed) == 1
+        await gen.stop()
+
+    _run(body())
+
+
+def test_a_stop_string_ends_the_request_and_stops_the_decode_worker() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        gen = _generator(pools)
+        full = _expected(_call(max_tokens=20))
+        stop = f"<{full[4]}>"
+        tokens, final = await _collect(gen.generate(_call(max_tokens=20, stop=(stop,))))
+        assert final.finish_reason is FinishReason.STOP
+        assert tokens == full[:5]
+        await _settle(pools)
+        assert pools.fakes["decode-0"].holds_nothing
+        await gen.stop()
+
+    _run(body())
+
+
+def test_a_cancelled_request_is_aborted_on_every_worker_it_reached() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        hold = asyncio.Event()
+        pools.fakes["prefill-0"].hold_prefill = hold
+        gen = _generator(pools)
+        stream = gen.generate(_call())
+        task = asyncio.ensure_future(stream.__anext__())
+        for _ in range(100):
+            await asyncio.sleep(0.001)
+            if pools.fakes["prefill-0"].calls:
+                break
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+        hold.set()
+        await _settle(pools)
+        for worker_id in ("prefill-0", "decode-0"):
+            assert [v for v, _ in pools.fakes[worker_id].calls].count("abort") == 1, worker_id
+        assert pools.fakes["decode-0"].holds_nothing
+        assert all(ref.num_assigned == 0 for ref in pools.all())
+        await gen.stop()
+
+    _run(body())
+
+
+def test_a_reservation_is_renewed_while_its_prefill_waits() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        pools.fakes["prefill-0"].prefill_delay_s = 0.3
+        gen = _generator(pools, lease_s=0.15)  # renewed every 0.05 s
+        tokens, final = await _collect(gen.generate(_call()))
+        assert final.finish_reason is FinishReason.LENGTH
+        renewals = [r for v, r in pools.fakes["decode-0"].calls if v == "renew"]
+        assert len(renewals) >= 3
+        assert all(r == (renewals[0][0],) for r in renewals)
+        await gen.stop()
+
+    _run(body())
+
+
+def test_when_every_attempt_fails_the_client_gets_one_error() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        pools.fakes["decode-0"].refuse_kv = True
+        pools.fakes["decode-0"].no_room = False
+        gen = _generator(pools, max_attempts=1)
+        tokens, final = await _collect(gen.generate(_call()))
+        assert final.finish_reason is FinishReason.ERROR and "attempts" in final.error
+        assert tokens == _expected(_call())[:1]  # what was streamed stays streamed
+        assert all(ref.num_assigned == 0 for ref in pools.all())
+        await gen.stop()
+
+    _run(body())
+
+
+def test_the_same_request_gives_the_same_tokens_whatever_the_path() -> None:
+    async def body() -> None:
+        call = _call(max_tokens=12)
+        results = []
+        for setup in ("remote", "refused", "prefill_dead"):
+            pools = FakePools(1, 1)
+            if setup == "refused":
+                pools.fakes["decode-0"].refuse_kv = True
+            if setup == "prefill_dead":
+                pools.fakes["prefill-0"].die()
+            gen = _generator(pools)
+            results.append((await _collect(gen.generate(call)))[0])
+            await gen.stop()
+        assert results[0] == results[1] == results[2]
+        assert results[0] == expected_tokens(GenerationInput("x", PROMPT, call.sampling))
+
+    _run(body())
