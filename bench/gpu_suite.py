@@ -273,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(ns.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     outs = [Path(ns.out) if ns.out else DEFAULT_OUT]
-    if os.environ.get("OUT"):
-        outs.append(Path(os.environ["OUT"]) / "gpu_suite.json")
+    env_out = Path(os.environ["OUT"]) / "gpu_suite.json" if os.environ.get("OUT") else None
+    if env_out and env_out.resolve() != outs[0].resolve():
+        outs.append(env_out)
     result: dict[str, Any] = {
         "meta": machine_meta(ns),
         "config": {k: v for k, v in vars(ns).items() if k != "out"},
