@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -58,7 +59,6 @@ def at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {number}")
         return number
 
-    parse.__name__ = "integer"
     return parse
 
 
@@ -73,13 +73,12 @@ def number_in(
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
         too_low = number <= low if open_low else number < low
-        if too_low or (high is not None and number > high) or number != number:
+        if too_low or (high is not None and number > high) or math.isnan(number):
             bound = f"> {low:g}" if open_low else f">= {low:g}"
             where = f"{bound} and <= {high:g}" if high is not None else bound
             raise argparse.ArgumentTypeError(f"must be {where}, got {value}")
         return number
 
-    parse.__name__ = "number"
     return parse
 
 
@@ -113,6 +112,7 @@ def resources(text: str) -> dict[str, float]:
 
 
 def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of `command` (errors are reported with its name), else `parser`."""
     for action in parser._actions:  # argparse keeps no public handle on its subparsers
         if isinstance(action, argparse._SubParsersAction):
             return action.choices[command]  # type: ignore[no-any-return]

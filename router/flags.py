@@ -33,6 +33,7 @@ DESCRIPTION = "serve (the disaggregated service) and generate (offline, or again
 
 # ---------------------------------------------------------------- flag groups
 def add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Which model, on which device, and how it runs."""
     g = p.add_argument_group("model")
     return [
         g.add_argument(
@@ -74,6 +75,7 @@ def add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
 
 
 def add_engine_args(p: argparse.ArgumentParser, prefix: str = "") -> list[argparse.Action]:
+    """The scheduler and KV cache knobs of one engine (`--prefill-*`, `--decode-*`, or bare)."""
     dash = f"{prefix}-" if prefix else ""
     g = p.add_argument_group(f"{prefix} pool" if prefix else "engine")
     d = SchedulerConfig()
@@ -256,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    """Every flag of `pdserve serve`."""
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)"
     )
@@ -295,6 +298,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
 
 
 def add_deploy_args(p: argparse.ArgumentParser) -> None:
+    """Placement, security and metrics flags of `pdserve serve`."""
     g = p.add_argument_group("placement (Ray resources each worker of a pool requires)")
     for pool in POOLS:
         g.add_argument(
