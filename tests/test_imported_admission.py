@@ -10,8 +10,14 @@ from engine.core.engine_core import EngineCore
 from engine.core.outputs import GenerationInput
 from engine.core.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from tests.fakes import expected_output, next_token
-from tests.test_scheduler import add, make_engine, run_to_completion
+from tests.fakes import (
+    add,
+    assert_engine_empty,
+    expected_output,
+    make_engine,
+    next_token,
+    run_to_completion,
+)
 
 
 def import_request(
@@ -54,7 +60,7 @@ def test_imported_requests_wait_for_a_slot_under_max_num_seqs() -> None:
             c_started_at = step
     assert c_started_at is not None and "a" not in core.scheduler.requests
     assert outputs == expected  # the imported KV was used, not recomputed differently
-    assert core.scheduler.kv.num_blocks_in_use == 0
+    assert_engine_empty(core)
 
 
 def test_imported_requests_go_ahead_of_waiting_prompts() -> None:
@@ -67,7 +73,7 @@ def test_imported_requests_go_ahead_of_waiting_prompts() -> None:
     run_to_completion(core)
     started = [s.req_id for b in runner.batches for s in b.seqs if s.req_id != "running"]
     assert list(dict.fromkeys(started)) == ["imported", "prompt"]
-    assert core.scheduler.kv.num_blocks_in_use == 0
+    assert_engine_empty(core)
 
 
 def test_an_urgent_import_preempts_and_an_equal_one_waits() -> None:
@@ -84,7 +90,7 @@ def test_an_urgent_import_preempts_and_an_equal_one_waits() -> None:
     assert core.scheduler.requests["bulk1"].status is RequestStatus.PREEMPTED
     outputs = run_to_completion(core)
     assert [expected[0], *outputs["urgent"]] == expected
-    assert core.scheduler.kv.num_blocks_in_use == 0
+    assert_engine_empty(core)
 
 
 def test_aborting_a_waiting_import_frees_its_blocks() -> None:
@@ -101,7 +107,7 @@ def test_aborting_a_waiting_import_frees_its_blocks() -> None:
     assert core.scheduler.kv.num_blocks_in_use == in_use
     assert not core.scheduler.kv.holds("imported")
     core.abort("running")
-    assert not core.has_unfinished and core.scheduler.kv.num_blocks_in_use == 0
+    assert_engine_empty(core)
 
 
 def test_waiting_imports_that_hold_every_block_do_not_deadlock() -> None:
@@ -111,4 +117,4 @@ def test_waiting_imports_that_hold_every_block_do_not_deadlock() -> None:
     assert core.scheduler.kv.num_free_blocks == 0
     outputs = run_to_completion(core)
     assert {r: [expected[r][0], *outputs[r]] for r in outputs} == expected
-    assert core.scheduler.requests == {} and core.scheduler.kv.num_blocks_in_use == 0
+    assert_engine_empty(core)

@@ -8,8 +8,7 @@ import pytest
 from engine.core.config import SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.core.request import RequestStatus
-from tests.fakes import expected_output
-from tests.test_scheduler import add, make_engine, run_to_completion
+from tests.fakes import add, expected_output, make_engine, run_to_completion
 
 
 class FakeClock:

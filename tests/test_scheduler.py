@@ -9,49 +9,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.outputs import GenerationInput
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
-from tests.fakes import FakeRunner, expected_output
-
-
-def make_engine(
-    num_blocks: int = 512,
-    block_size: int = 16,
-    *,
-    eos: frozenset[int] = frozenset(),
-    handoff: bool = False,
-    async_scheduling: bool = False,
-    **sched: object,
-) -> tuple[EngineCore, FakeRunner]:
-    runner = FakeRunner()
-    core = EngineCore(
-        runner,
-        SchedulerConfig(**sched),  # type: ignore[arg-type]
-        CacheConfig(num_blocks=num_blocks, block_size=block_size),
-        max_model_len=100_000,
-        vocab_size=1000,
-        eos_token_ids=eos,
-        handoff_after_first_token=handoff,
-        async_scheduling=async_scheduling,
-    )
-    return core, runner
-
-
-def add(core: EngineCore, req_id: str, prompt_len: int, max_tokens: int, **kw: object) -> None:
-    prompt = tuple((hash((req_id, i)) % 900) + 10 for i in range(prompt_len))
-    core.add_request(
-        GenerationInput(
-            req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw
-        )  # type: ignore[arg-type]
-    )
-
-
-def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[int]]:
-    outputs: dict[str, list[int]] = {}
-    for _ in range(max_steps):
-        if not core.has_unfinished:
-            return outputs
-        for upd in core.step():
-            outputs.setdefault(upd.req_id, []).extend(upd.new_token_ids)
-    raise AssertionError("engine did not finish")
+from tests.fakes import FakeRunner, add, expected_output, make_engine, run_to_completion
 
 
 def test_budget_splits_between_decodes_and_a_new_prompt() -> None:
