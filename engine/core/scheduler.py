@@ -107,7 +107,7 @@ class Scheduler:
         self.waiting.insert(idx, req)
 
     def add_request(self, req: Request) -> None:
-        """Queue a new request (its KV may already be present: see add_running)."""
+        """Queue a new request (one whose KV is already here: see add_imported)."""
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         self.requests[req.req_id] = req
