@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.report import provenance
 from bench.suite_common import KVGeometry, error_record, shape_path
 from bench.suite_goodput import add_goodput_args, resolve_goodput_args
 from bench.suite_plan import RunSpec, parse_ints, plan_runs
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if env_out and env_out.resolve() != outs[0].resolve():
         outs.append(env_out)
     result: dict[str, Any] = {
+        "provenance": provenance("bench.gpu_suite", sys.argv[1:] if argv is None else argv),
         "meta": machine_meta(ns),
         "config": {k: v for k, v in vars(ns).items() if k != "out"},
         "notes": [
