@@ -11,6 +11,7 @@ state in which a prompt's prefill overlaps other requests' decode steps. At conc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench.suite_common import make_prompts, workload_seed
@@ -59,7 +60,7 @@ def plan_runs(
     rounds: int | None,
     rounds_at_c1: int,
     burst: bool,
-    ttft_lens: list[int] = (),  # type: ignore[assignment]
+    ttft_lens: Sequence[int] = (),
 ) -> list[RunSpec]:
     """Every run, in order: per concurrency the burst (when `burst` and the steady run has
     more than one round) then the steady run; then one run at concurrency 1 per

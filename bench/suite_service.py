@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any
@@ -262,11 +262,11 @@ def run_service_part(
     plan: list[RunSpec],
     output_len: int,
     kv_cache_gib: float,
-    handoff_lens: list[int] = (),  # type: ignore[assignment]
+    handoff_lens: Sequence[int] = (),
     handoff_samples: int = 0,
     startup_timeout_s: float,
     kv_itemsize: int = 2,
-    serve_extra: list[str] = (),  # type: ignore[assignment]
+    serve_extra: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Part c (1P1D, and the hand-off measurement when `handoff_lens`) or cc (one
     colocated worker) on its own service: every run of `plan`."""
