@@ -28,6 +28,7 @@ from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import Reservation
 from engine.transfer.receiver import ChannelReceiver
 from engine.transfer.reservations import ReservationBook
+from engine.wire import coalesce
 from engine.worker import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,8 @@ class DecodeWorker(WorkerBase):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._outbox_ready.wait(), wait_s)
         out, self._outbox = self._outbox, []
-        return TokenBatch(tuple(out), self.take_kv_events(), self.latest_stats())
+        # Steps that piled up since the last poll travel as one update per request.
+        return TokenBatch(tuple(coalesce(out)), self.take_kv_events(), self.latest_stats())
 
     async def submit(self, inp: GenerationInput) -> None:
         """Run a request's prompt here too (no hand-off: short or cached prompts, a

@@ -112,3 +112,41 @@ class TokenBatch:
     # The worker's prefix-cache changes since the last batch, in order (for routing).
     kv_events: tuple[KVEvents, ...] = ()
     stats: WorkerStats | None = None  # occupancy when the batch left (for routing)
+
+
+def merge_updates(taken: list[TokenUpdate]) -> TokenUpdate:
+    """One request's consecutive updates as one: all their tokens, the last finish, the
+    arrival times where set. The caller never merges across an error or past a finish."""
+    first = taken[0]
+    if len(taken) == 1:
+        return first
+    return TokenUpdate(
+        first.req_id,
+        tuple(t for u in taken for t in u.new_token_ids),
+        taken[-1].finish_reason,
+        max(u.num_cached_tokens for u in taken),
+        taken[-1].error,
+        next((u.kv_wire_s for u in reversed(taken) if u.kv_wire_s), 0.0),
+        next((u.kv_handoff_s for u in reversed(taken) if u.kv_handoff_s), 0.0),
+    )
+
+
+def coalesce(updates: list[TokenUpdate]) -> list[TokenUpdate]:
+    """Several steps' updates with each request's merged into one, in order of each
+    request's first update. An error stands alone (the tokens before it reach the
+    client first), and nothing is merged past a finish."""
+    merged: dict[str, list[TokenUpdate]] = {}
+    out: list[list[TokenUpdate]] = []
+    for u in updates:
+        run = merged.get(u.req_id)
+        if (
+            run is None
+            or run[-1].finish_reason is not None
+            or u.finish_reason is FinishReason.ERROR
+        ):
+            run = [u]
+            merged[u.req_id] = run
+            out.append(run)
+        else:
+            run.append(u)
+    return [merge_updates(run) for run in out]

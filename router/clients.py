@@ -3,7 +3,7 @@
 Each wraps a Ray actor handle and turns Ray's failure into `WorkerDied`, so the serving
 core speaks in the workers' own verbs and types and a renamed worker method fails at
 type-check time, not in an end-to-end test. Tests give the serving core fakes with the
-same methods (tests/worker_fakes.py) and exercise retries, the local path, stop strings
+same methods (bench/fake_workers.py) and exercise retries, the local path, stop strings
 and aborts in milliseconds.
 """
 

@@ -16,7 +16,7 @@ from engine.wire import GenerationInput
 from router.config import RouterConfig
 from router.orchestrator import DisaggregatedGenerator
 from router.protocol import GenerateCall
-from tests.worker_fakes import FakePools, WordTokenizer, expected_tokens, token_at
+from bench.fake_workers import FakePools, WordTokenizer, expected_tokens, token_at
 
 PROMPT = tuple(range(100, 164))  # 64 tokens: above the short-prompt threshold
 

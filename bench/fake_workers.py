@@ -1,0 +1,228 @@
+"""In-process fakes of the worker clients and the live pools, for the router's serving
+core (its unit tests, and `bench.router_load`): a prefill worker that 'sends' KV to its
+paired decode worker, decode workers that step every running request once per poll,
+and controls to make them die, refuse or run out of room. A token depends only on
+(seed, position), as with the real sampler, so a request resumed elsewhere must produce
+the same tokens as one left alone."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.core.request import FinishReason
+from engine.transfer.layout import KVLayout
+from engine.wire import (
+    GenerationInput,
+    HandoffTarget,
+    PrefillResult,
+    Reservation,
+    TokenBatch,
+    TokenUpdate,
+    WorkerStats,
+)
+from engine.worker import WorkerInfo
+from router.clients import WorkerDied
+from router.pools import WorkerRef
+
+EPOCH = 5
+NUM_BLOCKS = 1024
+
+
+def token_at(seed: int, position: int) -> int:
+    return (seed * 7 + position * 13) % 1000 + 10
+
+
+def expected_tokens(inp: GenerationInput) -> list[int]:
+    n = len(inp.prompt_token_ids)
+    seed = inp.sampling.seed or 0
+    return [token_at(seed, n + i) for i in range(inp.sampling.max_tokens)]
+
+
+class WordTokenizer:
+    """Token t is the text '<t>'."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(x) for x in text.replace(">", " ").replace("<", " ").split()]
+
+
+@dataclass
+class _Running:
+    inp: GenerationInput
+    position: int  # of the next token
+    remaining: int
+
+
+@dataclass
+class FakeWorker:
+    """One worker; answers the verbs of its pool."""
+
+    worker_id: str
+    peers: dict[str, FakeWorker] = field(default_factory=dict)
+    dead: bool = False
+    no_room: bool = False  # decode: reserve() returns None
+    refuse_kv: bool = False  # decode: every arriving hand-off is refused
+    prefill_delay_s: float = 0.0
+    step_s: float = 0.002  # decode: one step of every running request per poll
+    hold_prefill: asyncio.Event | None = None  # prefill waits for it
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+    reserved: dict[str, GenerationInput] = field(default_factory=dict)
+    running: dict[str, _Running] = field(default_factory=dict)
+    aborted: set[str] = field(default_factory=set)
+    outbox: list[TokenUpdate] = field(default_factory=list)
+
+    def _check(self) -> None:
+        if self.dead:
+            raise WorkerDied(f"{self.worker_id} is dead")
+
+    def die(self) -> None:
+        self.dead = True
+
+    # ---------------------------------------------------------------- prefill verbs
+    async def prefill(self, inp: GenerationInput, target: HandoffTarget) -> PrefillResult:
+        self._check()
+        self.calls.append(("prefill", inp.req_id))
+        if self.hold_prefill is not None:
+            await self.hold_prefill.wait()
+        await asyncio.sleep(self.prefill_delay_s)
+        self._check()
+        if inp.req_id in self.aborted:
+            return PrefillResult(None, FinishReason.ABORT, 0, 0.0)
+        first = token_at(inp.sampling.seed or 0, len(inp.prompt_token_ids))
+        if inp.sampling.max_tokens == 1:
+            return PrefillResult(first, FinishReason.LENGTH, 0, self.prefill_delay_s)
+        decode = self.peers[target.worker_id]
+        asyncio.get_running_loop().call_later(0.001, decode.receive_kv, inp.req_id, first)
+        return PrefillResult(first, None, 0, self.prefill_delay_s, transfer_bytes=4096)
+
+    # ---------------------------------------------------------------- decode verbs
+    async def reserve(
+        self, inp: GenerationInput, lease_s: float, source: str | None
+    ) -> Reservation | None:
+        self._check()
+        self.calls.append(("reserve", inp.req_id))
+        if self.no_room or inp.req_id in self.aborted:
+            return None
+        self.reserved[inp.req_id] = inp
+        return Reservation(self.worker_id, EPOCH, (0,))
+
+    async def renew(self, req_ids: list[str], lease_s: float) -> int:
+        self._check()
+        self.calls.append(("renew", tuple(req_ids)))
+        return sum(r in self.reserved for r in req_ids)
+
+    def receive_kv(self, req_id: str, first_token: int) -> None:
+        if self.dead:
+            return
+        inp = self.reserved.pop(req_id, None)
+        if inp is None or self.refuse_kv:
+            if req_id not in self.aborted:
+                self.outbox.append(
+                    TokenUpdate(req_id, finish_reason=FinishReason.ERROR, error="refused")
+                )
+            return
+        n = len(inp.prompt_token_ids)
+        self.running[req_id] = _Running(inp, n + 1, inp.sampling.max_tokens - 1)
+        self.outbox.append(TokenUpdate(req_id, kv_wire_s=0.001, kv_handoff_s=0.002))
+
+    async def submit(self, inp: GenerationInput) -> None:
+        self._check()
+        self.calls.append(("submit", inp.req_id))
+        if inp.req_id in self.aborted:
+            return
+        n = len(inp.prompt_token_ids)
+        self.running[inp.req_id] = _Running(inp, n, inp.sampling.max_tokens)
+
+    async def next_tokens(self) -> TokenBatch:
+        await asyncio.sleep(self.step_s)
+        self._check()
+        updates, self.outbox = self.outbox, []
+        for req_id, run in list(self.running.items()):
+            token = token_at(run.inp.sampling.seed or 0, run.position)
+            run.position += 1
+            run.remaining -= 1
+            reason = FinishReason.LENGTH if run.remaining <= 0 else None
+            updates.append(TokenUpdate(req_id, (token,), reason))
+            if reason is not None:
+                del self.running[req_id]
+        return TokenBatch(tuple(updates), (), self._stats())
+
+    async def abort(self, req_id: str) -> None:
+        self._check()
+        self.calls.append(("abort", req_id))
+        self.aborted.add(req_id)
+        self.reserved.pop(req_id, None)
+        self.running.pop(req_id, None)
+
+    async def load(self) -> WorkerStats:
+        self._check()
+        return self._stats()
+
+    def _stats(self) -> WorkerStats:
+        pool, _, index = self.worker_id.partition("-")
+        held = len(self.reserved) + len(self.running)
+        return WorkerStats(pool, int(index), NUM_BLOCKS, held, len(self.running), 0, 0, 0)  # type: ignore[arg-type]
+
+    @property
+    def holds_nothing(self) -> bool:
+        return not self.reserved and not self.running
+
+
+class FakePools:
+    """The slice of router.pools.Pools the serving core uses, over fake workers."""
+
+    def __init__(
+        self, num_prefill: int, num_decode: int, num_colocated: int = 0, step_s: float = 0.002
+    ) -> None:
+        sizes = {"prefill": num_prefill, "decode": num_decode, "colocated": num_colocated}
+        self.targets = dict(sizes)
+        self.cluster = type("Cluster", (), {"use_gpus": False})()
+        self.on_death: list[Any] = []
+        self.on_removed: list[Any] = []
+        self.fakes: dict[str, FakeWorker] = {}
+        self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in sizes}
+        for pool, size in sizes.items():
+            for index in range(size):
+                worker_id = f"{pool}-{index}"
+                fake = FakeWorker(worker_id, step_s=step_s)
+                self.fakes[worker_id] = fake
+                info = WorkerInfo(
+                    worker_id,
+                    pool,
+                    index,
+                    EPOCH,
+                    KVLayout("fake", "float32", 16, 2, 2, 8),
+                    NUM_BLOCKS,
+                    4096,
+                    2000,
+                    "fake",
+                    "cpu",
+                    0,
+                    "127.0.0.1",
+                )
+                self.workers[pool].append(WorkerRef(pool, index, None, info, client_impl=fake))
+        decode_ids = [w.worker_id for w in self.workers["decode"]]
+        for ref in self.workers["prefill"]:
+            ref.peers.update(decode_ids)
+            self.fakes[ref.worker_id].peers = {d: self.fakes[d] for d in decode_ids}
+
+    def routable(self, pool: str) -> list[WorkerRef]:
+        return [w for w in self.workers[pool] if w.alive]
+
+    def all(self) -> list[WorkerRef]:
+        return [w for refs in self.workers.values() for w in refs]
+
+    @property
+    def reference(self) -> WorkerInfo | None:
+        return self.all()[0].info
+
+    def mark_dead(self, ref: WorkerRef, reason: str) -> None:
+        if ref.state == "dead":
+            return
+        ref.state = "dead"
+        for callback in self.on_death:
+            callback(ref, reason)

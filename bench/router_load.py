@@ -1,0 +1,128 @@
+"""How many tokens a second the router itself can stream, with workers that cost nothing.
+
+The router (gRPC edge, serving core, token delivery) runs in this process over fake
+workers (`bench/fake_workers.py`) whose decode step takes `--step-ms` and produces one
+token for every running request, so the only limit is the router's own event loop.
+A client process drives it with the suite's closed loop. Compare the result with the
+tokens per second a GPU delivers: where the router's ceiling is near it, the router,
+not the GPU, sets the service's throughput.
+
+    python -m bench.router_load --concurrency 128 --requests 512 --profile out.prof
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from bench.fake_workers import FakePools
+from bench.suite_common import free_port
+
+
+def _serve(port: int, args: argparse.Namespace, ready: Any, done: Any) -> None:
+    from router.config import RouterConfig
+    from router.grpc_server import serve
+    from router.metrics import get_metrics
+    from router.orchestrator import DisaggregatedGenerator
+
+    async def main() -> None:
+        pools = FakePools(1, 1, step_s=args.step_ms / 1000)
+        core = DisaggregatedGenerator(
+            pools,  # type: ignore[arg-type]
+            None,
+            RouterConfig(max_in_flight=4096, local_prefill_max_tokens=0),
+        )
+        core.start()
+
+        async def stop_when_done() -> None:
+            while not done.is_set():
+                await asyncio.sleep(0.1)
+            os.kill(os.getpid(), 15)
+
+        asyncio.ensure_future(stop_when_done())
+        await serve(
+            core,  # type: ignore[arg-type]
+            "127.0.0.1",
+            port,
+            drain_grace_s=1.0,
+            on_started=lambda _server: ready.set(),
+            metrics=get_metrics(),
+        )
+
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler is not None:
+        profiler.enable()
+    try:
+        asyncio.run(main())
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(args.profile)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=128)
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--step-ms", type=float, default=2.0, help="fake decode step")
+    p.add_argument("--profile", help="write the router's cProfile stats here")
+    p.add_argument("--out", help="JSON results")
+    args = p.parse_args(argv)
+
+    from bench.suite_service import drive
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    server = ctx.Process(target=_serve, args=(port, args, ready, done))
+    server.start()
+    if not ready.wait(60):
+        server.kill()
+        print("router did not start", file=sys.stderr)
+        return 1
+    prompts = [
+        [100 + (i * 7 + j) % 1000 for j in range(args.prompt_len)] for i in range(args.requests)
+    ]
+    start = time.perf_counter()
+    timings, wall = asyncio.run(
+        drive(f"127.0.0.1:{port}", prompts, args.output_len, concurrency=args.concurrency)
+    )
+    elapsed = time.perf_counter() - start
+    done.set()
+    server.join(30)
+    ok = [t for t in timings if t.ok]
+    tokens = sum(t.num_tokens for t in ok)
+    ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
+    result = {
+        "concurrency": args.concurrency,
+        "requests": args.requests,
+        "ok": len(ok),
+        "step_ms": args.step_ms,
+        "offered_tok_s": round(args.concurrency / (args.step_ms / 1000), 1),
+        "tok_s": round(tokens / wall, 1),
+        "ttft_ms_p50": round(1000 * statistics.median(ttfts), 2) if ttfts else None,
+        "wall_s": round(elapsed, 2),
+    }
+    print(
+        f"router over fake workers: {result['tok_s']} tok/s streamed "
+        f"(workers offer {result['offered_tok_s']}), TTFT p50 {result['ttft_ms_p50']} ms, "
+        f"{len(ok)}/{args.requests} ok"
+    )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if len(ok) == args.requests else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
