@@ -4,7 +4,7 @@ one Ray for the session, the reference engine, and services started per module."
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,14 +19,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from bench.harness import ServiceProcess, running_service  # noqa: E402
+from bench.harness import ServiceProcess, StartService, running_service  # noqa: E402
 from engine.model.embedded import default_cache_dir, ensure_embedded_model  # noqa: E402
 from tests.tiny_models import TINY_ARCHS, tiny_config  # noqa: E402
 
 if TYPE_CHECKING:
     from engine.llm import LLM
-
-StartService = Callable[..., ServiceProcess]
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import signal
 import grpc
 import pytest
 
-from bench.harness import ServiceProcess
+from bench.harness import ServiceProcess, StartService
 from bench.harness.pools import assert_pools_empty, wait_pool_sizes
 from bench.harness.streams import StreamResult, generate
 from engine.llm import LLM
@@ -28,7 +28,6 @@ from pdserve.v1 import admin_pb2 as admin_pb
 from pdserve.v1 import generation_pb2 as pb
 from router.admin_client import list_workers, scale_pool
 from router.client import get_pool_stats
-from tests.conftest import StartService
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.harness import ServiceProcess
+from bench.harness import ServiceProcess, StartService
 from bench.harness.metrics import scrape
 from bench.harness.metrics import value as metric_value
 from bench.harness.pools import assert_pools_empty
@@ -21,7 +21,6 @@ from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.client import build_request, stream_generate
-from tests.conftest import StartService
 
 pytestmark = pytest.mark.e2e
 

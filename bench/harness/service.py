@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -103,6 +103,10 @@ class ServiceProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+# What tests get to start services with: `start(args, name=..., env=..., timeout=...)`.
+StartService = Callable[..., ServiceProcess]
 
 
 class ServiceExitError(AssertionError):
