@@ -5,6 +5,7 @@ sender's plan. No process group, no model: a plain tensor stands in for the cach
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -102,7 +103,7 @@ def _send(
 
 
 def _run_receiver(channel: FakeChannel, worker: Worker) -> threading.Thread:
-    receiver = ChannelReceiver(channel, worker.book, worker)
+    receiver = ChannelReceiver(channel, worker.book, worker, reservation_grace_s=0.3)
     thread = threading.Thread(target=receiver.run, daemon=True)
     thread.start()
     return thread
@@ -256,3 +257,29 @@ def test_one_steps_hand_offs_are_one_message_per_target_within_the_caps() -> Non
 def test_a_message_too_large_for_the_byte_cap_still_goes_alone(num_blocks: int) -> None:
     plan = plan_messages([_ready("big", "d0", 9), _ready("s", "d0", num_blocks)], 100, max_bytes=50)
     assert [[i.req_id for i in m.items] for m in plan] == [["big"], ["s"]]
+
+
+def test_kv_that_overtakes_its_reservation_waits_for_it() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    thread = _run_receiver(recv, worker)
+    _send(send, [("late", 4, 7)], _blocks(3))  # the reservation is still on its way
+    time.sleep(0.05)
+    res = worker.reserve("late", 4)
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert worker.admitted == {"late": 7} and "late" not in worker.errors
+    assert torch.equal(worker.cache[list(res.block_ids)], _blocks(3))
+
+
+def test_kv_for_an_aborted_request_is_dropped_without_waiting_out_the_grace() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    worker.buried.add("gone")
+    receiver = ChannelReceiver(recv, worker.book, worker, reservation_grace_s=30.0)
+    thread = threading.Thread(target=receiver.run, daemon=True)
+    thread.start()
+    _send(send, [("gone", 4, 7)], _blocks(3))
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert not thread.is_alive() and worker.admitted == {} and worker.errors == {}

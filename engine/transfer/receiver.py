@@ -23,9 +23,13 @@ from typing import Any, Protocol
 from engine.core.outputs import GenerationInput
 from engine.transfer.base import ChannelClosed, KVReceiver
 from engine.transfer.handoff import HandoffEntry, HandoffHeader
-from engine.transfer.reservations import HeldReservation, ReservationBook
+from engine.transfer.reservations import NO_RESERVATION, HeldReservation, ReservationBook
 
 log = logging.getLogger(__name__)
+# A sender may post a request's KV as soon as its prompt ran, while the router's
+# reservation call, sent at the same time, is still on its way here: an entry with no
+# reservation waits this long for it (or for the request's abort) before it is refused.
+RESERVATION_GRACE_S = 2.0
 
 
 class ImportTarget(Protocol):
@@ -69,10 +73,17 @@ class ImportTarget(Protocol):
 class ChannelReceiver:
     """Drives one KVReceiver until the peer leaves or the channel breaks."""
 
-    def __init__(self, channel: KVReceiver, book: ReservationBook, target: ImportTarget) -> None:
+    def __init__(
+        self,
+        channel: KVReceiver,
+        book: ReservationBook,
+        target: ImportTarget,
+        reservation_grace_s: float = RESERVATION_GRACE_S,
+    ) -> None:
         self.channel = channel
         self.book = book
         self.target = target
+        self.reservation_grace_s = reservation_grace_s
         self.expected_seq = 0
 
     def run(self) -> None:
@@ -113,8 +124,9 @@ class ChannelReceiver:
             for entry in header.entries:
                 self._refuse(entry, "byte count does not match the layout")
             return False
+        deadline = time.monotonic() + self.reservation_grace_s
         claims: list[tuple[HandoffEntry, HeldReservation | None, str | None]] = [
-            (entry, *self.book.claim(entry, header.dst_epoch)) for entry in header.entries
+            (entry, *self._claim(entry, header.dst_epoch, deadline)) for entry in header.entries
         ]
         block_ids: list[int] = []
         row_ids: list[int] = []
@@ -152,6 +164,19 @@ class ChannelReceiver:
                 continue
             self._admit(held, entry, wire_s, handoff_s)
         return True
+
+    def _claim(
+        self, entry: HandoffEntry, dst_epoch: int, deadline: float
+    ) -> tuple[HeldReservation | None, str | None]:
+        held, problem = self.book.claim(entry, dst_epoch)
+        while (
+            problem == NO_RESERVATION
+            and not self.target.is_buried(entry.req_id)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.0005)
+            held, problem = self.book.claim(entry, dst_epoch)
+        return held, problem
 
     def _refuse(self, entry: HandoffEntry, problem: str) -> None:
         if not self.target.is_buried(entry.req_id):

@@ -27,6 +27,9 @@ class HeldReservation:
     aborted: bool = False
 
 
+NO_RESERVATION = "no reservation (expired, aborted or never made)"
+
+
 class ReservationBook:
     def __init__(self, epoch: int, block_size: int) -> None:
         self.epoch = epoch
@@ -54,7 +57,7 @@ class ReservationBook:
                 )
             held = self._held.get(entry.req_id)
             if held is None:
-                return None, "no reservation (expired, aborted or never made)"
+                return None, NO_RESERVATION
             if held.importing:
                 return None, "already importing"
             reserved = held.reservation.block_ids
