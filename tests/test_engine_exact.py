@@ -21,6 +21,7 @@ from engine.core.outputs import GenerationInput
 from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from tests.fakes import assert_engine_empty
 
 SHARED = (
     "The following is a conversation between a helpful assistant and a user who asks "
@@ -80,7 +81,7 @@ def run_engine(
         for upd in core.step():
             outputs[int(upd.req_id)].extend(upd.new_token_ids)
         step += 1
-    assert core.scheduler.kv.num_blocks_in_use == 0
+    assert_engine_empty(core)
     if scheduler.enable_prefix_caching and num_blocks > 100:
         assert core.scheduler.kv.stats.hit_tokens > 0, "shared prefix never hit the cache"
     return outputs, sum(r.num_preemptions for r in reqs)

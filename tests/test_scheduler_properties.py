@@ -13,7 +13,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.outputs import GenerationInput
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason
 from engine.sampling_params import SamplingParams
-from tests.fakes import FakeRunner, expected_output
+from tests.fakes import FakeRunner, assert_engine_empty, expected_output
 
 ops = st.lists(
     st.one_of(
@@ -127,7 +127,7 @@ def test_random_workloads_keep_blocks_consistent(
             break
         step()
     assert not core.has_unfinished, "a request never finished (starved)"
-    assert core.scheduler.kv.num_blocks_in_use == 0
+    assert_engine_empty(core)
     assert set(finished) == set(prompts)
     for req_id, reason in finished.items():
         if reason is FinishReason.LENGTH:
