@@ -1,8 +1,8 @@
 """What every benchmark's JSON shares: one percentile definition and one provenance record.
 
 * `percentile(values, q)`: linear interpolation between the two nearest ranks (numpy's
-  default, and `statistics.median` at q = 50). Every table in docs/benchmarks.md that
-  gives a p50, p90 or p99 from a run of this tree uses it.
+  default, and `statistics.median` at q = 50). Every script under bench/ uses it
+  (docs/benchmarks.md says which older numbers were made with another definition).
 * `provenance(module, args)`: the commit, whether the tree had uncommitted changes, the
   date (UTC), the machine (CPU model, GPU names) and the command line that reproduces
   the run. Benchmarks put it under the key "provenance" of their JSON.
