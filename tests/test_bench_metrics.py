@@ -1,6 +1,8 @@
-"""The serving benchmarks' per-request latency metrics (bench/suite_common.py)."""
+"""The serving benchmarks' per-request latency metrics and percentiles."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -23,3 +25,19 @@ def test_tpot_is_the_mean_gap_and_itl_keeps_every_gap() -> None:
     # One long gap lifts the first request's TPOT; most gaps are still 10 ms.
     assert summary["itl_ms"]["p50"] == pytest.approx(10.0)
     assert summary["tpot_ms"]["mean"] == pytest.approx((162.5 + 10.0) / 2)
+
+
+def test_every_benchmark_reports_the_same_percentiles() -> None:
+    """bench.load and the GPU suite give one p50 / p99 for the same samples: linear
+    interpolation between ranks (the median of an even count is the middle pair's mean)."""
+    from bench.report import distribution, percentile
+    from bench.suite_common import dist_ms
+
+    samples_s = [0.010, 0.020, 0.030, 0.040]
+    suite = dist_ms(samples_s)
+    load = distribution(samples_s, scale=1000)
+    assert suite["p50"] == pytest.approx(load["p50"]) == pytest.approx(25.0)
+    assert suite["p99"] == pytest.approx(load["p99"]) == pytest.approx(39.7)
+    assert math.isnan(percentile([], 50))  # no samples, no number
+    with pytest.raises(ValueError, match="percentile"):
+        percentile(samples_s, 101)
