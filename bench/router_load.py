@@ -18,12 +18,12 @@ import cProfile
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 from typing import Any
 
 from bench.fake_workers import FakePools
+from bench.report import percentile, provenance
 from bench.suite_common import free_port
 
 
@@ -104,13 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(t.num_tokens for t in ok)
     ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
     result = {
+        "provenance": provenance("bench.router_load", sys.argv[1:] if argv is None else argv),
         "concurrency": args.concurrency,
         "requests": args.requests,
         "ok": len(ok),
         "step_ms": args.step_ms,
         "offered_tok_s": round(args.concurrency / (args.step_ms / 1000), 1),
         "tok_s": round(tokens / wall, 1),
-        "ttft_ms_p50": round(1000 * statistics.median(ttfts), 2) if ttfts else None,
+        "ttft_ms_p50": round(1000 * percentile(ttfts, 50), 2) if ttfts else None,
         "wall_s": round(elapsed, 2),
     }
     print(
