@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from bench.fake_workers import FakePools, WordTokenizer, expected_tokens, token_at
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -16,7 +17,6 @@ from engine.wire import GenerationInput
 from router.config import RouterConfig
 from router.orchestrator import DisaggregatedGenerator
 from router.protocol import GenerateCall
-from bench.fake_workers import FakePools, WordTokenizer, expected_tokens, token_at
 
 PROMPT = tuple(range(100, 164))  # 64 tokens: above the short-prompt threshold
 
