@@ -1,4 +1,5 @@
-"""AdminService: list, scale and drain workers while serving.
+"""AdminService: list, scale and drain workers, and set the local-prefill policy, while
+serving.
 
 Always registered (so reflection shows it), refused with PERMISSION_DENIED unless the
 server was started with --enable-admin. Bearer-token auth, when on, covers it like
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
 
 import grpc
 
@@ -16,6 +19,7 @@ from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.cluster import POOLS
 from router.pools import Pools, WorkerRef
+from router.prefill_policy import PrefillPolicyConfig
 
 log = logging.getLogger("pdserve.admin")
 
@@ -43,9 +47,23 @@ def describe(ref: WorkerRef) -> pb.WorkerDescription:
     )
 
 
+class PolicyHolder(Protocol):
+    """The serving core's side of SetPrefillPolicy."""
+
+    prefill_policy: PrefillPolicyConfig
+
+    def set_prefill_policy(self, config: PrefillPolicyConfig) -> None: ...
+
+
 class AdminServicer(pb_grpc.AdminServiceServicer):
-    def __init__(self, pools: Callable[[], Pools | None], enabled: bool) -> None:
+    def __init__(
+        self,
+        pools: Callable[[], Pools | None],
+        enabled: bool,
+        core: Callable[[], PolicyHolder | None] = lambda: None,
+    ) -> None:
         self._pools = pools
+        self._core = core
         self.enabled = enabled
 
     async def _check(self, context: grpc.aio.ServicerContext) -> Pools:
@@ -113,3 +131,31 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
             )
         await pools.drain(request.worker_id)
         return pb.DrainWorkerResponse()
+
+    async def SetPrefillPolicy(
+        self, request: pb.SetPrefillPolicyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetPrefillPolicyResponse:
+        await self._check(context)
+        core = self._core()
+        if core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the serving core is starting")
+        assert core is not None
+        changes = {
+            name: getattr(request, name)
+            for name in ("local_prefill_max_tokens", "slo_ttft_ms", "slo_tpot_ms")
+            if request.HasField(name)
+        }
+        if changes:
+            try:
+                policy = replace(core.prefill_policy, **changes)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            core.set_prefill_policy(policy)
+        now = core.prefill_policy
+        return pb.SetPrefillPolicyResponse(
+            policy=pb.PrefillPolicy(
+                local_prefill_max_tokens=now.local_prefill_max_tokens,
+                slo_ttft_ms=now.slo_ttft_ms,
+                slo_tpot_ms=now.slo_tpot_ms,
+            )
+        )

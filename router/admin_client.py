@@ -1,4 +1,5 @@
-"""Client side of AdminService: `pdserve scale` and `pdserve workers`."""
+"""Client side of AdminService: `pdserve scale`, `pdserve workers` and
+`pdserve prefill-policy`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import grpc
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.client import ClientSecurity, add_security_arguments, parse_target
-from router.flag_types import at_least
+from router.flag_types import at_least, number_in
 from router.flags import POOLS
 
 # Scaling waits for new workers to load their model, or old ones to drain.
@@ -53,9 +54,23 @@ async def drain_worker(
         )
 
 
-def add_admin_arguments(scale: argparse.ArgumentParser, workers: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve scale` and `pdserve workers`."""
-    for parser in (scale, workers):
+async def set_prefill_policy(
+    target: str, request: pb.SetPrefillPolicyRequest, security: ClientSecurity | None = None
+) -> pb.SetPrefillPolicyResponse:
+    security = security or ClientSecurity()
+    async with security.channel(target) as channel:
+        return await pb_grpc.AdminServiceStub(channel).SetPrefillPolicy(
+            request, timeout=10.0, metadata=security.metadata()
+        )
+
+
+def add_admin_arguments(
+    scale: argparse.ArgumentParser,
+    workers: argparse.ArgumentParser,
+    policy: argparse.ArgumentParser,
+) -> None:
+    """Flags of `pdserve scale`, `pdserve workers` and `pdserve prefill-policy`."""
+    for parser in (scale, workers, policy):
         parser.add_argument(
             "--server", type=parse_target, required=True, help="router address, HOST:PORT"
         )
@@ -63,6 +78,9 @@ def add_admin_arguments(scale: argparse.ArgumentParser, workers: argparse.Argume
     for pool in POOLS:
         scale.add_argument(f"--{pool}", type=at_least(0), metavar="N", help=f"{pool} pool size")
     scale.add_argument("--drain", metavar="WORKER_ID", help="drain one worker (e.g. decode-1)")
+    policy.add_argument("--local-prefill-max-tokens", type=at_least(0), metavar="N")
+    policy.add_argument("--slo-ttft-ms", type=number_in(0, open_low=True), metavar="MS")
+    policy.add_argument("--slo-tpot-ms", type=number_in(0, open_low=True), metavar="MS")
 
 
 # Epochs are 62 random bits in hex: padded to 16 digits, one incarnation's epoch lines up
@@ -96,10 +114,26 @@ def _table(workers: list[pb.WorkerDescription]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _policy_line(policy: pb.PrefillPolicy) -> str:
+    return (
+        f"local_prefill_max_tokens={policy.local_prefill_max_tokens} "
+        f"slo_ttft_ms={policy.slo_ttft_ms:g} slo_tpot_ms={policy.slo_tpot_ms:g}"
+    )
+
+
 async def run_admin(ns: argparse.Namespace, security: ClientSecurity | None = None) -> int:
-    """`pdserve scale` / `pdserve workers`: act, then print the workers; the exit status."""
+    """`pdserve scale` / `workers` / `prefill-policy`: act, then print the workers (or
+    the policy now in effect); the exit status."""
     security = security or ClientSecurity.from_args(ns)
     try:
+        if ns.command == "prefill-policy":
+            fields = ("local_prefill_max_tokens", "slo_ttft_ms", "slo_tpot_ms")
+            changes = {f: getattr(ns, f) for f in fields if getattr(ns, f) is not None}
+            reply = await set_prefill_policy(
+                ns.server, pb.SetPrefillPolicyRequest(**changes), security
+            )
+            print(_policy_line(reply.policy))
+            return 0
         if ns.command == "scale":
             sizes = {p: getattr(ns, p) for p in POOLS}
             requested = {p: n for p, n in sizes.items() if n is not None}

@@ -43,7 +43,7 @@ def _run(ns: argparse.Namespace, sub: argparse.ArgumentParser, given: set[str]) 
         _or_usage_error(sub, lambda: check_serve_flags(ns, given))
         config = _or_usage_error(sub, lambda: commands.serve_config(ns))
         return commands.serve(config)
-    if ns.command in ("scale", "workers"):
+    if ns.command in ("scale", "workers", "prefill-policy"):
         from router.admin_client import run_admin
 
         if ns.command == "scale":

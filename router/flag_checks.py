@@ -58,7 +58,14 @@ def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
             f
             for f in given
             if f.startswith("--prefill-")
-            or f in ("--decode-workers", "--decode-resources", "--local-prefill-max-tokens")
+            or f
+            in (
+                "--decode-workers",
+                "--decode-resources",
+                "--local-prefill-max-tokens",
+                "--slo-ttft-ms",
+                "--slo-tpot-ms",
+            )
         )
         if pool_only:
             raise ValueError(

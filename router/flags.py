@@ -23,6 +23,7 @@ from router.flag_types import (
     port,
     resources,
 )
+from router.prefill_policy import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from router.routing import ROUTING_POLICIES, RoutingConfig
 from router.security import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -169,7 +170,21 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         type=at_least(0),
         default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
         help="prompts with at most this many tokens not cached on the decode worker run "
-        "there, with no hand-off (0 = always hand off)",
+        "there, with no hand-off (0 = only when the prefill pool is saturated, see "
+        "--slo-ttft-ms)",
+    )
+    g.add_argument(
+        "--slo-ttft-ms",
+        type=number_in(0, open_low=True),
+        default=DEFAULT_SLO_TTFT_MS,
+        help="time-to-first-token target: when the prefill pool cannot meet it, prompts "
+        "run on the decode worker if it stays within --slo-tpot-ms",
+    )
+    g.add_argument(
+        "--slo-tpot-ms",
+        type=number_in(0, open_low=True),
+        default=DEFAULT_SLO_TPOT_MS,
+        help="time-per-output-token target that a prompt run on a decode worker must keep",
     )
 
 
@@ -180,6 +195,8 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
         max_queue=ns.max_queue,
         routing=RoutingConfig(policy=ns.routing),
         local_prefill_max_tokens=ns.local_prefill_max_tokens,
+        slo_ttft_ms=ns.slo_ttft_ms,
+        slo_tpot_ms=ns.slo_tpot_ms,
         # The router's queue follows the pools' policy: priority first, with aging.
         admission_order="priority"
         if "priority" in (ns.prefill_policy, ns.decode_policy)
@@ -251,7 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
         "scale", help="resize pools or drain a worker of a running server (needs --enable-admin)"
     )
     workers = sub.add_parser("workers", help="list the workers of a running server")
-    add_admin_arguments(scale, workers)
+    policy = sub.add_parser(
+        "prefill-policy",
+        help="show or change where a running server runs prompts (needs --enable-admin)",
+    )
+    add_admin_arguments(scale, workers, policy)
     add_model_args(gen)
     add_engine_args(gen)
     return parser

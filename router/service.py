@@ -109,7 +109,9 @@ async def run_service(
             security=config.security,
             metrics=metrics,
             admin=AdminServicer(
-                lambda: pools if front.inner is not None else None, config.enable_admin
+                lambda: pools if front.inner is not None else None,
+                config.enable_admin,
+                lambda: front.inner,
             ),
         )
     finally:

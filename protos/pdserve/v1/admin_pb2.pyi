@@ -86,3 +86,29 @@ class DrainWorkerRequest(_message.Message):
 class DrainWorkerResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PrefillPolicy(_message.Message):
+    __slots__ = ("local_prefill_max_tokens", "slo_ttft_ms", "slo_tpot_ms")
+    LOCAL_PREFILL_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    local_prefill_max_tokens: int
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    def __init__(self, local_prefill_max_tokens: _Optional[int] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ...) -> None: ...
+
+class SetPrefillPolicyRequest(_message.Message):
+    __slots__ = ("local_prefill_max_tokens", "slo_ttft_ms", "slo_tpot_ms")
+    LOCAL_PREFILL_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    local_prefill_max_tokens: int
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    def __init__(self, local_prefill_max_tokens: _Optional[int] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ...) -> None: ...
+
+class SetPrefillPolicyResponse(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: PrefillPolicy
+    def __init__(self, policy: _Optional[_Union[PrefillPolicy, _Mapping]] = ...) -> None: ...

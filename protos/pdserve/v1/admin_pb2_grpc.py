@@ -49,6 +49,11 @@ class AdminServiceStub:
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
+        self.SetPrefillPolicy = channel.unary_unary(
+                '/pdserve.v1.AdminService/SetPrefillPolicy',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.SetPrefillPolicyRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.SetPrefillPolicyResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -77,6 +82,15 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetPrefillPolicy(self, request, context):
+        """Change the thresholds by which the router runs a prompt on the decode worker
+        instead of the prefill pool; fields left unset keep their value. Returns the
+        policy now in effect (a request with no field set only reads it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +108,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.DrainWorker,
                     request_deserializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'SetPrefillPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPrefillPolicy,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.SetPrefillPolicyRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.SetPrefillPolicyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +196,33 @@ class AdminService:
             '/pdserve.v1.AdminService/DrainWorker',
             pdserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.SerializeToString,
             pdserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPrefillPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.AdminService/SetPrefillPolicy',
+            pdserve_dot_v1_dot_admin__pb2.SetPrefillPolicyRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.SetPrefillPolicyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,121 @@
+"""Where a prompt runs: the decision's rules, and changing them while serving."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from bench.fake_workers import FakePools, WordTokenizer
+from engine.core.outputs import FinalResult
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import admin_pb2 as pb
+from router.admin import AdminServicer
+from router.config import RouterConfig
+from router.orchestrator import DisaggregatedGenerator
+from router.prefill_policy import PathInputs, PrefillPolicyConfig, PrefillRate, decide
+from router.protocol import GenerateCall
+
+IDLE = PathInputs(
+    has_prefill=True,
+    num_uncached_decode=512,
+    num_uncached_prefill=512,
+    prefill_queued_tokens=0,
+    prefill_tokens_per_s=10_000.0,
+    handoff_s=0.001,
+    decode_running=8,
+    decode_step_s=0.010,
+    decode_queued_tokens=0,
+    decode_free_blocks=1000,
+    num_prompt_blocks=32,
+    step_tokens=2048,
+)
+SATURATED = {"prefill_queued_tokens": 20_000, "num_uncached_decode": 400, "decode_step_s": 0.0101}
+POLICY = PrefillPolicyConfig(local_prefill_max_tokens=32, slo_ttft_ms=1000, slo_tpot_ms=50)
+
+
+@pytest.mark.parametrize(
+    ("changes", "path", "reason"),
+    [
+        ({}, "remote", "prefill_within_slo"),
+        ({"has_prefill": False}, "local", "no_prefill_worker"),
+        ({"num_uncached_decode": 20}, "local", "short_prompt"),
+        ({"decode_free_blocks": 40}, "remote", "decode_kv_pressure"),
+        ({"prefill_tokens_per_s": None}, "remote", "no_estimate"),
+        # 20 000 tokens queued at 10 000 tok/s: 2 s to the first token remotely; the
+        # decode worker has nothing queued, and 400 tokens make one 2 ms step 42 ms.
+        ({**SATURATED, "decode_step_s": 0.002}, "local", "prefill_saturated"),
+        # The same, but that step would take 50 ms: over the 50 ms TPOT target.
+        (SATURATED, "remote", "decode_at_tpot_slo"),
+        # Saturated, but the decode worker's own queue is longer still.
+        (
+            {**SATURATED, "decode_step_s": 0.002, "decode_queued_tokens": 40_000},
+            "remote",
+            "remote_sooner",
+        ),
+        # Nothing running on decode: its step budget is the only cost.
+        ({"prefill_queued_tokens": 20_000, "decode_running": 0}, "local", "prefill_saturated"),
+    ],
+)
+def test_each_rule_gives_its_path_and_reason(
+    changes: dict[str, object], path: str, reason: str
+) -> None:
+    decision = decide(replace(IDLE, **changes), POLICY)  # type: ignore[arg-type]
+    assert (decision.path, decision.reason) == (path, reason)
+
+
+def test_bad_targets_are_refused_with_the_field_named() -> None:
+    with pytest.raises(ValueError, match="slo_ttft_ms"):
+        PrefillPolicyConfig(slo_ttft_ms=0)
+    with pytest.raises(ValueError, match="local_prefill_max_tokens"):
+        PrefillPolicyConfig(local_prefill_max_tokens=-1)
+
+
+def test_prefill_rate_under_load_counts_tokens_over_busy_time() -> None:
+    rate = PrefillRate(window_s=0.1)
+    rate.observe(512, 0.05, now=10.05, busy_since=10.0, was_idle=True)
+    assert rate.tokens_per_s.value == pytest.approx(512 / 0.05)
+    # Busy since 10.0 throughout: 16 replies of one step, then 16 of the next.
+    for _ in range(16):
+        rate.observe(512, 0.2, now=10.2, busy_since=10.0, was_idle=False)
+    for _ in range(16):
+        rate.observe(512, 0.2, now=10.3, busy_since=10.0, was_idle=False)
+    assert rate.tokens_per_s.value is not None and rate.tokens_per_s.value > 20_000
+
+
+class _Context:
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+def test_the_policy_changes_while_serving_and_applies_to_the_next_request() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        core = DisaggregatedGenerator(pools, WordTokenizer(), RouterConfig())  # type: ignore[arg-type]
+        core.start()
+        admin = AdminServicer(lambda: pools, True, lambda: core)  # type: ignore[arg-type,return-value]
+        call = GenerateCall(
+            "", None, tuple(range(100, 164)), None, SamplingParams(max_tokens=3, seed=1)
+        )
+
+        async def local_prefill() -> bool:
+            async for item in core.generate(call):
+                if isinstance(item, FinalResult):
+                    return item.timings.local_prefill
+            raise AssertionError("no final")
+
+        assert not await local_prefill()  # 64 tokens: handed off by default
+        reply = await admin.SetPrefillPolicy(
+            pb.SetPrefillPolicyRequest(local_prefill_max_tokens=100), _Context()
+        )
+        assert reply.policy.local_prefill_max_tokens == 100
+        assert reply.policy.slo_ttft_ms == RouterConfig().slo_ttft_ms  # unset: kept
+        assert await local_prefill()
+        with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: slo_tpot_ms"):
+            await admin.SetPrefillPolicy(pb.SetPrefillPolicyRequest(slo_tpot_ms=-1), _Context())
+        assert core.prefill_policy.local_prefill_max_tokens == 100
+        await core.stop()
+
+    asyncio.run(body())
