@@ -103,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="more `pdserve serve` flags for every service (cc, c, goodput), one string",
     )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="b and every service without torch.compile (8B shapes then start in about a "
+        "minute instead of several on a fresh machine; compare runs of one setting only)",
+    )
     p.add_argument("--offline-timeout", type=float, default=900.0, help="per shape, s")
     p.add_argument(
         "--time-budget",
@@ -132,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns.ttft_lens = parse_ints(ns.ttft_lens)
     if ns.rounds is not None and ns.rounds < 1:
         p.error("--rounds must be >= 1")
-    ns.serve_extra = shlex.split(ns.serve_extra)
+    ns.serve_extra = shlex.split(ns.serve_extra) + (["--no-compile"] if ns.no_compile else [])
     resolve_goodput_args(ns, p)
     kv = dict(DEFAULT_KV_GIB)
     for item in (ns.kv_cache_gib or "").split(","):
@@ -170,6 +176,7 @@ def run_offline(
         "--ttft-lens=" + ",".join(map(str, ns.ttft_lens)),
         f"--copy-bytes={(1 << 30) if ns.device == 'cuda' else (64 << 20)}",
         f"--out={out}",
+        *(["--no-compile"] if ns.no_compile else []),
     ]
     start = time.perf_counter()
     with open(log, "wb") as f:

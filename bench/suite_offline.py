@@ -119,7 +119,7 @@ def run_engine(
             device=str(device),
             dtype=dtype,
             kv_cache_gib=ns.kv_cache_gib,
-            compile_model=part != "b0",
+            compile_model=part != "b0" and not ns.no_compile,
             async_scheduling=part != "bs",
             scheduler=SchedulerConfig(
                 max_num_seqs=max(128, *ns.concurrency),
@@ -297,6 +297,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--ttft-lens", default="", help="b: prompt lengths run alone (concurrency 1)")
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="b: the decoder as transformers runs it (no torch.compile: starts in a minute)",
+    )
     p.add_argument(
         "--step-tokens",
         type=int,

@@ -13,9 +13,7 @@ The goodput part (Poisson arrivals) is bench.suite_goodput; it uses `Service` an
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,71 +25,15 @@ from typing import Any
 
 import grpc
 
+from bench.harness import ServiceProcess as Service
 from bench.suite_common import (
     REPO,
     KVGeometry,
     ReqTiming,
-    free_port,
     make_prompts,
     summarize,
 )
 from bench.suite_plan import RunSpec, prompts_for
-
-
-class Service:
-    """`python -m router.cli serve ARGS` on a free loopback port; log to a file."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.args = args
-        env = dict(os.environ)
-        env.setdefault("RAY_AUTH_MODE", "disabled")
-        env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        env["PYTHONUNBUFFERED"] = "1"
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.started = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port), *args],
-            cwd=REPO,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def log_tail(self, n: int = 3000) -> str:
-        return self.log_path.read_bytes()[-n:].decode(errors="replace")
-
-    def wait_serving(self, timeout_s: float) -> float:
-        """Seconds until health said SERVING; raises with the log's tail if it never does."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"service exited {self.proc.returncode}:\n{self.log_tail()}")
-                try:
-                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return time.perf_counter() - self.started
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.25)
-        raise TimeoutError(f"service not SERVING after {timeout_s:.0f}s:\n{self.log_tail()}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 def serve_help() -> str:
