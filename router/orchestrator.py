@@ -133,9 +133,6 @@ class DisaggregatedGenerator:
         self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
         self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of)
-        # A decode step's token budget (the engines' default): the largest chunk of a
-        # local prompt that one decode step carries.
-        self.step_tokens = 8192 if getattr(pools.cluster, "use_gpus", False) else 2048
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -457,7 +454,7 @@ class DisaggregatedGenerator:
             decode_queued_tokens=decode_ref.load.queued_tokens,
             decode_free_blocks=stats.num_blocks_free if stats is not None else None,
             num_prompt_blocks=-(-num_prompt // self.block_size),
-            step_tokens=self.step_tokens,
+            num_output_tokens=attempt.inp.sampling.max_tokens,
         )
         decision = decide(inputs, self.prefill_policy)
         if decision.path == "local":

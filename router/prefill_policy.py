@@ -12,12 +12,16 @@ the decode worker's running batch, step time, free blocks and its own queued pro
 3. `decode_kv_pressure`: the decode worker lacks free blocks for the prompt twice over →
    remote (its own waiting queue would hold the prompt while blocks run out).
 4. `no_estimate`: no prefill rate measured yet → remote.
-5. `prefill_within_slo`: estimated remote TTFT ≤ the TTFT target → remote: the decode
-   batch keeps its pace, which is what disaggregation is for.
+5. `prefill_within_slo`: estimated remote TTFT within half the TTFT target (the other
+   half is headroom for the tail: the target is met by 90 % of requests, the estimate
+   is a typical case) → remote: the decode batch keeps its pace, which is what
+   disaggregation is for.
 6. Otherwise the prefill pool is saturated. If running the prompt on the decode worker
-   (chunked, so its running requests keep stepping) gives the first token sooner and
-   keeps the decode step under the TPOT target → local (`prefill_saturated`); else
-   remote (`decode_at_tpot_slo`, or `remote_sooner`).
+   gives the first token sooner and keeps its running requests within the TPOT target
+   → local (`prefill_saturated`); else remote (`decode_at_tpot_slo`, or
+   `remote_sooner`). TPOT is a request's mean time per output token, so the stall of
+   the prompts queued there (this one included) counts spread over an output's length:
+   projected TPOT = step time + queued local prompt time / output tokens.
 
 Pure functions and small estimators; no Ray, no gRPC.
 """
@@ -31,6 +35,7 @@ Path = Literal["local", "remote"]
 DEFAULT_SLO_TTFT_MS = 1000.0
 DEFAULT_SLO_TPOT_MS = 50.0
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 32
+TTFT_HEADROOM = 0.5  # remote while its estimated TTFT is within this share of the target
 REASONS = (
     "no_prefill_worker",
     "short_prompt",
@@ -78,7 +83,7 @@ class PathInputs:
     decode_queued_tokens: int  # prompt tokens queued there to run locally
     decode_free_blocks: int | None  # None: not reported yet
     num_prompt_blocks: int
-    step_tokens: int  # a step's token budget: the largest chunk a local prompt adds
+    num_output_tokens: int  # the request's max_tokens: how long its decode runs
 
 
 @dataclass(frozen=True)
@@ -104,14 +109,14 @@ def decide(inputs: PathInputs, config: PrefillPolicyConfig) -> PathDecision:
     ttft_remote = (
         inputs.prefill_queued_tokens + inputs.num_uncached_prefill
     ) / rate + inputs.handoff_s
-    if ttft_remote * 1000 <= config.slo_ttft_ms:
+    if ttft_remote * 1000 <= TTFT_HEADROOM * config.slo_ttft_ms:
         return PathDecision("remote", "prefill_within_slo", ttft_remote)
     # The decode worker runs prompts at about the prefill pool's rate (the same engine
     # on the same kind of device), between its decode steps.
     step_s = inputs.decode_step_s or 0.0
-    ttft_local = (inputs.decode_queued_tokens + inputs.num_uncached_decode) / rate + step_s
-    chunk = min(inputs.num_uncached_decode, inputs.step_tokens)
-    tpot_local = step_s + chunk / rate
+    local_s = (inputs.decode_queued_tokens + inputs.num_uncached_decode) / rate
+    ttft_local = local_s + step_s
+    tpot_local = step_s + local_s / max(inputs.num_output_tokens, 1)
     if inputs.decode_running and tpot_local * 1000 > config.slo_tpot_ms:
         return PathDecision("remote", "decode_at_tpot_slo", ttft_remote, ttft_local)
     if ttft_local < ttft_remote:

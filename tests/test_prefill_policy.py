@@ -30,9 +30,9 @@ IDLE = PathInputs(
     decode_queued_tokens=0,
     decode_free_blocks=1000,
     num_prompt_blocks=32,
-    step_tokens=2048,
+    num_output_tokens=10,
 )
-SATURATED = {"prefill_queued_tokens": 20_000, "num_uncached_decode": 400, "decode_step_s": 0.0101}
+SATURATED = {"prefill_queued_tokens": 20_000, "num_uncached_decode": 400}
 POLICY = PrefillPolicyConfig(local_prefill_max_tokens=32, slo_ttft_ms=1000, slo_tpot_ms=50)
 
 
@@ -45,13 +45,19 @@ POLICY = PrefillPolicyConfig(local_prefill_max_tokens=32, slo_ttft_ms=1000, slo_
         ({"decode_free_blocks": 40}, "remote", "decode_kv_pressure"),
         ({"prefill_tokens_per_s": None}, "remote", "no_estimate"),
         # 20 000 tokens queued at 10 000 tok/s: 2 s to the first token remotely; the
-        # decode worker has nothing queued, and 400 tokens make one 2 ms step 42 ms.
+        # decode worker has nothing queued: 400 tokens take it 40 ms, 4 ms over each of
+        # a running request's 10 output tokens.
         ({**SATURATED, "decode_step_s": 0.002}, "local", "prefill_saturated"),
-        # The same, but that step would take 50 ms: over the 50 ms TPOT target.
-        (SATURATED, "remote", "decode_at_tpot_slo"),
-        # Saturated, but the decode worker's own queue is longer still.
+        # The same on a decode worker already at 48 ms a step: 52 ms, over the target.
+        ({**SATURATED, "decode_step_s": 0.048}, "remote", "decode_at_tpot_slo"),
+        # Saturated, but the decode worker's own queue is longer still (4 s).
         (
-            {**SATURATED, "decode_step_s": 0.002, "decode_queued_tokens": 40_000},
+            {
+                **SATURATED,
+                "decode_step_s": 0.002,
+                "decode_queued_tokens": 40_000,
+                "num_output_tokens": 1000,
+            },
             "remote",
             "remote_sooner",
         ),
