@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
-import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,44 +254,6 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_security_arguments(parser)
 
 
-async def run_generate(args: argparse.Namespace) -> int:
-    """Print text to stdout as it arrives, then a usage line to stderr; returns an exit code."""
-    inputs: dict[str, Any] = (
-        {"messages": [("user", args.prompt)]} if args.chat else {"prompt": args.prompt}
-    )
-    start = time.perf_counter()
-    final: pb.GenerateResponse | None = None
-    try:
-        async for response in stream_generate(
-            args.server or DEFAULT_TARGET,
-            **inputs,
-            request_id=args.request_id,
-            timeout=args.timeout,
-            security=ClientSecurity.from_args(args),
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos or None,
-        ):
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
-            if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                final = response
-    except grpc.aio.AioRpcError as exc:
-        sys.stdout.write("\n")
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
-    sys.stdout.write("\n")
-    if final is None:
-        print("error: stream ended without a final message", file=sys.stderr)
-        return 1
-    print(format_usage(final, time.perf_counter() - start), file=sys.stderr)
-    return 0
-
-
 def format_usage(final: pb.GenerateResponse, elapsed_s: float) -> str:
     """One line: finish reason, token counts, TTFT and wall time."""
     u, t = final.usage, final.timings
@@ -304,19 +263,3 @@ def format_usage(final: pb.GenerateResponse, elapsed_s: float) -> str:
         f"completion={u.completion_tokens} cached={u.cached_prompt_tokens} "
         f"ttft={t.time_to_first_token_seconds:.3f}s total={elapsed_s:.3f}s"
     )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m router.client PROMPT [--server HOST:PORT] ...`"""
-    parser = argparse.ArgumentParser(prog="pdserve generate", description=__doc__)
-    add_generate_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return asyncio.run(run_generate(args))
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)  # Ctrl-C: no traceback
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

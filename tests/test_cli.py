@@ -16,13 +16,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from bench.harness import REPO, service_env
 from engine.core.request import FinishReason
 from router.cli import build_parser, main
 from router.commands import sampling_params
 from router.flags import engine_args
 from router.grpc_server import GrpcServer
-from tests.service import REPO, service_env
-from tests.test_servicer import FakeCore, run_with_server
+from tests.fake_core import FakeCore, run_with_server
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

@@ -12,7 +12,7 @@ truth: nothing is rewritten by hand.
 Compiled at start-up with a symbolic token count (one more graph for a single token):
 the CUDA graphs of decode steps are captured from it, and steps without a graph (prefill
 chunks, mixed steps, every step of a prefill engine) run it directly. Prefill gains as
-much as decode: a 2048-token step of the 1B shape runs 2.4x faster (docs/benchmarks.md).
+much as decode: a 2048-token step of the 1B shape runs 2.4x faster (docs/benchmarks-history.md).
 """
 
 from __future__ import annotations
