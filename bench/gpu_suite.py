@@ -51,7 +51,7 @@ from typing import Any
 from bench.report import provenance
 from bench.suite_common import KVGeometry, error_record, shape_path
 from bench.suite_goodput import add_goodput_args, resolve_goodput_args
-from bench.suite_plan import RunSpec, parse_ints, plan_runs
+from bench.suite_plan import parse_ints, plan_from_args
 from bench.suite_report import format_tables
 
 ALL_PARTS = ("a", "a2", "b", "cc", "c", "floor", "handoff", "goodput")
@@ -210,18 +210,6 @@ def run_nccl_raw(ns: argparse.Namespace, workdir: Path) -> dict:
     return send_bandwidth(sorted(sizes), use_cuda=ns.device == "cuda")
 
 
-def run_plan(ns: argparse.Namespace) -> list[RunSpec]:
-    """The closed-loop runs of b, cc and c (bench.suite_offline builds the same for b)."""
-    return plan_runs(
-        ns.concurrency,
-        ns.prompt_len,
-        rounds=ns.rounds,
-        rounds_at_c1=ns.rounds_at_c1,
-        burst=ns.burst,
-        ttft_lens=ns.ttft_lens,
-    )
-
-
 SERVICE_PARTS = (("cc", "colocated"), ("c", "service"))  # part, key in the shape's record
 
 
@@ -237,7 +225,7 @@ def run_service(
             shape,
             model,
             workdir=workdir,
-            plan=run_plan(ns) if part in parts else [],
+            plan=plan_from_args(ns) if part in parts else [],
             output_len=ns.output_len,
             kv_cache_gib=ns.kv_cache_gib.get(shape, 8.0),
             handoff_lens=ns.handoff_lens if part == "c" and "handoff" in parts else [],

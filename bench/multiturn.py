@@ -34,7 +34,7 @@ from typing import Any, Literal, Protocol
 from bench.report import provenance
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
 from router.kv_index import PrefixIndex
-from router.routing import RoutingConfig, RoutingPolicy, choose_worker
+from router.routing import RoutingConfig, RoutingPolicy, choose_by_work, choose_worker
 
 Pool = Literal["prefill", "colocated"]
 
@@ -159,6 +159,7 @@ class _SimWorker:
     kv: KVCacheManager
     in_flight: int = 0
     queue: deque[_Job] = field(default_factory=deque)
+    queued_tokens: int = 0  # uncached prompt tokens routed here and not yet prefilled
 
 
 class SimulatedCluster:
@@ -215,9 +216,16 @@ class SimulatedCluster:
                 _LoadView(i, True, wk.in_flight + len(wk.queue), wk.kv.num_free_blocks)
                 for i, wk in enumerate(self.workers)
             ]
-            choice = choose_worker(views, self.index, hashes, self.routing)
+            if self.shape.pool == "prefill":  # as the router places prompts on prefill workers
+                queued = [wk.queued_tokens for wk in self.workers]
+                choice = choose_by_work(
+                    views, queued, self.index, hashes, len(tokens), self.routing
+                )
+            else:
+                choice = choose_worker(views, self.index, hashes, self.routing)
             assert choice is not None
             w, predicted = choice.index, choice.num_cached_tokens
+            self.workers[w].queued_tokens += len(tokens) - predicted
         job = _Job(f"s{conv.session}t{turn}", conv, turn, tokens, now, predicted)
         self.workers[w].queue.append(job)
         self._admit(now, w)
@@ -246,6 +254,8 @@ class SimulatedCluster:
 
     def _prefilled(self, now: float, w: int, job: _Job) -> None:
         wk = self.workers[w]
+        if self.routing is not None:
+            wk.queued_tokens -= len(job.tokens) - job.predicted
         wk.kv.cache_full_blocks(job.req_id, job.tokens, len(job.tokens))
         self._drain(w)
         decode_s = len(job.conv.answers[job.turn]) * self.shape.decode_s_per_token

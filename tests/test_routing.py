@@ -10,7 +10,7 @@ import pytest
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_events import KVEvents
 from router.kv_index import PrefixIndex
-from router.routing import RouteChoice, RoutingConfig, choose_worker
+from router.routing import RouteChoice, RoutingConfig, choose_by_work, choose_worker
 
 BLOCK = 4
 # Cache balancing off, where a test is about overlap and load alone.
@@ -138,3 +138,23 @@ def test_a_shared_prefix_does_not_pin_new_sessions_to_one_full_cache() -> None:
 def test_config_rejects_unknown_policy() -> None:
     with pytest.raises(ValueError, match="least-loaded, prefix-aware"):
         RoutingConfig(policy="random")  # type: ignore[arg-type]
+
+
+def test_prefill_work_counts_cached_tokens_as_free_and_queued_ones_against() -> None:
+    config = RoutingConfig(cache_balance_tokens=0, load_penalty_tokens=0, queue_weight=1.0)
+    idx = index_with({0: prompt(1, 40)})  # worker 0 holds the prefix's first 36 tokens
+    p = prompt(1, 64)
+    workers = [FakeWorker(0), FakeWorker(1)]
+    hashes = idx.hash_prompt(p)
+    # Idle: worker 0 has 28 tokens to compute, worker 1 all 64.
+    choice = choose_by_work(workers, [0, 0], idx, hashes, len(p), config)
+    assert choice == RouteChoice(0, 36)
+    # 50 tokens already queued on worker 0: 78 there against 64 on the empty worker 1.
+    assert choose_by_work(workers, [50, 0], idx, hashes, len(p), config) == RouteChoice(1, 0)
+    # A queued token costs half an uncached one by default: worker 0 keeps the session.
+    default = RoutingConfig(cache_balance_tokens=0, load_penalty_tokens=0)
+    assert choose_by_work(workers, [50, 0], idx, hashes, len(p), default).index == 0
+    # Dead workers are never chosen, and none alive means no choice.
+    dead0 = [FakeWorker(0, alive=False), FakeWorker(1)]
+    assert choose_by_work(dead0, [0, 0], idx, hashes, len(p), config).index == 1
+    assert choose_by_work([FakeWorker(0, alive=False)], [0], idx, hashes, 8, config) is None
