@@ -99,6 +99,7 @@ class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self._started_ray = False
+        self.abandoned = False  # see abandon_ray()
         self._store: TCPStore | None = None
         self.store_host = "127.0.0.1"
         self._use_gpus: bool | None = config.use_gpus
@@ -201,6 +202,17 @@ class Cluster:
                 remove_placement_group(pg)
             except Exception as exc:  # noqa: BLE001 - already removed
                 log.debug("remove placement group: %s", exc)
+
+    @property
+    def started_local_ray(self) -> bool:
+        return self._started_ray
+
+    def abandon_ray(self) -> None:
+        """The local Ray instance died with this process group's signal: make no more Ray
+        calls (each would wait out the GCS reconnect timeout, 60 s, then abort the
+        process); `abandoned` tells the caller to exit without Ray's teardown."""
+        self._started_ray = False
+        self.abandoned = True
 
     def shutdown_ray(self) -> None:
         """Stop the local Ray instance if this cluster started it."""

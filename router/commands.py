@@ -136,6 +136,13 @@ def serve(config: ServeConfig) -> int:
         return 1
     finally:
         cluster.shutdown_ray()
+    if cluster.abandoned:
+        # Ray's driver threads would still wait for the dead GCS and abort the process
+        # at the end of their reconnect timeout: leave now, with the work done.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

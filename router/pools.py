@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,9 @@ from router.worker_load import WorkerLoad
 log = logging.getLogger("pdserve.pools")
 
 RESTART_BACKOFF_S = (1.0, 5.0, 15.0)
+# Removing a worker's actor and placement group is a GCS round trip of milliseconds; a
+# GCS that does not answer in this long is going down with the process group.
+GCS_ANSWER_S = 2.0
 DRAIN_POLL_S = 0.1
 
 
@@ -125,8 +129,12 @@ class Pools:
             "GPUs" if self.cluster.use_gpus else "CPUs",
         )
 
-    async def stop(self) -> None:
-        """Shut every worker down (in-flight requests are the caller's to drain first)."""
+    async def stop(self, timeout_s: float = 30.0) -> bool:
+        """Shut every worker down (in-flight requests are the caller's to drain first).
+
+        False when Ray itself did not answer within `timeout_s` (its GCS is shutting down
+        with the rest of the process group): nothing more can be asked of it then.
+        """
         self._stopping = True
         for task in list(self._tasks):
             task.cancel()
@@ -137,10 +145,27 @@ class Pools:
                     *(w.handle.shutdown.remote() for w in refs if w.state != "dead"),
                     return_exceptions=True,
                 ),
-                30,
+                timeout_s,
             )
-        for ref in refs:
-            self._remove(ref)
+        # Killing actors and removing placement groups are blocking calls to Ray's GCS:
+        # off the event loop, and bounded.
+        # (A daemon thread, not the loop's executor: asyncio.run waits for that one's
+        # threads at exit, and a call to a dead GCS would hold it for a minute.)
+        loop = asyncio.get_running_loop()
+        removed: asyncio.Future[None] = loop.create_future()
+
+        def remove_all() -> None:
+            for ref in refs:
+                self._remove(ref)
+            loop.call_soon_threadsafe(_resolve, removed)
+
+        threading.Thread(target=remove_all, name="pools-stop", daemon=True).start()
+        try:
+            await asyncio.wait_for(asyncio.shield(removed), GCS_ANSWER_S)
+        except TimeoutError:
+            log.warning("Ray did not answer within %.0f s; leaving its teardown", GCS_ANSWER_S)
+            return False
+        return True
 
     def _track(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -330,6 +355,11 @@ class Pools:
             await asyncio.wait_for(ref.handle.shutdown.remote(), 30)
         self._remove(ref)
         log.info("%s drained and stopped", worker_id)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _first_line(exc: BaseException) -> str:

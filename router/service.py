@@ -21,6 +21,9 @@ from router.protocol import GenerateCall, PoolStats, ServerInfo
 from router.security import EdgeSecurity
 
 log = logging.getLogger("pdserve")
+# Workers stop in well under a second when asked; a shutdown that takes longer is one
+# whose Ray went down with the process group's signal.
+STOP_WORKERS_S = 3.0
 
 
 class WarmingGenerator:
@@ -120,5 +123,7 @@ async def run_service(
             stop_metrics()
         if front.inner is not None:
             await front.inner.stop()
-        await pools.stop()
+        if not await pools.stop(timeout_s=STOP_WORKERS_S) and cluster.started_local_ray:
+            # The signal went to the whole process group: the local Ray is going down.
+            cluster.abandon_ray()
         log.info("stopped")
