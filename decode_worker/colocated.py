@@ -9,7 +9,9 @@ and reuses the same abort handling.
 from __future__ import annotations
 
 from decode_worker.worker import DecodeWorker
+from engine.core.role import EngineRole
 
 
 class ColocatedWorker(DecodeWorker):
     pool = "colocated"
+    role = EngineRole.COLOCATED

@@ -23,6 +23,7 @@ import torch
 
 from engine.core.outputs import GenerationInput, TokenBatch, TokenUpdate
 from engine.core.request import FinishReason
+from engine.core.role import EngineRole
 from engine.core.scheduler import RequestUpdate
 from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import Reservation
@@ -39,6 +40,7 @@ LEASE_SWEEP_S = 0.5
 
 class DecodeWorker(WorkerBase):
     pool = "decode"
+    role = EngineRole.DECODE
 
     def __init__(self, args: Any, index: int) -> None:
         super().__init__(args, index)

@@ -11,6 +11,7 @@ import torch
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
+from engine.core.role import EngineRole
 from engine.model.model_spec import ModelSpec
 from engine.transfer.layout import KVLayout
 
@@ -87,7 +88,7 @@ def _kv_budget_bytes(args: EngineArgs, device: torch.device) -> int:
     return int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
 
 
-def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -> BuiltEngine:
+def build_engine(args: EngineArgs, *, role: EngineRole = EngineRole.COLOCATED) -> BuiltEngine:
     """Load the model, size and allocate the KV cache, and wire the scheduler to it."""
     from engine.model.model_loader import has_tokenizer, load_tokenizer
     from engine.model.model_runner import ModelRunner
@@ -102,9 +103,9 @@ def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         kv_cache_bytes=None if args.num_blocks else (lambda: _kv_budget_bytes(args, device)),
-        # A prefill engine stops after the first token: decode graphs would only cost
+        # A prefill engine never runs a decode step: graphs of one would only cost
         # start-up time and memory there.
-        enforce_eager=args.enforce_eager or handoff_after_first_token,
+        enforce_eager=args.enforce_eager or not role.decodes,
         max_num_seqs=args.scheduler.max_num_seqs,
         compile_model=None if args.compile_model else False,
     )
@@ -117,11 +118,11 @@ def build_engine(args: EngineArgs, *, handoff_after_first_token: bool = False) -
         max_model_len=spec.max_model_len,
         vocab_size=spec.vocab_size,
         eos_token_ids=frozenset(spec.eos_token_ids),
-        handoff_after_first_token=handoff_after_first_token,
+        role=role,
         # A prefill engine hands a request off after one step; running a step ahead would
         # queue its hand-off gather behind the next prefill step (TTFT), for little gain.
         async_scheduling=(
-            device.type == "cuda" and not handoff_after_first_token
+            device.type == "cuda" and role.decodes
             if args.async_scheduling is None
             else args.async_scheduling
         ),

@@ -22,6 +22,7 @@ import torch
 from engine.core.engine_loop import EngineLoop
 from engine.core.kv_events import KVEvents
 from engine.core.outputs import WorkerStats
+from engine.core.role import EngineRole
 from engine.core.scheduler import RequestUpdate
 from engine.factory import BuiltEngine, EngineArgs, build_engine
 from engine.transfer.channel import ChannelSpec, KVChannel
@@ -55,7 +56,7 @@ class WorkerBase:
     """Engine loop on its own thread plus this worker's ends of its KV channels."""
 
     pool = "worker"
-    keeps_kv_after_first_token = False
+    role = EngineRole.COLOCATED
 
     def __init__(self, args: EngineArgs, index: int) -> None:
         self.args = args
@@ -81,9 +82,7 @@ class WorkerBase:
             torch.set_num_threads(threads)
         built = await loop.run_in_executor(
             None,
-            lambda: build_engine(
-                self.args, handoff_after_first_token=self.keeps_kv_after_first_token
-            ),
+            lambda: build_engine(self.args, role=self.role),
         )
         self.built = built
         self.loop_thread = EngineLoop(built.core, self._updates_from_thread, name=self.worker_id)

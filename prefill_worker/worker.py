@@ -22,6 +22,7 @@ import torch
 from engine.core.kv_events import KVEvents
 from engine.core.outputs import GenerationInput
 from engine.core.request import FinishReason
+from engine.core.role import EngineRole
 from engine.core.scheduler import RequestUpdate
 from engine.transfer.base import KVPoll, TransferHandle
 from engine.transfer.channel import SENDER_RANK, ChannelSpec
@@ -49,7 +50,7 @@ class _Prefilled:
 
 class PrefillWorker(WorkerBase):
     pool = "prefill"
-    keeps_kv_after_first_token = True
+    role = EngineRole.PREFILL
 
     def __init__(self, args: Any, index: int) -> None:
         super().__init__(args, index)
@@ -71,7 +72,7 @@ class PrefillWorker(WorkerBase):
         outcome: dict[str, _Prefilled] = {}
         ready: list[ReadyKV] = []
         for upd in updates:
-            if not upd.kv_kept:
+            if not upd.hand_off:
                 continue
             destination = self._targets.get(upd.req_id)
             if destination is None:  # aborted meanwhile: nobody waits for this KV
@@ -161,7 +162,7 @@ class PrefillWorker(WorkerBase):
         upd = done.update
         token = upd.new_token_ids[0]
         cached = upd.num_cached_tokens
-        if not upd.kv_kept:  # the first token ended it
+        if not upd.hand_off:  # the first token ended it
             return PrefillResult(token, upd.finish_reason, cached, prefill_s)
         if target is None:
             return PrefillResult(token, FinishReason.ABORT, cached, prefill_s)

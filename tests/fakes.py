@@ -8,6 +8,7 @@ from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.core.outputs import GenerationInput
 from engine.core.request import PLACEHOLDER_TOKEN
+from engine.core.role import EngineRole
 from engine.sampling_params import SamplingParams
 
 
@@ -83,7 +84,7 @@ def make_engine(
         max_model_len=100_000,
         vocab_size=1000,
         eos_token_ids=eos,
-        handoff_after_first_token=handoff,
+        role=EngineRole.PREFILL if handoff else EngineRole.COLOCATED,
         async_scheduling=async_scheduling,
     )
     return core, runner

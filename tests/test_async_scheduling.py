@@ -152,7 +152,7 @@ def test_a_prefill_engine_hands_off_after_the_first_token_without_a_wasted_step(
     core, runner = make_core(True, handoff=True)
     core.add_request(GenerationInput("r", PROMPT, SamplingParams(max_tokens=8)))
     updates = run(core)
-    assert [(u.new_token_ids, u.kv_kept) for u in updates] == [((EXPECTED[0],), True)]
+    assert [(u.new_token_ids, u.hand_off) for u in updates] == [((EXPECTED[0],), True)]
     assert len(runner.batches) == 1
     assert core.block_ids("r")  # kept for the hand-off until released
     core.release("r")

@@ -19,6 +19,7 @@ from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.kv_events import KVEvents
 from engine.core.outputs import EngineStats, GenerationInput
 from engine.core.request import FinishReason, Request
+from engine.core.role import EngineRole
 from engine.core.scheduler import RequestUpdate, Scheduler
 from engine.core.validation import validate_prompt
 from engine.sampling_params import MAX_SEED
@@ -61,7 +62,7 @@ class EngineCore:
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: frozenset[int] = frozenset(),
-        handoff_after_first_token: bool = False,
+        role: EngineRole = EngineRole.COLOCATED,
         async_scheduling: bool = False,
     ) -> None:
         if async_scheduling and not callable(getattr(runner, "launch", None)):
@@ -73,7 +74,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,
-            handoff_after_first_token=handoff_after_first_token,
+            role=role,
             async_scheduling=async_scheduling,
         )
         self.cache_config = cache_config

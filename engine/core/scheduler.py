@@ -25,6 +25,7 @@ from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.priority import PriorityAging
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
+from engine.core.role import EngineRole
 
 
 class RequestUpdate(NamedTuple):
@@ -37,7 +38,7 @@ class RequestUpdate(NamedTuple):
     num_cached_tokens: int = 0
     # The request left this engine with its blocks still allocated (prefill pool: they
     # hold the KV to hand off); whoever handles the update must release() them.
-    kv_kept: bool = False
+    hand_off: bool = False
 
 
 class Scheduler:
@@ -48,7 +49,7 @@ class Scheduler:
         config: SchedulerConfig,
         cache: CacheConfig,
         *,
-        handoff_after_first_token: bool = False,
+        role: EngineRole = EngineRole.COLOCATED,
         async_scheduling: bool = False,
     ) -> None:
         self.config = config
@@ -58,9 +59,7 @@ class Scheduler:
         self.max_batches_in_flight = 1 if async_scheduling else 0
         self.block_size = cache.block_size
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching)
-        # Prefill pool: a request leaves after its first token and keeps its blocks
-        # until the worker has gathered them for the hand-off.
-        self.handoff_after_first_token = handoff_after_first_token
+        self.role = role
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         # Waiting requests whose KV was imported (decode pool): they hold their blocks
@@ -143,7 +142,7 @@ class Scheduler:
             self.kv.free(req_id)
 
     def finish_request(
-        self, req_id: str, reason: FinishReason | None, *, keep_blocks: bool = False
+        self, req_id: str, reason: FinishReason | None, *, hand_off: bool = False
     ) -> Request | None:
         """End a request in any state (idempotent); its blocks return unless kept for a
         hand-off. Call between steps: the engine queues aborts until then."""
@@ -160,7 +159,7 @@ class Scheduler:
         self.aging.forget(req_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        if not keep_blocks:
+        if not hand_off:
             self.kv.free(req_id)
         return req
 
@@ -220,7 +219,7 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         allocate_slots = self.kv.allocate_slots
         threshold = self.config.long_prefill_token_threshold
-        handoff = self.handoff_after_first_token
+        handoff = self.role.hands_off_after_first_token
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -378,7 +377,7 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         running_status = RequestStatus.RUNNING
         cache_full_blocks = self.kv.cache_full_blocks
-        handoff = self.handoff_after_first_token
+        handoff = self.role.hands_off_after_first_token
         for seq, req in zip(batch.seqs, self._requests_of(batch), strict=True):
             req_id = seq.req_id
             if req is None or req.status is not running_status:
@@ -393,8 +392,8 @@ class Scheduler:
             position = seq.end_position
             req.set_output_token(position, token)
             reason = req.check_stop(position + 1 - len(req.prompt_token_ids))
-            kv_kept = reason is None and handoff
-            if reason is not None or kv_kept:
-                self.finish_request(req_id, reason, keep_blocks=kv_kept)
-            updates.append(RequestUpdate(req_id, (token,), reason, req.num_cached_tokens, kv_kept))
+            hand_off = reason is None and handoff
+            if reason is not None or hand_off:
+                self.finish_request(req_id, reason, hand_off=hand_off)
+            updates.append(RequestUpdate(req_id, (token,), reason, req.num_cached_tokens, hand_off))
         return updates
