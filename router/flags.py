@@ -170,8 +170,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         type=at_least(0),
         default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
         help="prompts with at most this many tokens not cached on the decode worker run "
-        "there, with no hand-off (0 = only when the prefill pool is saturated, see "
-        "--slo-ttft-ms)",
+        "there, with no hand-off; longer ones too when the prefill pool is saturated "
+        "(see --slo-ttft-ms). 0 = always hand off",
     )
     g.add_argument(
         "--slo-ttft-ms",

@@ -298,6 +298,7 @@ PREFILL_PATH_SERIES = (
     ("local", "no_prefill_worker"),
     ("local", "prefill_failed"),
     ("remote", "prefill_within_slo"),
+    ("remote", "local_prefill_off"),
     ("remote", "no_estimate"),
     ("remote", "decode_at_tpot_slo"),
     ("remote", "decode_kv_pressure"),

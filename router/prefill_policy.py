@@ -7,6 +7,8 @@ worker and on the best prefill worker, the tokens already queued on that prefill
 the decode worker's running batch, step time, free blocks and its own queued prompts.
 
 1. `no_prefill_worker`: no live prefill worker paired with the decode worker → local.
+   `local_prefill_off`: `local_prefill_max_tokens` is 0 → remote, whatever the load
+   (pure disaggregation, as benchmarks and tests of the hand-off want).
 2. `short_prompt`: uncached on decode ≤ `local_prefill_max_tokens` → local (a hand-off
    costs more than it saves).
 3. `decode_kv_pressure`: the decode worker lacks free blocks for the prompt twice over →
@@ -38,6 +40,7 @@ DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 32
 TTFT_HEADROOM = 0.5  # remote while its estimated TTFT is within this share of the target
 REASONS = (
     "no_prefill_worker",
+    "local_prefill_off",
     "short_prompt",
     "decode_kv_pressure",
     "no_estimate",
@@ -98,6 +101,8 @@ def decide(inputs: PathInputs, config: PrefillPolicyConfig) -> PathDecision:
     """Local or remote prefill for one prompt, with the reason (see the module doc)."""
     if not inputs.has_prefill:
         return PathDecision("local", "no_prefill_worker")
+    if config.local_prefill_max_tokens == 0:
+        return PathDecision("remote", "local_prefill_off")
     if inputs.num_uncached_decode <= config.local_prefill_max_tokens:
         return PathDecision("local", "short_prompt")
     free = inputs.decode_free_blocks

@@ -72,6 +72,15 @@ def test_each_rule_gives_its_path_and_reason(
     assert (decision.path, decision.reason) == (path, reason)
 
 
+def test_a_zero_short_prompt_threshold_hands_every_prompt_off() -> None:
+    off = PrefillPolicyConfig(local_prefill_max_tokens=0)
+    saturated = replace(IDLE, prefill_queued_tokens=10**6, decode_running=0)
+    assert decide(saturated, off).reason == "local_prefill_off"
+    assert decide(replace(IDLE, num_uncached_decode=1), off).path == "remote"
+    # With no prefill worker to take it, the prompt still runs (locally).
+    assert decide(replace(IDLE, has_prefill=False), off).path == "local"
+
+
 def test_bad_targets_are_refused_with_the_field_named() -> None:
     with pytest.raises(ValueError, match="slo_ttft_ms"):
         PrefillPolicyConfig(slo_ttft_ms=0)
