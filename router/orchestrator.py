@@ -9,12 +9,11 @@ plus every token already streamed (sampling is a function of seed and position, 
 continuation is the same text). Whatever ends an attempt, it is aborted on every worker
 it touched; aborts are idempotent there.
 
-The disaggregated path (`_run_disaggregated`) picks the decode worker, then decides where
-the prompt runs (`router/prefill_policy.py`). A remote prefill is sent at the same time
-as the decode worker's reservation (no round trip before the prompt starts), its first
-token is streamed as soon as it is sampled, and the KV arrives at the decode worker
-behind it. The router renews the reservations of requests still queued or prefilling,
-so a long prefill queue never expires them.
+Files of the serving core: this one (admission, attempts, streaming, leases renewed),
+`router/attempts.py` (an attempt, the client's progress, continuations, the final
+result), `router/paths.py` (the colocated and the disaggregated path),
+`router/placement.py` (which workers, and where the prompt runs), `router/delivery.py`
+(token batches into inboxes), `router/clients.py` (the worker calls).
 """
 
 from __future__ import annotations
@@ -25,17 +24,17 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
-from engine.core.outputs import FinalResult, PhaseTimings, TextChunk, Usage
+from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
 from engine.core.validation import validate_prompt
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.prompt import encode_prompt
-from engine.wire import GenerationInput, HandoffTarget, PrefillResult, Reservation
-from router import metrics
+from engine.wire import GenerationInput
 from router.admission import Admission
+from router.attempts import Attempt, Progress, WorkerLost, continuation, final_result
 from router.clients import WorkerDied
 from router.cluster import POOLS
 from router.config import RouterConfig
@@ -43,10 +42,10 @@ from router.delivery import TokenDelivery
 from router.errors import NotReadyError, QueueFullError
 from router.inbox import UpdateInbox
 from router.kv_index import PrefixIndex
+from router.paths import ServingPaths
 from router.pools import Pools, WorkerRef
-from router.prefill_policy import PathDecision, PathInputs, PrefillPolicyConfig, decide
+from router.prefill_policy import PrefillPolicyConfig
 from router.protocol import GenerateCall, PoolStats, ServerInfo
-from router.routing import choose_by_work, choose_worker
 from router.worker_load import WorkerLease
 
 log = logging.getLogger("pdserve.router")
@@ -54,50 +53,7 @@ WORKER_WAIT_POLL_S = 0.05
 T = TypeVar("T")
 
 
-class WorkerLost(RuntimeError):
-    """An attempt cannot go on where it is: continue the request in a new attempt.
-    `run_locally`: the prefill pool failed it before any KV left, so the next attempt
-    runs the prompt on a decode worker."""
-
-    def __init__(self, reason: str, run_locally: bool = False) -> None:
-        super().__init__(reason)
-        self.run_locally = run_locally
-
-
-@dataclass
-class _Attempt:
-    """One try at running a request; its id is what the workers know it by."""
-
-    inp: GenerationInput
-    inbox: UpdateInbox = field(default_factory=UpdateInbox)
-    decode_ref: WorkerRef | None = None
-    prefill_ref: WorkerRef | None = None
-    leases: list[WorkerLease] = field(default_factory=list)
-
-    @property
-    def req_id(self) -> str:
-        return self.inp.req_id
-
-
-@dataclass
-class _Progress:
-    """What the client has seen so far, across attempts."""
-
-    arrival: float
-    token_ids: list[int] = field(default_factory=list)  # every token streamed
-    num_cached: int = 0
-    t_first: float | None = None
-    t_decoding: float = 0.0
-    timings: PhaseTimings = field(default_factory=PhaseTimings)
-    finish_reason: FinishReason = FinishReason.ERROR  # set when the stream ends
-    num_resumed: int = 0
-
-    @property
-    def num_out(self) -> int:
-        return len(self.token_ids)
-
-
-class DisaggregatedGenerator:
+class DisaggregatedGenerator(ServingPaths):
     """Implements router.protocol.Generator over the live pools."""
 
     def __init__(self, pools: Pools, tokenizer: Any, config: RouterConfig | None = None) -> None:
@@ -113,7 +69,7 @@ class DisaggregatedGenerator:
             aging_s=self.config.priority_aging_s,
         )
         self.outputs = OutputProcessor(tokenizer)
-        self._attempts: dict[str, _Attempt] = {}
+        self._attempts: dict[str, Attempt] = {}
         self._background: set[asyncio.Task[Any]] = set()
         # Reservations whose requests are still queued or prefilling, by decode worker.
         self._renewing: dict[WorkerRef, set[str]] = defaultdict(set)
@@ -274,9 +230,9 @@ class DisaggregatedGenerator:
         self.delivery.ensure_pollers()
         base = self._to_input(call)
         user_id = call.request_id or base.req_id  # what the client knows it by, for the log
-        progress = _Progress(time.perf_counter())
+        progress = Progress(time.perf_counter())
         self.outputs.add(base.req_id, base.prompt_token_ids, base.sampling.stop)
-        attempt: _Attempt | None = None
+        attempt: Attempt | None = None
         finished = False
         run_locally = False
         try:
@@ -293,7 +249,7 @@ class DisaggregatedGenerator:
                         async for chunk in chunks:
                             yield chunk
                         finished = True
-                        yield self._final(user_id, base, progress, progress.finish_reason)
+                        yield final_result(user_id, base, progress, progress.finish_reason)
                         return
                     except WorkerLost as exc:
                         self._end(attempt)
@@ -320,7 +276,7 @@ class DisaggregatedGenerator:
             finished = True
             if attempt is not None:
                 self._end(attempt)
-            yield self._final(user_id, base, progress, FinishReason.ERROR, str(exc))
+            yield final_result(user_id, base, progress, FinishReason.ERROR, str(exc))
         finally:
             if attempt is not None:
                 self._end(attempt, abort=not finished)
@@ -328,23 +284,12 @@ class DisaggregatedGenerator:
             if not finished:
                 log.info("request %s cancelled after %d tokens", user_id, progress.num_out)
 
-    def _begin(self, base: GenerationInput, number: int, progress: _Progress) -> _Attempt:
-        """A new attempt: the request itself, or (after tokens were streamed) its
-        continuation: the prompt plus those tokens, and the tokens still to come."""
-        req_id = base.req_id if number == 0 else f"{base.req_id}-{number}"
-        inp = replace(base, req_id=req_id)
-        if progress.num_out:
-            remaining = base.sampling.max_tokens - progress.num_out
-            inp = replace(
-                inp,
-                prompt_token_ids=base.prompt_token_ids + tuple(progress.token_ids),
-                sampling=replace(base.sampling, max_tokens=remaining),
-            )
-        attempt = _Attempt(inp)
-        self._attempts[req_id] = attempt
+    def _begin(self, base: GenerationInput, number: int, progress: Progress) -> Attempt:
+        attempt = Attempt(continuation(base, number, progress))
+        self._attempts[attempt.req_id] = attempt
         return attempt
 
-    def _end(self, attempt: _Attempt, abort: bool = True) -> None:
+    def _end(self, attempt: Attempt, abort: bool = True) -> None:
         """Forget an attempt; abort it wherever it may still live (in the background:
         this may run while the generator closes on cancellation)."""
         if self._attempts.pop(attempt.req_id, None) is None:
@@ -364,186 +309,10 @@ class DisaggregatedGenerator:
             self._spawn(self._abort_on(ref, attempt.req_id))
 
     # ---------------------------------------------------------------- the two paths
-    def _route(self, pool: str, hashes: list[int]) -> Callable[[list[WorkerRef]], WorkerRef]:
-        """Decode and colocated workers: cache overlap against requests in flight."""
-        index = self.indexes[pool]
-
-        def pick(live: list[WorkerRef]) -> WorkerRef:
-            by_index = {w.index: w for w in live}
-            choice = choose_worker([w.view() for w in live], index, hashes, self.config.routing)
-            assert choice is not None  # live is not empty
-            return by_index[choice.index]
-
-        return pick
-
-    def _route_prefill(
-        self, hashes: list[int], num_prompt: int
-    ) -> Callable[[list[WorkerRef]], WorkerRef]:
-        """Prefill workers: least estimated work, queued plus uncached tokens."""
-        index = self.indexes["prefill"]
-
-        def pick(live: list[WorkerRef]) -> WorkerRef:
-            by_index = {w.index: w for w in live}
-            queued = [w.load.queued_tokens for w in live]
-            choice = choose_by_work(
-                [w.view() for w in live], queued, index, hashes, num_prompt, self.config.routing
-            )
-            assert choice is not None
-            return by_index[choice.index]
-
-        return pick
-
-    async def _run_colocated(
-        self, attempt: _Attempt, progress: _Progress, out_id: str
-    ) -> AsyncIterator[TextChunk]:
-        hashes = self.indexes["colocated"].hash_prompt(attempt.inp.prompt_token_ids)
-        while True:
-            ref = await self._pick(
-                lambda: self.pools.routable("colocated"),
-                "colocated",
-                self._route("colocated", hashes),
-            )
-            attempt.decode_ref = ref  # before submit: tokens may come back at once
-            attempt.leases.append(ref.load.lease())
-            try:
-                await ref.client.submit(attempt.inp)
-                break
-            except WorkerDied as exc:
-                attempt.leases.pop().release()
-                self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
-        self._mark_decoding(progress, PhaseTimings(queued_s=self._since(progress)))
-        async for chunk in self._stream(attempt, progress, out_id, (), None):
-            yield chunk
-
-    def _since(self, progress: _Progress) -> float:
-        return time.perf_counter() - progress.arrival
-
-    def _mark_decoding(self, progress: _Progress, timings: PhaseTimings) -> None:
-        if not progress.t_decoding:  # the first attempt's phases are the client's
-            progress.timings = timings
-        progress.t_decoding = progress.t_decoding or time.perf_counter()
-
-    def _place(
-        self, attempt: _Attempt, decode_ref: WorkerRef, hashes: list[int], run_locally: bool
-    ) -> tuple[PathDecision, WorkerRef | None, int]:
-        """Where the prompt runs: (decision, the prefill worker if remote, its uncached
-        tokens there)."""
-        num_prompt = len(attempt.inp.prompt_token_ids)
-        paired = [w for w in self.pools.routable("prefill") if decode_ref.worker_id in w.peers]
-        prefill_ref = self._route_prefill(hashes, num_prompt)(paired) if paired else None
-        if run_locally:
-            return PathDecision("local", "prefill_failed"), None, 0
-        cached_prefill = (
-            self.indexes["prefill"].num_cached_tokens(prefill_ref.index, hashes)
-            if prefill_ref is not None
-            else 0
-        )
-        stats = decode_ref.load.stats
-        inputs = PathInputs(
-            has_prefill=prefill_ref is not None,
-            num_uncached_decode=num_prompt
-            - self.indexes["decode"].num_cached_tokens(decode_ref.index, hashes),
-            num_uncached_prefill=num_prompt - cached_prefill,
-            prefill_queued_tokens=prefill_ref.load.queued_tokens if prefill_ref else 0,
-            prefill_tokens_per_s=prefill_ref.load.prefill_rate.tokens_per_s.value
-            if prefill_ref
-            else None,
-            handoff_s=decode_ref.load.handoff_s.value or 0.0,
-            decode_running=stats.num_running if stats is not None else 0,
-            decode_step_s=decode_ref.load.step_s.value,
-            decode_queued_tokens=decode_ref.load.queued_tokens,
-            decode_free_blocks=stats.num_blocks_free if stats is not None else None,
-            num_prompt_blocks=-(-num_prompt // self.block_size),
-            num_output_tokens=attempt.inp.sampling.max_tokens,
-        )
-        decision = decide(inputs, self.prefill_policy)
-        if decision.path == "local":
-            return decision, None, 0
-        return decision, prefill_ref, num_prompt - cached_prefill
-
-    async def _run_disaggregated(
-        self, attempt: _Attempt, progress: _Progress, out_id: str, run_locally: bool
-    ) -> AsyncIterator[TextChunk]:
-        inp = attempt.inp
-        hashes = self.indexes["prefill"].hash_prompt(inp.prompt_token_ids)
-        decode_ref = await self._pick(
-            lambda: self.pools.routable("decode"), "decode", self._route("decode", hashes)
-        )
-        attempt.decode_ref = decode_ref
-        decision, prefill_ref, num_uncached = self._place(attempt, decode_ref, hashes, run_locally)
-        metrics.prefill_path(decision.path, decision.reason)
-        queued_s = self._since(progress)
-        if prefill_ref is None:
-            # Local path: the decode worker runs the prompt itself; no hand-off.
-            num_local = len(inp.prompt_token_ids) - self.indexes["decode"].num_cached_tokens(
-                decode_ref.index, hashes
-            )
-            local = decode_ref.load.lease(num_local)
-            attempt.leases.append(local)
-            await self._call(decode_ref, decode_ref.client.submit(inp))
-            self._mark_decoding(progress, PhaseTimings(queued_s, local_prefill=True))
-            async for chunk in self._stream(attempt, progress, out_id, (), None, local):
-                yield chunk
-            return
-        attempt.leases.append(decode_ref.load.lease())
-        attempt.prefill_ref = prefill_ref
-        result, reservation = await self._prefill(attempt, decode_ref, prefill_ref, num_uncached)
-        self.delivery.apply_kv_events(prefill_ref, result.kv_events)
-        self._mark_decoding(progress, PhaseTimings(queued_s, result.prefill_s))
-        progress.num_cached = max(progress.num_cached, result.num_cached_tokens)
-        if result.finish_reason is FinishReason.ERROR:
-            metrics.kv_transfer_failed()
-            raise WorkerLost(result.error, run_locally=True)  # nothing was sent
-        if result.finish_reason is FinishReason.ABORT:
-            raise RuntimeError("prefill worker aborted the request")
-        if result.transfer_bytes:
-            metrics.observe_kv_transfer(result.transfer_bytes)
-        if result.finish_reason is not None:  # the first token ended it: free the reservation
-            self._spawn(self._abort_on(decode_ref, attempt.req_id))
-        elif reservation is None:
-            # The decode worker had no room: it refuses the KV. Stream the first token,
-            # then continue from it in the decode worker's own queue.
-            attempt.inbox.put(WorkerLost(f"no room on {decode_ref.worker_id}", run_locally=True))
-        tokens = () if result.first_token is None else (result.first_token,)
-        async for chunk in self._stream(attempt, progress, out_id, tokens, result.finish_reason):
-            yield chunk
-
-    async def _prefill(
-        self, attempt: _Attempt, decode_ref: WorkerRef, prefill_ref: WorkerRef, num_uncached: int
-    ) -> tuple[PrefillResult, Reservation | None]:
-        """Reserve on decode and run the prompt on prefill at the same time."""
-        inp = attempt.inp
-        source = prefill_ref.worker_id
-        reserving = asyncio.ensure_future(
-            self._call(decode_ref, decode_ref.client.reserve(inp, self.config.lease_s, source))
-        )
-        lease = prefill_ref.load.lease(num_uncached)
-        self._renewing[decode_ref].add(inp.req_id)
-        target = HandoffTarget(decode_ref.worker_id, decode_ref.info.epoch)
-        try:
-            result = await asyncio.wait_for(
-                self._call(prefill_ref, prefill_ref.client.prefill(inp, target)),
-                self.config.prefill_timeout_s,
-            )
-        except WorkerLost as exc:
-            reserving.cancel()
-            raise WorkerLost(str(exc), run_locally=True) from exc
-        except TimeoutError as exc:
-            reserving.cancel()
-            raise RuntimeError(f"prefill took over {self.config.prefill_timeout_s:.0f}s") from exc
-        finally:
-            self._renewing[decode_ref].discard(inp.req_id)
-            lease.release()
-        load = prefill_ref.load
-        load.prefill_rate.observe(
-            num_uncached, result.prefill_s, time.monotonic(), load.busy_since, lease.was_idle
-        )
-        return result, await reserving
-
     async def _stream(
         self,
-        attempt: _Attempt,
-        progress: _Progress,
+        attempt: Attempt,
+        progress: Progress,
         out_id: str,
         tokens: tuple[int, ...],
         reason: FinishReason | None,
@@ -583,42 +352,3 @@ class DisaggregatedGenerator:
                 local.done_with_tokens()  # its prompt ran: no longer queued there
             tokens, reason = item.new_token_ids, item.finish_reason
             progress.num_cached = max(progress.num_cached, item.num_cached_tokens)
-
-    def _final(
-        self,
-        user_id: str,
-        base: GenerationInput,
-        progress: _Progress,
-        reason: FinishReason,
-        error: str = "",
-    ) -> FinalResult:
-        end = time.perf_counter()
-        timings = replace(
-            progress.timings,
-            decode_s=end - progress.t_decoding if progress.t_decoding else 0.0,
-            time_to_first_token_s=(progress.t_first or end) - progress.arrival,
-        )
-        usage = Usage(len(base.prompt_token_ids), progress.num_out, progress.num_cached)
-        result = FinalResult(reason, usage, timings, error)
-        self._log(user_id, result, progress.num_resumed)
-        return result
-
-    def _log(self, req_id: str, final: FinalResult, num_resumed: int) -> None:
-        t = final.timings
-        log.info(
-            "request %s finished=%s prompt=%d out=%d cached=%d queued=%.3fs prefill=%.3fs "
-            "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s",
-            req_id,
-            final.finish_reason.value,
-            final.usage.prompt_tokens,
-            final.usage.completion_tokens,
-            final.usage.cached_prompt_tokens,
-            t.queued_s,
-            t.prefill_s,
-            t.kv_transfer_s,
-            t.kv_wire_s,
-            t.decode_s,
-            t.time_to_first_token_s,
-            " local" if t.local_prefill else "",
-            f" resumed={num_resumed}" if num_resumed else "",
-        )

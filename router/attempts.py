@@ -1,0 +1,128 @@
+"""One request's tries: each attempt has its own id, and what the client has seen so far
+(`Progress`) carries across them.
+
+An attempt that is lost (`WorkerLost`) is followed by one that continues the request:
+before any token reached the client it starts over; after, its prompt is the original
+prompt plus every token already streamed and it asks for the tokens still to come
+(`continuation`). Sampling is a function of (seed, position), so the continuation gives
+the tokens the lost attempt would have given.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+from engine.core.outputs import FinalResult, PhaseTimings, Usage
+from engine.core.request import FinishReason
+from engine.wire import GenerationInput
+from router.inbox import UpdateInbox
+from router.pools import WorkerRef
+from router.worker_load import WorkerLease
+
+log = logging.getLogger("pdserve.router")
+
+
+class WorkerLost(RuntimeError):
+    """An attempt cannot go on where it is: continue the request in a new attempt.
+    `run_locally`: the prefill pool failed it before any KV left (or a live decode worker
+    refused its KV), so the next attempt runs the prompt on a decode worker."""
+
+    def __init__(self, reason: str, run_locally: bool = False) -> None:
+        super().__init__(reason)
+        self.run_locally = run_locally
+
+
+@dataclass
+class Attempt:
+    """One try at running a request; its id is what the workers know it by."""
+
+    inp: GenerationInput
+    inbox: UpdateInbox = field(default_factory=UpdateInbox)
+    decode_ref: WorkerRef | None = None
+    prefill_ref: WorkerRef | None = None
+    leases: list[WorkerLease] = field(default_factory=list)
+
+    @property
+    def req_id(self) -> str:
+        return self.inp.req_id
+
+
+@dataclass
+class Progress:
+    """What the client has seen so far, across attempts."""
+
+    arrival: float
+    token_ids: list[int] = field(default_factory=list)  # every token streamed
+    num_cached: int = 0
+    t_first: float | None = None
+    t_decoding: float = 0.0
+    timings: PhaseTimings = field(default_factory=PhaseTimings)
+    finish_reason: FinishReason = FinishReason.ERROR  # set when the stream ends
+    num_resumed: int = 0
+
+    @property
+    def num_out(self) -> int:
+        return len(self.token_ids)
+
+    def since_arrival(self) -> float:
+        return time.perf_counter() - self.arrival
+
+    def mark_decoding(self, timings: PhaseTimings) -> None:
+        """The prompt ran (or was handed to its decode worker): keep the first
+        attempt's phase timings, which are the client's."""
+        if not self.t_decoding:
+            self.timings = timings
+        self.t_decoding = self.t_decoding or time.perf_counter()
+
+
+def continuation(base: GenerationInput, number: int, progress: Progress) -> GenerationInput:
+    """Attempt `number` of a request: itself, or (after tokens were streamed) the prompt
+    plus those tokens, asking for the rest."""
+    req_id = base.req_id if number == 0 else f"{base.req_id}-{number}"
+    inp = replace(base, req_id=req_id)
+    if progress.num_out:
+        inp = replace(
+            inp,
+            prompt_token_ids=base.prompt_token_ids + tuple(progress.token_ids),
+            sampling=replace(base.sampling, max_tokens=base.sampling.max_tokens - progress.num_out),
+        )
+    return inp
+
+
+def final_result(
+    user_id: str,
+    base: GenerationInput,
+    progress: Progress,
+    reason: FinishReason,
+    error: str = "",
+) -> FinalResult:
+    """The request's one terminal message (and its log line)."""
+    end = time.perf_counter()
+    timings = replace(
+        progress.timings,
+        decode_s=end - progress.t_decoding if progress.t_decoding else 0.0,
+        time_to_first_token_s=(progress.t_first or end) - progress.arrival,
+    )
+    usage = Usage(len(base.prompt_token_ids), progress.num_out, progress.num_cached)
+    result = FinalResult(reason, usage, timings, error)
+    t = result.timings
+    log.info(
+        "request %s finished=%s prompt=%d out=%d cached=%d queued=%.3fs prefill=%.3fs "
+        "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s",
+        user_id,
+        result.finish_reason.value,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.cached_prompt_tokens,
+        t.queued_s,
+        t.prefill_s,
+        t.kv_transfer_s,
+        t.kv_wire_s,
+        t.decode_s,
+        t.time_to_first_token_s,
+        " local" if t.local_prefill else "",
+        f" resumed={progress.num_resumed}" if progress.num_resumed else "",
+    )
+    return result
