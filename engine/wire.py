@@ -17,6 +17,7 @@ from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 
 PoolName = Literal["prefill", "decode", "colocated"]
+POOLS: tuple[PoolName, ...] = ("prefill", "decode", "colocated")
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ import sys
 
 import grpc
 
+from engine.wire import POOLS
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.client import ClientSecurity, add_security_arguments, parse_target
 from router.flag_types import at_least, number_in
-from router.flags import POOLS
 
 # Scaling waits for new workers to load their model, or old ones to drain.
 SCALE_TIMEOUT_S = 900.0

@@ -22,12 +22,12 @@ from torch.distributed import TCPStore
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine.factory import EngineArgs
+from engine.wire import POOLS  # noqa: F401 - the pools, named once
 from engine.worker import WorkerInfo
 from prefill_worker.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 
-POOLS = ("prefill", "decode", "colocated")
 _CLASSES: dict[str, type] = {
     "prefill": PrefillWorker,
     "decode": DecodeWorker,

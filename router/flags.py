@@ -12,6 +12,7 @@ import argparse
 
 from engine.core.config import SchedulerConfig
 from engine.factory import EngineArgs
+from engine.wire import POOLS  # noqa: F401 - the pools, named once
 from router.config import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterConfig
 from router.flag_types import (
     LOG_LEVELS,
@@ -28,7 +29,6 @@ from router.routing import ROUTING_POLICIES, RoutingConfig
 from router.security import DEFAULT_MAX_MESSAGE_BYTES
 
 DEFAULT_METRICS_PORT = 9400  # router.metrics.DEFAULT_METRICS_PORT (not imported: keeps --help fast)
-POOLS = ("prefill", "decode", "colocated")
 DESCRIPTION = "serve (the disaggregated service) and generate (offline, or against a server)."
 
 

@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.core.outputs import WorkerStats
+from engine.wire import POOLS
 from pdserve.v1 import generation_pb2 as pb
 from router.protocol import PoolStats
 
@@ -151,7 +152,7 @@ class RouterMetrics:
         # Series that exist from the start, so rate() and dashboards see zeros, not gaps.
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(finish_reason=reason)
-        for pool in _POOLS:
+        for pool in POOLS:
             self.worker_restarts.labels(pool=pool)
         for path, reason in PREFILL_PATH_SERIES:
             self.prefill_paths.labels(path=path, reason=reason)
@@ -319,7 +320,6 @@ _POOL_COUNTERS = (
     ),
     ("pdserve_preemptions", "Requests preempted to free KV blocks, by pool.", "num_preemptions"),
 )
-_POOLS = ("prefill", "decode", "colocated")
 
 
 class PoolCollector(Collector):
@@ -367,7 +367,7 @@ class PoolCollector(Collector):
             self._accumulate(workers)
             for name, doc, field in _POOL_COUNTERS:
                 family = CounterMetricFamily(name, doc, labels=["pool"])
-                for pool in _POOLS:
+                for pool in POOLS:
                     if (pool, field) in self._totals:
                         family.add_metric([pool], self._totals[(pool, field)])
                 yield family
