@@ -218,7 +218,9 @@ def test_chaos_kills_cancels_and_deadlines(
         outcomes = [r for r in results if r is not None]
         completed = 0
         for i, outcome, tokens, kind in outcomes:
-            allowed = {"final:FINISH_REASON_LENGTH", "final:FINISH_REASON_ERROR"}
+            # A request whose worker dies continues on another (from the tokens it had
+            # streamed): every uncancelled request completes, with the undisturbed text.
+            allowed = {"final:FINISH_REASON_LENGTH"}
             if kind == "cancel":
                 allowed |= {"cancelled"}
             if kind == "deadline":
