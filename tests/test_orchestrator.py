@@ -257,3 +257,20 @@ def test_the_same_request_gives_the_same_tokens_whatever_the_path() -> None:
         assert results[0] == expected_tokens(GenerationInput("x", PROMPT, call.sampling))
 
     _run(body())
+
+
+def test_a_stop_string_that_spans_the_resume_point_still_stops_the_request() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        pools.fakes["decode-0"].refuse_kv = True  # resumes right after the first token
+        gen = _generator(pools)
+        full = _expected(_call(max_tokens=20))
+        stop = f"<{full[0]}><{full[1]}>"  # the prefill's token, then the resumed one
+        tokens, final = await _collect(gen.generate(_call(max_tokens=20, stop=(stop,))))
+        assert final.finish_reason is FinishReason.STOP, final.error
+        assert tokens == full[:2]
+        await _settle(pools)
+        assert all(f.holds_nothing for f in pools.fakes.values())
+        await gen.stop()
+
+    _run(body())
