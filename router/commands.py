@@ -8,10 +8,8 @@ anything has started), then running, which reports its own failures in one line.
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
 from router.config import keep_ray_on_loopback
+from router.flag_checks import port_problem
 from router.flags import engine_args, pool_resources, router_config
 
 if TYPE_CHECKING:
@@ -51,24 +50,6 @@ def quiet_worker_output() -> None:
     plain when stderr is a file or a pipe (a service's log), unless the user chose."""
     if not sys.stderr.isatty():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why a server could not listen on host:port, checked before Ray starts (fail fast)."""
-    if port == 0:
-        return None
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        # As grpc does: a port held only by TIME_WAIT connections of a past run is free.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            if exc.errno == errno.EADDRINUSE:
-                return f"{where} is in use"
-            return f"cannot listen on {where}: {exc.strerror or exc}"
-    return None
 
 
 def serve_config(ns: argparse.Namespace) -> ServeConfig:
@@ -117,14 +98,11 @@ def serve(config: ServeConfig) -> int:
     from router.cluster import Cluster
     from router.service import run_service
 
-    for host, port, flag in (
-        (config.host, config.port, ""),
-        (config.metrics_host, config.metrics_port, " (--metrics-port)"),
-    ):
-        problem = port_problem(host, port)
-        if problem is not None:
-            print(f"pdserve: startup failed: {problem}{flag}", file=sys.stderr)
-            return 1
+    # (A busy --metrics-port is refused with the flags, before this.)
+    problem = port_problem(config.host, config.port)
+    if problem is not None:
+        print(f"pdserve: startup failed: {problem}", file=sys.stderr)
+        return 1
     ray_address = config.cluster.ray_address
     cluster = Cluster(config.cluster)
     try:

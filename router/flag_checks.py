@@ -5,7 +5,9 @@ one line naming the flags; the CLI reports it as a usage error before anything s
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import socket
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -74,6 +76,10 @@ def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
             )
     elif "--colocated-resources" in given:
         raise ValueError("--colocated-resources applies only with --colocated-workers N")
+    if ns.metrics_port:
+        problem = port_problem(ns.metrics_host, ns.metrics_port)
+        if problem is not None:
+            raise ValueError(f"--metrics-port {ns.metrics_port}: {problem}")
     if ns.metrics_port == 0 and "--metrics-host" in given:
         raise ValueError("--metrics-host and --metrics-port 0 (metrics off) cannot both apply")
     if ns.metrics_port and ns.metrics_port == ns.port:
@@ -106,3 +112,21 @@ def check_scale_flags(ns: argparse.Namespace) -> None:
     """`pdserve scale` needs something to do."""
     if all(getattr(ns, pool) is None for pool in POOLS) and not ns.drain:
         raise ValueError("give --prefill, --decode, --colocated or --drain")
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port, checked before Ray starts (fail fast)."""
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        # As grpc does: a port held only by TIME_WAIT connections of a past run is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            if exc.errno == errno.EADDRINUSE:
+                return f"{where} is in use"
+            return f"cannot listen on {where}: {exc.strerror or exc}"
+    return None
