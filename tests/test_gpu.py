@@ -29,8 +29,9 @@ from bench.harness.pools import assert_pools_empty
 from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.transfer.base import KVPoll
 from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import HandoffHeader, HeaderKind
+from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
 
 pytestmark = pytest.mark.gpu
 
@@ -244,30 +245,30 @@ def _handoff_worker(rank: int, store_port: int, out_path: str, use_cuda: bool = 
         if rank == SENDER_RANK:
             cache = _source_bits().to(device)
             sends = []
-            for n, (src, dst) in enumerate(trials):
+            for n, (src, _dst) in enumerate(trials):
                 payload = cache.index_select(0, torch.tensor(src, device=device))
                 header = HandoffHeader(
                     HeaderKind.HANDOFF,
                     channel.next_seq(),
-                    req_id=f"r{n}",
                     dst_epoch=2,
-                    dst_block_ids=tuple(dst),
+                    entries=(HandoffEntry(f"r{n}", len(src) * 16, len(src), 0),),
                     num_bytes=payload.numel() * payload.element_size(),
                 )
                 sends.append(channel.send(header, payload))
-            for fut in sends:
-                fut.result(timeout=120)
+            for handle in sends:
+                assert handle.wait(120) is KVPoll.SUCCESS, handle.failure
             return
         cache = torch.zeros((NUM_DST_BLOCKS, *HANDOFF_BLOCK_SHAPE), dtype=torch.bfloat16)
         cache = cache.to(device)
-        for n in range(len(trials)):
+        for n, (_, dst) in enumerate(trials):
             header = channel.recv_header()
-            assert header.seq_no == n and header.req_id == f"r{n}"
+            assert header.seq_no == n and header.entries[0].req_id == f"r{n}"
             staging = torch.empty(
-                (len(header.dst_block_ids), *HANDOFF_BLOCK_SHAPE), dtype=torch.bfloat16
+                (header.num_blocks, *HANDOFF_BLOCK_SHAPE), dtype=torch.bfloat16
             ).to(device)
             channel.recv_into(staging)
-            cache.index_copy_(0, torch.tensor(header.dst_block_ids, device=device), staging)
+            # The receiver's own reservation names the destination blocks.
+            cache.index_copy_(0, torch.tensor(dst, device=device), staging)
         source = _source_bits().view(torch.int16)
         expected = torch.zeros((NUM_DST_BLOCKS, *HANDOFF_BLOCK_SHAPE), dtype=torch.int16)
         for src, dst in trials:
