@@ -92,11 +92,6 @@ class DecodeWorker(WorkerBase):
                 self.fail(req_id, "KV hand-off refused: the reservation expired")
 
     # ---------------------------------------------------------------- ImportTarget
-    @property
-    def block_bytes(self) -> int:
-        cache = self.runner.kv_cache
-        return int(cache[0].numel() * cache.element_size())
-
     def staging(self, num_blocks: int) -> torch.Tensor:
         cache = self.runner.kv_cache
         return torch.empty((num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)

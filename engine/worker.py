@@ -202,14 +202,21 @@ class WorkerBase:
 
     async def load(self) -> WorkerStats:
         """Blocks in use, queue lengths and prefix-cache counters."""
-        stats = await self.on_engine(self.core.stats)
-        return WorkerStats(pool=self.pool, index=self.index, **asdict(stats))  # type: ignore[arg-type]
+        return self._worker_stats(await self.on_engine(self.core.stats))
 
     def latest_stats(self) -> WorkerStats:
         """The same, read from the event loop without waiting for a step boundary: a
         snapshot of plain counters for routing hints, not for accounting."""
-        stats = self.core.stats()
+        return self._worker_stats(self.core.stats())
+
+    def _worker_stats(self, stats: Any) -> WorkerStats:
         return WorkerStats(pool=self.pool, index=self.index, **asdict(stats))  # type: ignore[arg-type]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of KV, every layer (the unit a hand-off moves)."""
+        cache = self.runner.kv_cache
+        return int(cache[0].numel() * cache.element_size())
 
     async def read_blocks(self, block_ids: list[int]) -> Any:
         """A copy of these blocks' KV as a CPU tensor (for hand-off verification)."""

@@ -117,11 +117,6 @@ class PrefillWorker(WorkerBase):
         events = self.core.take_kv_events()
         self._loop.call_soon_threadsafe(self._deliver, prefilled, events)
 
-    @property
-    def block_bytes(self) -> int:
-        cache = self.runner.kv_cache
-        return int(cache[0].numel() * cache.element_size())
-
     def _deliver(self, prefilled: list[_Prefilled], events: KVEvents) -> None:
         self.add_kv_events(events)  # before any reply these wake up
         for item in prefilled:

@@ -163,7 +163,9 @@ class DisaggregatedGenerator(ServingPaths):
         while True:
             await asyncio.sleep(period)
             for ref, req_ids in list(self._renewing.items()):
-                if req_ids and ref.state in ("live", "draining"):
+                if ref.state in ("dead", "gone"):
+                    del self._renewing[ref]  # its reservations went with it
+                elif req_ids:
                     self._spawn(self._renew(ref, list(req_ids)))
 
     async def _renew(self, ref: WorkerRef, req_ids: list[str]) -> None:

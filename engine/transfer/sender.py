@@ -58,20 +58,22 @@ def plan_messages(
 ) -> list[Message]:
     """Group one step's ready requests by target, in order, within the caps (a request
     larger than max_bytes still goes, alone)."""
-    by_target: dict[HandoffTarget, list[list[ReadyKV]]] = {}
+    groups: dict[HandoffTarget, list[list[ReadyKV]]] = {}
+    open_bytes: dict[HandoffTarget, int] = {}  # bytes of each target's last group
     for item in ready:
-        groups = by_target.setdefault(item.target, [[]])
-        current = groups[-1]
-        size = sum(len(x.block_ids) for x in current) * block_bytes
-        if current and (
-            len(current) >= max_entries or size + len(item.block_ids) * block_bytes > max_bytes
+        target_groups = groups.setdefault(item.target, [[]])
+        item_bytes = len(item.block_ids) * block_bytes
+        size = open_bytes.get(item.target, 0)
+        if target_groups[-1] and (
+            len(target_groups[-1]) >= max_entries or size + item_bytes > max_bytes
         ):
-            current = []
-            groups.append(current)
-        current.append(item)
+            target_groups.append([])
+            size = 0
+        target_groups[-1].append(item)
+        open_bytes[item.target] = size + item_bytes
     return [
         Message(target, tuple(group))
-        for target, groups in by_target.items()
-        for group in groups
+        for target, target_groups in groups.items()
+        for group in target_groups
         if group
     ]
