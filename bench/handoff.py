@@ -106,7 +106,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out_path: str) -> No
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    spec = ChannelSpec("127.0.0.1", port, "prefill-0", 1, "decode-0", 2, 256, 120.0)
+    spec = ChannelSpec("127.0.0.1", port, "prefill-0", 1, "decode-0", 2, 120.0)
     channel = KVChannel(spec, rank, device)
     channel.open()
     pg = channel._group()  # the raw baseline runs on the very same process group

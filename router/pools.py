@@ -209,7 +209,6 @@ class Pools:
         return ref
 
     def _spec(self, prefill: WorkerRef, decode: WorkerRef) -> ChannelSpec:
-        block_size = decode.info.layout.block_size
         return ChannelSpec(
             store_host=self.cluster.store_host,
             store_port=self.cluster.store_port,
@@ -217,7 +216,6 @@ class Pools:
             prefill_epoch=prefill.info.epoch,
             decode_id=decode.worker_id,
             decode_epoch=decode.info.epoch,
-            max_blocks=-(-min(prefill.info.max_model_len, decode.info.max_model_len) // block_size),
         )
 
     async def _pair_with_peers(self, ref: WorkerRef) -> None:

@@ -17,7 +17,7 @@ def test_a_channel_idle_past_its_timeout_still_delivers_the_next_hand_off() -> N
     # The timeout bounds pairing and each transfer; waiting for the next header is not a
     # transfer: a receiver idle for longer must still be there when a header comes.
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    spec = ChannelSpec("127.0.0.1", store.port, "prefill-0", 1, "decode-0", 2, 8, timeout_s=1.0)
+    spec = ChannelSpec("127.0.0.1", store.port, "prefill-0", 1, "decode-0", 2, timeout_s=1.0)
     sender = KVChannel(spec, SENDER_RANK, torch.device("cpu"))
     receiver = KVChannel(spec, RECEIVER_RANK, torch.device("cpu"))
     opener = threading.Thread(target=receiver.open)

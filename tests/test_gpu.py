@@ -237,7 +237,7 @@ def _handoff_worker(rank: int, store_port: int, out_path: str, use_cuda: bool = 
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    spec = ChannelSpec("127.0.0.1", store_port, "prefill-0", 1, "decode-0", 2, 128, 120.0)
+    spec = ChannelSpec("127.0.0.1", store_port, "prefill-0", 1, "decode-0", 2, 120.0)
     channel = KVChannel(spec, rank, device)
     channel.open()
     try:

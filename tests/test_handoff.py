@@ -78,7 +78,7 @@ def pair(loop: asyncio.AbstractEventLoop, smollm2_path: Path) -> Iterator[Pair]:
         p_info = await prefill.start()
         d_info = await decode.start()
         spec = ChannelSpec(
-            "127.0.0.1", store.port, "prefill-0", p_info.epoch, "decode-0", d_info.epoch, 64
+            "127.0.0.1", store.port, "prefill-0", p_info.epoch, "decode-0", d_info.epoch
         )
         await asyncio.gather(prefill.connect(spec), decode.connect(spec))
         return Pair(prefill, decode)

@@ -49,7 +49,6 @@ class ChannelSpec:
     prefill_epoch: int
     decode_id: str
     decode_epoch: int
-    max_blocks: int  # most blocks one request can hand off
     timeout_s: float = 60.0
 
     @property
