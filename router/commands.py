@@ -19,7 +19,7 @@ from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
 from router.config import keep_ray_on_loopback
 from router.flag_checks import port_problem
-from router.flags import engine_args, pool_resources, router_config
+from router.flags import engine_args, planner_config, pool_resources, router_config
 
 if TYPE_CHECKING:
     from pdserve.v1 import generation_pb2
@@ -79,7 +79,9 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
             ray_address=ns.ray_address,
             pool_resources=pool_resources(ns),
             kv_store_port=ns.kv_store_port,
+            placement_timeout_s=ns.placement_timeout_s,
         ),
+        planner=planner_config(ns),
         router=router_config(ns),
         host=ns.host,
         port=ns.port,

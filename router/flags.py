@@ -24,6 +24,7 @@ from router.flag_types import (
     port,
     resources,
 )
+from router.planner.config import DEFAULT_INTERVAL_S, PlannerConfig
 from router.prefill_policy import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from router.routing import ROUTING_POLICIES, RoutingConfig
 from router.security import DEFAULT_MAX_MESSAGE_BYTES
@@ -188,6 +189,57 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_planner_args(p: argparse.ArgumentParser) -> None:
+    """The SLO planner's flags: what `planner_config` turns into a PlannerConfig."""
+    g = p.add_argument_group("planner (sizes the pools by itself from TTFT and TPOT)")
+    g.add_argument(
+        "--planner",
+        action="store_true",
+        help="size the prefill and decode pools while serving, from the measured TTFT and "
+        "TPOT against --slo-ttft-ms and --slo-tpot-ms, within --max-gpus",
+    )
+    g.add_argument(
+        "--max-gpus",
+        type=at_least(2),
+        help="with --planner: workers across both pools at most (one GPU each on GPU "
+        "machines; on CPU, workers) (default: none; required with --planner)",
+    )
+    g.add_argument(
+        "--min-prefill",
+        type=at_least(1),
+        default=1,
+        help="with --planner: prefill workers at least",
+    )
+    g.add_argument(
+        "--min-decode", type=at_least(1), default=1, help="with --planner: decode workers at least"
+    )
+    g.add_argument(
+        "--planner-interval-s",
+        type=number_in(0, open_low=True),
+        default=DEFAULT_INTERVAL_S,
+        help="with --planner: seconds between decisions",
+    )
+    g.add_argument(
+        "--planner-cooldown-s",
+        type=number_in(0),
+        help="with --planner: seconds a pool holds after a change, and stays over-provisioned "
+        "before it shrinks (default: 3 intervals)",
+    )
+
+
+def planner_config(ns: argparse.Namespace) -> PlannerConfig | None:
+    """The planner's settings from `add_planner_args`' flags; None without --planner."""
+    if not ns.planner:
+        return None
+    return PlannerConfig(
+        max_workers=ns.max_gpus,
+        min_prefill=ns.min_prefill,
+        min_decode=ns.min_decode,
+        interval_s=ns.planner_interval_s,
+        cooldown_s=ns.planner_cooldown_s,
+    )
+
+
 def router_config(ns: argparse.Namespace) -> RouterConfig:
     """The router's settings from `add_router_args`' flags (and the pools' policies)."""
     return RouterConfig(
@@ -306,12 +358,20 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="port on the router's host where the KV channels rendezvous (0 = any free one)",
     )
     serve.add_argument(
+        "--placement-timeout-s",
+        type=number_in(0, open_low=True),
+        default=60.0,
+        help="how long a new worker may wait for a device (its placement group); raise it "
+        "where a cluster autoscaler adds nodes on demand, which takes minutes",
+    )
+    serve.add_argument(
         "--enable-admin",
         action="store_true",
         help="serve AdminService (pdserve scale / workers); refused with PERMISSION_DENIED "
         "when off",
     )
     add_router_args(serve)
+    add_planner_args(serve)
     add_deploy_args(serve)
     add_model_args(serve)
     add_engine_args(serve, "prefill")

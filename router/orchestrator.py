@@ -43,6 +43,7 @@ from router.errors import NotReadyError, QueueFullError
 from router.inbox import UpdateInbox
 from router.kv_index import PrefixIndex
 from router.paths import ServingPaths
+from router.planner.signals import ServingSignals
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
 from router.protocol import GenerateCall, PoolStats, ServerInfo
@@ -69,6 +70,8 @@ class DisaggregatedGenerator(ServingPaths):
             aging_s=self.config.priority_aging_s,
         )
         self.outputs = OutputProcessor(tokenizer)
+        # What the planner reads: traffic, first tokens, worker speeds (cheap when unread).
+        self.signals = ServingSignals()
         self._attempts: dict[str, Attempt] = {}
         self._background: set[asyncio.Task[Any]] = set()
         # Reservations whose requests are still queued or prefilling, by decode worker.
@@ -88,7 +91,7 @@ class DisaggregatedGenerator(ServingPaths):
         # Which prompt prefixes each worker's cache holds, fed by the workers' KV events.
         self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
-        self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of)
+        self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of, self.signals)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -233,6 +236,7 @@ class DisaggregatedGenerator(ServingPaths):
         base = self._to_input(call)
         user_id = call.request_id or base.req_id  # what the client knows it by, for the log
         progress = Progress(time.perf_counter())
+        self.signals.request_arrived(base.req_id)
         self.outputs.add(base.req_id, base.prompt_token_ids, base.sampling.stop)
         attempt: Attempt | None = None
         finished = False
@@ -251,6 +255,9 @@ class DisaggregatedGenerator(ServingPaths):
                         async for chunk in chunks:
                             yield chunk
                         finished = True
+                        self.signals.request_ended(
+                            base.req_id, progress.num_out, progress.tpot_s(), completed=True
+                        )
                         yield final_result(user_id, base, progress, progress.finish_reason)
                         return
                     except WorkerLost as exc:
@@ -283,6 +290,7 @@ class DisaggregatedGenerator(ServingPaths):
             if attempt is not None:
                 self._end(attempt, abort=not finished)
             self.outputs.remove(base.req_id)
+            self.signals.request_ended(base.req_id, progress.num_out, None, completed=False)
             if not finished:
                 log.info("request %s cancelled after %d tokens", user_id, progress.num_out)
 
@@ -325,7 +333,9 @@ class DisaggregatedGenerator(ServingPaths):
             out = self.outputs.process(out_id, tokens, reason)
             if out.chunk is not None:
                 progress.token_ids += out.chunk.token_ids
-                progress.t_first = progress.t_first or time.perf_counter()
+                if progress.t_first is None:
+                    progress.t_first = time.perf_counter()
+                    self.signals.first_token(out_id, progress.t_first - progress.arrival)
                 yield out.chunk
             if out.finish_reason is not None:
                 if reason is None and attempt.decode_ref is not None:
