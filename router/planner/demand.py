@@ -149,12 +149,14 @@ def prefill_need(
     rho = prefill_utilization(prompt_s, snap.slo_ttft_s, config)
     rho_shrink = rho * config.shrink_utilization / config.target_utilization
     grow_to, shrink_to = _sizes(load, rho, rho_shrink)
-    queued_s = speed.busy_s(0, pool.queued_tokens, 0) or 0.0
+    # The queue in seconds, at what a token of the recent prompts cost.
+    per_token = busy / window.prompt_tokens if window.prompt_tokens else 0.0
+    queued_s = pool.queued_tokens * per_token / max(pool.live, 1)
     detail = (
         f"load {load:.2f} workers ({window.num_prompts / window.seconds:.2f} prompts/s of "
         f"{window.prompt_tokens / max(window.num_prompts, 1):.0f} uncached tokens, "
         f"{prompt_s * 1e3:.0f} ms each), utilisation <= {rho:.2f} for TTFT; "
-        f"queued {pool.queued_tokens} tokens ({queued_s / max(pool.live, 1):.2f} s); {measured}"
+        f"queued {pool.queued_tokens} tokens ({queued_s:.2f} s a worker); {measured}"
     )
     return Need("prefill", load, grow_to, shrink_to, missed, badly, detail)
 
