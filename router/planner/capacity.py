@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from router.planner.snapshot import DecodeSample, PrefillSample
 
 MIN_SAMPLES = 3.0  # (decayed) samples before a fit is used
-_RIDGE = 1e-3  # relative to each feature's sum of squares
+_RIDGE = 1e-2  # relative to each feature's sum of squares
 
 
 @dataclass(frozen=True)
