@@ -80,6 +80,7 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
             pool_resources=pool_resources(ns),
             kv_store_port=ns.kv_store_port,
             placement_timeout_s=ns.placement_timeout_s,
+            max_workers=ns.max_gpus if ns.planner else 0,
         ),
         planner=planner_config(ns),
         router=router_config(ns),

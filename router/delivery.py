@@ -4,7 +4,7 @@ Each decode (or colocated) worker answers `next_tokens()` with every update of o
 more steps for all of its requests; the poller drops each update into its attempt's
 `UpdateInbox`, applies the worker's prefix-cache changes to the routing index, and
 records what the batch says about the worker's load (occupancy, step time, hand-off
-time) for the local-prefill decision.
+time) for the local-prefill decision and, as step samples, for the planner.
 """
 
 from __future__ import annotations

@@ -131,6 +131,8 @@ def test_the_loop_grows_a_short_pool_then_drains_it_when_the_load_stops() -> Non
             == 1
         )
         assert registry.get_sample_value("pdserve_planner_target_workers", {"pool": "prefill"}) == 2
+        load = registry.get_sample_value("pdserve_planner_load_workers", {"pool": "prefill"})
+        assert load == pytest.approx(1.0, rel=0.2)  # two prompts a second of half a second
 
         admin = AdminServicer(lambda: pools, True, planner=lambda: loop)  # type: ignore[arg-type,return-value]
         listing = await admin.ListWorkers(pb.ListWorkersRequest(), _Context())
