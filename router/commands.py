@@ -19,7 +19,8 @@ from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
 from router.config import keep_ray_on_loopback
 from router.flag_checks import port_problem
-from router.flags import engine_args, planner_config, pool_resources, router_config
+from router.flags import engine_args, pool_resources, router_config
+from router.planner.flags import planner_config
 
 if TYPE_CHECKING:
     from pdserve.v1 import generation_pb2
