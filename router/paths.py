@@ -129,7 +129,7 @@ class ServingPaths:
             )
             local = decode_ref.load.lease(num_local)
             attempt.leases.append(local)
-            self.signals.prompt_placed(num_local)
+            self.signals.prompt_placed(num_local, prefill_work=decision.reason != "short_prompt")
             await self._call(decode_ref, decode_ref.client.submit(inp))
             progress.mark_decoding(PhaseTimings(queued_s, local_prefill=True))
             async for chunk in self._stream(attempt, progress, out_id, (), None, local):
@@ -137,7 +137,7 @@ class ServingPaths:
             return
         attempt.leases.append(decode_ref.load.lease())
         attempt.prefill_ref = prefill_ref
-        self.signals.prompt_placed(num_uncached)
+        self.signals.prompt_placed(num_uncached, prefill_work=True)
         result, reservation = await self._prefill(attempt, decode_ref, prefill_ref, num_uncached)
         self.delivery.apply_kv_events(prefill_ref, result.kv_events)
         progress.mark_decoding(PhaseTimings(queued_s, result.prefill_s))

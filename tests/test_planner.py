@@ -227,3 +227,51 @@ def test_a_pool_below_its_minimum_is_raised_at_once() -> None:
 def test_impossible_settings_are_refused(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PlannerConfig(**settings)
+
+
+def _full_decode(prefill_queued_tokens: int) -> Decision:
+    """One step where requests wait for blocks on a full decode worker, with this many
+    prompt tokens queued on the prefill pool (a second of work per 1000)."""
+    prompts = [PrefillSample(1, 1000, 1000**2, 1.0)] * 10
+    steps = [DecodeSample(b, b * 500, 0.02 + 1e-4 * b) for b in (1, 4, 16, 32)] * 3
+    state = PlannerState(
+        prefill_speed=PrefillSpeed().updated(prompts, 1.0),
+        decode_speed=DecodeSpeed().updated(steps, 1.0),
+        short_since={"prefill": 0.0, "decode": 0.0},  # short for long enough
+    )
+    snap = Snapshot(
+        now=100.0,
+        pools={
+            "prefill": PoolSnapshot(1, live=1, queued_tokens=prefill_queued_tokens),
+            "decode": PoolSnapshot(1, live=1, running=8, waiting=6, kv_usage=0.99),
+        },
+        traffic=Traffic(
+            seconds=10.0,
+            num_arrivals=5,
+            num_prompts=5,
+            prompt_tokens=5000,
+            sum_sq_prompt_tokens=5 * 1000**2,
+            num_finished=5,
+            output_tokens=50,
+            ttft_s=(5.0,) * 5,
+            tpot_s=(0.03,) * 5,
+        ),  # fmt: skip
+        slo_ttft_s=1.0,
+        slo_tpot_s=0.05,
+        startup_s={"prefill": 1.0, "decode": 1.0},
+    )
+    decision, _ = plan(snap, state, config())
+    return decision
+
+
+def test_a_full_decode_cache_behind_a_long_prefill_queue_is_the_prefill_pools_shortage() -> None:
+    # 20 s of prompts queued: the decode blocks are held by reservations for them.
+    behind_prefill = _full_decode(prefill_queued_tokens=20_000)
+    assert behind_prefill.of("decode").action == "hold"
+    assert behind_prefill.of("prefill").action == "scale_up"
+    # Nothing queued for prefill: the decode pool itself is out of blocks.
+    decode_short = _full_decode(prefill_queued_tokens=0)
+    assert (decode_short.of("decode").action, decode_short.of("decode").reason) == (
+        "scale_up",
+        "kv_full",
+    )

@@ -132,15 +132,36 @@ def prefill_utilization(prompt_s: float, slo_ttft_s: float, config: PlannerConfi
     )
 
 
+def prefill_queue_s(snap: Snapshot, window: Window, speed: PrefillSpeed) -> float:
+    """How long the prompts queued on the prefill pool keep each worker busy, at what a
+    token of the recent prompts cost (0 before the speed is measured)."""
+    pool = snap.pools["prefill"]
+    if window.prompt_tokens:
+        busy = speed.busy_s(window.num_prompts, window.prompt_tokens, window.sum_sq_prompt_tokens)
+        per_token = (busy or 0.0) / window.prompt_tokens
+    else:  # no prompt placed lately: price the queue as prompts of 512 tokens
+        per_token = (speed.busy_s(1, 512, 512**2) or 0.0) / 512
+    return pool.queued_tokens * per_token / max(pool.live, 1)
+
+
+def decode_short_of_kv(snap: Snapshot, queue_s: float) -> bool:
+    """Requests wait for blocks on full decode workers while the prefill pool's queue is
+    short: the decode pool holds them back. (Decode blocks are reserved for prompts still
+    queued for prefill too: behind a long prefill queue a full decode cache is the
+    prefill pool's shortage, not decode's.)"""
+    decode = snap.pools["decode"]
+    return decode.waiting > 0 and decode.kv_usage >= KV_FULL and queue_s < snap.slo_ttft_s / 2
+
+
 def prefill_need(
-    snap: Snapshot, window: Window, speed: PrefillSpeed, config: PlannerConfig
+    snap: Snapshot, window: Window, speed: PrefillSpeed, queue_s: float, config: PlannerConfig
 ) -> Need:
     pool = snap.pools["prefill"]
     ttft = attainment(window.ttft_s, snap.slo_ttft_s, window.num_waiting_past_ttft)
     busy = speed.busy_s(window.num_prompts, window.prompt_tokens, window.sum_sq_prompt_tokens)
     measured = _measured("TTFT", ttft, snap.slo_ttft_s)
     missed, badly = _judge(ttft, snap.slo_ttft_s, config, "ttft_missed")
-    if missed and _decode_holds_requests(snap):
+    if missed and decode_short_of_kv(snap, queue_s):
         missed, badly = None, False  # the decode pool's miss: decode_need reports it
     if busy is None:
         return Need("prefill", None, 0, 0, missed, badly, f"speed not measured yet; {measured}")
@@ -149,14 +170,11 @@ def prefill_need(
     rho = prefill_utilization(prompt_s, snap.slo_ttft_s, config)
     rho_shrink = rho * config.shrink_utilization / config.target_utilization
     grow_to, shrink_to = _sizes(load, rho, rho_shrink)
-    # The queue in seconds, at what a token of the recent prompts cost.
-    per_token = busy / window.prompt_tokens if window.prompt_tokens else 0.0
-    queued_s = pool.queued_tokens * per_token / max(pool.live, 1)
     detail = (
         f"load {load:.2f} workers ({window.num_prompts / window.seconds:.2f} prompts/s of "
         f"{window.prompt_tokens / max(window.num_prompts, 1):.0f} uncached tokens, "
         f"{prompt_s * 1e3:.0f} ms each), utilisation <= {rho:.2f} for TTFT; "
-        f"queued {pool.queued_tokens} tokens ({queued_s:.2f} s a worker); {measured}"
+        f"queued {pool.queued_tokens} tokens ({queue_s:.2f} s a worker); {measured}"
     )
     return Need("prefill", load, grow_to, shrink_to, missed, badly, detail)
 
@@ -167,13 +185,14 @@ def decode_need(
     speed: DecodeSpeed,
     output_len: float | None,
     context_len: float | None,
+    queue_s: float,
     config: PlannerConfig,
 ) -> Need:
     pool = snap.pools["decode"]
     tpot = attainment(window.tpot_s, snap.slo_tpot_s)
     measured = _measured("TPOT", tpot, snap.slo_tpot_s)
     missed, badly = _judge(tpot, snap.slo_tpot_s, config, "tpot_missed")
-    if _decode_holds_requests(snap):
+    if decode_short_of_kv(snap, queue_s):
         missed = "kv_full"
         ttft = attainment(window.ttft_s, snap.slo_ttft_s, window.num_waiting_past_ttft)
         badly = badly or ttft.badly_missed(snap.slo_ttft_s, config.badly_missed_factor)
@@ -196,12 +215,6 @@ def decode_need(
         f"context {context:.0f}); {measured}"
     )
     return Need("decode", load, grow_to, shrink_to, missed, badly, detail)
-
-
-def _decode_holds_requests(snap: Snapshot) -> bool:
-    """Requests wait in the decode pool's schedulers: it, not prefill, is short."""
-    decode = snap.pools["decode"]
-    return decode.waiting > 0 and decode.kv_usage >= KV_FULL
 
 
 def _judge(

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from router.planner.capacity import DecodeSpeed, PrefillSpeed
 from router.planner.config import PLANNED_POOLS, PlannerConfig
 from router.planner.decision import Action, Decision, PoolDecision
-from router.planner.demand import Need, Window, decode_need, prefill_need
+from router.planner.demand import Need, Window, decode_need, prefill_need, prefill_queue_s
 from router.planner.snapshot import Snapshot, Traffic
 
 _EWMA = 0.3  # weight of the newest interval in the mean output and context lengths
@@ -63,10 +63,11 @@ def plan(
     """Both pools' sizes for this snapshot, and the state to carry to the next step."""
     state = _learn(snap, state, config)
     window = Window.of(state.recent)
+    queue_s = prefill_queue_s(snap, window, state.prefill_speed)
     needs = {
-        "prefill": prefill_need(snap, window, state.prefill_speed, config),
+        "prefill": prefill_need(snap, window, state.prefill_speed, queue_s, config),
         "decode": decode_need(
-            snap, window, state.decode_speed, state.output_len, state.context_len, config
+            snap, window, state.decode_speed, state.output_len, state.context_len, queue_s, config
         ),
     }
     proposals = {}

@@ -4,7 +4,8 @@ The core calls these as things happen (each call is a few dictionary operations,
 everything kept is bounded whether a planner reads it or not); the planner's loop takes
 the interval's share with `take()`:
 
-* requests: arrivals, the uncached tokens of each prompt placed, first tokens (TTFT),
+* requests: arrivals, the uncached tokens of each prompt that is the prefill pool's
+  work (sent there, or run locally because it was saturated), first tokens (TTFT),
   completions (output tokens, TPOT), and which requests still wait for a first token;
 * prefill replies: spans in which a worker was busy throughout, with the prompts it
   answered in them (its throughput under load), and prompts that found it idle;
@@ -57,8 +58,12 @@ class ServingSignals:
         self._num_arrivals += 1
         self._waiting[key] = self._clock()
 
-    def prompt_placed(self, num_uncached: int) -> None:
-        """A prompt was sent to run (on the prefill pool or a decode worker)."""
+    def prompt_placed(self, num_uncached: int, prefill_work: bool) -> None:
+        """A prompt was sent to run. prefill_work: it is the prefill pool's to run (sent
+        there, or run on a decode worker only because the prefill pool was saturated or
+        had no worker for it), not a short prompt a decode worker takes by design."""
+        if not prefill_work:
+            return
         self._num_prompts += 1
         self._prompt_tokens += num_uncached
         self._sum_sq += num_uncached * num_uncached

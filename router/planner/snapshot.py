@@ -58,7 +58,8 @@ class Traffic:
 
     seconds: float
     num_arrivals: int = 0
-    # Prompts placed (on the prefill pool or a decode worker): their uncached tokens.
+    # Prompts that are the prefill pool's work (sent there, or run on a decode worker
+    # because the prefill pool was saturated): their uncached tokens.
     num_prompts: int = 0
     prompt_tokens: int = 0
     sum_sq_prompt_tokens: int = 0
