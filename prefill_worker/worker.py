@@ -102,17 +102,18 @@ class PrefillWorker(WorkerBase):
             num_layers=self.runner.kv_cache.shape[1],
             block_bytes=self.block_bytes,
             gather=self._gather_layers,
+            index_of=self.runner.block_index,
         )
         self._open_streams.append(stream)
         self.num_streamed_messages += len(messages)
         return stream
 
     def _gather_layers(
-        self, block_ids: list[int], layers: tuple[int, int]
+        self, block_index: torch.Tensor, layers: tuple[int, int]
     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """One part of a streamed message, gathered on the engine's stream right behind
         the layer that wrote it; the event tells the channel when it is ready."""
-        payload = self.runner.gather_blocks(block_ids, layers)
+        payload = self.runner.gather_blocks(block_index, layers)
         if not payload.is_cuda:
             return payload, None
         event = torch.cuda.Event()

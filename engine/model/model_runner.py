@@ -217,20 +217,24 @@ class ModelRunner:
         """How many KV blocks fit in `nbytes`."""
         return nbytes // ModelRunner.bytes_per_block(spec, dtype, block_size)
 
-    def _block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as an index on the device, copied without waiting for the device (a
+        gather between two layers of a running pass must not stall the host)."""
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:
             raise ValueError(f"block ids {bad} outside [0, {self.num_blocks})")
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return to_device(list(block_ids), torch.long, self.device)
 
     def gather_blocks(
-        self, block_ids: Sequence[int], layers: tuple[int, int] | None = None
+        self, block_ids: Sequence[int] | torch.Tensor, layers: tuple[int, int] | None = None
     ) -> torch.Tensor:
         """A contiguous copy of these blocks' KV, [len(block_ids), *kv_cache.shape[1:]],
-        or of layers [start, stop) of them."""
+        or of layers [start, stop) of them; `block_ids` may be a `block_index`."""
         # Block-major layout: one index_select, ready to send as one message.
         cache = self.kv_cache if layers is None else self.kv_cache[:, layers[0] : layers[1]]
-        return cache.index_select(0, self._block_index(block_ids))
+        if not isinstance(block_ids, torch.Tensor):
+            block_ids = self.block_index(block_ids)
+        return cache.index_select(0, block_ids)
 
     def scatter_blocks(
         self, block_ids: Sequence[int], data: torch.Tensor, layers: tuple[int, int] | None = None
@@ -248,7 +252,7 @@ class ModelRunner:
         step_done = self._last_step_done
         if step_done is not None:
             torch.cuda.current_stream(self.device).wait_event(step_done)
-        cache.index_copy_(0, self._block_index(block_ids), data.to(self.device))
+        cache.index_copy_(0, self.block_index(block_ids), data.to(self.device))
 
     def execute(
         self, batch: Batch, *, use_cuda_graphs: bool = True, paged_decode: bool | None = None

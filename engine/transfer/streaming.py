@@ -32,8 +32,9 @@ from engine.transfer.sender import Message
 # a few hundred KiB run far below the link, and each part costs a fixed few tens of µs.
 MIN_PART_BYTES = 2 << 20
 
-# gather(block_ids, (first layer, stop layer)) -> (payload, ready event or None)
-Gather = Callable[[list[int], tuple[int, int]], tuple[Any, Any]]
+# gather(index, (first layer, stop layer)) -> (payload, ready event or None), where
+# index = index_of(block_ids) was made once per message, before the pass.
+Gather = Callable[[Any, tuple[int, int]], tuple[Any, Any]]
 
 
 def layers_per_part(message_bytes: int, num_layers: int, min_part_bytes: int) -> int:
@@ -72,6 +73,7 @@ class StreamedMessage:
     channel: KVSender
     header: HandoffHeader
     parts: list[tuple[int, int]]
+    index: Any  # the blocks as the gather wants them (a device index, made once)
     next_part: int = 0
     handles: list[TransferHandle] = field(default_factory=list)
     done: FutureHandle | None = None  # set when closed: every post of the message
@@ -102,7 +104,7 @@ class StepStream:
     def _post_part(self, streamed: StreamedMessage) -> None:
         layers = streamed.parts[streamed.next_part]
         streamed.next_part += 1
-        payload, ready = self._gather(streamed.message.block_ids, layers)
+        payload, ready = self._gather(streamed.index, layers)
         streamed.handles.append(streamed.channel.send(None, payload, ready))
 
     def close(self, first_tokens: Mapping[str, int]) -> dict[str, TransferHandle]:
@@ -147,6 +149,7 @@ def open_stream(
     num_layers: int,
     block_bytes: int,
     gather: Gather,
+    index_of: Callable[[list[int]], Any] = lambda block_ids: block_ids,
     min_part_bytes: int = MIN_PART_BYTES,
 ) -> StepStream:
     """Post one STREAM header per message (on the thread that posts every message of
@@ -166,7 +169,8 @@ def open_stream(
             posted_at_us=int(time.time() * 1e6),
             layers_per_part=per_part,
         )
-        item = StreamedMessage(message, channel, header, header.parts(num_layers))
+        parts = header.parts(num_layers)
+        item = StreamedMessage(message, channel, header, parts, index_of(message.block_ids))
         item.handles.append(channel.send(header, None))
         streamed.append(item)
     return StepStream(streamed, gather)
