@@ -6,12 +6,13 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from engine.core.outputs import GenerationInput, TextChunk
+from engine.core.outputs import TextChunk
 from engine.core.request import FinishReason
 from engine.factory import EngineArgs, build_engine
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.prompt import encode_prompt
 from engine.sampling_params import SamplingParams
+from engine.wire import GenerationInput
 
 PromptLike = str | Sequence[int]
 
@@ -74,12 +75,12 @@ class LLM:
         try:
             while self.core.has_unfinished:
                 for upd in self.core.step():
-                    out = outputs.process(upd.req_id, upd.new_token_ids, upd.finish_reason)
-                    if out.stopped_by_string and upd.finish_reason is None:
-                        self.core.abort(upd.req_id)
-                    yield StreamEvent(
-                        index_of[upd.req_id], out.chunk, out.finish_reason, upd.num_cached_tokens
+                    chunk, finish = outputs.process(
+                        upd.req_id, upd.new_token_ids, upd.finish_reason
                     )
+                    if finish is not None and upd.finish_reason is None:
+                        self.core.abort(upd.req_id)  # a stop string ended it
+                    yield StreamEvent(index_of[upd.req_id], chunk, finish, upd.num_cached_tokens)
         finally:
             for req_id in index_of:  # a caller that stops iterating leaves nothing behind
                 self.core.abort(req_id)

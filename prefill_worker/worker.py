@@ -20,15 +20,13 @@ from typing import Any
 import torch
 
 from engine.core.kv_events import KVEvents
-from engine.core.outputs import GenerationInput
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
-from engine.core.scheduler import RequestUpdate
 from engine.transfer.base import KVPoll, TransferHandle
 from engine.transfer.channel import SENDER_RANK, ChannelSpec
 from engine.transfer.handoff import HandoffHeader, HeaderKind
 from engine.transfer.sender import ReadyKV, plan_messages
-from engine.wire import HandoffTarget, PrefillResult, Reservation
+from engine.wire import GenerationInput, HandoffTarget, PrefillResult, Reservation, TokenUpdate
 from engine.worker import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -42,7 +40,7 @@ class PrefillAborted(Exception):
 class _Prefilled:
     """A finished prefill for one request, and what became of its KV."""
 
-    update: RequestUpdate
+    update: TokenUpdate
     handle: TransferHandle | None = None  # the message that carries its KV
     num_bytes: int = 0
     error: str = ""  # the KV could not be posted
@@ -65,7 +63,7 @@ class PrefillWorker(WorkerBase):
     def channel_peer(self, spec: ChannelSpec) -> str:
         return spec.receiver_id
 
-    def _updates_from_thread(self, updates: list[RequestUpdate]) -> None:
+    def _updates_from_thread(self, updates: list[TokenUpdate]) -> None:
         # Engine thread, between two steps: post this step's hand-offs right here
         # (ordered after the step that wrote the KV) and give the blocks back at once:
         # later kernels on the engine's stream run after the gather.

@@ -31,8 +31,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.core.outputs import WorkerStats
-from engine.wire import POOLS
+from engine.wire import POOLS, WorkerStats
 from pdserve.v1 import generation_pb2 as pb
 from router.protocol import PoolStats
 

@@ -322,16 +322,16 @@ class DisaggregatedGenerator(ServingPaths):
     ) -> AsyncIterator[TextChunk]:
         """Turn token updates into text chunks until the request finishes."""
         while True:
-            out = self.outputs.process(out_id, tokens, reason)
-            if out.chunk is not None:
-                progress.token_ids += out.chunk.token_ids
+            chunk, finish = self.outputs.process(out_id, tokens, reason)
+            if chunk is not None:
+                progress.token_ids += chunk.token_ids
                 progress.t_first = progress.t_first or time.perf_counter()
-                yield out.chunk
-            if out.finish_reason is not None:
+                yield chunk
+            if finish is not None:
                 if reason is None and attempt.decode_ref is not None:
                     # A stop string ended it here: the worker is still going.
                     self._spawn(self._abort_on(attempt.decode_ref, attempt.req_id))
-                progress.finish_reason = out.finish_reason
+                progress.finish_reason = finish
                 return
             try:
                 item = await attempt.inbox.take(self.config.token_stall_timeout_s)

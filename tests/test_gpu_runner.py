@@ -296,9 +296,9 @@ def test_async_scheduling_gives_the_plain_loops_tokens(tiny_llama_path: Path) ->
     """One step ahead on CUDA: decode inputs come from the device (inside the CUDA graphs
     and on the eager path), with seeded sampling, staggered arrivals and preemption."""
     from engine.core.config import SchedulerConfig
-    from engine.core.outputs import GenerationInput
     from engine.factory import EngineArgs, build_engine
     from engine.sampling_params import SamplingParams
+    from engine.wire import GenerationInput
 
     rng = random.Random(11)
     prompts = [

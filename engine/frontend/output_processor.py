@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from engine.core.outputs import TextChunk
 from engine.core.request import FinishReason
 from engine.frontend.detokenizer import IncrementalDetokenizer
-
-
-@dataclass(frozen=True)
-class ProcessedOutput:
-    """A chunk for the client (None when nothing new is printable) and, at the end,
-    the finish reason. `stopped_by_string` tells the caller to abort the engine side."""
-
-    chunk: TextChunk | None
-    finish_reason: FinishReason | None
-    stopped_by_string: bool = False
 
 
 class OutputProcessor:
@@ -36,8 +25,11 @@ class OutputProcessor:
 
     def process(
         self, req_id: str, new_token_ids: Sequence[int], finish_reason: FinishReason | None
-    ) -> ProcessedOutput:
-        """Turn one engine update into client output; removes the request when it ends."""
+    ) -> tuple[TextChunk | None, FinishReason | None]:
+        """Turn one engine update into client output: a chunk (None when nothing new is
+        printable) and, at the end, the finish reason. A finish where the engine gave
+        none is a stop string's: the caller aborts the engine side. Removes the request
+        when it ends."""
         detok = self._detoks[req_id]
         text = detok.add(new_token_ids)
         stopped = detok.stopped
@@ -49,4 +41,4 @@ class OutputProcessor:
         if finish_reason is not None:
             self.remove(req_id)
         chunk = TextChunk(text, tuple(new_token_ids)) if (text or new_token_ids) else None
-        return ProcessedOutput(chunk, finish_reason, stopped and finish_reason is not None)
+        return chunk, finish_reason
