@@ -17,13 +17,8 @@ import pytest
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
-from engine.model.attention import (
-    PagedAttentionMetadata,
-    build_metadata,
-    paged_attention_forward,
-    paged_step,
-    write_kv,
-)
+from engine.model.attention import paged_attention_forward, paged_step, write_kv
+from engine.model.attention_metadata import PagedAttentionMetadata, build_metadata
 from engine.model.compiled import is_compiled
 from engine.model.model_runner import ModelRunner
 from engine.model.triton_attention import paged_decode_attention, triton_available
