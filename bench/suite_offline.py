@@ -189,7 +189,7 @@ def closed_loop(
     from engine.wire import GenerationInput
 
     core = llm.core
-    outputs = OutputProcessor(llm.tokenizer)
+    outputs: dict[str, OutputProcessor] = {}
     timings = [ReqTiming(0.0) for _ in prompts]
     index_of: dict[str, int] = {}
     run = next(_run_ids)
@@ -200,7 +200,7 @@ def closed_loop(
         while next_index < len(prompts) and len(index_of) < concurrency:
             inp = GenerationInput(f"bench-{run}-{next_index}", tuple(prompts[next_index]), params)
             core.add_request(inp)
-            outputs.add(inp.req_id, inp.prompt_token_ids, params.stop)
+            outputs[inp.req_id] = OutputProcessor(llm.tokenizer, inp.prompt_token_ids, params.stop)
             index_of[inp.req_id] = next_index
             timings[next_index].sent_s = now
             next_index += 1
@@ -213,11 +213,11 @@ def closed_loop(
                 i = index_of.get(upd.req_id)
                 if i is None:
                     continue
-                chunk, finish = outputs.process(upd.req_id, upd.new_token_ids, upd.finish_reason)
+                chunk, finish = outputs[upd.req_id].process(upd.new_token_ids, upd.finish_reason)
                 if chunk is not None and chunk.token_ids:
                     timings[i].add_tokens(time.perf_counter(), len(chunk.token_ids))
                 if finish is not None:
-                    del index_of[upd.req_id]
+                    del index_of[upd.req_id], outputs[upd.req_id]
                     t = timings[i]
                     if t.num_tokens != params.max_tokens:
                         t.ok = False

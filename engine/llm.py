@@ -66,17 +66,19 @@ class LLM:
         # Validate everything first: a bad prompt fails before anything is scheduled.
         inputs = [self._input(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
         requests = [self.core.make_request(inp) for inp in inputs]
-        outputs = OutputProcessor(self.tokenizer)
+        outputs: dict[str, OutputProcessor] = {}
         index_of = {}
         for i, (inp, req) in enumerate(zip(inputs, requests, strict=True)):
             index_of[inp.req_id] = i
-            outputs.add(inp.req_id, inp.prompt_token_ids, inp.sampling.stop)
+            outputs[inp.req_id] = OutputProcessor(
+                self.tokenizer, inp.prompt_token_ids, inp.sampling.stop
+            )
             self.core.scheduler.add_request(req)
         try:
             while self.core.has_unfinished:
                 for upd in self.core.step():
-                    chunk, finish = outputs.process(
-                        upd.req_id, upd.new_token_ids, upd.finish_reason
+                    chunk, finish = outputs[upd.req_id].process(
+                        upd.new_token_ids, upd.finish_reason
                     )
                     if finish is not None and upd.finish_reason is None:
                         self.core.abort(upd.req_id)  # a stop string ended it

@@ -61,17 +61,15 @@ def test_tokens_given_together_past_a_stop_string_are_not_reported(tokenizer) ->
 
     prompt = tokenizer.encode("Say:", add_special_tokens=False)
     ids = tokenizer.encode(" one two STOP three four", add_special_tokens=False)
-    one_at_a_time = OutputProcessor(tokenizer)
-    one_at_a_time.add("a", prompt, ("STOP",))
+    one_at_a_time = OutputProcessor(tokenizer, prompt, ("STOP",))
     read = []
     for token in ids:
-        chunk, finish = one_at_a_time.process("a", [token], None)
+        chunk, finish = one_at_a_time.process([token], None)
         read += chunk.token_ids if chunk else []
         if finish is not None:
             break
-    together = OutputProcessor(tokenizer)
-    together.add("b", prompt, ("STOP",))
-    chunk, finish = together.process("b", ids, None)
+    together = OutputProcessor(tokenizer, prompt, ("STOP",))
+    chunk, finish = together.process(ids, None)
     assert finish is FinishReason.STOP
     assert chunk is not None and chunk.text == " one two "
     assert list(chunk.token_ids) == read
