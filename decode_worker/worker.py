@@ -21,15 +21,13 @@ from typing import Any
 
 import torch
 
-from engine.core.outputs import GenerationInput, TokenBatch, TokenUpdate
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
-from engine.core.scheduler import RequestUpdate
 from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import Reservation
 from engine.transfer.receiver import ChannelReceiver
 from engine.transfer.reservations import ReservationBook
-from engine.wire import coalesce
+from engine.wire import GenerationInput, TokenBatch, TokenUpdate, coalesce
 from engine.worker import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -178,13 +176,8 @@ class DecodeWorker(WorkerBase):
         self._outbox_ready.set()
 
     # ---------------------------------------------------------------- tokens out
-    def on_updates(self, updates: list[RequestUpdate]) -> None:
-        self._append(
-            [
-                TokenUpdate(u.req_id, u.new_token_ids, u.finish_reason, u.num_cached_tokens)
-                for u in updates
-            ]
-        )
+    def on_updates(self, updates: list[TokenUpdate]) -> None:
+        self._append(updates)  # the engine's own updates are what the router reads
 
     async def next_tokens(self, wait_s: float = 1.0) -> TokenBatch:
         """Long-poll: every update produced since the last call (empty after wait_s)."""

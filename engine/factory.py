@@ -96,8 +96,11 @@ def _kv_budget_bytes(args: EngineArgs, device: torch.device) -> int:
     return int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
 
 
-def build_engine(args: EngineArgs, *, role: EngineRole = EngineRole.COLOCATED) -> BuiltEngine:
-    """Load the model, size and allocate the KV cache, and wire the scheduler to it."""
+def build_engine(
+    args: EngineArgs, *, role: EngineRole = EngineRole.COLOCATED, index: int = 0
+) -> BuiltEngine:
+    """Load the model, size and allocate the KV cache, and wire the scheduler to it;
+    `index` names the engine among its pool's in its stats."""
     from engine.model.model_loader import has_tokenizer, load_tokenizer
     from engine.model.model_runner import ModelRunner
 
@@ -127,6 +130,7 @@ def build_engine(args: EngineArgs, *, role: EngineRole = EngineRole.COLOCATED) -
         vocab_size=spec.vocab_size,
         eos_token_ids=frozenset(spec.eos_token_ids),
         role=role,
+        index=index,
         # A prefill engine hands a request off after one step; running a step ahead would
         # queue its hand-off gather behind the next prefill step (TTFT), for little gain.
         async_scheduling=(

@@ -26,16 +26,14 @@ import torch
 
 from engine.core.batch import Batch
 from engine.core.kv_events import KVEvents
-from engine.core.outputs import GenerationInput
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
-from engine.core.scheduler import RequestUpdate
 from engine.transfer.base import KVPoll, KVSender, TransferHandle
 from engine.transfer.channel import SENDER_RANK, ChannelSpec
 from engine.transfer.handoff import NO_TOKEN, HandoffHeader, HeaderKind
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, open_stream
-from engine.wire import HandoffTarget, PrefillResult, Reservation
+from engine.wire import GenerationInput, HandoffTarget, PrefillResult, Reservation, TokenUpdate
 from engine.worker import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -49,7 +47,7 @@ class PrefillAborted(Exception):
 class _Prefilled:
     """A finished prefill for one request, and what became of its KV."""
 
-    update: RequestUpdate
+    update: TokenUpdate
     handle: TransferHandle | None = None  # the message that carries its KV
     num_bytes: int = 0
     error: str = ""  # the KV could not be posted
@@ -120,7 +118,7 @@ class PrefillWorker(WorkerBase):
         event.record()
         return payload, event
 
-    def _close_streams(self, updates: list[RequestUpdate]) -> dict[str, TransferHandle]:
+    def _close_streams(self, updates: list[TokenUpdate]) -> dict[str, TransferHandle]:
         """End the streamed messages of the pass just run: each entry's first token, or
         none where the request does not continue (finished, or aborted meanwhile)."""
         streams, self._open_streams = self._open_streams, []
@@ -141,7 +139,7 @@ class PrefillWorker(WorkerBase):
     def channel_peer(self, spec: ChannelSpec) -> str:
         return spec.receiver_id
 
-    def _updates_from_thread(self, updates: list[RequestUpdate]) -> None:
+    def _updates_from_thread(self, updates: list[TokenUpdate]) -> None:
         # Engine thread, between two steps: post this step's hand-offs right here
         # (ordered after the step that wrote the KV) and give the blocks back at once:
         # later kernels on the engine's stream run after the gather.

@@ -20,12 +20,12 @@ from torch.distributed import TCPStore
 
 from decode_worker.worker import DecodeWorker
 from engine.core.config import SchedulerConfig
-from engine.core.outputs import GenerationInput, TokenUpdate
 from engine.core.request import FinishReason
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
 from engine.transfer.channel import ChannelSpec
 from engine.transfer.handoff import Reservation
+from engine.wire import GenerationInput, TokenUpdate
 from prefill_worker.worker import PrefillWorker
 
 ARGS = EngineArgs(kv_cache_gib=0.05, scheduler=SchedulerConfig(long_prefill_token_threshold=16))

@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 
-from engine.core.outputs import GenerationInput
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
 from engine.transfer.fake import FakeChannel
@@ -25,6 +24,7 @@ from engine.transfer.receiver import ChannelReceiver
 from engine.transfer.reservations import ReservationBook
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, layers_per_part, open_stream
+from engine.wire import GenerationInput
 
 EPOCH = 0x77
 BLOCK = 4  # tokens a block

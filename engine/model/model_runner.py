@@ -17,7 +17,8 @@ import torch
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.request import PLACEHOLDER_TOKEN
-from engine.model.attention import PagedAttentionMetadata, paged_step, register_paged_attention
+from engine.model.attention import paged_step, register_paged_attention
+from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.model.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype

@@ -23,10 +23,10 @@ import time
 from dataclasses import replace
 from typing import Any, Protocol
 
-from engine.core.outputs import GenerationInput
 from engine.transfer.base import ChannelClosed, KVReceiver
 from engine.transfer.handoff import NO_TOKEN, HandoffEntry, HandoffHeader, HeaderKind
 from engine.transfer.reservations import NO_RESERVATION, HeldReservation, ReservationBook
+from engine.wire import GenerationInput
 
 log = logging.getLogger(__name__)
 # A sender may post a request's KV as soon as its prompt ran, while the router's
