@@ -142,30 +142,13 @@ class KVChannel:
         ready: torch.cuda.Event | None = None,
     ) -> FutureHandle:
         """Post header then payload on this channel's lane (one thread: order is kept);
-        a None header posts the next part of a streamed message. Call from one thread.
+        a None header posts the next part of a streamed message.
 
         `ready` is recorded after the payload was gathered on the engine's stream; the
         send waits for it on this channel's stream instead of stalling the engine.
         """
         encoded = None if header is None else header.encode()
         handle = FutureHandle()
-        sent: torch.cuda.Event | None = None
-        if self._stream is not None and payload is not None:
-            # Enqueued here, on the posting thread (the engine's): payloads enter the data
-            # group in posting order, and a streamed part costs the pass one enqueue, not
-            # a hop to another Python thread. The kernel waits on the device for the
-            # receiver, who posts its receive once it has read the header.
-            try:
-                pg = self._group()
-                with torch.cuda.stream(self._stream):
-                    if ready is not None:
-                        self._stream.wait_event(ready)
-                    pg.send([payload], self.peer, 0).wait()
-                sent = torch.cuda.Event()
-                sent.record(self._stream)
-            except Exception as exc:  # noqa: BLE001 - reported as the handle's state
-                handle.finish(f"{type(exc).__name__}: {exc}")
-                return handle
 
         def run() -> None:
             try:
@@ -173,10 +156,18 @@ class KVChannel:
                 handle.started()
                 if encoded is not None:
                     self._ctrl.send([encoded], self.peer, 0).wait()
-                if sent is not None:
-                    sent.synchronize()  # the payload must outlive its transfer
-                elif payload is not None:  # gloo: the lane itself moves the bytes
-                    pg.send([payload], self.peer, 0).wait()
+                if self._stream is None:
+                    if payload is not None:
+                        pg.send([payload], self.peer, 0).wait()
+                else:
+                    torch.cuda.set_device(self.device)
+                    with torch.cuda.stream(self._stream):
+                        if ready is not None:
+                            self._stream.wait_event(ready)
+                        if payload is not None:
+                            pg.send([payload], self.peer, 0).wait()
+                    # The payload must outlive the transfer: hold it until it is sent.
+                    self._stream.synchronize()
             except Exception as exc:  # noqa: BLE001 - reported as the handle's state
                 handle.finish(f"{type(exc).__name__}: {exc}")
                 return
