@@ -23,9 +23,12 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
 
-# Below this, one message after the pass moves a prompt's KV as fast as parts would
-# (docs/benchmarks.md, "Layer-wise KV streaming").
-DEFAULT_KV_STREAM_MIN_TOKENS = 512
+# From this prompt length on, streaming the KV during the pass pays: the hand-off after
+# the first token shrinks 3-4x and the first inter-token gap by about a fifth, for ~3 %
+# on the pass. Shorter passes are bound by the host launching kernels, and posting the
+# parts costs them more than the transfer it hides (docs/benchmarks.md, "Layer-wise KV
+# streaming").
+DEFAULT_KV_STREAM_MIN_TOKENS = 2048
 
 
 @dataclass(frozen=True)
