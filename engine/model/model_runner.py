@@ -368,7 +368,10 @@ class ModelRunner:
                 ).logits[0]
         except BaseException:
             if stream is not None:
-                stream.abort()  # the receivers are told there is nothing to continue
+                try:
+                    stream.abort()  # the receivers are told there is nothing to continue
+                except Exception:  # noqa: BLE001 - the pass's own error is the one to raise
+                    log.exception("closing the streamed KV of a failed pass")
             raise
 
     def _sample(

@@ -76,7 +76,6 @@ class StreamedMessage:
     index: Any  # the blocks as the gather wants them (a device index, made once)
     next_part: int = 0
     handles: list[TransferHandle] = field(default_factory=list)
-    done: FutureHandle | None = None  # set when closed: every post of the message
 
     @property
     def req_ids(self) -> list[str]:
@@ -131,9 +130,9 @@ class StepStream:
                 posted_at_us=int(time.time() * 1e6),
             )
             streamed.handles.append(streamed.channel.send(trailer, None))
-            streamed.done = _AllOf(streamed.handles)
+            done = _AllOf(streamed.handles)
             for req_id in streamed.req_ids:
-                handles[req_id] = streamed.done
+                handles[req_id] = done
         return handles
 
     def abort(self) -> None:
