@@ -1,16 +1,18 @@
 """Every type that crosses a process boundary between the router and the workers.
 
-Frozen, typed, plain Python (no torch, no Ray, no protobuf): Ray pickles them between
-actors, and both sides import them from here. One token's path from a decode step to
-the router is `TokenUpdate` (inside a `TokenBatch`); the prefill pool answers with a
+Immutable, typed, plain Python (no torch, no Ray, no protobuf): Ray pickles them
+between actors, and both sides import them from here. The engine core produces the
+wire types itself, as vLLM's core produces `EngineCoreOutputs`: a step's result is one
+`TokenUpdate` per request (a decode worker sends them in a `TokenBatch`), and an
+engine's occupancy is its `WorkerStats`. The prefill pool answers with a
 `PrefillResult`; a hand-off is addressed by a `HandoffTarget` and filled into a
-`Reservation`. What a worker reports of itself rides along as `WorkerStats`.
+`Reservation`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
@@ -71,14 +73,20 @@ class PrefillResult:
     kv_events: tuple[KVEvents, ...] = ()  # this worker's prefix-cache changes, for routing
 
 
-@dataclass(frozen=True)
-class TokenUpdate:
-    """One request's news from a decode worker: new tokens, its arrival, or its end."""
+class TokenUpdate(NamedTuple):
+    """One request's news from an engine: new tokens, its KV's arrival, or its end.
+
+    The engine core builds these itself, one per request per step (a NamedTuple: cheap
+    to build), and the decode pool sends them to the router as they are.
+    """
 
     req_id: str
     new_token_ids: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    # The request left its engine with its blocks still allocated (a prefill engine:
+    # they hold the KV to hand off); whoever handles the update must release() them.
+    hand_off: bool = False
     error: str = ""  # with finish_reason ERROR: what went wrong on the worker
     # Set once, when the request's KV has arrived: the receive itself, and the whole
     # hand-off from the sender's KV being ready to the KV in place.
@@ -88,7 +96,11 @@ class TokenUpdate:
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """Occupancy of one worker's KV cache and scheduler, and its counters since start."""
+    """Occupancy of one engine's KV cache and scheduler, and its counters since start.
+
+    The engine core reports it (`EngineCore.stats()`), naming itself by its pool and its
+    index there; a worker sends it as it is.
+    """
 
     pool: PoolName
     index: int
@@ -126,9 +138,9 @@ def merge_updates(taken: list[TokenUpdate]) -> TokenUpdate:
         tuple(t for u in taken for t in u.new_token_ids),
         taken[-1].finish_reason,
         max(u.num_cached_tokens for u in taken),
-        taken[-1].error,
-        next((u.kv_wire_s for u in reversed(taken) if u.kv_wire_s), 0.0),
-        next((u.kv_handoff_s for u in reversed(taken) if u.kv_handoff_s), 0.0),
+        error=taken[-1].error,
+        kv_wire_s=next((u.kv_wire_s for u in reversed(taken) if u.kv_wire_s), 0.0),
+        kv_handoff_s=next((u.kv_handoff_s for u in reversed(taken) if u.kv_handoff_s), 0.0),
     )
 
 

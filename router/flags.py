@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from engine.core.config import SchedulerConfig
-from engine.factory import EngineArgs
+from engine.factory import DEFAULT_KV_STREAM_MIN_TOKENS, EngineArgs
 from engine.wire import POOLS  # noqa: F401 - the pools, named once
 from router.config import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterConfig
 from router.flag_types import (
@@ -312,6 +312,14 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         default=60.0,
         help="how long a new worker may wait for a device (its placement group); raise it "
         "where a cluster autoscaler adds nodes on demand, which takes minutes",
+    )
+    serve.add_argument(
+        "--kv-stream-min-tokens",
+        type=at_least(0),
+        default=DEFAULT_KV_STREAM_MIN_TOKENS,
+        help="prompts of at least this many tokens stream their KV to the decode worker "
+        "layer by layer while the prefill pass runs; shorter ones send it in one message "
+        "after the pass (0 = stream every hand-off)",
     )
     serve.add_argument(
         "--enable-admin",

@@ -17,11 +17,12 @@ import pytest
 
 from bench.harness import REPO, free_port
 from bench.harness.metrics import scrape, value
+from engine.wire import WorkerStats
 from router import metrics as router_metrics
 from router.client import ClientSecurity, stream_generate
 from router.grpc_server import GrpcServer
 from router.metrics import RouterMetrics
-from router.protocol import PoolStats, WorkerStats
+from router.protocol import PoolStats
 from router.security import EdgeSecurity
 from tests.fake_core import FakeCore
 

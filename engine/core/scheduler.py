@@ -18,7 +18,6 @@ Every waiting request, imported ones included, is admitted only under `max_num_s
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
@@ -26,19 +25,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.priority import PriorityAging
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
-
-
-class RequestUpdate(NamedTuple):
-    """What one step did for one request: new tokens and, at the end, why it finished.
-    (A NamedTuple: one is built per request per step.)"""
-
-    req_id: str
-    new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-    num_cached_tokens: int = 0
-    # The request left this engine with its blocks still allocated (prefill pool: they
-    # hold the KV to hand off); whoever handles the update must release() them.
-    hand_off: bool = False
+from engine.wire import TokenUpdate
 
 
 class Scheduler:
@@ -372,9 +359,9 @@ class Scheduler:
         return tuple(self.requests.get(s.req_id) for s in batch.seqs)
 
     # ---------------------------------------------------------------- update
-    def update(self, batch: Batch, sampled: dict[str, int]) -> list[RequestUpdate]:
+    def update(self, batch: Batch, sampled: dict[str, int]) -> list[TokenUpdate]:
         """Apply a step's results: progress, new tokens, stop checks, finishing."""
-        updates: list[RequestUpdate] = []
+        updates: list[TokenUpdate] = []
         running_status = RequestStatus.RUNNING
         cache_full_blocks = self.kv.cache_full_blocks
         handoff = self.role.hands_off_after_first_token
@@ -395,5 +382,5 @@ class Scheduler:
             hand_off = reason is None and handoff
             if reason is not None or hand_off:
                 self.finish_request(req_id, reason, hand_off=hand_off)
-            updates.append(RequestUpdate(req_id, (token,), reason, req.num_cached_tokens, hand_off))
+            updates.append(TokenUpdate(req_id, (token,), reason, req.num_cached_tokens, hand_off))
         return updates

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from router.planner.snapshot import DecodeSample, PrefillSample, Traffic
@@ -40,7 +40,7 @@ class ServingSignals:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._waiting: dict[str, float] = {}  # request → arrival, until its first token
+        self._waiting: dict[Hashable, float] = {}  # request → arrival, until its first token
         self._spans: dict[str, _BusySpan] = {}
         self._since = clock()
         self._reset()
@@ -54,7 +54,9 @@ class ServingSignals:
         self._decode: deque[DecodeSample] = deque(maxlen=MAX_SAMPLES)
 
     # ---------------------------------------------------------------- requests
-    def request_arrived(self, key: str) -> None:
+    # A request is known by any key that is its own while it runs (the serving core
+    # gives its `Progress`).
+    def request_arrived(self, key: Hashable) -> None:
         self._num_arrivals += 1
         self._waiting[key] = self._clock()
 
@@ -68,11 +70,13 @@ class ServingSignals:
         self._prompt_tokens += num_uncached
         self._sum_sq += num_uncached * num_uncached
 
-    def first_token(self, key: str, ttft_s: float) -> None:
+    def first_token(self, key: Hashable, ttft_s: float) -> None:
         if self._waiting.pop(key, None) is not None:
             self._ttft.append(ttft_s)
 
-    def request_ended(self, key: str, num_out: int, tpot_s: float | None, completed: bool) -> None:
+    def request_ended(
+        self, key: Hashable, num_out: int, tpot_s: float | None, completed: bool
+    ) -> None:
         """A request's end, however it ended; only completed ones count their output."""
         self._waiting.pop(key, None)
         if completed:
