@@ -275,3 +275,23 @@ def test_a_full_decode_cache_behind_a_long_prefill_queue_is_the_prefill_pools_sh
         "scale_up",
         "kv_full",
     )
+
+
+def test_pools_that_never_saw_a_request_drain_to_their_minimum() -> None:
+    cfg = config(cooldown_s=10.0)
+    state = PlannerState()
+    for now in range(5, 60, 5):
+        snap = Snapshot(
+            now=float(now),
+            pools={"prefill": PoolSnapshot(2, live=2), "decode": PoolSnapshot(2, live=2)},
+            traffic=Traffic(seconds=5.0),
+            slo_ttft_s=1.0,
+            slo_tpot_s=0.05,
+        )
+        decision, state = plan(snap, state, cfg)
+        if decision.changes:
+            break
+    assert {(d.pool, d.target, d.reason) for d in decision.changes} == {
+        ("prefill", 1, "idle"),
+        ("decode", 1, "idle"),
+    }

@@ -163,6 +163,8 @@ def prefill_need(
     missed, badly = _judge(ttft, snap.slo_ttft_s, config, "ttft_missed")
     if missed and decode_short_of_kv(snap, queue_s):
         missed, badly = None, False  # the decode pool's miss: decode_need reports it
+    if busy is None and not (window.num_arrivals or window.num_prompts or pool.queued_tokens):
+        busy = 0.0  # nothing to run: no load, whatever the speed
     if busy is None:
         return Need("prefill", None, 0, 0, missed, badly, f"speed not measured yet; {measured}")
     load = busy / window.seconds
@@ -202,6 +204,8 @@ def decode_need(
         max_batch = min(max_batch, int(snap.num_blocks * snap.block_size / context))
     batch = speed.best_batch(snap.slo_tpot_s, context, max(1, max_batch))
     step = speed.step_s(batch, context) if batch is not None else None
+    if batch is None and not window.num_arrivals and not pool.running + pool.waiting:
+        return Need("decode", 0.0, 0, 0, missed, badly, f"no load; {measured}")
     if batch is None or step is None or step <= 0:
         return Need("decode", None, 0, 0, missed, badly, f"speed not measured yet; {measured}")
     per_worker = batch / step  # output tokens per second within the target
