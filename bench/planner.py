@@ -8,7 +8,7 @@ sizes and every system's attainment over time.
 
     # CPU, the embedded model (a smoke run of the behaviour, not of speed)
     python -m bench.planner --profile cpu --out planner-cpu.json --plot planner-cpu.png
-    # 4 GPUs, the 8B shape with random weights; one system per call (about 9 minutes):
+    # 4 GPUs, the 8B shape with random weights; one system per call (about 8 minutes):
     python -m bench.planner --profile gpu --systems planner --out p.json
     python -m bench.planner --profile gpu --systems 2:2 --out s22.json
     python -m bench.planner_report p.json s22.json ... --plot docs/img/planner_8b_4gpu.png
@@ -82,7 +82,7 @@ PROFILES = {
         # 1P1D carries about 16 req/s of 2048/64 on H100s; twice that needs a second
         # prefill worker, and the long-output phase three decode workers.
         rate=16.0,
-        phase_s=150,
+        phase_s=120,
         long=(2048, 64),
         short=(256, 512),
         slo_ttft_ms=1000,
