@@ -198,9 +198,9 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
         slo_ttft_ms=ns.slo_ttft_ms,
         slo_tpot_ms=ns.slo_tpot_ms,
         # The router's queue follows the pools' policy: priority first, with aging.
-        admission_order="priority"
+        admission_policy="priority"
         if "priority" in (ns.prefill_policy, ns.decode_policy)
-        else "fifo",
+        else "fcfs",
         priority_aging_s=min(ns.prefill_priority_aging_s, ns.decode_priority_aging_s),
     )
 

@@ -65,7 +65,7 @@ class DisaggregatedGenerator(ServingPaths):
         self.admission = Admission(
             self.config.max_in_flight,
             self.config.max_queue,
-            order=self.config.admission_order,
+            policy=self.config.admission_policy,
             aging_s=self.config.priority_aging_s,
         )
         self._attempts: dict[str, Attempt] = {}
