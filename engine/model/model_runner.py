@@ -20,7 +20,7 @@ from engine.model.attention import paged_step, register_paged_attention
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from engine.model.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
+from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
 from engine.model.sampler import SamplingBatch, is_greedy, sample
 from engine.model.staging import to_device
@@ -29,10 +29,6 @@ from engine.model.triton_gemv import use_gemv
 from engine.sampling_params import GREEDY
 
 log = logging.getLogger(__name__)
-
-
-def _as_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    return DTYPES[dtype] if isinstance(dtype, str) else dtype
 
 
 class PendingTokens:
@@ -112,11 +108,9 @@ class ModelRunner:
                 # Measured now that the weights are resident (a GPU budget must see them).
                 kv_cache_bytes = kv_cache_bytes()
             # With graphs the budget also holds the scratch block (below).
-            num_blocks = self.num_blocks_for_bytes(
-                self.spec, self.dtype, block_size, kv_cache_bytes
-            ) - int(use_graphs)
+            per_block = self.spec.kv_block_bytes(block_size)
+            num_blocks = kv_cache_bytes // per_block - int(use_graphs)
             if num_blocks < 1:
-                per_block = self.bytes_per_block(self.spec, self.dtype, block_size)
                 raise ValueError(
                     f"a KV cache budget of {kv_cache_bytes} bytes holds no block of "
                     f"{per_block} bytes; raise the budget or lower block_size"
@@ -193,18 +187,10 @@ class ModelRunner:
         """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
         return (num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
 
-    @staticmethod
-    def bytes_per_block(spec: ModelSpec, dtype: str | torch.dtype, block_size: int) -> int:
-        """Bytes one KV block takes (all layers, K and V)."""
-        itemsize = _as_torch_dtype(dtype).itemsize
-        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
-
-    @staticmethod
-    def num_blocks_for_bytes(
-        spec: ModelSpec, dtype: str | torch.dtype, block_size: int, nbytes: int
-    ) -> int:
-        """How many KV blocks fit in `nbytes`."""
-        return nbytes // ModelRunner.bytes_per_block(spec, dtype, block_size)
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of KV, every layer (the unit a hand-off moves)."""
+        return self.spec.kv_block_bytes(self.block_size)
 
     def _block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
