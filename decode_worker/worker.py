@@ -90,14 +90,25 @@ class DecodeWorker(WorkerBase):
                 self.fail(req_id, "KV hand-off refused: the reservation expired")
 
     # ---------------------------------------------------------------- ImportTarget
-    def staging(self, num_blocks: int) -> torch.Tensor:
-        cache = self.runner.kv_cache
-        return torch.empty((num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+    @property
+    def num_layers(self) -> int:
+        return int(self.runner.kv_cache.shape[1])
 
-    def scatter(self, block_ids: list[int], rows: torch.Tensor, row_ids: list[int] | None) -> None:
+    def staging(self, num_blocks: int, layers: tuple[int, int]) -> torch.Tensor:
+        cache = self.runner.kv_cache
+        shape = (num_blocks, layers[1] - layers[0], *cache.shape[2:])
+        return torch.empty(shape, dtype=cache.dtype, device=cache.device)
+
+    def scatter(
+        self,
+        block_ids: list[int],
+        rows: torch.Tensor,
+        row_ids: list[int] | None,
+        layers: tuple[int, int],
+    ) -> None:
         if row_ids is not None:
             rows = rows.index_select(0, torch.tensor(row_ids, device=rows.device))
-        self.runner.scatter_blocks(block_ids, rows)
+        self.runner.scatter_blocks(block_ids, rows, layers)
 
     def admit(self, inp: GenerationInput, first_token: int) -> None:
         # Engine commands run in order: any abort issued after this is applied after

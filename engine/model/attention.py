@@ -24,7 +24,7 @@ shared by every layer; the forward pass has no per-request Python loop and no ho
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -154,6 +154,9 @@ class PagedStep:
 
     metadata: PagedAttentionMetadata
     kv_cache: torch.Tensor
+    # Called with each layer's index once its K/V are written (queued on the device):
+    # layer-wise KV streaming posts that layer's part from here.
+    on_layer_written: Callable[[int], None] | None = None
 
 
 # The step being run by this thread. A thread-local, not a model keyword, so that a
@@ -163,10 +166,14 @@ _current = threading.local()
 
 
 @contextmanager
-def paged_step(metadata: PagedAttentionMetadata, kv_cache: torch.Tensor) -> Iterator[None]:
+def paged_step(
+    metadata: PagedAttentionMetadata,
+    kv_cache: torch.Tensor,
+    on_layer_written: Callable[[int], None] | None = None,
+) -> Iterator[None]:
     """Run the model's forward inside this block: its attention layers use this step."""
     previous = getattr(_current, "step", None)
-    _current.step = PagedStep(metadata, kv_cache)
+    _current.step = PagedStep(metadata, kv_cache, on_layer_written)
     try:
         yield
     finally:
@@ -189,6 +196,20 @@ def paged_attention(
     """Write this step's K/V into layer `layer_idx` and attend: [T, H, D] from query
     [T, H, D] and key/value [T, KVH, D], over the current `paged_step`."""
     step = _current_step()
+    out = _write_and_attend(step, query, key, value, layer_idx, scale)
+    if step.on_layer_written is not None:
+        step.on_layer_written(layer_idx)
+    return out
+
+
+def _write_and_attend(
+    step: PagedStep,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+) -> torch.Tensor:
     meta, kv_cache = step.metadata, step.kv_cache
     groups = meta.groups
     first = groups[0]
