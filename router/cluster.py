@@ -22,6 +22,7 @@ from torch.distributed import TCPStore
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine.factory import EngineArgs
+from engine.tracing import TracingConfig
 from engine.wire import POOLS  # noqa: F401 - the pools, named once
 from engine.worker import WorkerInfo
 from prefill_worker.worker import PrefillWorker
@@ -54,6 +55,7 @@ class ClusterConfig:
     pool_resources: dict[str, dict[str, float]] = field(default_factory=dict)
     kv_store_port: int = 0  # the KV channels' rendezvous on the router's host (0 = any free)
     restart_workers: bool = True  # replace a worker that dies
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # workers' spans (off)
 
     def __post_init__(self) -> None:
         if self.num_colocated_workers < 0:
@@ -178,7 +180,7 @@ class Cluster:
                     placement_group=pg, placement_group_bundle_index=0
                 ),
             )
-            .remote(cfg.args_for(pool), index)
+            .remote(cfg.args_for(pool), index, cfg.tracing)
         )
         try:
             info = await asyncio.wait_for(handle.start.remote(), cfg.startup_timeout_s)

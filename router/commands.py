@@ -66,6 +66,7 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
     if not ns.ray_address:
         prepare_local_ray()  # before Ray is imported below
     quiet_worker_output()
+    from engine.tracing import TracingConfig
     from router.cluster import ClusterConfig
     from router.service import ServeConfig
 
@@ -79,6 +80,7 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
             ray_address=ns.ray_address,
             pool_resources=pool_resources(ns),
             kv_store_port=ns.kv_store_port,
+            tracing=TracingConfig(ns.otlp_traces_endpoint or "", ns.otlp_traces_sample_ratio),
         ),
         router=router_config(ns),
         host=ns.host,

@@ -46,6 +46,7 @@ from router.paths import ServingPaths
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
 from router.protocol import GenerateCall, PoolStats, ServerInfo
+from router.tracing import NO_TRACE, RequestTrace, start_request
 from router.worker_load import WorkerLease
 
 log = logging.getLogger("pdserve.router")
@@ -233,14 +234,16 @@ class DisaggregatedGenerator(ServingPaths):
         base = self._to_input(call)
         user_id = call.request_id or base.req_id  # what the client knows it by, for the log
         progress = Progress(time.perf_counter())
+        trace = start_request(call.trace_parent, user_id, progress.arrival, base.priority)
         self.outputs.add(base.req_id, base.prompt_token_ids, base.sampling.stop)
         attempt: Attempt | None = None
         finished = False
         run_locally = False
         try:
             async with self.admission.slot(priority=base.priority):
+                trace.admitted()
                 for number in range(self.config.max_attempts):
-                    attempt = self._begin(base, number, progress)
+                    attempt = self._begin(base, number, progress, trace)
                     try:
                         if self.colocated_mode:
                             chunks = self._run_colocated(attempt, progress, base.req_id)
@@ -251,9 +254,12 @@ class DisaggregatedGenerator(ServingPaths):
                         async for chunk in chunks:
                             yield chunk
                         finished = True
-                        yield final_result(user_id, base, progress, progress.finish_reason)
+                        yield final_result(
+                            user_id, base, progress, progress.finish_reason, trace=trace
+                        )
                         return
                     except WorkerLost as exc:
+                        attempt.trace.lost(str(exc), resumed=bool(progress.num_out))
                         self._end(attempt)
                         run_locally = exc.run_locally
                         if progress.num_out:
@@ -272,22 +278,31 @@ class DisaggregatedGenerator(ServingPaths):
         except (QueueFullError, NotReadyError) as exc:
             finished = True  # refused at the door: nothing to abort, not a cancellation
             log.info("request %s refused: %s", user_id, exc)
+            trace.finish(None, None, f"refused: {exc}")
             raise
         except Exception as exc:  # noqa: BLE001 - becomes this request's terminal message
             log.error("request %s failed: %s", user_id, exc)
             finished = True
             if attempt is not None:
                 self._end(attempt)
-            yield final_result(user_id, base, progress, FinishReason.ERROR, str(exc))
+            yield final_result(user_id, base, progress, FinishReason.ERROR, str(exc), trace)
         finally:
             if attempt is not None:
                 self._end(attempt, abort=not finished)
             self.outputs.remove(base.req_id)
             if not finished:
-                log.info("request %s cancelled after %d tokens", user_id, progress.num_out)
+                traced = f" trace={trace.trace_id}" if trace.trace_id else ""
+                log.info(
+                    "request %s cancelled after %d tokens%s", user_id, progress.num_out, traced
+                )
+            trace.finish(None, progress.t_first, "cancelled")  # unless it finished
 
-    def _begin(self, base: GenerationInput, number: int, progress: Progress) -> Attempt:
-        attempt = Attempt(continuation(base, number, progress))
+    def _begin(
+        self, base: GenerationInput, number: int, progress: Progress, trace: RequestTrace = NO_TRACE
+    ) -> Attempt:
+        attempt_trace = trace.attempt(number, progress.num_out)
+        inp = attempt_trace.bind(continuation(base, number, progress))
+        attempt = Attempt(inp, trace=attempt_trace)
         self._attempts[attempt.req_id] = attempt
         return attempt
 
@@ -296,6 +311,7 @@ class DisaggregatedGenerator(ServingPaths):
         this may run while the generator closes on cancellation)."""
         if self._attempts.pop(attempt.req_id, None) is None:
             return
+        attempt.trace.end()
         for lease in attempt.leases:
             lease.release()
         if attempt.decode_ref is not None:

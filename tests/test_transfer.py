@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
 from engine.transfer.fake import FakeChannel
 from engine.transfer.handoff import HandoffHeader, HandoffTarget, HeaderKind, Reservation
-from engine.transfer.receiver import ChannelReceiver
+from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import ReservationBook
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 
@@ -65,9 +65,10 @@ class Worker:
     def admit(self, inp: GenerationInput, first_token: int) -> None:
         self.admitted[inp.req_id] = first_token
 
-    def arrived(self, req_id: str, wire_s: float, handoff_s: float) -> None:
-        assert handoff_s >= wire_s >= 0
-        self.arrivals.append(req_id)
+    def arrived(self, arrival: KVArrival) -> None:
+        assert arrival.handoff_s >= arrival.wire_s >= 0
+        assert 0 < arrival.num_bytes <= arrival.header.num_bytes
+        self.arrivals.append(arrival.inp.req_id)
 
     def release(self, req_id: str) -> None:
         self.free += self.held.pop(req_id, [])

@@ -54,6 +54,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # time.monotonic() when a step first scheduled it (0: not yet): the end of its wait
+    # in this engine's queue, for the worker's phase timings.
+    scheduled_at: float = 0.0
     # Prompt followed by every token sampled so far: one list that grows by one token
     # a step (the scheduler slices it every step; rebuilding it would cost O(length)).
     all_token_ids: list[int] = field(init=False, repr=False)
@@ -64,6 +67,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    def start_running(self) -> None:
+        """Admitted to a step (again, after a preemption: the first time is kept)."""
+        self.status = RequestStatus.RUNNING
+        self.scheduled_at = self.scheduled_at or time.monotonic()
 
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token, or PLACEHOLDER_TOKEN for one a launched step is

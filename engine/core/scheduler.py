@@ -36,9 +36,9 @@ class RequestUpdate(NamedTuple):
     new_token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
     num_cached_tokens: int = 0
-    # The request left this engine with its blocks still allocated (prefill pool: they
-    # hold the KV to hand off); whoever handles the update must release() them.
-    hand_off: bool = False
+    # Left this engine with its blocks still allocated (prefill pool: the KV to hand off).
+    hand_off: bool = False  # whoever handles the update must release() them
+    scheduled_at: float = 0.0  # time.monotonic() of its first step: its queue wait ended
 
 
 class Scheduler:
@@ -296,7 +296,7 @@ class Scheduler:
             self.waiting.pop(0)
             self._imported.discard(req.req_id)
             self.aging.stop_waiting(req.req_id)
-            req.status = RequestStatus.RUNNING
+            req.start_running()
             self.running.append(req)
             chunks[req.req_id] = num_new
             budget -= num_new
@@ -395,5 +395,6 @@ class Scheduler:
             hand_off = reason is None and handoff
             if reason is not None or hand_off:
                 self.finish_request(req_id, reason, hand_off=hand_off)
-            updates.append(RequestUpdate(req_id, (token,), reason, req.num_cached_tokens, hand_off))
+            cached, scheduled_at = req.num_cached_tokens, req.scheduled_at
+            updates.append(RequestUpdate(req_id, (token,), reason, cached, hand_off, scheduled_at))
         return updates
