@@ -14,7 +14,9 @@ nothing is held open on the hot path.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +26,9 @@ log = logging.getLogger(__name__)
 
 Carrier = dict[str, str]
 AttributeValue = str | int | float | bool
+# How long stopping a process may wait for its last spans to reach the collector: one
+# that is down must not hold up a drain or a restart.
+FLUSH_ON_SHUTDOWN_MS = 2000
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,18 @@ class TracingConfig:
         return bool(self.otlp_endpoint)
 
 
+_TLS_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_INSECURE",
+    "OTEL_EXPORTER_OTLP_TRACES_INSECURE",
+)
+
+
 class _State:
     tracer: Any = None
     provider: Any = None
+    processor: Any = None
 
 
 _state = _State()
@@ -70,7 +84,11 @@ def configure(config: TracingConfig | None, service_name: str) -> None:
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, insecure=True)
+    # Plaintext, unless the standard OpenTelemetry variables ask for TLS (a CA
+    # certificate, or OTEL_EXPORTER_OTLP_INSECURE=false); the other OTEL_EXPORTER_OTLP_*
+    # and OTEL_BSP_* variables (headers, timeouts, batching) apply as usual.
+    tls_asked = any(name in os.environ for name in _TLS_VARIABLES)
+    exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, insecure=None if tls_asked else True)
     install(BatchSpanProcessor(exporter), service_name, config.sample_ratio)
     log.info(
         "tracing: spans to %s over OTLP/gRPC, %g of requests sampled",
@@ -90,6 +108,7 @@ def install(processor: Any, service_name: str, sample_ratio: float = 1.0) -> Non
         sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
     )
     provider.add_span_processor(processor)
+    _state.processor = processor
     # A provider of our own, not the global one: an application embedding pdserve keeps
     # its own tracing set-up.
     _state.provider = provider
@@ -97,10 +116,15 @@ def install(processor: Any, service_name: str, sample_ratio: float = 1.0) -> Non
 
 
 def shutdown() -> None:
-    """Send the spans still buffered and stop tracing in this process."""
-    provider, _state.provider, _state.tracer = _state.provider, None, None
-    if provider is not None:
-        provider.shutdown()
+    """Send the spans still buffered (for at most FLUSH_ON_SHUTDOWN_MS) and stop tracing
+    in this process."""
+    provider, processor = _state.provider, _state.processor
+    _state.provider = _state.processor = _state.tracer = None
+    if provider is None:
+        return
+    if "timeout_millis" in inspect.signature(processor.shutdown).parameters:
+        processor.shutdown(timeout_millis=FLUSH_ON_SHUTDOWN_MS)
+    provider.shutdown()
 
 
 def tracer() -> Any:

@@ -123,7 +123,9 @@ class WorkerBase:
             await self.disconnect(peer_id)
         if self.loop_thread is not None:
             self.loop_thread.stop()
-        tracing.shutdown()  # send the spans still buffered
+        # Send the spans still buffered (bounded: a collector that is down must not
+        # hold up the stop).
+        await asyncio.get_running_loop().run_in_executor(None, tracing.shutdown)
         self._stopped.set()
 
     # ---------------------------------------------------------------- channels

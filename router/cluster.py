@@ -168,6 +168,9 @@ class Cluster:
         total = max(1, sum(cfg.initial_sizes.values()))
         threads = cfg.cpu_threads_per_worker or max(1, (os.cpu_count() or 1) // total)
         env = {"OMP_NUM_THREADS": str(threads), "PDSERVE_TORCH_THREADS": str(threads)}
+        # The OpenTelemetry SDK's own settings (batching, exporter headers, TLS) reach
+        # the workers' exporters as they reach the router's.
+        env |= {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
         handle: Any = (
             ray.remote(_CLASSES[pool])
             .options(  # type: ignore[attr-defined]
