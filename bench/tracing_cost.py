@@ -4,7 +4,10 @@ OTLP receiver in this process, in alternating order over several rounds (ABBA), 
 drift in the machine's load falls on both alike.
 
 Each round draws fresh prompts (its own seed) and sends the same ones to both services.
-Prints one line per round and service, then the means and the difference; writes JSON.
+Besides latency and throughput, which a busy machine blurs, it counts the CPU time the
+whole service (router, Ray, workers: every process under the service's) spent during
+the run, per output token: the cost of tracing itself, unmoved by other load (Linux:
+read from /proc). Prints one line per round and service, then the means; writes JSON.
 Usage: python -m bench.tracing_cost [--rounds 4] [--concurrency 4]
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
 import statistics
 import sys
@@ -33,7 +37,32 @@ FIGURES = (  # (label, summary key, sub-key): what the table compares
     ("TTFT p90 ms", "ttft_ms", "p90"),
     ("TPOT p50 ms", "tpot_ms", "p50"),
     ("ITL p90 ms", "itl_ms", "p90"),
+    ("CPU ms/token", "cpu_ms_per_output_token", None),
 )
+
+
+def tree_cpu_s(root_pid: int) -> float:
+    """User + system CPU seconds of a process and all its descendants (from /proc)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # The command name (field 2) may hold spaces: split after its ')'.
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, stack = 0.0, [root_pid]
+    while stack:
+        pid = stack.pop()
+        total += times.get(pid, 0.0)
+        stack += [child for child, parent in parents.items() if parent == pid]
+    return total
 
 
 def figure(summary: dict[str, Any], key: str, sub: str | None) -> float:
@@ -41,9 +70,13 @@ def figure(summary: dict[str, Any], key: str, sub: str | None) -> float:
     return float(value)
 
 
-def run(target: str, argv: list[str], seed: int) -> dict[str, Any]:
-    args = load_args([*argv, "--seed", str(seed), "--target", target])
-    return summarize(asyncio.run(run_load(args)), args)
+def run(svc: ServiceProcess, argv: list[str], seed: int) -> dict[str, Any]:
+    args = load_args([*argv, "--seed", str(seed), "--target", svc.address])
+    cpu_before = tree_cpu_s(svc.proc.pid)
+    summary = summarize(asyncio.run(run_load(args)), args)
+    summary["cpu_s"] = tree_cpu_s(svc.proc.pid) - cpu_before
+    summary["cpu_ms_per_output_token"] = 1000 * summary["cpu_s"] / summary["total_output_tokens"]
+    return summary
 
 
 def main() -> int:
@@ -82,10 +115,10 @@ def main() -> int:
             for svc in services.values():
                 svc.wait_serving()
             for svc in services.values():  # warm-up, on prompts of another seed
-                run(svc.address, [*argv, "--num-requests", "2"], seed + 10_000)
+                run(svc, [*argv, "--num-requests", "2"], seed + 10_000)
             for r in range(ns.rounds):
                 order = MODES if r % 2 == 0 else MODES[::-1]
-                result = {mode: run(services[mode].address, argv, seed + r) for mode in order}
+                result = {mode: run(services[mode], argv, seed + r) for mode in order}
                 rounds.append({"seed": seed + r, "order": list(order), **result})
                 for mode in order:
                     values = "  ".join(
