@@ -5,9 +5,10 @@ drift in the machine's load falls on both alike.
 
 Each round draws fresh prompts (its own seed) and sends the same ones to both services.
 Besides latency and throughput, which a busy machine blurs, it counts the CPU time the
-whole service (router, Ray, workers: every process under the service's) spent during
-the run, per output token: the cost of tracing itself, unmoved by other load (Linux:
-read from /proc). Prints one line per round and service, then the means; writes JSON.
+service's own processes (the router and its worker actors; not Ray's daemons, whose idle
+time grows with a run's length) spent during the run, per output token (Linux: read
+from /proc). First it measures the CPU time tracing adds per request in this process
+(`bench.span_cost`). Prints one line per round and service, then the means; writes JSON.
 Usage: python -m bench.tracing_cost [--rounds 4] [--concurrency 4]
 """
 
@@ -29,6 +30,7 @@ from bench.harness.otlp import OTLPSink
 from bench.load import parse_args as load_args
 from bench.load import run_load, summarize
 from bench.report import provenance
+from bench.span_cost import measure as measure_span_cost
 
 MODES = ("off", "on")
 FIGURES = (  # (label, summary key, sub-key): what the table compares
@@ -41,10 +43,15 @@ FIGURES = (  # (label, summary key, sub-key): what the table compares
 )
 
 
-def tree_cpu_s(root_pid: int) -> float:
-    """User + system CPU seconds of a process and all its descendants (from /proc)."""
+WORKER_ACTORS = (b"ray::PrefillWorker", b"ray::DecodeWorker", b"ray::ColocatedWorker")
+
+
+def service_cpu_s(root_pid: int) -> float:
+    """User + system CPU seconds of a service's router (`root_pid`) and its worker
+    actors (descendants whose command line names a worker class), from /proc."""
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
+    counted: set[int] = {root_pid}
     tick = os.sysconf("SC_CLK_TCK")
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -53,6 +60,9 @@ def tree_cpu_s(root_pid: int) -> float:
             with open(f"/proc/{entry}/stat") as f:
                 # The command name (field 2) may hold spaces: split after its ')'.
                 fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if f.read().startswith(WORKER_ACTORS):
+                    counted.add(int(entry))
         except OSError:
             continue  # exited meanwhile
         parents[int(entry)] = int(fields[1])
@@ -60,7 +70,7 @@ def tree_cpu_s(root_pid: int) -> float:
     total, stack = 0.0, [root_pid]
     while stack:
         pid = stack.pop()
-        total += times.get(pid, 0.0)
+        total += times.get(pid, 0.0) if pid in counted else 0.0
         stack += [child for child, parent in parents.items() if parent == pid]
     return total
 
@@ -72,9 +82,9 @@ def figure(summary: dict[str, Any], key: str, sub: str | None) -> float:
 
 def run(svc: ServiceProcess, argv: list[str], seed: int) -> dict[str, Any]:
     args = load_args([*argv, "--seed", str(seed), "--target", svc.address])
-    cpu_before = tree_cpu_s(svc.proc.pid)
+    cpu_before = service_cpu_s(svc.proc.pid)
     summary = summarize(asyncio.run(run_load(args)), args)
-    summary["cpu_s"] = tree_cpu_s(svc.proc.pid) - cpu_before
+    summary["cpu_s"] = service_cpu_s(svc.proc.pid) - cpu_before
     summary["cpu_ms_per_output_token"] = 1000 * summary["cpu_s"] / summary["total_output_tokens"]
     return summary
 
@@ -103,6 +113,13 @@ def main() -> int:
         "100:30000",
     ]
     kv = ["--prefill-kv-cache-gib", "0.25", "--decode-kv-cache-gib", "0.25"]
+    span_cost = measure_span_cost(400)
+    print(
+        f"CPU µs per request in-process: router {span_cost['router_off_us']:.0f} off, "
+        f"{span_cost['router_on_us']:.0f} on; worker hooks {span_cost['worker_off_us']:.0f} "
+        f"off, {span_cost['worker_on_us']:.0f} on",
+        flush=True,
+    )
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp, OTLPSink() as sink:
         services = {
@@ -151,6 +168,7 @@ def main() -> int:
                 "params": {**vars(ns), "seed": seed},
                 "rounds": rounds,
                 "means": means,
+                "span_cost": span_cost,
                 "spans_received": num_spans,
                 "traces_received": num_traces,
             },
