@@ -1,8 +1,9 @@
 """The CPU time tracing adds to one request, measured in this process where a service's
 latency under other load would hide it: the router's serving core over fake workers
 (`bench/fake_workers.py`), and the worker side's phase spans, each with tracing off and
-on (every request sampled, spans batched and sent over OTLP/gRPC to a receiver here).
-CPU time is this process's (`time.process_time()`), the exporter's thread included.
+on (every request sampled, spans batched and sent over OTLP/gRPC to a receiver in a
+process of its own). CPU time is this process's (`time.process_time()`), the
+exporter's thread included.
 
 Usage: python -m bench.span_cost [--requests 400]   (bench.tracing_cost runs it too)
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing as mp
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 from bench.fake_workers import FakePools, WordTokenizer
@@ -89,21 +92,35 @@ def worker_cpu_us(num_requests: int, traced: bool) -> float:
     return (time.process_time() - start) / num_requests * 1e6
 
 
+def _receive(conn: Connection) -> None:
+    """A collector in a process of its own: its CPU time is not the sender's."""
+    with OTLPSink() as sink:
+        conn.send(sink.endpoint)
+        conn.recv()  # until the measurement is over
+        conn.send(len(sink.spans))
+
+
 def measure(num_requests: int) -> dict[str, Any]:
     """Router and worker CPU µs per request, tracing off and on."""
     out: dict[str, Any] = {"requests": num_requests, "output_tokens": OUTPUT_TOKENS}
     router_cpu_us(20)  # warm-up: imports, first-call costs
     out["router_off_us"] = router_cpu_us(num_requests)
     out["worker_off_us"] = worker_cpu_us(num_requests, traced=False)
-    with OTLPSink() as sink:
-        tracing.configure(tracing.TracingConfig(sink.endpoint), "pdserve-bench")
+    ours, theirs = mp.get_context("spawn").Pipe()
+    collector = mp.get_context("spawn").Process(target=_receive, args=(theirs,), daemon=True)
+    collector.start()
+    try:
+        tracing.configure(tracing.TracingConfig(ours.recv()), "pdserve-bench")
         try:
             router_cpu_us(20)
             out["router_on_us"] = router_cpu_us(num_requests)
             out["worker_on_us"] = worker_cpu_us(num_requests, traced=True)
         finally:
-            tracing.shutdown()
-        out["spans_received"] = len(sink.spans)
+            tracing.shutdown()  # sends what is still buffered
+        ours.send("done")
+        out["spans_received"] = ours.recv()
+    finally:
+        collector.join(10)
     return out
 
 

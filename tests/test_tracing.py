@@ -11,9 +11,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+pytest.importorskip("opentelemetry.sdk.trace", reason="the OpenTelemetry SDK is not installed")
+
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
 
 from bench.fake_workers import FakePools, WordTokenizer
 from engine import tracing

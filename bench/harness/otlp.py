@@ -1,7 +1,8 @@
 """An OTLP/gRPC trace receiver in this process, as a tracing collector would be: the
 `TraceService` of the `opentelemetry-proto` definitions on a loopback port, keeping
 every span it is sent. Tests assert on the spans a service exports; benchmarks give the
-service somewhere to send them."""
+service somewhere to send them. (The protos are imported when a receiver starts, so
+test modules that use one still import where OpenTelemetry is not installed.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from bench.harness.ports import free_port
 
@@ -46,13 +46,15 @@ def _attributes(key_values: Any) -> dict[str, Any]:
     return {kv.key: _value(kv.value) for kv in key_values}
 
 
-class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, sink: OTLPSink) -> None:
-        self.sink = sink
+class _TraceService:
+    """The TraceService's one method (`ExportTraceServiceRequest` in, an empty response
+    out)."""
 
-    def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
+    def __init__(self, sink: OTLPSink, response: type) -> None:
+        self.sink = sink
+        self.response = response
+
+    def Export(self, request: Any, context: Any) -> Any:
         received = []
         for resource_spans in request.resource_spans:
             service = str(_attributes(resource_spans.resource.attributes).get("service.name"))
@@ -74,19 +76,25 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
                         )
                     )
         self.sink.add(received)
-        return trace_service_pb2.ExportTraceServiceResponse()
+        return self.response()
 
 
 class OTLPSink:
     """`with OTLPSink() as sink:` listens on `sink.endpoint` (127.0.0.1:PORT)."""
 
     def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1 import (
+            trace_service_pb2,
+            trace_service_pb2_grpc,
+        )
+
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self._spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), self._server)
+        service = _TraceService(self, trace_service_pb2.ExportTraceServiceResponse)
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(service, self._server)
         self._server.add_insecure_port(self.endpoint)
 
     def add(self, spans: list[ReceivedSpan]) -> None:
