@@ -9,7 +9,7 @@ service's own processes (the router and its worker actors; not Ray's daemons, wh
 time grows with a run's length) spent during the run, per output token (Linux: read
 from /proc). First it measures the CPU time tracing adds per request in this process
 (`bench.span_cost`). Prints one line per round and service, then the means; writes JSON.
-Usage: python -m bench.tracing_cost [--rounds 4] [--concurrency 4]
+Usage: python -m bench.tracing_cost [--rounds 4] [--concurrency 4] [--serve-args "..."]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import secrets
+import shlex
 import statistics
 import sys
 import tempfile
@@ -97,6 +98,7 @@ def main() -> int:
     p.add_argument("--prompt-len", default="32:256")
     p.add_argument("--output-len", default="16:64")
     p.add_argument("--seed", type=int, help="the first round's seed (default: a fresh one)")
+    p.add_argument("--serve-args", default="", help="more `pdserve serve` flags for both")
     p.add_argument("--out", default="bench/results/tracing_cost.json")
     ns = p.parse_args()
     seed = secrets.randbelow(2**30) if ns.seed is None else ns.seed
@@ -113,6 +115,7 @@ def main() -> int:
         "100:30000",
     ]
     kv = ["--prefill-kv-cache-gib", "0.25", "--decode-kv-cache-gib", "0.25"]
+    kv += shlex.split(ns.serve_args)
     span_cost = measure_span_cost(400)
     print(
         f"CPU µs per request in-process: router {span_cost['router_off_us']:.0f} off, "
