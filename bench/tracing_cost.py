@@ -1,7 +1,8 @@
 """What tracing costs: the same `bench.load` workload against two 1P1D services running
 side by side, one without tracing and one tracing every request (sample ratio 1) to an
-OTLP receiver in this process, in alternating order over several rounds (ABBA), so
-drift in the machine's load falls on both alike.
+OTLP receiver in this process. Both loads run at the same time, so whatever else the
+machine does at any moment falls on both alike, and the two services compete for its
+cores on equal terms: a service that spends more CPU per token falls behind.
 
 Each round draws fresh prompts (its own seed) and sends the same ones to both services.
 Besides latency and throughput, which a busy machine blurs, it counts the CPU time the
@@ -81,13 +82,25 @@ def figure(summary: dict[str, Any], key: str, sub: str | None) -> float:
     return float(value)
 
 
-def run(svc: ServiceProcess, argv: list[str], seed: int) -> dict[str, Any]:
-    args = load_args([*argv, "--seed", str(seed), "--target", svc.address])
-    cpu_before = service_cpu_s(svc.proc.pid)
-    summary = summarize(asyncio.run(run_load(args)), args)
-    summary["cpu_s"] = service_cpu_s(svc.proc.pid) - cpu_before
-    summary["cpu_ms_per_output_token"] = 1000 * summary["cpu_s"] / summary["total_output_tokens"]
-    return summary
+def run(services: dict[str, ServiceProcess], argv: list[str], seed: int) -> dict[str, Any]:
+    """The same load against every service at once; each one's summary and CPU time."""
+    args = {
+        mode: load_args([*argv, "--seed", str(seed), "--target", svc.address])
+        for mode, svc in services.items()
+    }
+    cpu_before = {mode: service_cpu_s(svc.proc.pid) for mode, svc in services.items()}
+
+    async def loads() -> list[Any]:
+        return await asyncio.gather(*(run_load(args[mode]) for mode in services))
+
+    results = {}
+    for mode, outcomes in zip(services, asyncio.run(loads()), strict=True):
+        summary = summarize(outcomes, args[mode])
+        summary["cpu_s"] = service_cpu_s(services[mode].proc.pid) - cpu_before[mode]
+        tokens = max(1, summary["total_output_tokens"])
+        summary["cpu_ms_per_output_token"] = 1000 * summary["cpu_s"] / tokens
+        results[mode] = summary
+    return results
 
 
 def main() -> int:
@@ -134,13 +147,11 @@ def main() -> int:
         try:
             for svc in services.values():
                 svc.wait_serving()
-            for svc in services.values():  # warm-up, on prompts of another seed
-                run(svc, [*argv, "--num-requests", "2"], seed + 10_000)
+            run(services, [*argv, "--num-requests", "2"], seed + 10_000)  # warm-up prompts
             for r in range(ns.rounds):
-                order = MODES if r % 2 == 0 else MODES[::-1]
-                result = {mode: run(services[mode], argv, seed + r) for mode in order}
-                rounds.append({"seed": seed + r, "order": list(order), **result})
-                for mode in order:
+                result = run(services, argv, seed + r)
+                rounds.append({"seed": seed + r, **result})
+                for mode in MODES:
                     values = "  ".join(
                         f"{label} {figure(result[mode], key, sub):8.1f}"
                         for label, key, sub in FIGURES
