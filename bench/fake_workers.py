@@ -139,7 +139,7 @@ class FakeWorker:
         n = len(inp.prompt_token_ids)
         self.running[req_id] = _Running(inp, n + 1, inp.sampling.max_tokens - 1)
         self.first_token_pending[req_id] = False
-        arrival = PhaseReport(transfer_s=0.002, transfer_bytes=4096, transfer_active_s=0.001)
+        arrival = PhaseReport(transfer_s=0.002, wire_bytes=4096, wire_s=0.001)
         self.outbox.append(TokenUpdate(req_id, kv_wire_s=0.001, kv_handoff_s=0.002, phases=arrival))
 
     async def submit(self, inp: GenerationInput) -> None:

@@ -20,12 +20,11 @@ from typing import Any
 from bench.fake_workers import FakePools, WordTokenizer
 from bench.harness.otlp import OTLPSink
 from engine import tracing
-from engine.core.scheduler import RequestUpdate
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
 from engine.transfer.handoff import HandoffEntry, HandoffHeader, HandoffTarget, HeaderKind
 from engine.transfer.receiver import KVArrival
-from engine.wire import GenerationInput
+from engine.wire import GenerationInput, TokenUpdate
 from engine.worker_phases import (
     Waiting,
     arrival_phases,
@@ -84,7 +83,7 @@ def worker_cpu_us(num_requests: int, traced: bool) -> float:
     start = time.process_time()
     for _ in range(num_requests):
         now = time.monotonic()
-        first = RequestUpdate("r", (7,), None, 0, True, now)
+        first = TokenUpdate("r", (7,), None, 0, True, scheduled_at=now)
         prompt_phases("prefill", "prefill-0", inp, now, first, now)
         record_kv_send("prefill-0", inp, target, header, 1 << 20, (now, now), KVPoll.SUCCESS)
         arrival_phases("decode-0", KVArrival(inp, "prefill-0", header, 1 << 20, 0.001, 0.002, now))

@@ -185,11 +185,11 @@ def closed_loop(
     that finishes is replaced by the next prompt at that step boundary, as a client that
     sends its next request on an answer would. Returns each request's timings (sent when
     queued) and the wall time to the last answer."""
-    from engine.core.outputs import GenerationInput
     from engine.frontend.output_processor import OutputProcessor
+    from engine.wire import GenerationInput
 
     core = llm.core
-    outputs = OutputProcessor(llm.tokenizer)
+    outputs: dict[str, OutputProcessor] = {}
     timings = [ReqTiming(0.0) for _ in prompts]
     index_of: dict[str, int] = {}
     run = next(_run_ids)
@@ -200,7 +200,7 @@ def closed_loop(
         while next_index < len(prompts) and len(index_of) < concurrency:
             inp = GenerationInput(f"bench-{run}-{next_index}", tuple(prompts[next_index]), params)
             core.add_request(inp)
-            outputs.add(inp.req_id, inp.prompt_token_ids, params.stop)
+            outputs[inp.req_id] = OutputProcessor(llm.tokenizer, inp.prompt_token_ids, params.stop)
             index_of[inp.req_id] = next_index
             timings[next_index].sent_s = now
             next_index += 1
@@ -213,15 +213,15 @@ def closed_loop(
                 i = index_of.get(upd.req_id)
                 if i is None:
                     continue
-                out = outputs.process(upd.req_id, upd.new_token_ids, upd.finish_reason)
-                if out.chunk is not None and out.chunk.token_ids:
-                    timings[i].add_tokens(time.perf_counter(), len(out.chunk.token_ids))
-                if out.finish_reason is not None:
-                    del index_of[upd.req_id]
+                chunk, finish = outputs[upd.req_id].process(upd.new_token_ids, upd.finish_reason)
+                if chunk is not None and chunk.token_ids:
+                    timings[i].add_tokens(time.perf_counter(), len(chunk.token_ids))
+                if finish is not None:
+                    del index_of[upd.req_id], outputs[upd.req_id]
                     t = timings[i]
                     if t.num_tokens != params.max_tokens:
                         t.ok = False
-                        t.error = f"{out.finish_reason.name}: {t.num_tokens} tokens"
+                        t.error = f"{finish.name}: {t.num_tokens} tokens"
             admit(time.perf_counter())
         wall = time.perf_counter() - start
     finally:

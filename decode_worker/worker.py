@@ -22,15 +22,13 @@ from typing import Any
 
 import torch
 
-from engine.core.outputs import GenerationInput, TokenBatch, TokenUpdate
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
-from engine.core.scheduler import RequestUpdate
 from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import Reservation
 from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import ReservationBook
-from engine.wire import coalesce
+from engine.wire import GenerationInput, TokenBatch, TokenUpdate, coalesce
 from engine.worker import WorkerBase
 from engine.worker_phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
 
@@ -98,14 +96,25 @@ class DecodeWorker(WorkerBase):
                 self.fail(req_id, "KV hand-off refused: the reservation expired")
 
     # ---------------------------------------------------------------- ImportTarget
-    def staging(self, num_blocks: int) -> torch.Tensor:
-        cache = self.runner.kv_cache
-        return torch.empty((num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+    @property
+    def num_layers(self) -> int:
+        return int(self.runner.kv_cache.shape[1])
 
-    def scatter(self, block_ids: list[int], rows: torch.Tensor, row_ids: list[int] | None) -> None:
+    def staging(self, num_blocks: int, layers: tuple[int, int]) -> torch.Tensor:
+        cache = self.runner.kv_cache
+        shape = (num_blocks, layers[1] - layers[0], *cache.shape[2:])
+        return torch.empty(shape, dtype=cache.dtype, device=cache.device)
+
+    def scatter(
+        self,
+        block_ids: list[int],
+        rows: torch.Tensor,
+        row_ids: list[int] | None,
+        layers: tuple[int, int],
+    ) -> None:
         if row_ids is not None:
             rows = rows.index_select(0, torch.tensor(row_ids, device=rows.device))
-        self.runner.scatter_blocks(block_ids, rows)
+        self.runner.scatter_blocks(block_ids, rows, layers)
 
     def admit(self, inp: GenerationInput, first_token: int) -> None:
         # Engine commands run in order: any abort issued after this is applied after
@@ -181,30 +190,24 @@ class DecodeWorker(WorkerBase):
         self._outbox_ready.set()
 
     # ---------------------------------------------------------------- tokens out
-    def on_updates(self, updates: list[RequestUpdate], stepped_at: float) -> None:
-        if self._starting:
+    def on_updates(self, updates: list[TokenUpdate], stepped_at: float) -> None:
+        if self._starting:  # some request's first token may be here: its phases with it
             self._append([self._with_phases(u, stepped_at) for u in updates])
             return
-        self._append(
-            [
-                TokenUpdate(u.req_id, u.new_token_ids, u.finish_reason, u.num_cached_tokens)
-                for u in updates
-            ]
-        )
+        self._append(updates)  # the engine's own updates are what the router reads
 
-    def _with_phases(self, u: RequestUpdate, stepped_at: float) -> TokenUpdate:
+    def _with_phases(self, u: TokenUpdate, stepped_at: float) -> TokenUpdate:
         """The update, carrying the request's phases here if this is its first token."""
         waiting = self._starting.pop(u.req_id, None)
-        phases = None
-        if waiting is not None and waiting.imported:
+        if waiting is None:
+            return u
+        if waiting.imported:
             phases = decode_start_phases(self.worker_id, waiting, u, stepped_at)
-        elif waiting is not None:
+        else:
             phases = prompt_phases(
                 self.pool, self.worker_id, waiting.inp, waiting.since, u, stepped_at
             )
-        return TokenUpdate(
-            u.req_id, u.new_token_ids, u.finish_reason, u.num_cached_tokens, phases=phases
-        )
+        return u._replace(phases=phases)
 
     async def next_tokens(self, wait_s: float = 1.0) -> TokenBatch:
         """Long-poll: every update produced since the last call (empty after wait_s)."""

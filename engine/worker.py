@@ -14,7 +14,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -22,13 +22,12 @@ import torch
 from engine import tracing
 from engine.core.engine_loop import EngineLoop
 from engine.core.kv_events import KVEvents
-from engine.core.outputs import WorkerStats
 from engine.core.role import EngineRole
-from engine.core.scheduler import RequestUpdate
 from engine.factory import BuiltEngine, EngineArgs, build_engine
 from engine.tracing import TracingConfig
 from engine.transfer.channel import ChannelSpec, KVChannel
 from engine.transfer.layout import KVLayout
+from engine.wire import TokenUpdate, WorkerStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,7 +87,7 @@ class WorkerBase:
             torch.set_num_threads(threads)
         built = await loop.run_in_executor(
             None,
-            lambda: build_engine(self.args, role=self.role),
+            lambda: build_engine(self.args, role=self.role, index=self.index),
         )
         self.built = built
         self.loop_thread = EngineLoop(built.core, self._updates_from_thread, name=self.worker_id)
@@ -184,11 +183,11 @@ class WorkerBase:
         assert self.loop_thread is not None, "worker not started"
         return await asyncio.wrap_future(self.loop_thread.submit(fn))
 
-    def _updates_from_thread(self, updates: list[RequestUpdate]) -> None:
+    def _updates_from_thread(self, updates: list[TokenUpdate]) -> None:
         events = self.core.take_kv_events()
         self._loop.call_soon_threadsafe(self._on_step, updates, events, time.monotonic())
 
-    def _on_step(self, updates: list[RequestUpdate], events: KVEvents, stepped_at: float) -> None:
+    def _on_step(self, updates: list[TokenUpdate], events: KVEvents, stepped_at: float) -> None:
         # One callback for both: the cache changes are recorded before any reply or
         # token batch that the updates wake can leave, so the router's index keeps up.
         self.add_kv_events(events)
@@ -205,22 +204,21 @@ class WorkerBase:
         events, self._kv_events = tuple(self._kv_events), []
         return events
 
-    def on_updates(self, updates: list[RequestUpdate], stepped_at: float) -> None:
+    def on_updates(self, updates: list[TokenUpdate], stepped_at: float) -> None:
         """Called on the event loop with each step's updates (and the time.monotonic()
         reading when the step's tokens were out)."""
         raise NotImplementedError
 
     async def load(self) -> WorkerStats:
         """Blocks in use, queue lengths and prefix-cache counters."""
-        return self._worker_stats(await self.on_engine(self.core.stats))
+        stats: WorkerStats = await self.on_engine(self.core.stats)
+        return stats
 
     def latest_stats(self) -> WorkerStats:
         """The same, read from the event loop without waiting for a step boundary: a
         snapshot of plain counters for routing hints, not for accounting."""
-        return self._worker_stats(self.core.stats())
-
-    def _worker_stats(self, stats: Any) -> WorkerStats:
-        return WorkerStats(pool=self.pool, index=self.index, **asdict(stats))  # type: ignore[arg-type]
+        stats: WorkerStats = self.core.stats()
+        return stats
 
     @property
     def block_bytes(self) -> int:

@@ -5,7 +5,8 @@ The phases, each from two readings of `time.monotonic()` on the worker:
 * queue: the call reached the worker → a step first scheduled the request;
 * compute: that step → its first token (the prompt's chunks, cached or not);
 * KV transfer: the KV ready on the sender → in place on the receiver (`KVArrival`),
-  with the bytes and the receive time that give the channel's true bandwidth;
+  with the bytes and the receive time that give the channel's true bandwidth (whole
+  messages only: a streamed one's receive waits on the sender's pass);
 * decode admission: the KV in place → the decode engine's first step for it;
 * first decode step: that step → its token out.
 
@@ -19,11 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine import tracing
-from engine.core.scheduler import RequestUpdate
 from engine.transfer.base import KVPoll
 from engine.transfer.handoff import HandoffHeader
 from engine.transfer.receiver import KVArrival
-from engine.wire import GenerationInput, HandoffTarget, PhaseReport
+from engine.wire import GenerationInput, HandoffTarget, PhaseReport, TokenUpdate
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Waiting:
 
 
 def prompt_phases(
-    pool: str, worker_id: str, inp: GenerationInput, since: float, first: RequestUpdate, at: float
+    pool: str, worker_id: str, inp: GenerationInput, since: float, first: TokenUpdate, at: float
 ) -> PhaseReport:
     """Queue and compute of a prompt run here: the call arrived at `since`, its first
     token (`first`) came out at `at`."""
@@ -62,7 +62,7 @@ def prompt_phases(
 
 
 def decode_start_phases(
-    worker_id: str, waiting: Waiting, first: RequestUpdate, at: float
+    worker_id: str, waiting: Waiting, first: TokenUpdate, at: float
 ) -> PhaseReport:
     """Admission and first step of a request whose KV landed here at `waiting.since`."""
     scheduled = first.scheduled_at or waiting.since
@@ -98,6 +98,7 @@ def arrival_phases(worker_id: str, arrival: KVArrival) -> PhaseReport:
             {
                 **_pair(arrival.peer_id, worker_id, header),
                 "pdserve.kv.bytes": arrival.num_bytes,
+                "pdserve.kv.streamed": arrival.streamed,
                 "pdserve.kv.wire_s": arrival.wire_s,
                 "pdserve.kv.handoff_s": arrival.handoff_s,
             },
@@ -111,10 +112,10 @@ def arrival_phases(worker_id: str, arrival: KVArrival) -> PhaseReport:
             {"pdserve.worker": worker_id, "pdserve.kv.message_bytes": header.num_bytes},
         )
         span.end(end_time=end_ns)
+    if arrival.streamed:  # its receive time is mostly the sender's pass, not the wire's
+        return PhaseReport(transfer_s=arrival.handoff_s)
     return PhaseReport(
-        transfer_s=arrival.handoff_s,
-        transfer_bytes=arrival.num_bytes,
-        transfer_active_s=arrival.active_s,
+        transfer_s=arrival.handoff_s, wire_bytes=arrival.num_bytes, wire_s=arrival.active_s
     )
 
 
@@ -122,22 +123,27 @@ def record_kv_send(
     worker_id: str,
     inp: GenerationInput,
     target: HandoffTarget,
-    header: HandoffHeader,
+    header: HandoffHeader | None,
     num_bytes: int,
     span: tuple[float, float],
     outcome: KVPoll,
     failure: str = "",
 ) -> None:
     """The sender's side of a hand-off, from the KV ready to the send done (`span`, in
-    time.monotonic() readings); only for a traced request."""
+    time.monotonic() readings; `header` None: a streamed message, whose parts left
+    during the pass); only for a traced request."""
     if not inp.trace_context or not tracing.enabled():
         return
     start, end = span
     attributes: dict[str, tracing.AttributeValue] = {
-        **_pair(worker_id, target.worker_id, header),
+        "pdserve.kv.pair": f"{worker_id}->{target.worker_id}",
+        "pdserve.kv.dst_epoch": f"{target.epoch:x}",
+        "pdserve.kv.streamed": header is None,
         "pdserve.kv.bytes": num_bytes,
         "pdserve.kv.outcome": outcome.name.lower(),
     }
+    if header is not None:
+        attributes |= _pair(worker_id, target.worker_id, header)
     if failure:
         attributes["pdserve.kv.failure"] = failure
     tracing.record_under(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.core.outputs import FinalResult, PhaseTimings, Usage
 from engine.core.request import FinishReason
+from engine.frontend.output_processor import OutputProcessor
 from engine.wire import GenerationInput
 from router.inbox import UpdateInbox
 from router.pools import WorkerRef
@@ -56,6 +57,7 @@ class Progress:
     """What the client has seen so far, across attempts."""
 
     arrival: float
+    output: OutputProcessor  # the text streamed so far (stop strings included)
     token_ids: list[int] = field(default_factory=list)  # every token streamed
     num_cached: int = 0
     t_first: float | None = None
@@ -94,7 +96,7 @@ def continuation(base: GenerationInput, number: int, progress: Progress) -> Gene
 
 
 def final_result(
-    user_id: str,
+    request_id: str,
     base: GenerationInput,
     progress: Progress,
     reason: FinishReason,
@@ -117,7 +119,7 @@ def final_result(
     log.info(
         "request %s finished=%s prompt=%d out=%d cached=%d queued=%.3fs prefill=%.3fs "
         "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s%s",
-        user_id,
+        request_id,
         result.finish_reason.value,
         usage.prompt_tokens,
         usage.completion_tokens,

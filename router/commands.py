@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +76,9 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
             num_prefill_workers=ns.prefill_workers,
             num_decode_workers=ns.decode_workers,
             num_colocated_workers=ns.colocated_workers,
-            prefill_args=engine_args(ns, "prefill"),
+            prefill_args=replace(
+                engine_args(ns, "prefill"), kv_stream_min_tokens=ns.kv_stream_min_tokens
+            ),
             decode_args=engine_args(ns, "decode"),
             ray_address=ns.ray_address,
             pool_resources=pool_resources(ns),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from engine.core.config import SchedulerConfig
-from engine.factory import EngineArgs
+from engine.factory import DEFAULT_KV_STREAM_MIN_TOKENS, EngineArgs
 from engine.wire import POOLS  # noqa: F401 - the pools, named once
 from router.config import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterConfig
 from router.flag_types import (
@@ -305,6 +305,14 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         type=port,
         default=0,
         help="port on the router's host where the KV channels rendezvous (0 = any free one)",
+    )
+    serve.add_argument(
+        "--kv-stream-min-tokens",
+        type=at_least(0),
+        default=DEFAULT_KV_STREAM_MIN_TOKENS,
+        help="prompts of at least this many tokens stream their KV to the decode worker "
+        "layer by layer while the prefill pass runs; shorter ones send it in one message "
+        "after the pass (0 = stream every hand-off)",
     )
     serve.add_argument(
         "--enable-admin",

@@ -19,7 +19,8 @@ from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.admin import ADMIN_SERVICE, AdminServicer
-from router.metrics import MetricsInterceptor, RouterMetrics
+from router.metrics import RouterMetrics
+from router.metrics_edge import MetricsInterceptor
 from router.protocol import Generator
 from router.security import EdgeSecurity
 from router.servicer import GenerationServicer, is_valid_request_id, request_id_var

@@ -69,7 +69,6 @@ class DisaggregatedGenerator(ServingPaths):
             order=self.config.admission_order,
             aging_s=self.config.priority_aging_s,
         )
-        self.outputs = OutputProcessor(tokenizer)
         self._attempts: dict[str, Attempt] = {}
         self._background: set[asyncio.Task[Any]] = set()
         # Reservations whose requests are still queued or prefilling, by decode worker.
@@ -232,10 +231,10 @@ class DisaggregatedGenerator(ServingPaths):
             raise NotReadyError("pools are not ready")
         self.delivery.ensure_pollers()
         base = self._to_input(call)
-        user_id = call.request_id or base.req_id  # what the client knows it by, for the log
-        progress = Progress(time.perf_counter())
-        trace = start_request(call.trace_parent, user_id, progress.arrival, base.priority)
-        self.outputs.add(base.req_id, base.prompt_token_ids, base.sampling.stop)
+        request_id = call.request_id or base.req_id  # what the client knows it by, for the log
+        output = OutputProcessor(self.tokenizer, base.prompt_token_ids, base.sampling.stop)
+        progress = Progress(time.perf_counter(), output)
+        trace = start_request(call.trace_parent, request_id, progress.arrival, base.priority)
         attempt: Attempt | None = None
         finished = False
         run_locally = False
@@ -246,16 +245,14 @@ class DisaggregatedGenerator(ServingPaths):
                     attempt = self._begin(base, number, progress, trace)
                     try:
                         if self.colocated_mode:
-                            chunks = self._run_colocated(attempt, progress, base.req_id)
+                            chunks = self._run_colocated(attempt, progress)
                         else:
-                            chunks = self._run_disaggregated(
-                                attempt, progress, base.req_id, run_locally
-                            )
+                            chunks = self._run_disaggregated(attempt, progress, run_locally)
                         async for chunk in chunks:
                             yield chunk
                         finished = True
                         yield final_result(
-                            user_id, base, progress, progress.finish_reason, trace=trace
+                            request_id, base, progress, progress.finish_reason, trace=trace
                         )
                         return
                     except WorkerLost as exc:
@@ -266,7 +263,7 @@ class DisaggregatedGenerator(ServingPaths):
                             progress.num_resumed += 1
                         log.warning(
                             "request %s: %s; %s",
-                            user_id,
+                            request_id,
                             exc,
                             f"resuming after {progress.num_out} tokens"
                             if progress.num_out
@@ -277,23 +274,22 @@ class DisaggregatedGenerator(ServingPaths):
                 raise RuntimeError(f"gave up after {self.config.max_attempts} attempts")
         except (QueueFullError, NotReadyError) as exc:
             finished = True  # refused at the door: nothing to abort, not a cancellation
-            log.info("request %s refused: %s", user_id, exc)
+            log.info("request %s refused: %s", request_id, exc)
             trace.finish(None, None, f"refused: {exc}")
             raise
         except Exception as exc:  # noqa: BLE001 - becomes this request's terminal message
-            log.error("request %s failed: %s", user_id, exc)
+            log.error("request %s failed: %s", request_id, exc)
             finished = True
             if attempt is not None:
                 self._end(attempt)
-            yield final_result(user_id, base, progress, FinishReason.ERROR, str(exc), trace)
+            yield final_result(request_id, base, progress, FinishReason.ERROR, str(exc), trace)
         finally:
             if attempt is not None:
                 self._end(attempt, abort=not finished)
-            self.outputs.remove(base.req_id)
             if not finished:
                 traced = f" trace={trace.trace_id}" if trace.trace_id else ""
                 log.info(
-                    "request %s cancelled after %d tokens%s", user_id, progress.num_out, traced
+                    "request %s cancelled after %d tokens%s", request_id, progress.num_out, traced
                 )
             trace.finish(None, progress.t_first, "cancelled")  # unless it finished
 
@@ -331,23 +327,22 @@ class DisaggregatedGenerator(ServingPaths):
         self,
         attempt: Attempt,
         progress: Progress,
-        out_id: str,
         tokens: tuple[int, ...],
         reason: FinishReason | None,
         local: WorkerLease | None = None,
     ) -> AsyncIterator[TextChunk]:
         """Turn token updates into text chunks until the request finishes."""
         while True:
-            out = self.outputs.process(out_id, tokens, reason)
-            if out.chunk is not None:
-                progress.token_ids += out.chunk.token_ids
+            chunk, finish = progress.output.process(tokens, reason)
+            if chunk is not None:
+                progress.token_ids += chunk.token_ids
                 progress.t_first = progress.t_first or time.perf_counter()
-                yield out.chunk
-            if out.finish_reason is not None:
+                yield chunk
+            if finish is not None:
                 if reason is None and attempt.decode_ref is not None:
                     # A stop string ended it here: the worker is still going.
                     self._spawn(self._abort_on(attempt.decode_ref, attempt.req_id))
-                progress.finish_reason = out.finish_reason
+                progress.finish_reason = finish
                 return
             try:
                 item = await attempt.inbox.take(self.config.token_stall_timeout_s)

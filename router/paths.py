@@ -63,14 +63,13 @@ class ServingPaths:
             self,
             attempt: Attempt,
             progress: Progress,
-            out_id: str,
             tokens: tuple[int, ...],
             reason: FinishReason | None,
             local: WorkerLease | None = None,
         ) -> AsyncIterator[TextChunk]: ...  # type: ignore[empty-body]
 
     async def _run_colocated(
-        self, attempt: Attempt, progress: Progress, out_id: str
+        self, attempt: Attempt, progress: Progress
     ) -> AsyncIterator[TextChunk]:
         hashes = self.indexes["colocated"].hash_prompt(attempt.inp.prompt_token_ids)
         while True:
@@ -89,11 +88,11 @@ class ServingPaths:
                 attempt.leases.pop().release()
                 self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
         progress.mark_decoding(PhaseTimings(queued_s=progress.since_arrival()))
-        async for chunk in self._stream(attempt, progress, out_id, (), None):
+        async for chunk in self._stream(attempt, progress, (), None):
             yield chunk
 
     async def _run_disaggregated(
-        self, attempt: Attempt, progress: Progress, out_id: str, run_locally: bool
+        self, attempt: Attempt, progress: Progress, run_locally: bool
     ) -> AsyncIterator[TextChunk]:
         inp = attempt.inp
         hashes = self.indexes["prefill"].hash_prompt(inp.prompt_token_ids)
@@ -137,7 +136,7 @@ class ServingPaths:
             attempt.leases.append(local)
             await self._call(decode_ref, decode_ref.client.submit(inp))
             progress.mark_decoding(PhaseTimings(queued_s, local_prefill=True))
-            async for chunk in self._stream(attempt, progress, out_id, (), None, local):
+            async for chunk in self._stream(attempt, progress, (), None, local):
                 yield chunk
             return
         attempt.leases.append(decode_ref.load.lease())
@@ -162,7 +161,7 @@ class ServingPaths:
             # then continue from it in the decode worker's own queue.
             attempt.inbox.put(WorkerLost(f"no room on {decode_ref.worker_id}", run_locally=True))
         tokens = () if result.first_token is None else (result.first_token,)
-        async for chunk in self._stream(attempt, progress, out_id, tokens, result.finish_reason):
+        async for chunk in self._stream(attempt, progress, tokens, result.finish_reason):
             yield chunk
 
     async def _prefill(

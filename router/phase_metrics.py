@@ -6,9 +6,9 @@ types); the serving core hands each report to `observe`. The histograms live on 
 router's registry, so the one /metrics endpoint serves them.
 
 The KV channel's bandwidth is the bytes received over the time the channel was busy
-receiving them (`pdserve_kv_received_bytes_total` over
-`pdserve_kv_receive_active_seconds_total`), not over wall time: idle gaps between
-hand-offs would otherwise read as a slow link.
+receiving them (`pdserve_kv_wire_bytes_total` over `pdserve_kv_wire_seconds_total`), not
+over wall time: idle gaps between hand-offs would otherwise read as a slow link. Only
+whole messages count: a streamed one's receive waits on the sender's forward pass.
 """
 
 from __future__ import annotations
@@ -57,16 +57,17 @@ class PhaseMetrics:
             "pdserve_phase_first_decode_step_seconds",
             "Time from a request's first decode step scheduled to its token out.",
         )
-        self.kv_received_bytes = Counter(
-            "pdserve_kv_received_bytes",
-            "Bytes of KV a decode worker received from prefill workers.",
+        self.kv_wire_bytes = Counter(
+            "pdserve_kv_wire_bytes",
+            "Bytes of KV a decode worker received in whole messages (streamed ones, sent "
+            "during the prefill pass, are left out).",
             LABELS,
             registry=registry,
         )
-        self.kv_receive_active = Counter(
-            "pdserve_kv_receive_active_seconds",
-            "Time a decode worker's KV channels spent receiving (divide the bytes by it "
-            "for the bandwidth while transferring).",
+        self.kv_wire_seconds = Counter(
+            "pdserve_kv_wire_seconds",
+            "Time a decode worker's KV channels spent receiving those bytes (divide the "
+            "bytes by it for the bandwidth while transferring).",
             LABELS,
             registry=registry,
         )
@@ -83,9 +84,9 @@ class PhaseMetrics:
         ):
             if seconds is not None:
                 histogram.labels(*labels).observe(seconds)
-        if phases.transfer_bytes:
-            self.kv_received_bytes.labels(*labels).inc(phases.transfer_bytes)
-            self.kv_receive_active.labels(*labels).inc(phases.transfer_active_s)
+        if phases.wire_bytes:
+            self.kv_wire_bytes.labels(*labels).inc(phases.wire_bytes)
+            self.kv_wire_seconds.labels(*labels).inc(phases.wire_s)
 
 
 _default: PhaseMetrics | None = None

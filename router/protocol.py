@@ -6,8 +6,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.core.outputs import FinalResult, TextChunk, WorkerStats
+from engine.core.outputs import FinalResult, TextChunk
 from engine.sampling_params import SamplingParams
+from engine.wire import WorkerStats
 
 
 @dataclass(frozen=True)

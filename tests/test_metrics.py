@@ -17,11 +17,12 @@ import pytest
 
 from bench.harness import REPO, free_port
 from bench.harness.metrics import scrape, value
+from engine.wire import WorkerStats
 from router import metrics as router_metrics
 from router.client import ClientSecurity, stream_generate
 from router.grpc_server import GrpcServer
 from router.metrics import RouterMetrics
-from router.protocol import PoolStats, WorkerStats
+from router.protocol import PoolStats
 from router.security import EdgeSecurity
 from tests.fake_core import FakeCore
 
@@ -60,8 +61,8 @@ PHASE_AND_FLEET_SERIES = {
     for phase in ("queue", "prefill", "kv_transfer", "decode_admission", "first_decode_step")
     for part in ("bucket", "sum", "count")
 } | {
-    "pdserve_kv_received_bytes_total",
-    "pdserve_kv_receive_active_seconds_total",
+    "pdserve_kv_wire_bytes_total",
+    "pdserve_kv_wire_seconds_total",
     "pdserve_serving",
     "pdserve_pool_live_workers",
     "pdserve_pool_target_workers",

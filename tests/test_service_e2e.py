@@ -342,8 +342,8 @@ def test_metrics_endpoint_shows_requests_and_every_worker(service: ServiceProces
     assert delta("pdserve_phase_prefill_seconds_count", **prefill_0) == 3
     for phase in ("kv_transfer", "decode_admission", "first_decode_step"):
         assert delta(f"pdserve_phase_{phase}_seconds_count", **decode_0) == 3, phase
-    assert delta("pdserve_kv_received_bytes_total", **decode_0) > 0
-    assert 0 < delta("pdserve_kv_receive_active_seconds_total", **decode_0) < 10
+    assert delta("pdserve_kv_wire_bytes_total", **decode_0) > 0
+    assert 0 < delta("pdserve_kv_wire_seconds_total", **decode_0) < 10
     for pool in ("prefill", "decode"):
         ratio = metric_value(after, "pdserve_kv_cache_usage_ratio", pool=pool, worker="0")
         assert 0 <= ratio <= 1

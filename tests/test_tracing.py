@@ -24,11 +24,10 @@ from bench.fake_workers import FakePools, WordTokenizer
 from engine import tracing
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
-from engine.core.scheduler import RequestUpdate
 from engine.sampling_params import SamplingParams
 from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
 from engine.transfer.receiver import KVArrival
-from engine.wire import GenerationInput
+from engine.wire import GenerationInput, TokenUpdate
 from engine.worker_phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
 from router.config import RouterConfig
 from router.metrics import get_metrics
@@ -181,7 +180,7 @@ def test_the_router_observes_each_workers_phases() -> None:
         return registry.get_sample_value(f"pdserve_phase_{phase}_seconds_count", labels) or 0.0
 
     def received() -> float:
-        return registry.get_sample_value("pdserve_kv_received_bytes_total", decode_0) or 0.0
+        return registry.get_sample_value("pdserve_kv_wire_bytes_total", decode_0) or 0.0
 
     series = [("queue", "prefill"), ("prefill", "prefill"), ("kv_transfer", "decode")]
     series += [("decode_admission", "decode"), ("first_decode_step", "decode")]
@@ -207,7 +206,7 @@ def test_a_prompt_reports_its_queue_and_compute_and_traces_them(
 ) -> None:
     inp, parent_id = _traced_input()
     since = time.monotonic() - 3.0
-    first = RequestUpdate("r1", (7,), None, 2, True, scheduled_at=since + 1.0)
+    first = TokenUpdate("r1", (7,), None, 2, True, scheduled_at=since + 1.0)
     report = prompt_phases("prefill", "prefill-0", inp, since, first, since + 2.5)
     assert report.queue_s == pytest.approx(1.0) and report.compute_s == pytest.approx(1.5)
     assert report.transfer_s is None and report.first_step_s is None
@@ -238,7 +237,7 @@ def test_a_kv_arrival_reports_its_share_of_the_busy_channel(spans: InMemorySpanE
     arrival = KVArrival(inp, "prefill-0", header, 1000, 0.02, 0.05, time.monotonic())
     report = arrival_phases("decode-0", arrival)
     # A quarter of the message's bytes: a quarter of its receive time is this request's.
-    assert report.transfer_bytes == 1000 and report.transfer_active_s == pytest.approx(0.005)
+    assert report.wire_bytes == 1000 and report.wire_s == pytest.approx(0.005)
     assert report.transfer_s == 0.05
     named = _by_name(spans)
     transfer, receive = named["kv.transfer"][0], named["kv.receive"][0]
@@ -256,7 +255,7 @@ def test_an_imported_request_reports_admission_and_first_step(
 ) -> None:
     inp, parent_id = _traced_input()
     landed = time.monotonic() - 1.0
-    first = RequestUpdate("r1", (8,), None, 0, scheduled_at=landed + 0.25)
+    first = TokenUpdate("r1", (8,), None, 0, scheduled_at=landed + 0.25)
     report = decode_start_phases("decode-0", Waiting(inp, landed, True), first, landed + 0.75)
     assert report.admission_s == pytest.approx(0.25) and report.first_step_s == pytest.approx(0.5)
     named = _by_name(spans)

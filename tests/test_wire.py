@@ -39,7 +39,7 @@ def test_an_error_or_a_finish_ends_a_run() -> None:
 
 
 def test_phases_of_merged_steps_are_all_kept() -> None:
-    arrival = PhaseReport(transfer_s=0.002, transfer_bytes=4096, transfer_active_s=0.001)
+    arrival = PhaseReport(transfer_s=0.002, wire_bytes=4096, wire_s=0.001)
     first = PhaseReport(admission_s=0.01, first_step_s=0.02)
     updates = [
         TokenUpdate("a", kv_wire_s=0.001, kv_handoff_s=0.002, phases=arrival),
@@ -49,8 +49,8 @@ def test_phases_of_merged_steps_are_all_kept() -> None:
     (merged,) = coalesce(updates)
     assert merged.phases == PhaseReport(
         transfer_s=0.002,
-        transfer_bytes=4096,
-        transfer_active_s=0.001,
+        wire_bytes=4096,
+        wire_s=0.001,
         admission_s=0.01,
         first_step_s=0.02,
     )

@@ -18,7 +18,6 @@ Every waiting request, imported ones included, is admitted only under `max_num_s
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
@@ -26,19 +25,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.priority import PriorityAging
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
-
-
-class RequestUpdate(NamedTuple):
-    """What one step did for one request: new tokens and, at the end, why it finished.
-    (A NamedTuple: one is built per request per step.)"""
-
-    req_id: str
-    new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-    num_cached_tokens: int = 0
-    # Left this engine with its blocks still allocated (prefill pool: the KV to hand off).
-    hand_off: bool = False  # whoever handles the update must release() them
-    scheduled_at: float = 0.0  # time.monotonic() of its first step: its queue wait ended
+from engine.wire import TokenUpdate
 
 
 class Scheduler:
@@ -372,9 +359,9 @@ class Scheduler:
         return tuple(self.requests.get(s.req_id) for s in batch.seqs)
 
     # ---------------------------------------------------------------- update
-    def update(self, batch: Batch, sampled: dict[str, int]) -> list[RequestUpdate]:
+    def update(self, batch: Batch, sampled: dict[str, int]) -> list[TokenUpdate]:
         """Apply a step's results: progress, new tokens, stop checks, finishing."""
-        updates: list[RequestUpdate] = []
+        updates: list[TokenUpdate] = []
         running_status = RequestStatus.RUNNING
         cache_full_blocks = self.kv.cache_full_blocks
         handoff = self.role.hands_off_after_first_token
@@ -396,5 +383,7 @@ class Scheduler:
             if reason is not None or hand_off:
                 self.finish_request(req_id, reason, hand_off=hand_off)
             cached, scheduled_at = req.num_cached_tokens, req.scheduled_at
-            updates.append(RequestUpdate(req_id, (token,), reason, cached, hand_off, scheduled_at))
+            updates.append(
+                TokenUpdate(req_id, (token,), reason, cached, hand_off, scheduled_at=scheduled_at)
+            )
         return updates

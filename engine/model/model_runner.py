@@ -11,12 +11,14 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.request import PLACEHOLDER_TOKEN
-from engine.model.attention import PagedAttentionMetadata, paged_step, register_paged_attention
+from engine.model.attention import paged_step, register_paged_attention
+from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.model.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
@@ -28,6 +30,14 @@ from engine.model.triton_gemv import use_gemv
 from engine.sampling_params import GREEDY
 
 log = logging.getLogger(__name__)
+
+
+class LayerStream(Protocol):
+    """What a step observer returns (engine.transfer.streaming.StepStream)."""
+
+    def layer_written(self, layer_idx: int) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 def _as_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -141,6 +151,9 @@ class ModelRunner:
         # Recorded after each launched step: KV imports wait for it before writing blocks
         # the host may have freed while that step was still writing them.
         self._last_step_done: torch.cuda.Event | None = None
+        # Told of every eager step before it runs; may return a stream that hears of each
+        # layer whose KV the step has written (layer-wise KV streaming).
+        self.step_observer: Callable[[Batch], LayerStream | None] | None = None
         self.cuda_graphs: DecodeGraphs | None = None
         if is_compiled(self.model):
             # The same first shapes in every engine, whether it captures graphs or not:
@@ -205,30 +218,42 @@ class ModelRunner:
         """How many KV blocks fit in `nbytes`."""
         return nbytes // ModelRunner.bytes_per_block(spec, dtype, block_size)
 
-    def _block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as an index on the device, copied without waiting for the device (a
+        gather between two layers of a running pass must not stall the host)."""
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:
             raise ValueError(f"block ids {bad} outside [0, {self.num_blocks})")
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return to_device(list(block_ids), torch.long, self.device)
 
-    def gather_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A contiguous copy of these blocks' KV, [len(block_ids), *kv_cache.shape[1:]]."""
+    def gather_blocks(
+        self, block_ids: Sequence[int] | torch.Tensor, layers: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """A contiguous copy of these blocks' KV, [len(block_ids), *kv_cache.shape[1:]],
+        or of layers [start, stop) of them; `block_ids` may be a `block_index`."""
         # Block-major layout: one index_select, ready to send as one message.
-        return self.kv_cache.index_select(0, self._block_index(block_ids))
+        cache = self.kv_cache if layers is None else self.kv_cache[:, layers[0] : layers[1]]
+        if not isinstance(block_ids, torch.Tensor):
+            block_ids = self.block_index(block_ids)
+        return cache.index_select(0, block_ids)
 
-    def scatter_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        """Write `data` (as from `gather_blocks`) into these blocks of the cache, on the
-        caller's stream, after every step launched so far (a launched step may still be
-        writing blocks the host has since freed and handed to this import)."""
-        expected = (len(block_ids), *self.kv_cache.shape[1:])
+    def scatter_blocks(
+        self, block_ids: Sequence[int], data: torch.Tensor, layers: tuple[int, int] | None = None
+    ) -> None:
+        """Write `data` (as from `gather_blocks`) into these blocks of the cache (or into
+        layers [start, stop) of them), on the caller's stream, after every step launched
+        so far (a launched step may still be writing blocks the host has since freed and
+        handed to this import)."""
+        cache = self.kv_cache if layers is None else self.kv_cache[:, layers[0] : layers[1]]
+        expected = (len(block_ids), *cache.shape[1:])
         if tuple(data.shape) != expected:
             raise ValueError(f"KV data of shape {tuple(data.shape)}, expected {expected}")
-        if data.dtype != self.kv_cache.dtype:
-            raise ValueError(f"KV data in {data.dtype}, cache in {self.kv_cache.dtype}")
+        if data.dtype != cache.dtype:
+            raise ValueError(f"KV data in {data.dtype}, cache in {cache.dtype}")
         step_done = self._last_step_done
         if step_done is not None:
             torch.cuda.current_stream(self.device).wait_event(step_done)
-        self.kv_cache.index_copy_(0, self._block_index(block_ids), data.to(self.device))
+        cache.index_copy_(0, self.block_index(block_ids), data.to(self.device))
 
     def execute(
         self, batch: Batch, *, use_cuda_graphs: bool = True, paged_decode: bool | None = None
@@ -331,13 +356,23 @@ class ModelRunner:
         if where:
             index = to_device(where + rows, torch.long, self.device).view(2, -1)
             input_ids[index[0]] = self._last_tokens[index[1]]
-        with paged_step(meta, self._kv_storage):
-            return self.model(
-                input_ids=input_ids[None],
-                position_ids=meta.positions[None],
-                use_cache=False,
-                logits_to_keep=to_device(last_token_idx, torch.long, self.device),
-            ).logits[0]
+        stream = None if self.step_observer is None else self.step_observer(batch)
+        try:
+            on_layer = None if stream is None else stream.layer_written
+            with paged_step(meta, self._kv_storage, on_layer):
+                return self.model(
+                    input_ids=input_ids[None],
+                    position_ids=meta.positions[None],
+                    use_cache=False,
+                    logits_to_keep=to_device(last_token_idx, torch.long, self.device),
+                ).logits[0]
+        except BaseException:
+            if stream is not None:
+                try:
+                    stream.abort()  # the receivers are told there is nothing to continue
+                except Exception:  # noqa: BLE001 - the pass's own error is the one to raise
+                    log.exception("closing the streamed KV of a failed pass")
+            raise
 
     def _sample(
         self, logits: torch.Tensor | None, sampled_seqs: list[ScheduledSeq]
