@@ -20,6 +20,7 @@ from engine.frontend.output_processor import OutputProcessor
 from engine.wire import GenerationInput
 from router.inbox import UpdateInbox
 from router.pools import WorkerRef
+from router.tracing import NO_ATTEMPT, AttemptTrace, RequestTrace
 from router.worker_load import WorkerLease
 
 log = logging.getLogger("pdserve.router")
@@ -44,6 +45,7 @@ class Attempt:
     decode_ref: WorkerRef | None = None
     prefill_ref: WorkerRef | None = None
     leases: list[WorkerLease] = field(default_factory=list)
+    trace: AttemptTrace = NO_ATTEMPT  # its spans (records nothing for untraced requests)
 
     @property
     def req_id(self) -> str:
@@ -105,8 +107,9 @@ def final_result(
     progress: Progress,
     reason: FinishReason,
     error: str = "",
+    trace: RequestTrace | None = None,
 ) -> FinalResult:
-    """The request's one terminal message (and its log line)."""
+    """The request's one terminal message (and its log line; the trace ends with it)."""
     end = time.perf_counter()
     timings = replace(
         progress.timings,
@@ -114,11 +117,14 @@ def final_result(
         time_to_first_token_s=(progress.t_first or end) - progress.arrival,
     )
     usage = Usage(len(base.prompt_token_ids), progress.num_out, progress.num_cached)
-    result = FinalResult(reason, usage, timings, error)
+    trace_id = trace.trace_id if trace is not None else ""
+    result = FinalResult(reason, usage, timings, error, trace_id)
+    if trace is not None:
+        trace.finish(result, progress.t_first)
     t = result.timings
     log.info(
         "request %s finished=%s prompt=%d out=%d cached=%d queued=%.3fs prefill=%.3fs "
-        "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s",
+        "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s%s",
         request_id,
         result.finish_reason.value,
         usage.prompt_tokens,
@@ -132,5 +138,6 @@ def final_result(
         t.time_to_first_token_s,
         " local" if t.local_prefill else "",
         f" resumed={progress.num_resumed}" if progress.num_resumed else "",
+        f" trace={trace_id}" if trace_id else "",
     )
     return result

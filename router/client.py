@@ -104,13 +104,16 @@ def build_request(
     messages: Iterable[Message] | None = None,
     request_id: str = "",
     priority: int = 0,
+    include_trace_id: bool = False,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; sampling kwargs left at None stay unset."""
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
-    request = pb.GenerateRequest(request_id=request_id, priority=priority)
+    request = pb.GenerateRequest(
+        request_id=request_id, priority=priority, include_trace_id=include_trace_id
+    )
     # Leave the oneof unset unless a value was given, so the server's "no input"
     # check is reachable from tests.
     if prompt is not None:
@@ -139,13 +142,15 @@ async def stream_generate(
     timeout: float | None = None,
     metadata: Sequence[tuple[str, str]] | None = None,
     security: ClientSecurity | None = None,
+    include_trace_id: bool = False,
     **sampling: Any,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """Yield every GenerateResponse of one call; raises grpc.aio.AioRpcError on failure.
 
     `target` is "host:port" (a channel is opened and closed here) or an open
     channel to reuse across calls. `security` adds TLS (to a channel opened here)
-    and the bearer token.
+    and the bearer token. A W3C `traceparent` in `metadata` makes the server's trace a
+    child of the caller's; `include_trace_id` asks for the trace id in the final message.
     """
     security = security or ClientSecurity()
     metadata = security.metadata(metadata)
@@ -155,6 +160,7 @@ async def stream_generate(
         messages=messages,
         request_id=request_id,
         priority=priority,
+        include_trace_id=include_trace_id,
         **sampling,
     )
     if isinstance(target, str):

@@ -20,6 +20,7 @@ from router.flag_types import (
     SubcommandParser,
     at_least,
     device,
+    host_port,
     number_in,
     port,
     resources,
@@ -360,6 +361,20 @@ def add_deploy_args(p: argparse.ArgumentParser) -> None:
         type=at_least(1024),
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest request or response message",
+    )
+    g = p.add_argument_group("tracing (OpenTelemetry)")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        type=host_port,
+        metavar="HOST:PORT",
+        help="send a trace of each request (router and workers) to this OTLP/gRPC "
+        "collector (default: no tracing)",
+    )
+    g.add_argument(
+        "--otlp-traces-sample-ratio",
+        type=number_in(0, 1),
+        default=1.0,
+        help="share of requests traced, of those whose caller sent no sampled traceparent",
     )
     g = p.add_argument_group("metrics")
     g.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics")

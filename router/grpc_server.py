@@ -144,6 +144,7 @@ class GrpcServer:
         self._port: int | None = None
         self._stop_task: asyncio.Task[None] | None = None
         self._stop_now = asyncio.Event()
+        self._serving = False
 
     @property
     def port(self) -> int:
@@ -202,6 +203,12 @@ class GrpcServer:
         """Report SERVING (call once the pools are warm); ignored after a drain started."""
         for service in ("", GENERATION_SERVICE):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = self._stop_task is None
+
+    @property
+    def is_serving(self) -> bool:
+        """The health check answers SERVING: warm, and no drain has started."""
+        return self._serving
 
     @property
     def num_in_flight(self) -> int:
@@ -227,6 +234,7 @@ class GrpcServer:
     async def _drain(self, grace: float | None) -> None:
         assert self._server is not None
         grace = self.drain_grace_s if grace is None else grace
+        self._serving = False
         await self._health.enter_graceful_shutdown()
         logger.info(
             "draining: %d in flight, notice %.1fs, grace %.1fs",

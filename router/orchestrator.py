@@ -47,6 +47,7 @@ from router.planner.signals import ServingSignals
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
 from router.protocol import GenerateCall, PoolStats, ServerInfo
+from router.tracing import NO_TRACE, RequestTrace, start_request
 from router.worker_load import WorkerLease
 
 log = logging.getLogger("pdserve.router")
@@ -237,13 +238,15 @@ class DisaggregatedGenerator(ServingPaths):
         output = OutputProcessor(self.tokenizer, base.prompt_token_ids, base.sampling.stop)
         progress = Progress(time.perf_counter(), output)
         self.signals.request_arrived(progress)
+        trace = start_request(call.trace_parent, request_id, progress.arrival, base.priority)
         attempt: Attempt | None = None
         finished = False
         run_locally = False
         try:
             async with self.admission.slot(priority=base.priority):
+                trace.admitted()
                 for number in range(self.config.max_attempts):
-                    attempt = self._begin(base, number, progress)
+                    attempt = self._begin(base, number, progress, trace)
                     try:
                         if self.colocated_mode:
                             chunks = self._run_colocated(attempt, progress)
@@ -255,9 +258,12 @@ class DisaggregatedGenerator(ServingPaths):
                         self.signals.request_ended(
                             progress, progress.num_out, progress.tpot_s(), completed=True
                         )
-                        yield final_result(request_id, base, progress, progress.finish_reason)
+                        yield final_result(
+                            request_id, base, progress, progress.finish_reason, trace=trace
+                        )
                         return
                     except WorkerLost as exc:
+                        attempt.trace.lost(str(exc), resumed=bool(progress.num_out))
                         self._end(attempt)
                         run_locally = exc.run_locally
                         if progress.num_out:
@@ -276,22 +282,31 @@ class DisaggregatedGenerator(ServingPaths):
         except (QueueFullError, NotReadyError) as exc:
             finished = True  # refused at the door: nothing to abort, not a cancellation
             log.info("request %s refused: %s", request_id, exc)
+            trace.finish(None, None, f"refused: {exc}")
             raise
         except Exception as exc:  # noqa: BLE001 - becomes this request's terminal message
             log.error("request %s failed: %s", request_id, exc)
             finished = True
             if attempt is not None:
                 self._end(attempt)
-            yield final_result(request_id, base, progress, FinishReason.ERROR, str(exc))
+            yield final_result(request_id, base, progress, FinishReason.ERROR, str(exc), trace)
         finally:
             if attempt is not None:
                 self._end(attempt, abort=not finished)
             self.signals.request_ended(progress, progress.num_out, None, completed=False)
             if not finished:
-                log.info("request %s cancelled after %d tokens", request_id, progress.num_out)
+                traced = f" trace={trace.trace_id}" if trace.trace_id else ""
+                log.info(
+                    "request %s cancelled after %d tokens%s", request_id, progress.num_out, traced
+                )
+            trace.finish(None, progress.t_first, "cancelled")  # unless it finished
 
-    def _begin(self, base: GenerationInput, number: int, progress: Progress) -> Attempt:
-        attempt = Attempt(continuation(base, number, progress))
+    def _begin(
+        self, base: GenerationInput, number: int, progress: Progress, trace: RequestTrace = NO_TRACE
+    ) -> Attempt:
+        attempt_trace = trace.attempt(number, progress.num_out)
+        inp = attempt_trace.bind(continuation(base, number, progress))
+        attempt = Attempt(inp, trace=attempt_trace)
         self._attempts[attempt.req_id] = attempt
         return attempt
 
@@ -300,6 +315,7 @@ class DisaggregatedGenerator(ServingPaths):
         this may run while the generator closes on cancellation)."""
         if self._attempts.pop(attempt.req_id, None) is None:
             return
+        attempt.trace.end()
         for lease in attempt.leases:
             lease.release()
         if attempt.decode_ref is not None:

@@ -7,18 +7,21 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from engine import tracing
 from engine.core.outputs import FinalResult, TextChunk
 from engine.model.model_loader import has_tokenizer, load_tokenizer
 from router.admin import AdminServicer
 from router.cluster import Cluster, ClusterConfig
 from router.config import RouterConfig
 from router.errors import NotReadyError
+from router.fleet_metrics import FleetState, get_fleet_metrics
 from router.grpc_server import GrpcServer, serve
 from router.metrics import DEFAULT_METRICS_PORT, get_metrics
 from router.orchestrator import DisaggregatedGenerator
 from router.planner.config import PlannerConfig
 from router.planner.loop import PlannerLoop
 from router.planner.metrics import planner_metrics
+from router.phase_metrics import get_phase_metrics
 from router.pools import Pools
 from router.protocol import GenerateCall, PoolStats, ServerInfo
 from router.security import EdgeSecurity
@@ -82,6 +85,9 @@ async def run_service(
     pools = Pools(cluster)
     planner: PlannerLoop | None = None
     metrics = get_metrics()
+    get_phase_metrics()  # their families are on /metrics from the first scrape
+    tracing.configure(config.cluster.tracing, "pdserve-router")
+    servers: list[GrpcServer] = []
     stop_metrics = None
     if config.metrics_port:
         stop_metrics = metrics.serve(config.metrics_host, config.metrics_port)
@@ -94,6 +100,21 @@ async def run_service(
             return future.result(timeout=metrics.pools.timeout_s)
 
         metrics.pools.set_source(read_pool_stats)
+
+        def read_fleet() -> FleetState:
+            # Called on the metrics server's thread: plain reads of the pools' counts.
+            return FleetState(
+                serving=bool(servers) and servers[0].is_serving,
+                target_workers=dict(pools.targets),
+                live_workers={pool: len(pools.routable(pool)) for pool in pools.targets},
+            )
+
+        get_fleet_metrics().set_source(read_fleet)
+
+    def started(server: GrpcServer) -> None:
+        servers.append(server)
+        if on_started is not None:
+            on_started(server)
 
     async def warm_up() -> None:
         await pools.start()
@@ -123,7 +144,7 @@ async def run_service(
             config.port,
             drain_grace_s=config.drain_grace_s,
             warm_up=warm_up(),
-            on_started=on_started,
+            on_started=started,
             security=config.security,
             metrics=metrics,
             admin=AdminServicer(
@@ -135,6 +156,7 @@ async def run_service(
         )
     finally:
         metrics.pools.set_source(None)
+        get_fleet_metrics().set_source(None)
         if stop_metrics is not None:
             stop_metrics()
         if planner is not None:
@@ -144,4 +166,5 @@ async def run_service(
         if not await pools.stop(timeout_s=STOP_WORKERS_S) and cluster.started_local_ray:
             # The signal went to the whole process group: the local Ray is going down.
             cluster.abandon_ray()
+        tracing.shutdown()  # send the spans still buffered
         log.info("stopped")

@@ -62,6 +62,18 @@ PLANNER_SERIES = {
     "pdserve_planner_load_workers",
 }
 
+PHASE_AND_FLEET_SERIES = {
+    f"pdserve_phase_{phase}_seconds_{part}"
+    for phase in ("queue", "prefill", "kv_transfer", "decode_admission", "first_decode_step")
+    for part in ("bucket", "sum", "count")
+} | {
+    "pdserve_kv_wire_bytes_total",
+    "pdserve_kv_wire_seconds_total",
+    "pdserve_serving",
+    "pdserve_pool_live_workers",
+    "pdserve_pool_target_workers",
+}
+
 
 def worker(pool: str, index: int, **kw: int) -> WorkerStats:
     base = WorkerStats(pool, index, 100, 25, 2, 1, 32, 64, 0)  # type: ignore[arg-type]
@@ -192,6 +204,7 @@ def test_grafana_dashboard_queries_only_existing_metrics() -> None:
     for name in HISTOGRAMS:
         exposed |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
     exposed |= {f"{name}_total" for name in COUNTERS} | set(GAUGES) | PLANNER_SERIES
+    exposed |= PHASE_AND_FLEET_SERIES  # router/phase_metrics.py, router/fleet_metrics.py
     titles = []
     for panel in dashboard["panels"]:
         titles.append(panel["title"].lower())

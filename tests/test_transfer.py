@@ -19,7 +19,7 @@ from engine.transfer.handoff import (
     HeaderKind,
     Reservation,
 )
-from engine.transfer.receiver import ChannelReceiver
+from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import ReservationBook
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, layers_per_part, open_stream
@@ -84,9 +84,10 @@ class Worker:
     def admit(self, inp: GenerationInput, first_token: int) -> None:
         self.admitted[inp.req_id] = first_token
 
-    def arrived(self, req_id: str, wire_s: float, handoff_s: float) -> None:
-        assert handoff_s >= 0 and wire_s >= 0
-        self.arrivals.append(req_id)
+    def arrived(self, arrival: KVArrival) -> None:
+        assert arrival.handoff_s >= 0 and arrival.wire_s >= 0
+        assert 0 < arrival.num_bytes <= arrival.header.num_bytes
+        self.arrivals.append(arrival.inp.req_id)
 
     def release(self, req_id: str) -> None:
         self.free += self.held.pop(req_id, [])

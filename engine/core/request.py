@@ -103,6 +103,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # time.monotonic() when a step first scheduled it (0: not yet): the end of its wait
+    # in this engine's queue, for the worker's phase timings.
+    scheduled_at: float = 0.0
     # Chain hashes of the first full blocks of all_token_ids (tokens only ever append,
     # so they stay valid), filled by prefix-cache lookups: a request that waits for
     # blocks is not re-hashed every step.
@@ -122,6 +125,11 @@ class Request:
     @property
     def output_token_ids(self) -> TokenView:
         return TokenView(self.all_token_ids, self.num_prompt_tokens)
+
+    def start_running(self) -> None:
+        """Admitted to a step (again, after a preemption: the first time is kept)."""
+        self.status = RequestStatus.RUNNING
+        self.scheduled_at = self.scheduled_at or time.monotonic()
 
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token, or PLACEHOLDER_TOKEN for one a launched step is

@@ -266,7 +266,7 @@ class Scheduler:
                 self.kv.record_prefix_query(req.num_prompt_tokens, num_hit)
             self.waiting.pop_first()
             self._imported.discard(req.req_id)
-            req.status = RequestStatus.RUNNING
+            req.start_running()
             self.running.append(req)
             chunks[req.req_id] = num_new
             budget -= num_new
@@ -364,5 +364,8 @@ class Scheduler:
             hand_off = reason is None and handoff
             if reason is not None or hand_off:
                 self.finish_request(req_id, reason, hand_off=hand_off)
-            updates.append(TokenUpdate(req_id, (token,), reason, req.num_cached_tokens, hand_off))
+            cached, scheduled_at = req.num_cached_tokens, req.scheduled_at
+            updates.append(
+                TokenUpdate(req_id, (token,), reason, cached, hand_off, scheduled_at=scheduled_at)
+            )
         return updates
