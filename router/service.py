@@ -18,10 +18,10 @@ from router.fleet_metrics import FleetState, get_fleet_metrics
 from router.grpc_server import GrpcServer, serve
 from router.metrics import DEFAULT_METRICS_PORT, get_metrics
 from router.orchestrator import DisaggregatedGenerator
+from router.phase_metrics import get_phase_metrics
 from router.planner.config import PlannerConfig
 from router.planner.loop import PlannerLoop
 from router.planner.metrics import planner_metrics
-from router.phase_metrics import get_phase_metrics
 from router.pools import Pools
 from router.protocol import GenerateCall, PoolStats, ServerInfo
 from router.security import EdgeSecurity
