@@ -165,6 +165,7 @@ class _RecordedRequest(RequestTrace):
         self._span = span
         self._arrival = arrival
         self._num_attempts = 0
+        self._current: AttemptTrace = NO_ATTEMPT
         self._finished = False
         self.trace_id = tracing.trace_id_of(span)
 
@@ -189,7 +190,8 @@ class _RecordedRequest(RequestTrace):
                 "pdserve.attempt.resumed_tokens": num_resumed_tokens,
             },
         )
-        return _RecordedAttempt(span)
+        self._current = _RecordedAttempt(span)
+        return self._current
 
     def finish(
         self, result: FinalResult | None, first_token_at: float | None, outcome: str = ""
@@ -197,6 +199,7 @@ class _RecordedRequest(RequestTrace):
         if self._finished:
             return
         self._finished = True
+        self._current.end()  # the request's end is its last attempt's too
         span = self._span
         span.set_attribute("pdserve.attempts", self._num_attempts)
         if result is None:
