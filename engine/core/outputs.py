@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.core.request import FinishReason
 
@@ -65,3 +66,21 @@ class EngineStats:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     num_preemptions: int = 0
+    # Speculative decoding since start: proposals verified, proposals accepted, and
+    # verifications (one per request per verifying step).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+
+
+class RequestUpdate(NamedTuple):
+    """What one step did for one request: new tokens and, at the end, why it finished.
+    (A NamedTuple: one is built per request per step.)"""
+
+    req_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    num_cached_tokens: int = 0
+    # The request left this engine with its blocks still allocated (prefill pool: they
+    # hold the KV to hand off); whoever handles the update must release() them.
+    hand_off: bool = False

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core.speculation import SpecState
 
 # Stands for a token that a launched step is sampling and the host has not seen yet
 # (scheduling one step ahead). The runner feeds the real id on the device.
@@ -61,6 +65,8 @@ class Request:
     # so they stay valid), filled by prefix-cache lookups: a request that waits for
     # blocks is not re-hashed every step.
     block_hashes: list[int] = field(default_factory=list, init=False, repr=False)
+    # Speculative decoding's per-request state (engine.core.speculation), when it speculates.
+    spec_state: SpecState | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
