@@ -137,6 +137,11 @@ def build_engine(args: EngineArgs, *, role: EngineRole = EngineRole.COLOCATED) -
         max_num_seqs=args.scheduler.max_num_seqs,
         compile_model=None if args.compile_model else False,
     )
+    if speculative is not None:
+        # Verifying steps (and a draft model's first pass) replay graphs of their own,
+        # for the batch sizes that speculate.
+        runner_kw["verify_graph_tokens"] = 1 + speculative.num_speculative_tokens
+        runner_kw["verify_graph_max_seqs"] = speculative.disable_by_batch_size or 0
     runner = ModelRunner(
         str(path),
         num_blocks=args.num_blocks,

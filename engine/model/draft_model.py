@@ -20,13 +20,32 @@ models draw the same token.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.request import PLACEHOLDER_TOKEN
 from engine.core.speculation import PROPOSAL_TOKEN
-from engine.model.model_runner import ModelRunner
 from engine.model.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from engine.model.model_runner import ModelRunner
+
+
+class Proposer(Protocol):
+    """Fills a batch's proposal slots (PROPOSAL_TOKEN) before the target verifies them."""
+
+    def propose(self, batch: Batch) -> Batch: ...
+
+
+def fill_proposals(batch: Batch, drafter: Proposer | None) -> Batch:
+    """The batch with its proposal slots filled by the draft model; ValueError for slots
+    that no draft model fills."""
+    if drafter is not None:
+        batch = drafter.propose(batch)
+    for s in batch.seqs:
+        if PROPOSAL_TOKEN in s.token_ids:
+            raise ValueError(f"request {s.req_id}: proposal slots but no draft model")
+    return batch
 
 
 def check_draft_vocabulary(target: ModelSpec, draft: ModelSpec) -> None:

@@ -1,8 +1,9 @@
 """Runs one scheduled Batch as one packed forward pass over the paged KV cache.
 
 On CUDA the decoder is compiled by torch.compile (engine.model.compiled), and pure-decode
-steps replay captured CUDA graphs of it (engine.model.cuda_graphs) unless `enforce_eager`;
-every other step (prefill chunks, mixed steps) runs the compiled decoder without a graph.
+steps replay captured CUDA graphs of it (engine.model.cuda_graphs) unless `enforce_eager`,
+as do speculative decoding's verifying steps (engine.model.verify_graphs); every other
+step (prefill chunks, mixed steps) runs the compiled decoder without a graph.
 """
 
 from __future__ import annotations
@@ -11,22 +12,23 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.request import PLACEHOLDER_TOKEN
-from engine.core.speculation import PROPOSAL_TOKEN
 from engine.model.attention import PagedAttentionMetadata, paged_step, register_paged_attention
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine.model.draft_model import Proposer, fill_proposals
 from engine.model.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
 from engine.model.staging import to_device
 from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
 from engine.model.triton_attention import triton_available
 from engine.model.triton_gemv import use_gemv
+from engine.model.verify_graphs import VerifyGraphs, capture_verify_graphs
+from engine.model.verify_graphs import logits_rows as verify_logits_rows
 from engine.sampling_params import GREEDY
 
 log = logging.getLogger(__name__)
@@ -34,12 +36,6 @@ log = logging.getLogger(__name__)
 
 def _as_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype] if isinstance(dtype, str) else dtype
-
-
-class Proposer(Protocol):
-    """Fills a batch's proposal slots (PROPOSAL_TOKEN) before the target verifies them."""
-
-    def propose(self, batch: Batch) -> Batch: ...
 
 
 class ModelRunner:
@@ -63,6 +59,8 @@ class ModelRunner:
         compile_model: bool | None = None,
         small_batch_gemv: bool | None = None,
         preloaded: tuple[torch.nn.Module, ModelSpec] | None = None,
+        verify_graph_tokens: int = 0,
+        verify_graph_max_seqs: int = 0,
     ) -> None:
         """`enforce_eager` turns CUDA graphs off; they are captured here (CUDA only) for
         decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`).
@@ -74,7 +72,9 @@ class ModelRunner:
         a lone sequence's logits) with the Triton GEMV (engine.model.triton_gemv; None:
         on CUDA when Triton imports). `preloaded`: the model and its spec, already
         loaded from `model_path` (a draft model whose weights must count before the
-        target sizes its cache)."""
+        target sizes its cache). `verify_graph_tokens` q >= 2 (speculative decoding: 1 +
+        proposals) also captures graphs of steps of up to q tokens per sequence, for up to
+        `verify_graph_max_seqs` sequences (engine.model.verify_graphs)."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         if block_size < 1:
@@ -133,6 +133,7 @@ class ModelRunner:
         # the host may have freed while that step was still writing them.
         self._last_step_done: torch.cuda.Event | None = None
         self.cuda_graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         # Fills proposal slots before a verifying step (speculative decoding's draft model).
         self.drafter: Proposer | None = None
         if is_compiled(self.model):
@@ -143,6 +144,15 @@ class ModelRunner:
             sizes = cuda_graph_batch_sizes or graph_batch_sizes(max_num_seqs)
             max_blocks = min(-(-self.spec.max_model_len // block_size), num_blocks)
             self.capture_cuda_graphs(sizes, max_blocks)
+            if verify_graph_tokens >= 2 and self.cuda_graphs is not None:
+                limit = min(verify_graph_max_seqs or max_num_seqs, max_num_seqs)
+                self.verify_graphs = capture_verify_graphs(
+                    self.model,
+                    self._kv_storage,
+                    graph_batch_sizes(limit),
+                    max_blocks,
+                    verify_graph_tokens,
+                )
 
     def capture_cuda_graphs(self, batch_sizes: Sequence[int], max_blocks_per_seq: int) -> None:
         """Capture decode graphs now (start-up), or stay eager with a warning if that fails."""
@@ -250,7 +260,7 @@ class ModelRunner:
         if batch.block_size != self.block_size:
             raise ValueError(f"batch block_size {batch.block_size} != cache's {self.block_size}")
         if batch.num_draft_tokens:
-            batch = self._with_proposals(batch)
+            batch = fill_proposals(batch, self.drafter)
         sources = self._placeholder_sources(batch)
         sampled_seqs = [s for s in batch.seqs if s.sample]
         graphs = self.cuda_graphs if use_cuda_graphs else None
@@ -261,19 +271,19 @@ class ModelRunner:
             if len(sampled_seqs) < len(batch.seqs):
                 rows = [i for i, s in enumerate(batch.seqs) if s.sample]
                 logits = logits[to_device(rows, torch.long, self.device)]
+        elif (
+            use_cuda_graphs
+            and sources is None
+            and (verify := self.verify_graphs) is not None
+            and verify.can_run(batch)
+        ):
+            self._check_block_ids(batch)
+            rows = verify_logits_rows(batch.seqs, verify.q)
+            logits = verify.run(batch)[to_device(rows, torch.long, self.device)]
         else:
             self._check_block_ids(batch)
             logits = self._forward_eager(batch, sources, paged_decode)
         return self._sample(logits, sampled_seqs)
-
-    def _with_proposals(self, batch: Batch) -> Batch:
-        """The batch with its proposal slots filled by the draft model (if any)."""
-        if self.drafter is not None:
-            batch = self.drafter.propose(batch)
-        for s in batch.seqs:
-            if PROPOSAL_TOKEN in s.token_ids:
-                raise ValueError(f"request {s.req_id}: proposal slots but no draft model")
-        return batch
 
     def _placeholder_sources(self, batch: Batch) -> list[int] | None:
         """Per sequence, the row of `_last_tokens` that holds its input's last token when
