@@ -189,7 +189,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1", help="comma-separated levels, e.g. 1,128")
     p.add_argument("--num-requests", type=int, help="per level (default: max(8, concurrency))")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--kv-cache-gib", type=float)
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="each engine's KV cache (default: 8 on CUDA, 0.5 on CPU; two engines share the "
+        "device)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--step-timing", action="store_true")
     p.add_argument("--context", type=int, default=2048, help="--step-timing's context")
@@ -203,13 +208,15 @@ def build(ns: argparse.Namespace, speculative: Any) -> Any:
     from engine.factory import EngineArgs
     from engine.llm import LLM
 
+    args = EngineArgs(model=ns.model, device=ns.device)
+    kv_cache_gib = ns.kv_cache_gib or (8.0 if args.resolve_device().type == "cuda" else 0.5)
     llm = LLM(
         EngineArgs(
             model=ns.model,
             load_format=ns.load_format,
             device=ns.device,
             dtype=ns.dtype,
-            kv_cache_gib=ns.kv_cache_gib,
+            kv_cache_gib=kv_cache_gib,
             scheduler=SchedulerConfig(max_num_seqs=ns.max_num_seqs),
             speculative=speculative,
         )

@@ -197,3 +197,25 @@ def test_draft_model_batches_carry_proposal_slots_and_the_missing_draft_context(
     # The scheduler hands proposal slots; the runner's draft model fills them.
     seen = runner.batches  # FakeRunner records the filled batch
     assert all(PROPOSAL_TOKEN not in s.token_ids for b in seen for s in b.seqs)
+
+
+def test_an_urgent_request_preempts_a_speculating_one_and_both_finish_as_plain() -> None:
+    # Room for one request at a time: the urgent one preempts the speculating one, which
+    # later recomputes and goes on speculating.
+    outputs = []
+    for spec in (None, DRAFT):
+        core, _ = make_engine(
+            speculative=spec,
+            runner=FakeRunner(draft_misses=lambda position: position % 5 == 0),
+            policy="priority",
+            max_num_seqs=1,
+        )
+        add(core, "slow", 6, 30, priority=5)
+        early = [u for _ in range(3) for u in core.step()]
+        add(core, "urgent", 4, 10, priority=0)
+        out = run_to_completion(core)
+        out["slow"] = [t for u in early for t in u.new_token_ids] + out["slow"]
+        outputs.append(out)
+        assert core.stats().num_preemptions == 1
+        assert_engine_empty(core)
+    assert outputs[0] == outputs[1]
