@@ -9,7 +9,7 @@ import random
 import torch
 
 from engine.core.batch import ScheduledSeq
-from engine.model.attention import build_metadata
+from engine.model.attention_metadata import build_metadata
 from engine.model.step_tokens import logits_rows
 from engine.model.verify_graphs import logits_rows as graph_logits_rows
 from engine.model.verify_graphs import pack_inputs

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
-from engine.model.attention import PagedAttentionMetadata, VarlenGroup, paged_step
+from engine.model.attention import paged_step
+from engine.model.attention_metadata import PagedAttentionMetadata, VarlenGroup
 
 log = logging.getLogger(__name__)
 
