@@ -8,6 +8,7 @@ the same tokens as one left alone."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +68,12 @@ class FakeWorker:
     no_room: bool = False  # decode: reserve() returns None
     refuse_kv: bool = False  # decode: every arriving hand-off is refused
     prefill_delay_s: float = 0.0
+    kv_delay_s: float = 0.001  # prefill: from its reply to the KV landing on decode
     step_s: float = 0.002  # decode: one step of every running request per poll
     hold_prefill: asyncio.Event | None = None  # prefill waits for it
     calls: list[tuple[str, Any]] = field(default_factory=list)
     reserved: dict[str, GenerationInput] = field(default_factory=dict)
+    expires_at: dict[str, float] = field(default_factory=dict)  # decode: reservation leases
     running: dict[str, _Running] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
     outbox: list[TokenUpdate] = field(default_factory=list)
@@ -96,7 +99,7 @@ class FakeWorker:
         if inp.sampling.max_tokens == 1:
             return PrefillResult(first, FinishReason.LENGTH, 0, self.prefill_delay_s)
         decode = self.peers[target.worker_id]
-        asyncio.get_running_loop().call_later(0.001, decode.receive_kv, inp.req_id, first)
+        asyncio.get_running_loop().call_later(self.kv_delay_s, decode.receive_kv, inp.req_id, first)
         return PrefillResult(first, None, 0, self.prefill_delay_s, transfer_bytes=4096)
 
     # ---------------------------------------------------------------- decode verbs
@@ -108,21 +111,27 @@ class FakeWorker:
         if self.no_room or inp.req_id in self.aborted:
             return None
         self.reserved[inp.req_id] = inp
+        self.expires_at[inp.req_id] = time.monotonic() + lease_s
         return Reservation(self.worker_id, EPOCH, (0,))
 
     async def renew(self, req_ids: list[str], lease_s: float) -> int:
         self._check()
         self.calls.append(("renew", tuple(req_ids)))
-        return sum(r in self.reserved for r in req_ids)
+        held = [r for r in req_ids if r in self.reserved]
+        for req_id in held:
+            self.expires_at[req_id] = max(self.expires_at[req_id], time.monotonic() + lease_s)
+        return len(held)
 
     def receive_kv(self, req_id: str, first_token: int) -> None:
         if self.dead:
             return
         inp = self.reserved.pop(req_id, None)
-        if inp is None or self.refuse_kv:
+        expired = self.expires_at.pop(req_id, 0.0) < time.monotonic()
+        if inp is None or self.refuse_kv or expired:
             if req_id not in self.aborted:
+                error = "the reservation expired" if expired and inp else "refused"
                 self.outbox.append(
-                    TokenUpdate(req_id, finish_reason=FinishReason.ERROR, error="refused")
+                    TokenUpdate(req_id, finish_reason=FinishReason.ERROR, error=error)
                 )
             return
         n = len(inp.prompt_token_ids)
@@ -156,6 +165,7 @@ class FakeWorker:
         self.calls.append(("abort", req_id))
         self.aborted.add(req_id)
         self.reserved.pop(req_id, None)
+        self.expires_at.pop(req_id, None)
         self.running.pop(req_id, None)
 
     async def load(self) -> WorkerStats:

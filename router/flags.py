@@ -159,6 +159,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="requests waiting; beyond it RESOURCE_EXHAUSTED",
     )
     g.add_argument(
+        "--reservation-lease-s",
+        type=number_in(0, open_low=True),
+        default=RouterConfig.lease_s,
+        help="a decode reservation whose request shows no progress for this long is "
+        "freed (the router renews it while the request waits for or runs its prefill)",
+    )
+    g.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
         default="prefix-aware",
@@ -193,6 +200,7 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         max_in_flight=ns.max_in_flight,
         max_queue=ns.max_queue,
+        lease_s=ns.reservation_lease_s,
         routing=RoutingConfig(policy=ns.routing),
         local_prefill_max_tokens=ns.local_prefill_max_tokens,
         slo_ttft_ms=ns.slo_ttft_ms,

@@ -339,6 +339,9 @@ class DisaggregatedGenerator(ServingPaths):
                 raise RuntimeError(
                     f"no token for {self.config.token_stall_timeout_s:.0f}s"
                 ) from exc
+            if attempt.decode_ref is not None:
+                # The decode worker answered for the request: its reservation is used.
+                self._renewing[attempt.decode_ref].discard(attempt.req_id)
             if isinstance(item, BaseException):
                 raise item
             if item.kv_wire_s:

@@ -165,6 +165,8 @@ class ServingPaths:
             self._call(decode_ref, decode_ref.client.reserve(inp, self.config.lease_s, source))
         )
         lease = prefill_ref.load.lease(num_uncached)
+        # Renewed until the KV lands (the decode worker's first word on the request, in
+        # `_stream`): a hand-off queued behind others on its channel is still progress.
         self._renewing[decode_ref].add(inp.req_id)
         target = HandoffTarget(decode_ref.worker_id, decode_ref.info.epoch)
         try:
@@ -174,12 +176,13 @@ class ServingPaths:
             )
         except WorkerLost as exc:
             reserving.cancel()
+            self._renewing[decode_ref].discard(inp.req_id)
             raise WorkerLost(str(exc), run_locally=True) from exc
         except TimeoutError as exc:
             reserving.cancel()
+            self._renewing[decode_ref].discard(inp.req_id)
             raise RuntimeError(f"prefill took over {self.config.prefill_timeout_s:.0f}s") from exc
         finally:
-            self._renewing[decode_ref].discard(inp.req_id)
             lease.release()
         load = prefill_ref.load
         load.prefill_rate.observe(
