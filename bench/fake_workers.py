@@ -71,6 +71,8 @@ class FakeWorker:
     kv_delay_s: float = 0.001  # prefill: from its reply to the KV landing on decode
     step_s: float = 0.002  # decode: one step of every running request per poll
     hold_prefill: asyncio.Event | None = None  # prefill waits for it
+    # decode: dies right after a step that sampled the token at this position
+    die_after_position: int | None = None
     calls: list[tuple[str, Any]] = field(default_factory=list)
     reserved: dict[str, GenerationInput] = field(default_factory=dict)
     expires_at: dict[str, float] = field(default_factory=dict)  # decode: reservation leases
@@ -158,6 +160,8 @@ class FakeWorker:
             updates.append(TokenUpdate(req_id, (token,), reason))
             if reason is not None:
                 del self.running[req_id]
+            if run.position - 1 == self.die_after_position:
+                self.dead = True  # this batch still goes out; the next poll fails
         return TokenBatch(tuple(updates), (), self._stats())
 
     async def abort(self, req_id: str) -> None:

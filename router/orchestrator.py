@@ -11,14 +11,16 @@ it touched; aborts are idempotent there.
 
 Files of the serving core: this one (admission, attempts, streaming, leases renewed),
 `router/attempts.py` (an attempt, the client's progress, continuations, the final
-result), `router/paths.py` (the colocated and the disaggregated path),
-`router/placement.py` (which workers, and where the prompt runs), `router/delivery.py`
-(token batches into inboxes), `router/clients.py` (the worker calls).
+result), `router/migrations.py` (a request moving off a lost worker),
+`router/paths.py` (the colocated and the disaggregated path), `router/placement.py`
+(which workers, and where the prompt runs), `router/delivery.py` (token batches into
+inboxes), `router/clients.py` (the worker calls).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -42,6 +44,7 @@ from router.delivery import TokenDelivery
 from router.errors import NotReadyError, QueueFullError
 from router.inbox import UpdateInbox
 from router.kv_index import PrefixIndex
+from router.migrations import MIGRATION_POOLS, migrate, migrations_counter
 from router.paths import ServingPaths
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
@@ -89,6 +92,7 @@ class DisaggregatedGenerator(ServingPaths):
         self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
         self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of)
+        migrations_counter()  # on /metrics from the start, at zero
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -142,7 +146,7 @@ class DisaggregatedGenerator(ServingPaths):
     def _on_worker_death(self, ref: WorkerRef, reason: str) -> None:
         for attempt in list(self._attempts.values()):
             if attempt.decode_ref is ref:
-                attempt.inbox.put(WorkerLost(reason))
+                attempt.inbox.put(WorkerLost(reason, worker=ref))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -198,7 +202,7 @@ class DisaggregatedGenerator(ServingPaths):
             return await pending
         except WorkerDied as exc:
             self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
-            raise WorkerLost(f"{ref.worker_id} died: {exc}") from exc
+            raise WorkerLost(f"{ref.worker_id} died: {exc}", worker=ref) from exc
 
     # ---------------------------------------------------------------- requests
     def _to_input(self, call: GenerateCall) -> GenerationInput:
@@ -237,9 +241,10 @@ class DisaggregatedGenerator(ServingPaths):
         attempt: Attempt | None = None
         finished = False
         run_locally = False
+        num_failed = 0  # lost attempts other than migrations
         try:
             async with self.admission.slot(priority=base.priority):
-                for number in range(self.config.max_attempts):
+                for number in itertools.count():
                     attempt = self._begin(base, number, progress)
                     try:
                         if self.colocated_mode:
@@ -256,6 +261,13 @@ class DisaggregatedGenerator(ServingPaths):
                     except WorkerLost as exc:
                         self._end(attempt)
                         run_locally = exc.run_locally
+                        if self._migrates(user_id, exc, progress):
+                            continue  # straight on: the client is waiting mid-stream
+                        num_failed += 1
+                        if num_failed >= self.config.max_attempts:
+                            raise RuntimeError(
+                                f"gave up after {self.config.max_attempts} attempts: {exc}"
+                            ) from exc
                         if progress.num_out:
                             progress.num_resumed += 1
                         log.warning(
@@ -267,8 +279,7 @@ class DisaggregatedGenerator(ServingPaths):
                             else "retrying on other workers",
                         )
                         if not run_locally:
-                            await asyncio.sleep(self.config.retry_delay_s * number)
-                raise RuntimeError(f"gave up after {self.config.max_attempts} attempts")
+                            await asyncio.sleep(self.config.retry_delay_s * num_failed)
         except (QueueFullError, NotReadyError) as exc:
             finished = True  # refused at the door: nothing to abort, not a cancellation
             log.info("request %s refused: %s", user_id, exc)
@@ -286,8 +297,32 @@ class DisaggregatedGenerator(ServingPaths):
             if not finished:
                 log.info("request %s cancelled after %d tokens", user_id, progress.num_out)
 
+    def _migrates(self, user_id: str, lost: WorkerLost, progress: Progress) -> bool:
+        """True when the lost attempt's next one is a migration: its token-producing
+        worker is gone after the client saw tokens. MigrationLimitError (the request's
+        terminal error) when it may not move again."""
+        worker = lost.worker
+        if worker is None or worker.pool not in MIGRATION_POOLS or not progress.num_out:
+            return False
+        migrate(
+            user_id,
+            worker_id=worker.worker_id,
+            pool=worker.pool,
+            reason=lost.why,
+            cause=str(lost),
+            num_streamed=progress.num_out,
+            num_done=progress.num_migrations,
+            max_migrations=self.config.max_migrations,
+        )
+        progress.num_migrations += 1
+        progress.num_resumed += 1
+        return True
+
     def _begin(self, base: GenerationInput, number: int, progress: Progress) -> Attempt:
-        attempt = Attempt(continuation(base, number, progress))
+        # A worker that became live since the request arrived (a replacement, a scale-up)
+        # may be where this attempt lands: follow it first.
+        self.delivery.ensure_pollers()
+        attempt = Attempt(continuation(base, number, progress), resumes_after=progress.num_out)
         self._attempts[attempt.req_id] = attempt
         return attempt
 
@@ -356,4 +391,4 @@ class DisaggregatedGenerator(ServingPaths):
             if local is not None and item.new_token_ids:
                 local.done_with_tokens()  # its prompt ran: no longer queued there
             tokens, reason = item.new_token_ids, item.finish_reason
-            progress.num_cached = max(progress.num_cached, item.num_cached_tokens)
+            progress.note_cached(attempt, item.num_cached_tokens)

@@ -137,7 +137,7 @@ class ServingPaths:
         result, reservation = await self._prefill(attempt, decode_ref, prefill_ref, num_uncached)
         self.delivery.apply_kv_events(prefill_ref, result.kv_events)
         progress.mark_decoding(PhaseTimings(queued_s, result.prefill_s))
-        progress.num_cached = max(progress.num_cached, result.num_cached_tokens)
+        progress.note_cached(attempt, result.num_cached_tokens)
         if result.finish_reason is FinishReason.ERROR:
             metrics.kv_transfer_failed()
             raise WorkerLost(result.error, run_locally=True)  # nothing was sent

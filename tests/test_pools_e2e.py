@@ -20,6 +20,9 @@ import grpc
 import pytest
 
 from bench.harness import ServiceProcess, StartService
+from bench.harness.metrics import scrape
+from bench.harness.metrics import value as metric_value
+from bench.harness.polling import wait_until_async
 from bench.harness.pools import assert_pools_empty, wait_pool_sizes
 from bench.harness.streams import StreamResult, generate
 from engine.llm import LLM
@@ -153,6 +156,70 @@ def test_requests_spread_over_both_pairs(
     for i, result in enumerate(results):
         assert result.outcome == "final:FINISH_REASON_LENGTH"
         assert result.tokens == expected[i]
+
+
+def test_seeded_streams_on_a_killed_decode_worker_end_with_the_undisturbed_text(
+    service: ServiceProcess, reference_llm: LLM
+) -> None:
+    """SIGKILL the decode worker while seeded streams with stop strings run on it: each
+    continues on the other decode worker, and the client sees the undisturbed text."""
+    seeded = [
+        SamplingParams(max_tokens=40, temperature=0.8, top_k=40, seed=11 + i, ignore_eos=True)
+        for i in range(4)
+    ]
+    prompts = PROMPTS[:4]
+    reference = reference_llm.generate(prompts, seeded)
+    # A stop string late in each text: the matcher has seen the tokens before the kill.
+    stops = [out.text[-12:-6] for out in reference]
+
+    async def scenario() -> list[StreamResult]:
+        await _pools_at(service.address, 2, 2)
+        before = scrape(service.metrics_port)[1]
+        seen = [0] * len(prompts)
+        streams = [
+            asyncio.ensure_future(
+                generate(
+                    service.address,
+                    prompt=p,
+                    max_tokens=params.max_tokens,
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    seed=params.seed,
+                    ignore_eos=True,
+                    stop=[stop],
+                    on_tokens=lambda n, i=i: seen.__setitem__(i, n),
+                )
+            )
+            for i, (p, params, stop) in enumerate(zip(prompts, seeded, stops, strict=True))
+        ]
+        await wait_until_async(
+            lambda: all(n >= 3 or t.done() for n, t in zip(seen, streams, strict=True)),
+            60,
+            what="every stream under way",
+        )
+        # The decode worker with the most streams on it dies.
+        stats = await get_pool_stats(service.address)
+        busiest = max(
+            (w for w in stats.workers if w.pool == pb.POOL_DECODE), key=lambda w: w.num_running
+        )
+        listing = await list_workers(service.address)
+        victim = next(w for w in listing.workers if w.worker_id == f"decode-{busiest.index}")
+        os.kill(victim.pid, signal.SIGKILL)
+        results = await asyncio.gather(*streams)
+        after = scrape(service.metrics_port)[1]
+        labels = {"pool": "decode", "reason": "worker_died"}
+        moved = metric_value(after, "pdserve_request_migrations_total", **labels)
+        moved -= metric_value(before, "pdserve_request_migrations_total", **labels)
+        assert moved >= 1, "no stream was on the killed worker any more"
+        await assert_pools_empty(service.address)  # its replacement may still be starting
+        return results
+
+    results = asyncio.run(scenario())
+    for result, ref, stop in zip(results, reference, stops, strict=True):
+        assert result.outcome == "final:FINISH_REASON_STOP", (result.outcome, result.details)
+        assert result.text == ref.text[: ref.text.index(stop)]
+        assert result.final is not None
+        assert result.final.usage.completion_tokens == len(result.tokens)
 
 
 def test_chaos_kills_cancels_and_deadlines(
