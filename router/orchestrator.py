@@ -78,6 +78,7 @@ class DisaggregatedGenerator(ServingPaths):
         self._renewing: dict[WorkerRef, set[str]] = defaultdict(set)
         self._renewer: asyncio.Task[None] | None = None
         self._ready = False
+        self._shutting_down = False
         info = pools.reference
         if info is None:
             raise ValueError("no workers")
@@ -107,6 +108,11 @@ class DisaggregatedGenerator(ServingPaths):
         if self._renewer is not None:
             self._renewer.cancel()
         await self.delivery.stop()
+
+    def begin_shutdown(self) -> None:
+        """The service is draining: a request whose worker is lost from now on ends with
+        ABORT at once (there is nowhere to move it that will outlive the drain)."""
+        self._shutting_down = True
 
     def is_ready(self) -> bool:
         if not self._ready:
@@ -260,6 +266,17 @@ class DisaggregatedGenerator(ServingPaths):
                         return
                     except WorkerLost as exc:
                         self._end(attempt)
+                        if self._shutting_down:
+                            finished = True
+                            log.info("request %s ends with the service: %s", user_id, exc)
+                            yield final_result(
+                                user_id,
+                                base,
+                                progress,
+                                FinishReason.ABORT,
+                                f"server shutting down: {exc}",
+                            )
+                            return
                         run_locally = exc.run_locally
                         if self._migrates(user_id, exc, progress):
                             continue  # straight on: the client is waiting mid-stream

@@ -14,6 +14,7 @@ from router.cluster import Cluster, ClusterConfig
 from router.config import RouterConfig
 from router.errors import NotReadyError
 from router.grpc_server import GrpcServer, serve
+from router.local_watch import watch_children
 from router.metrics import DEFAULT_METRICS_PORT, get_metrics
 from router.orchestrator import DisaggregatedGenerator
 from router.pools import Pools
@@ -101,6 +102,30 @@ async def run_service(
         front.inner = core
         log.info("pools warm; SERVING")
 
+    watcher: asyncio.Task[None] | None = None
+    server: GrpcServer | None = None
+
+    def started(grpc_server: GrpcServer) -> None:
+        nonlocal server
+        server = grpc_server
+        if on_started is not None:
+            on_started(grpc_server)
+
+    def ray_going_down(why: str) -> None:
+        log.warning("%s; ending the streams in flight now", why)
+        if server is not None:
+            server.stop_now(f"the workers went down with the service ({why})")
+
+    def on_drain() -> None:
+        # The service is going away: a request whose worker is lost ends now (ABORT)
+        # rather than moving. A local Ray that a process-group signal takes down with
+        # the router can no longer be asked anything: its processes are watched instead.
+        nonlocal watcher
+        if front.inner is not None:
+            front.inner.begin_shutdown()
+        if cluster.started_local_ray:
+            watcher = asyncio.ensure_future(watch_children(ray_going_down))
+
     try:
         await serve(
             front,
@@ -108,7 +133,7 @@ async def run_service(
             config.port,
             drain_grace_s=config.drain_grace_s,
             warm_up=warm_up(),
-            on_started=on_started,
+            on_started=started,
             security=config.security,
             metrics=metrics,
             admin=AdminServicer(
@@ -116,8 +141,11 @@ async def run_service(
                 config.enable_admin,
                 lambda: front.inner,
             ),
+            on_drain=on_drain,
         )
     finally:
+        if watcher is not None:
+            watcher.cancel()
         metrics.pools.set_source(None)
         if stop_metrics is not None:
             stop_metrics()

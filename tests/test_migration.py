@@ -224,3 +224,21 @@ def test_a_continuation_gives_the_undisturbed_text_and_stop(reference_llm: LLM) 
             break
     assert reason is FinishReason.STOP
     assert text == full[: full.index(stop)]
+
+
+def test_a_worker_lost_while_the_service_shuts_down_ends_its_streams_with_abort() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 2)
+        _dies_after(pools, "decode-0", 4)
+        _dies_after(pools, "decode-1", 4)
+        gen = _generator(pools)
+        before = _migrations()
+        gen.begin_shutdown()
+        tokens, _, final = await _stream(gen, _call(max_tokens=24))
+        assert final.finish_reason is FinishReason.ABORT
+        assert "shutting down" in final.error
+        assert tokens == [_token(k) for k in range(5)]
+        assert _migrations() == before  # nowhere to move that outlives the drain
+        await gen.stop()
+
+    _run(body())
