@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.request import FinishReason
+from engine.transfer.channel import ChannelSpec
 from engine.transfer.layout import KVLayout
 from engine.wire import (
+    DetachedRequest,
     GenerationInput,
     HandoffTarget,
     PrefillResult,
@@ -71,12 +73,16 @@ class FakeWorker:
     kv_delay_s: float = 0.001  # prefill: from its reply to the KV landing on decode
     step_s: float = 0.002  # decode: one step of every running request per poll
     hold_prefill: asyncio.Event | None = None  # prefill waits for it
+    no_channel: bool = False  # decode: connect() to a peer fails
     # decode: dies right after a step that sampled the token at this position
     die_after_position: int | None = None
+    # decode: stops stepping a request once it sampled the token at this position
+    hold_after_position: int | None = None
     calls: list[tuple[str, Any]] = field(default_factory=list)
     reserved: dict[str, GenerationInput] = field(default_factory=dict)
     expires_at: dict[str, float] = field(default_factory=dict)  # decode: reservation leases
     running: dict[str, _Running] = field(default_factory=dict)
+    detached: dict[str, DetachedRequest] = field(default_factory=dict)  # blocks kept
     aborted: set[str] = field(default_factory=set)
     outbox: list[TokenUpdate] = field(default_factory=list)
 
@@ -103,6 +109,44 @@ class FakeWorker:
         decode = self.peers[target.worker_id]
         asyncio.get_running_loop().call_later(self.kv_delay_s, decode.receive_kv, inp.req_id, first)
         return PrefillResult(first, None, 0, self.prefill_delay_s, transfer_bytes=4096)
+
+    # ---------------------------------------------------------------- live migration
+    async def connect(self, spec: ChannelSpec) -> None:
+        self._check()
+        self.calls.append(("connect", spec.receiver_id))
+        if self.no_channel:
+            raise RuntimeError(f"{self.worker_id}: no channel can be made")
+
+    async def disconnect(self, peer_id: str, notify_peer: bool) -> None:
+        self._check()
+        self.calls.append(("disconnect", peer_id))
+
+    async def detach(self, req_id: str) -> DetachedRequest | None:
+        self._check()
+        self.calls.append(("detach", req_id))
+        run = self.running.pop(req_id, None)
+        if run is None:
+            return None
+        # As on a real worker, a token sampled just before the step boundary may not
+        # have reached the router yet: the detached tokens are its only record.
+        run.position += 1
+        seed, prompt = run.inp.sampling.seed or 0, run.inp.prompt_token_ids
+        outputs = tuple(token_at(seed, p) for p in range(len(prompt), run.position))
+        detached = DetachedRequest(prompt + outputs, run.position - 1)
+        self.detached[req_id] = detached
+        return detached
+
+    async def send_detached(
+        self, req_id: str, as_req_id: str, target: HandoffTarget, detached: DetachedRequest
+    ) -> int:
+        self._check()
+        self.calls.append(("send_detached", req_id))
+        self.detached.pop(req_id, None)
+        receiver = self.peers[target.worker_id]
+        asyncio.get_running_loop().call_later(
+            self.kv_delay_s, receiver.receive_kv, as_req_id, detached.next_token
+        )
+        return 4096
 
     # ---------------------------------------------------------------- decode verbs
     async def reserve(
@@ -153,6 +197,8 @@ class FakeWorker:
         self._check()
         updates, self.outbox = self.outbox, []
         for req_id, run in list(self.running.items()):
+            if run.position - 1 == self.hold_after_position:
+                continue
             token = token_at(run.inp.sampling.seed or 0, run.position)
             run.position += 1
             run.remaining -= 1
@@ -168,6 +214,7 @@ class FakeWorker:
         self._check()
         self.calls.append(("abort", req_id))
         self.aborted.add(req_id)
+        self.detached.pop(req_id, None)
         self.reserved.pop(req_id, None)
         self.expires_at.pop(req_id, None)
         self.running.pop(req_id, None)
@@ -183,7 +230,7 @@ class FakeWorker:
 
     @property
     def holds_nothing(self) -> bool:
-        return not self.reserved and not self.running
+        return not self.reserved and not self.running and not self.detached
 
 
 class FakePools:
@@ -197,6 +244,7 @@ class FakePools:
         self.cluster = type("Cluster", (), {"use_gpus": False})()
         self.on_death: list[Any] = []
         self.on_removed: list[Any] = []
+        self.drain_hooks: list[Any] = []
         self.fakes: dict[str, FakeWorker] = {}
         self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in sizes}
         for pool, size in sizes.items():
@@ -220,8 +268,9 @@ class FakePools:
                 )
                 self.workers[pool].append(WorkerRef(pool, index, None, info, client_impl=fake))
         decode_ids = [w.worker_id for w in self.workers["decode"]]
-        for ref in self.workers["prefill"]:
-            ref.peers.update(decode_ids)
+        for ref in self.workers["prefill"] + self.workers["decode"]:
+            if ref.pool == "prefill":
+                ref.peers.update(decode_ids)
             self.fakes[ref.worker_id].peers = {d: self.fakes[d] for d in decode_ids}
 
     def routable(self, pool: str) -> list[WorkerRef]:
@@ -233,6 +282,21 @@ class FakePools:
     @property
     def reference(self) -> WorkerInfo | None:
         return self.all()[0].info
+
+    def channel_spec(self, sender: WorkerRef, receiver: WorkerRef) -> ChannelSpec:
+        return ChannelSpec("127.0.0.1", 0, sender.worker_id, EPOCH, receiver.worker_id, EPOCH)
+
+    async def drain(self, worker_id: str) -> None:
+        """As router.pools.Pools.drain: no new work, the hooks, then wait until empty."""
+        ref = next(w for w in self.all() if w.worker_id == worker_id)
+        ref.state = "draining"
+        for hook in self.drain_hooks:
+            await hook(ref)
+        while ref.num_assigned:
+            await asyncio.sleep(0.001)
+        ref.state = "gone"
+        for callback in self.on_removed:
+            callback(ref)
 
     def mark_dead(self, ref: WorkerRef, reason: str) -> None:
         if ref.state == "dead":

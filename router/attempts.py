@@ -74,6 +74,7 @@ class Progress:
     finish_reason: FinishReason = FinishReason.ERROR  # set when the stream ends
     num_resumed: int = 0  # attempts that continued after streamed tokens
     num_migrations: int = 0  # of those, moves off a worker that was lost
+    num_moved: int = 0  # moves with the KV off a draining worker (no recompute)
 
     def note_cached(self, attempt: Attempt, num_cached_tokens: int) -> None:
         """Prompt tokens served from a prefix cache, as the client counts them: a
@@ -130,7 +131,7 @@ def final_result(
     t = result.timings
     log.info(
         "request %s finished=%s prompt=%d out=%d cached=%d queued=%.3fs prefill=%.3fs "
-        "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s%s",
+        "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s%s%s",
         user_id,
         result.finish_reason.value,
         usage.prompt_tokens,
@@ -145,5 +146,6 @@ def final_result(
         " local" if t.local_prefill else "",
         f" resumed={progress.num_resumed}" if progress.num_resumed else "",
         f" migrated={progress.num_migrations}" if progress.num_migrations else "",
+        f" moved={progress.num_moved}" if progress.num_moved else "",
     )
     return result

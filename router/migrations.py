@@ -10,8 +10,9 @@ streamed token. `--max-migrations` bounds the moves per request (0: a request wh
 worker is lost after its first token ends with an error, as before migration existed).
 
 Each migration is logged and counted in `pdserve_request_migrations_total{pool, reason}`
-(reason: `worker_died`, or `drained` for a drained worker whose requests could not move
-with their KV).
+(reason: `worker_died`; `drained_kv` for a request that moved off a draining decode worker
+with its KV, router/live_migration.py, and `drained` for one that could not and moved by
+recompute).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import threading
 from prometheus_client import CollectorRegistry, Counter
 
 from router import metrics
+from router.attempts import Progress, WorkerLost
 
 log = logging.getLogger("pdserve.router")
 
 MIGRATION_POOLS = ("decode", "colocated")
-MIGRATION_REASONS = ("worker_died", "drained")
+MIGRATION_REASONS = ("worker_died", "drained", "drained_kv")
 
 _counters: dict[int, Counter] = {}
 _lock = threading.Lock()
@@ -89,3 +91,25 @@ def migrate(
         num_done + 1,
         max_migrations,
     )
+
+
+def migrates(user_id: str, lost: WorkerLost, progress: Progress, max_migrations: int) -> bool:
+    """True when the lost attempt's next one is a migration: its token-producing worker
+    is gone after the client saw tokens (recorded in `progress`, logged, counted).
+    MigrationLimitError (the request's terminal error) when it may not move again."""
+    worker = lost.worker
+    if worker is None or worker.pool not in MIGRATION_POOLS or not progress.num_out:
+        return False
+    migrate(
+        user_id,
+        worker_id=worker.worker_id,
+        pool=worker.pool,
+        reason=lost.why,
+        cause=str(lost),
+        num_streamed=progress.num_out,
+        num_done=progress.num_migrations,
+        max_migrations=max_migrations,
+    )
+    progress.num_migrations += 1
+    progress.num_resumed += 1
+    return True

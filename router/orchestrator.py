@@ -9,12 +9,9 @@ plus every token already streamed (sampling is a function of seed and position, 
 continuation is the same text). Whatever ends an attempt, it is aborted on every worker
 it touched; aborts are idempotent there.
 
-Files of the serving core: this one (admission, attempts, streaming, leases renewed),
-`router/attempts.py` (an attempt, the client's progress, continuations, the final
-result), `router/migrations.py` (a request moving off a lost worker),
-`router/paths.py` (the colocated and the disaggregated path), `router/placement.py`
-(which workers, and where the prompt runs), `router/delivery.py` (token batches into
-inboxes), `router/clients.py` (the worker calls).
+This file: admission, attempts, streaming, leases renewed. The rest of the serving core:
+`attempts`, `migrations`, `live_migration`, `paths`, `placement`, `delivery`, `clients`
+(docs/architecture.md says what each does).
 """
 
 from __future__ import annotations
@@ -42,9 +39,10 @@ from router.cluster import POOLS
 from router.config import RouterConfig
 from router.delivery import TokenDelivery
 from router.errors import NotReadyError, QueueFullError
-from router.inbox import UpdateInbox
+from router.inbox import Moved, UpdateInbox
 from router.kv_index import PrefixIndex
-from router.migrations import MIGRATION_POOLS, migrate, migrations_counter
+from router.live_migration import LiveMigrator
+from router.migrations import migrates, migrations_counter
 from router.paths import ServingPaths
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
@@ -94,6 +92,8 @@ class DisaggregatedGenerator(ServingPaths):
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
         self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of)
         migrations_counter()  # on /metrics from the start, at zero
+        if not self.colocated_mode:
+            self.live_migration = LiveMigrator(pools, self._attempts, self.config, self._spawn)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -278,7 +278,7 @@ class DisaggregatedGenerator(ServingPaths):
                             )
                             return
                         run_locally = exc.run_locally
-                        if self._migrates(user_id, exc, progress):
+                        if migrates(user_id, exc, progress, self.config.max_migrations):
                             continue  # straight on: the client is waiting mid-stream
                         num_failed += 1
                         if num_failed >= self.config.max_attempts:
@@ -313,27 +313,6 @@ class DisaggregatedGenerator(ServingPaths):
             self.outputs.remove(base.req_id)
             if not finished:
                 log.info("request %s cancelled after %d tokens", user_id, progress.num_out)
-
-    def _migrates(self, user_id: str, lost: WorkerLost, progress: Progress) -> bool:
-        """True when the lost attempt's next one is a migration: its token-producing
-        worker is gone after the client saw tokens. MigrationLimitError (the request's
-        terminal error) when it may not move again."""
-        worker = lost.worker
-        if worker is None or worker.pool not in MIGRATION_POOLS or not progress.num_out:
-            return False
-        migrate(
-            user_id,
-            worker_id=worker.worker_id,
-            pool=worker.pool,
-            reason=lost.why,
-            cause=str(lost),
-            num_streamed=progress.num_out,
-            num_done=progress.num_migrations,
-            max_migrations=self.config.max_migrations,
-        )
-        progress.num_migrations += 1
-        progress.num_resumed += 1
-        return True
 
     def _begin(self, base: GenerationInput, number: int, progress: Progress) -> Attempt:
         # A worker that became live since the request arrived (a replacement, a scale-up)
@@ -396,7 +375,17 @@ class DisaggregatedGenerator(ServingPaths):
                 self._renewing[attempt.decode_ref].discard(attempt.req_id)
             if isinstance(item, BaseException):
                 raise item
-            if item.kv_wire_s:
+            if isinstance(item, Moved):
+                # It moved with its KV (router/live_migration.py): stream what the client
+                # has not seen of the old attempt's tokens; the new attempt's follow.
+                tokens, reason, local = (
+                    item.outputs[progress.num_out - item.first_index :],
+                    None,
+                    None,
+                )
+                progress.num_moved += 1
+                continue
+            if item.kv_wire_s and not attempt.resumes_after:
                 progress.timings = replace(
                     progress.timings, kv_wire_s=item.kv_wire_s, kv_transfer_s=item.kv_handoff_s
                 )
