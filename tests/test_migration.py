@@ -3,15 +3,16 @@ client saw tokens goes on elsewhere, as one uninterrupted stream with the undist
 text, up to --max-migrations times.
 
 The serving core runs over fake workers (whose token depends only on seed and position,
-as the real sampler's does); the real sampler and detokenizer are checked on the
-embedded model: a continuation (prompt plus streamed tokens, the rest asked for, same
-seed) gives the undisturbed run's tokens, and the stop-string matcher finds a stop string
-that spans the migration point."""
+as the real sampler's does); the real sampler and detokenizer are checked on a tiny
+model with the embedded tokenizer: a continuation (prompt plus streamed tokens, the
+rest asked for, same seed) gives the undisturbed run's tokens, and the stop-string
+matcher finds a stop string that spans the migration point."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -190,9 +191,14 @@ def test_the_migrations_metric_is_exported_from_the_start() -> None:
 # ---------------------------------------------------------------- the real sampler
 
 
-def test_a_continuation_gives_the_undisturbed_text_and_stop(reference_llm: LLM) -> None:
+def test_a_continuation_gives_the_undisturbed_text_and_stop(
+    tiny_model_paths: dict[str, Path],
+) -> None:
     """Greedy and seeded: prompt plus the first k tokens, the rest asked for with the same
     seed, continues with the undisturbed tokens (the sampler's position is absolute)."""
+    from engine.factory import EngineArgs
+
+    reference_llm = LLM(EngineArgs(model=str(tiny_model_paths["llama"]), num_blocks=64))
     prompt_ids = reference_llm.tokenizer.encode("Once upon a time, in a small village,")
     greedy = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
     seeded = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_k=50, seed=7)
