@@ -75,11 +75,21 @@ class LiveMigrator:
         on_it = [a for a in list(self.attempts.values()) if a.decode_ref is source]
         if not on_it:
             return
-        if not [w for w in self.pools.routable("decode") if w is not source]:
-            log.info("%s drains with no peer to take its requests: they finish there", source)
-            return
+        peers = [w for w in self.pools.routable("decode") if w is not source]
+        if not peers:
+            log.info("%s drains with no peer to take its requests", source.worker_id)
+            return  # they finish there
+        # Spread them: each to the peer with the fewest requests, counting those sent.
+        planned = {id(w): w.num_assigned for w in peers}
+        targets = []
+        for _ in on_it:
+            target = min(peers, key=lambda w: planned[id(w)])
+            planned[id(target)] += 1
+            targets.append(target)
         started = time.perf_counter()
-        moved = await asyncio.gather(*(self.move(a, source) for a in on_it))
+        moved = await asyncio.gather(
+            *(self.move(a, source, t) for a, t in zip(on_it, targets, strict=True))
+        )
         log.info(
             "%s: %d of %d requests moved with their KV in %.3f s",
             source.worker_id,
@@ -88,15 +98,8 @@ class LiveMigrator:
             time.perf_counter() - started,
         )
 
-    def _target(self, source: WorkerRef) -> WorkerRef | None:
-        peers = [w for w in self.pools.routable("decode") if w is not source]
-        return min(peers, key=lambda w: w.num_assigned) if peers else None
-
-    async def move(self, attempt: Attempt, source: WorkerRef) -> bool:
+    async def move(self, attempt: Attempt, source: WorkerRef, target: WorkerRef) -> bool:
         """Move one request with its KV; False when it moved by recompute (or ended)."""
-        target = self._target(source)
-        if target is None:
-            return self._recompute(attempt, source, "no decode worker to take it")
         try:
             await self._link(source, target)
         except Exception as exc:  # noqa: BLE001 - then by recompute
