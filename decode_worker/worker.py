@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from decode_worker.export import KVExporter
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
 from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
@@ -38,7 +39,7 @@ DEFAULT_LEASE_S = 30.0
 LEASE_SWEEP_S = 0.5
 
 
-class DecodeWorker(WorkerBase):
+class DecodeWorker(KVExporter, WorkerBase):
     pool = "decode"
     role = EngineRole.DECODE
 
@@ -53,6 +54,7 @@ class DecodeWorker(WorkerBase):
         self._outbox_ready = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self._sources: dict[str, str] = {}  # req_id → the peer its KV comes from
+        self.send_channels: dict[str, KVChannel] = {}  # to peer decode workers (export.py)
 
     def on_started(self) -> None:
         self._book = ReservationBook(self.epoch, self.built.layout.block_size)  # type: ignore[union-attr]
@@ -161,6 +163,19 @@ class DecodeWorker(WorkerBase):
     def channel_peer(self, spec: ChannelSpec) -> str:
         return spec.sender_id
 
+    async def connect(self, spec: ChannelSpec) -> None:
+        """Build this end of a pair's channel: the receiving end (from a prefill worker,
+        or from a decode worker that hands requests over), or, when the spec names this
+        worker as the sender, the sending end to a peer decode worker."""
+        if spec.sender_id == self.worker_id:
+            await self.connect_sender(spec)
+        else:
+            await super().connect(spec)
+
+    async def disconnect(self, peer_id: str, notify_peer: bool = True) -> None:
+        await self.disconnect_sender(peer_id, notify_peer)
+        await super().disconnect(peer_id, notify_peer)
+
     def on_connected(self, channel: KVChannel) -> None:
         thread = threading.Thread(
             target=self._receive,
@@ -239,9 +254,15 @@ class DecodeWorker(WorkerBase):
             self._sources.pop(req_id, None)
             await self.on_engine(lambda: self.core.release(req_id))
             return
-        await self.on_engine(lambda: self.core.abort(req_id))
+        await self.on_engine(lambda: self._abort_on_engine(req_id))
+
+    def _abort_on_engine(self, req_id: str) -> None:
+        self.core.abort(req_id)
+        self.core.release(req_id)  # blocks of a request detached to move, if any
 
     async def shutdown(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        for peer_id in list(self.send_channels):
+            await self.disconnect_sender(peer_id)
         await super().shutdown()

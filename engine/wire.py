@@ -91,6 +91,21 @@ class PhaseReport:
 
 
 @dataclass(frozen=True)
+class DetachedRequest:
+    """A running request taken off its decode engine to move elsewhere, its KV kept: the
+    tokens so far (prompt and outputs) and how many of them the kept KV covers (all but
+    the last, which the next step would have computed)."""
+
+    token_ids: tuple[int, ...]
+    num_kv_tokens: int
+
+    @property
+    def next_token(self) -> int:
+        """The token the receiver continues from (sampled, its KV not yet computed)."""
+        return self.token_ids[self.num_kv_tokens]
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     """A prefill worker's answer: the first token, and how the request goes on."""
 

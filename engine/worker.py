@@ -24,6 +24,7 @@ from engine.core.engine_loop import EngineLoop
 from engine.core.kv_events import KVEvents
 from engine.core.role import EngineRole
 from engine.factory import BuiltEngine, EngineArgs, build_engine
+from engine.model.startup_log import show_startup_lines, startup_phase
 from engine.tracing import TracingConfig
 from engine.transfer.channel import ChannelSpec, KVChannel
 from engine.transfer.layout import KVLayout
@@ -85,10 +86,12 @@ class WorkerBase:
         threads = int(os.environ.get("PDSERVE_TORCH_THREADS", "0"))
         if threads > 0:
             torch.set_num_threads(threads)
-        built = await loop.run_in_executor(
-            None,
-            lambda: build_engine(self.args, role=self.role, index=self.index),
-        )
+        show_startup_lines()
+        with startup_phase("engine", f"{self.worker_id}, every phase above"):
+            built = await loop.run_in_executor(
+                None,
+                lambda: build_engine(self.args, role=self.role, index=self.index),
+            )
         self.built = built
         self.loop_thread = EngineLoop(built.core, self._updates_from_thread, name=self.worker_id)
         self.loop_thread.start()

@@ -25,8 +25,12 @@ class RouterConfig:
     # request forever: prefill + hand-off, and the gap between two token batches.
     prefill_timeout_s: float = 600.0
     token_stall_timeout_s: float = 300.0
-    # A worker lost before any token reached the client: try again on others.
+    # Lost attempts (a worker lost before any token reached the client, a refused or
+    # broken hand-off) a request survives: it tries again on other workers.
     max_attempts: int = 3
+    # Moves of one request off a decode or colocated worker lost after tokens were
+    # streamed (router/migrations.py); 0: such a request ends with an error.
+    max_migrations: int = 3
     retry_delay_s: float = 0.5  # times the attempt number
     # How long a request waits for a worker when a whole pool is down (being replaced).
     worker_wait_s: float = 60.0
@@ -46,6 +50,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         self.prefill_policy  # noqa: B018 - validates the three fields it is made of
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0 (0 = a lost worker fails its requests)")
         if self.priority_aging_s < 0:
             raise ValueError("priority_aging_s must be >= 0 (0 = no aging)")
 

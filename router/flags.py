@@ -173,6 +173,21 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="requests waiting; beyond it RESOURCE_EXHAUSTED",
     )
     g.add_argument(
+        "--reservation-lease-s",
+        type=number_in(0, open_low=True),
+        default=RouterConfig.lease_s,
+        help="a decode reservation whose request shows no progress for this long is "
+        "freed (the router renews it while the request waits for or runs its prefill)",
+    )
+    g.add_argument(
+        "--max-migrations",
+        type=at_least(0),
+        default=RouterConfig.max_migrations,
+        help="times one request may move to another worker when its decode (or "
+        "colocated) worker is lost after tokens were streamed; it goes on from the "
+        "streamed tokens, with the same text. 0 = such a request ends with an error",
+    )
+    g.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
         default="prefix-aware",
@@ -207,6 +222,8 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         max_in_flight=ns.max_in_flight,
         max_queue=ns.max_queue,
+        lease_s=ns.reservation_lease_s,
+        max_migrations=ns.max_migrations,
         routing=RoutingConfig(policy=ns.routing),
         local_prefill_max_tokens=ns.local_prefill_max_tokens,
         slo_ttft_ms=ns.slo_ttft_ms,

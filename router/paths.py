@@ -150,7 +150,7 @@ class ServingPaths:
         phase_metrics.observe(prefill_ref.pool, prefill_ref.index, result.phases)
         self.delivery.apply_kv_events(prefill_ref, result.kv_events)
         progress.mark_decoding(PhaseTimings(queued_s, result.prefill_s))
-        progress.num_cached = max(progress.num_cached, result.num_cached_tokens)
+        progress.note_cached(attempt, result.num_cached_tokens)
         if result.finish_reason is FinishReason.ERROR:
             metrics.kv_transfer_failed()
             raise WorkerLost(result.error, run_locally=True)  # nothing was sent
@@ -178,6 +178,8 @@ class ServingPaths:
             self._call(decode_ref, decode_ref.client.reserve(inp, self.config.lease_s, source))
         )
         lease = prefill_ref.load.lease(num_uncached)
+        # Renewed until the KV lands (the decode worker's first word on the request, in
+        # `_stream`): a hand-off queued behind others on its channel is still progress.
         self._renewing[decode_ref].add(inp.req_id)
         target = HandoffTarget(decode_ref.worker_id, decode_ref.info.epoch)
         try:
@@ -187,12 +189,13 @@ class ServingPaths:
             )
         except WorkerLost as exc:
             reserving.cancel()
+            self._renewing[decode_ref].discard(inp.req_id)
             raise WorkerLost(str(exc), run_locally=True) from exc
         except TimeoutError as exc:
             reserving.cancel()
+            self._renewing[decode_ref].discard(inp.req_id)
             raise RuntimeError(f"prefill took over {self.config.prefill_timeout_s:.0f}s") from exc
         finally:
-            self._renewing[decode_ref].discard(inp.req_id)
             lease.release()
         load = prefill_ref.load
         load.prefill_rate.observe(

@@ -16,6 +16,7 @@ from router.config import RouterConfig
 from router.errors import NotReadyError
 from router.fleet_metrics import FleetState, get_fleet_metrics
 from router.grpc_server import GrpcServer, serve
+from router.local_watch import watch_children
 from router.metrics import DEFAULT_METRICS_PORT, get_metrics
 from router.orchestrator import DisaggregatedGenerator
 from router.phase_metrics import get_phase_metrics
@@ -137,6 +138,23 @@ async def run_service(
             planner.start()
         log.info("pools warm; SERVING")
 
+    watcher: asyncio.Task[None] | None = None
+
+    def ray_going_down(why: str) -> None:
+        log.warning("%s; ending the streams in flight now", why)
+        for server in servers:
+            server.stop_now(f"the workers went down with the service ({why})")
+
+    def on_drain() -> None:
+        # The service is going away: a request whose worker is lost ends now (ABORT)
+        # rather than moving. A local Ray that a process-group signal takes down with
+        # the router can no longer be asked anything: its processes are watched instead.
+        nonlocal watcher
+        if front.inner is not None:
+            front.inner.begin_shutdown()
+        if cluster.started_local_ray:
+            watcher = asyncio.ensure_future(watch_children(ray_going_down))
+
     try:
         await serve(
             front,
@@ -153,8 +171,11 @@ async def run_service(
                 lambda: front.inner,
                 lambda: planner,
             ),
+            on_drain=on_drain,
         )
     finally:
+        if watcher is not None:
+            watcher.cancel()
         metrics.pools.set_source(None)
         get_fleet_metrics().set_source(None)
         if stop_metrics is not None:

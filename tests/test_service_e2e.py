@@ -35,6 +35,7 @@ from router.tracing import GENERATE_SPAN
 pytestmark = pytest.mark.e2e
 
 CHUNK = 48  # prefill chunk threshold of the service under test
+LEASE_S = 0.5  # decode reservation lease of the service under test
 
 SHARED = (
     "You are a careful assistant. Answer briefly and precisely, and never make up facts. "
@@ -91,6 +92,9 @@ def service(trace_sink: OTLPSink, start_service: StartService, ray_session: str)
             "20",
             "--otlp-traces-endpoint",
             trace_sink.endpoint,
+            # Short, so that a burst's prefill queue outlasts it (renewal keeps them).
+            "--reservation-lease-s",
+            str(LEASE_S),
         ],
         name="svc",
         # The SDK's standard knob, passed on to the workers: spans leave within 0.2 s.
@@ -352,6 +356,31 @@ def test_metrics_endpoint_shows_requests_and_every_worker(service: ServiceProces
             frozenset({("pool", pool), ("worker", "0")}),
         ) in after
     assert types["pdserve_router_in_flight"] == "gauge"
+
+
+def test_a_burst_whose_prefill_queue_outlasts_the_lease_completes_in_full(
+    service: ServiceProcess,
+) -> None:
+    # Prompts of ~240 tokens sent at once, prefilled 48 tokens a step each: the last ones
+    # wait in the prefill worker past the decode reservations' lease.
+    sentence = "The river runs past the old mill and on to the sea. "
+    prompts = [f"Report {i}. " + sentence * 20 for i in range(6)]
+
+    async def burst() -> list[StreamResult]:
+        return await asyncio.gather(
+            *(_collect(service.address, prompt=p, max_tokens=2, ignore_eos=True) for p in prompts)
+        )
+
+    results = asyncio.run(burst())
+    for result in results:
+        assert _final(result).finish_reason == pb.FINISH_REASON_LENGTH, result.final
+        assert len(result.tokens) == 2
+        # Its KV was handed off and taken: the reservation held (a refused hand-off would
+        # have recomputed the prompt on the decode worker, with no hand-off time).
+        assert _final(result).timings.kv_transfer_seconds > 0
+    slowest = max(_final(r).timings.time_to_first_token_seconds for r in results)
+    assert slowest > LEASE_S, f"the burst's queue ({slowest:.2f} s) did not outlast the lease"
+    asyncio.run(assert_pools_empty(service.address, pools=BOTH_POOLS))
 
 
 # ---------------------------------------------------------------- observability

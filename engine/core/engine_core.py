@@ -22,14 +22,14 @@ from typing import Protocol
 from engine.core.batch import Batch
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.kv_events import KVEvents
-from engine.core.request import FinishReason, Request
+from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
 from engine.core.scheduler import Scheduler
 from engine.core.spec_config import SpeculativeConfig
 from engine.core.speculation import spec_stats
 from engine.core.validation import validate_prompt
 from engine.sampling_params import MAX_SEED
-from engine.wire import GenerationInput, TokenUpdate, WorkerStats
+from engine.wire import DetachedRequest, GenerationInput, TokenUpdate, WorkerStats
 
 # A step's sampled tokens by request: one token, or for a sequence with proposals
 # (ScheduledSeq.num_draft_tokens) the tokens verification kept: the proposals the
@@ -152,6 +152,24 @@ class EngineCore:
         req.append_output_token(first_token)
         req.num_computed_tokens = len(inp.prompt_token_ids)
         self.scheduler.add_imported(req)
+
+    def detach(self, req_id: str) -> DetachedRequest | None:
+        """Take a running request out of the schedule, keeping its blocks (to send its KV
+        elsewhere; `release` frees them). None when it is not running with all but its
+        last token computed (finished, queued, or mid-recompute): it stays as it is.
+        A step already launched for it (scheduling one step ahead) is dropped on
+        arrival; its token is sampled again where the request continues, identically."""
+        req = self.scheduler.requests.get(req_id)
+        if req is None or req.status is not RequestStatus.RUNNING:
+            return None
+        known = len(req.all_token_ids)
+        while known and req.all_token_ids[known - 1] == PLACEHOLDER_TOKEN:
+            known -= 1
+        if known - req.num_computed_tokens != 1:
+            return None
+        req.drop_placeholders()
+        self.scheduler.finish_request(req_id, None, hand_off=True)
+        return DetachedRequest(tuple(req.all_token_ids), req.num_computed_tokens)
 
     def stats(self) -> WorkerStats:
         """Occupancy and counters of this engine's cache and queues, as its worker

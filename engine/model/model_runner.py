@@ -26,6 +26,7 @@ from engine.model.kv_blocks import KVBlocks, LayerStream
 from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
 from engine.model.staging import to_device
+from engine.model.startup_log import startup_phase
 from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
 from engine.model.triton_attention import triton_available
 from engine.model.triton_gemv import use_gemv
@@ -82,7 +83,10 @@ class ModelRunner(KVBlocks):
         # None: pad attention shapes to buckets on CUDA only (see engine.model.attention).
         self.bucket_shapes = bucket_shapes
         self.paged_decode = paged_decode
-        self.model, self.spec = preloaded or load_model(model_path, dtype, self.device, load_format)
+        with startup_phase("weights", f"{model_path}, {load_format}"):
+            self.model, self.spec = preloaded or load_model(
+                model_path, dtype, self.device, load_format
+            )
         # nn.Module's __getattr__ types every attribute as Tensor | Module.
         self.model.set_attn_implementation(register_paged_attention())  # type: ignore[operator]
         use_graphs = self.device.type == "cuda" and not enforce_eager
@@ -113,11 +117,12 @@ class ModelRunner(KVBlocks):
         self.block_size = block_size
         # With graphs, one extra block past `num_blocks` takes the padding rows' K/V;
         # the scheduler never sees it. `kv_cache` is the part requests own.
-        self._kv_storage = torch.zeros(
-            self.kv_cache_shape(self.spec, num_blocks + int(use_graphs), block_size),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        with startup_phase("kv_cache", f"{num_blocks} blocks of {block_size} tokens"):
+            self._kv_storage = torch.zeros(
+                self.kv_cache_shape(self.spec, num_blocks + int(use_graphs), block_size),
+                dtype=self.dtype,
+                device=self.device,
+            )
         self.kv_cache = self._kv_storage[:num_blocks]
         # The tokens the step launched last sampled, by row, and the request of each row:
         # a later step whose input is still a placeholder reads its token here, on the
@@ -138,11 +143,13 @@ class ModelRunner(KVBlocks):
         if is_compiled(self.model):
             # The same first shapes in every engine, whether it captures graphs or not:
             # the compiler's choices may follow the shapes it first sees.
-            self._compile_now()
+            with startup_phase("compile"):
+                self._compile_now()
         if use_graphs:
             sizes = cuda_graph_batch_sizes or graph_batch_sizes(max_num_seqs)
             max_blocks = min(-(-self.spec.max_model_len // block_size), num_blocks)
-            self.capture_cuda_graphs(sizes, max_blocks)
+            with startup_phase("cuda_graphs", f"batch sizes {list(sizes)}"):
+                self.capture_cuda_graphs(sizes, max_blocks)
             if verify_graph_tokens >= 2 and self.cuda_graphs is not None:
                 limit = min(verify_graph_max_seqs or max_num_seqs, max_num_seqs)
                 self.verify_graphs = capture_verify_graphs(
