@@ -223,8 +223,7 @@ class WorkerBase:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of KV, every layer (the unit a hand-off moves)."""
-        cache = self.runner.kv_cache
-        return int(cache[0].numel() * cache.element_size())
+        return int(self.runner.block_bytes)
 
     async def read_blocks(self, block_ids: list[int]) -> Any:
         """A copy of these blocks' KV as a CPU tensor (for hand-off verification)."""

@@ -52,7 +52,7 @@ class Attempt:
         return self.inp.req_id
 
 
-@dataclass
+@dataclass(eq=False)  # one per request, compared (and hashed) by identity
 class Progress:
     """What the client has seen so far, across attempts."""
 
@@ -69,6 +69,12 @@ class Progress:
     @property
     def num_out(self) -> int:
         return len(self.token_ids)
+
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first, so far (None below two tokens)."""
+        if self.t_first is None or self.num_out < 2:
+            return None
+        return (time.perf_counter() - self.t_first) / (self.num_out - 1)
 
     def since_arrival(self) -> float:
         return time.perf_counter() - self.arrival

@@ -189,28 +189,34 @@ async def _stream(
         call.cancel()
 
 
+async def _call_once(
+    target: str, method: str, request: Any, timeout: float, security: ClientSecurity | None
+) -> Any:
+    """One unary GenerationService call on a channel of its own."""
+    security = security or ClientSecurity()
+    async with security.channel(target) as channel:
+        rpc = getattr(pb_grpc.GenerationServiceStub(channel), method)
+        return await rpc(request, timeout=timeout, metadata=security.metadata())
+
+
 async def get_server_info(
     target: str, timeout: float = 10.0, security: ClientSecurity | None = None
 ) -> pb.GetServerInfoResponse:
     """Call GetServerInfo once."""
-    security = security or ClientSecurity()
-    async with security.channel(target) as channel:
-        stub = pb_grpc.GenerationServiceStub(channel)
-        return await stub.GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=timeout, metadata=security.metadata()
-        )
+    info: pb.GetServerInfoResponse = await _call_once(
+        target, "GetServerInfo", pb.GetServerInfoRequest(), timeout, security
+    )
+    return info
 
 
 async def get_pool_stats(
     target: str, timeout: float = 10.0, security: ClientSecurity | None = None
 ) -> pb.GetPoolStatsResponse:
     """Call GetPoolStats once (e.g. to check that blocks in use returned to 0)."""
-    security = security or ClientSecurity()
-    async with security.channel(target) as channel:
-        stub = pb_grpc.GenerationServiceStub(channel)
-        return await stub.GetPoolStats(
-            pb.GetPoolStatsRequest(), timeout=timeout, metadata=security.metadata()
-        )
+    stats: pb.GetPoolStatsResponse = await _call_once(
+        target, "GetPoolStats", pb.GetPoolStatsRequest(), timeout, security
+    )
+    return stats
 
 
 def parse_target(value: str) -> str:

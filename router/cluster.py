@@ -55,6 +55,8 @@ class ClusterConfig:
     pool_resources: dict[str, dict[str, float]] = field(default_factory=dict)
     kv_store_port: int = 0  # the KV channels' rendezvous on the router's host (0 = any free)
     restart_workers: bool = True  # replace a worker that dies
+    # The most workers the pools may grow to (the planner's budget); 0: the initial sizes.
+    max_workers: int = 0
     tracing: TracingConfig = field(default_factory=TracingConfig)  # workers' spans (off)
 
     def __post_init__(self) -> None:
@@ -114,13 +116,13 @@ class Cluster:
             ray.init(address=self.config.ray_address, log_to_driver=True)
             self.store_host = ray.util.get_node_ip_address()
         else:
-            sizes = self.config.initial_sizes
+            workers = max(sum(self.config.initial_sizes.values()), self.config.max_workers)
             # Every worker needs a CPU slot even on a 2-core machine; Ray's CPU count
             # is a scheduling token, the torch thread count is set per worker. Room is
             # left for scaling up and for replacements.
             ray.init(
                 address="local",
-                num_cpus=max(os.cpu_count() or 1, 2 * sum(sizes.values()) + 4),
+                num_cpus=max(os.cpu_count() or 1, 2 * workers + 4),
                 include_dashboard=False,
                 # With router.config.keep_ray_on_loopback() (the CLI calls it) Ray keeps
                 # this; otherwise Ray swaps loopback for the host's address.

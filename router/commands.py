@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from router.config import keep_ray_on_loopback
 from router.flag_checks import port_problem
 from router.flags import engine_args, pool_resources, router_config
+from router.planner.flags import planner_config
 
 if TYPE_CHECKING:
     from pdserve.v1 import generation_pb2
@@ -83,8 +84,11 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
             ray_address=ns.ray_address,
             pool_resources=pool_resources(ns),
             kv_store_port=ns.kv_store_port,
+            placement_timeout_s=ns.placement_timeout_s,
+            max_workers=ns.max_gpus if ns.planner else 0,
             tracing=TracingConfig(ns.otlp_traces_endpoint or "", ns.otlp_traces_sample_ratio),
         ),
+        planner=planner_config(ns),
         router=router_config(ns),
         host=ns.host,
         port=ns.port,

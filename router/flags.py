@@ -25,6 +25,7 @@ from router.flag_types import (
     port,
     resources,
 )
+from router.planner.flags import add_planner_args
 from router.prefill_policy import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from router.routing import ROUTING_POLICIES, RoutingConfig
 from router.security import DEFAULT_MAX_MESSAGE_BYTES
@@ -199,9 +200,9 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
         slo_ttft_ms=ns.slo_ttft_ms,
         slo_tpot_ms=ns.slo_tpot_ms,
         # The router's queue follows the pools' policy: priority first, with aging.
-        admission_order="priority"
+        admission_policy="priority"
         if "priority" in (ns.prefill_policy, ns.decode_policy)
-        else "fifo",
+        else "fcfs",
         priority_aging_s=min(ns.prefill_priority_aging_s, ns.decode_priority_aging_s),
     )
 
@@ -307,6 +308,13 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="port on the router's host where the KV channels rendezvous (0 = any free one)",
     )
     serve.add_argument(
+        "--placement-timeout-s",
+        type=number_in(0, open_low=True),
+        default=60.0,
+        help="how long a new worker may wait for a device (its placement group); raise it "
+        "where a cluster autoscaler adds nodes on demand, which takes minutes",
+    )
+    serve.add_argument(
         "--kv-stream-min-tokens",
         type=at_least(0),
         default=DEFAULT_KV_STREAM_MIN_TOKENS,
@@ -321,6 +329,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "when off",
     )
     add_router_args(serve)
+    add_planner_args(serve)
     add_deploy_args(serve)
     add_model_args(serve)
     add_engine_args(serve, "prefill")

@@ -43,6 +43,7 @@ from router.errors import NotReadyError, QueueFullError
 from router.inbox import UpdateInbox
 from router.kv_index import PrefixIndex
 from router.paths import ServingPaths
+from router.planner.signals import ServingSignals
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
 from router.protocol import GenerateCall, PoolStats, ServerInfo
@@ -66,9 +67,11 @@ class DisaggregatedGenerator(ServingPaths):
         self.admission = Admission(
             self.config.max_in_flight,
             self.config.max_queue,
-            order=self.config.admission_order,
+            policy=self.config.admission_policy,
             aging_s=self.config.priority_aging_s,
         )
+        # What the planner reads: traffic, first tokens, worker speeds (cheap when unread).
+        self.signals = ServingSignals()
         self._attempts: dict[str, Attempt] = {}
         self._background: set[asyncio.Task[Any]] = set()
         # Reservations whose requests are still queued or prefilling, by decode worker.
@@ -88,7 +91,7 @@ class DisaggregatedGenerator(ServingPaths):
         # Which prompt prefixes each worker's cache holds, fed by the workers' KV events.
         self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
-        self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of)
+        self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of, self.signals)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -234,6 +237,7 @@ class DisaggregatedGenerator(ServingPaths):
         request_id = call.request_id or base.req_id  # what the client knows it by, for the log
         output = OutputProcessor(self.tokenizer, base.prompt_token_ids, base.sampling.stop)
         progress = Progress(time.perf_counter(), output)
+        self.signals.request_arrived(progress)
         trace = start_request(call.trace_parent, request_id, progress.arrival, base.priority)
         attempt: Attempt | None = None
         finished = False
@@ -251,6 +255,9 @@ class DisaggregatedGenerator(ServingPaths):
                         async for chunk in chunks:
                             yield chunk
                         finished = True
+                        self.signals.request_ended(
+                            progress, progress.num_out, progress.tpot_s(), completed=True
+                        )
                         yield final_result(
                             request_id, base, progress, progress.finish_reason, trace=trace
                         )
@@ -286,6 +293,7 @@ class DisaggregatedGenerator(ServingPaths):
         finally:
             if attempt is not None:
                 self._end(attempt, abort=not finished)
+            self.signals.request_ended(progress, progress.num_out, None, completed=False)
             if not finished:
                 traced = f" trace={trace.trace_id}" if trace.trace_id else ""
                 log.info(
@@ -336,7 +344,9 @@ class DisaggregatedGenerator(ServingPaths):
             chunk, finish = progress.output.process(tokens, reason)
             if chunk is not None:
                 progress.token_ids += chunk.token_ids
-                progress.t_first = progress.t_first or time.perf_counter()
+                if progress.t_first is None:
+                    progress.t_first = time.perf_counter()
+                    self.signals.first_token(progress, progress.t_first - progress.arrival)
                 yield chunk
             if finish is not None:
                 if reason is None and attempt.decode_ref is not None:

@@ -26,6 +26,7 @@ from router.config import RouterConfig
 from router.delivery import TokenDelivery
 from router.kv_index import PrefixIndex
 from router.placement import place_prompt, route_by_cache
+from router.planner.signals import ServingSignals
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PathDecision, PrefillPolicyConfig
 from router.worker_load import WorkerLease
@@ -41,6 +42,7 @@ class ServingPaths:
     prefill_policy: PrefillPolicyConfig
     indexes: dict[str, PrefixIndex]
     delivery: TokenDelivery
+    signals: ServingSignals
     block_size: int
     _renewing: dict[WorkerRef, set[str]]
 
@@ -134,6 +136,7 @@ class ServingPaths:
             )
             local = decode_ref.load.lease(num_local)
             attempt.leases.append(local)
+            self.signals.prompt_placed(num_local, prefill_work=decision.reason != "short_prompt")
             await self._call(decode_ref, decode_ref.client.submit(inp))
             progress.mark_decoding(PhaseTimings(queued_s, local_prefill=True))
             async for chunk in self._stream(attempt, progress, (), None, local):
@@ -141,6 +144,7 @@ class ServingPaths:
             return
         attempt.leases.append(decode_ref.load.lease())
         attempt.prefill_ref = prefill_ref
+        self.signals.prompt_placed(num_uncached, prefill_work=True)
         result, reservation = await self._prefill(attempt, decode_ref, prefill_ref, num_uncached)
         attempt.trace.prefilled(prefill_ref.worker_id, result)
         phase_metrics.observe(prefill_ref.pool, prefill_ref.index, result.phases)
@@ -193,5 +197,8 @@ class ServingPaths:
         load = prefill_ref.load
         load.prefill_rate.observe(
             num_uncached, result.prefill_s, time.monotonic(), load.busy_since, lease.was_idle
+        )
+        self.signals.prefill_reply(
+            prefill_ref.worker_id, num_uncached, result.prefill_s, load.busy_since, lease.was_idle
         )
         return result, await reserving

@@ -19,6 +19,9 @@ from router.grpc_server import GrpcServer, serve
 from router.metrics import DEFAULT_METRICS_PORT, get_metrics
 from router.orchestrator import DisaggregatedGenerator
 from router.phase_metrics import get_phase_metrics
+from router.planner.config import PlannerConfig
+from router.planner.loop import PlannerLoop
+from router.planner.metrics import planner_metrics
 from router.pools import Pools
 from router.protocol import GenerateCall, PoolStats, ServerInfo
 from router.security import EdgeSecurity
@@ -64,6 +67,7 @@ class ServeConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = DEFAULT_METRICS_PORT  # 0 = no metrics endpoint
     enable_admin: bool = False  # AdminService (scale, drain); refused when off
+    planner: PlannerConfig | None = None  # None: the pools keep the sizes they are given
 
 
 async def run_service(
@@ -79,6 +83,7 @@ async def run_service(
     front = WarmingGenerator()
     loop = asyncio.get_running_loop()
     pools = Pools(cluster)
+    planner: PlannerLoop | None = None
     metrics = get_metrics()
     get_phase_metrics()  # their families are on /metrics from the first scrape
     tracing.configure(config.cluster.tracing, "pdserve-router")
@@ -120,6 +125,16 @@ async def run_service(
         core = DisaggregatedGenerator(pools, tokenizer, config.router)
         core.start()
         front.inner = core
+        if config.planner is not None:
+            nonlocal planner
+            planner = PlannerLoop(
+                config.planner,
+                pools,
+                core,
+                max_num_seqs=config.cluster.decode_args.scheduler.max_num_seqs,
+                metrics=planner_metrics(metrics.registry),
+            )
+            planner.start()
         log.info("pools warm; SERVING")
 
     try:
@@ -136,6 +151,7 @@ async def run_service(
                 lambda: pools if front.inner is not None else None,
                 config.enable_admin,
                 lambda: front.inner,
+                lambda: planner,
             ),
         )
     finally:
@@ -143,6 +159,8 @@ async def run_service(
         get_fleet_metrics().set_source(None)
         if stop_metrics is not None:
             stop_metrics()
+        if planner is not None:
+            await planner.stop()
         if front.inner is not None:
             await front.inner.stop()
         if not await pools.stop(timeout_s=STOP_WORKERS_S) and cluster.started_local_ray:

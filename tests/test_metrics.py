@@ -55,6 +55,12 @@ GAUGES = {
     "pdserve_router_in_flight": set(),
     "pdserve_router_queued": set(),
 }
+# With --planner (router/planner/metrics.py, registered on the same registry).
+PLANNER_SERIES = {
+    "pdserve_planner_decisions_total",
+    "pdserve_planner_target_workers",
+    "pdserve_planner_load_workers",
+}
 
 PHASE_AND_FLEET_SERIES = {
     f"pdserve_phase_{phase}_seconds_{part}"
@@ -197,7 +203,7 @@ def test_grafana_dashboard_queries_only_existing_metrics() -> None:
     exposed = set()
     for name in HISTOGRAMS:
         exposed |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
-    exposed |= {f"{name}_total" for name in COUNTERS} | set(GAUGES)
+    exposed |= {f"{name}_total" for name in COUNTERS} | set(GAUGES) | PLANNER_SERIES
     exposed |= PHASE_AND_FLEET_SERIES  # router/phase_metrics.py, router/fleet_metrics.py
     titles = []
     for panel in dashboard["panels"]:

@@ -102,7 +102,8 @@ class EngineCore:
             seed = self._rng.randint(0, MAX_SEED)
         return Request(
             req_id=inp.req_id,
-            prompt_token_ids=list(inp.prompt_token_ids),
+            all_token_ids=list(inp.prompt_token_ids),
+            num_prompt_tokens=len(inp.prompt_token_ids),
             sampling=inp.sampling,
             seed=seed,
             eos_token_ids=self.eos_token_ids,

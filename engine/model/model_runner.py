@@ -11,7 +11,6 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -21,7 +20,8 @@ from engine.model.attention import paged_step, register_paged_attention
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from engine.model.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
+from engine.model.kv_blocks import KVBlocks, LayerStream
+from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
 from engine.model.sampler import SamplingBatch, is_greedy, sample
 from engine.model.staging import to_device
@@ -30,18 +30,6 @@ from engine.model.triton_gemv import use_gemv
 from engine.sampling_params import GREEDY
 
 log = logging.getLogger(__name__)
-
-
-class LayerStream(Protocol):
-    """What a step observer returns (engine.transfer.streaming.StepStream)."""
-
-    def layer_written(self, layer_idx: int) -> None: ...
-
-    def abort(self) -> None: ...
-
-
-def _as_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    return DTYPES[dtype] if isinstance(dtype, str) else dtype
 
 
 class PendingTokens:
@@ -64,7 +52,7 @@ class PendingTokens:
         return dict(zip(self._req_ids, tokens, strict=True))
 
 
-class ModelRunner:
+class ModelRunner(KVBlocks):
     """Owns the model and the KV cache of one worker; turns a Batch into sampled tokens."""
 
     def __init__(
@@ -121,11 +109,9 @@ class ModelRunner:
                 # Measured now that the weights are resident (a GPU budget must see them).
                 kv_cache_bytes = kv_cache_bytes()
             # With graphs the budget also holds the scratch block (below).
-            num_blocks = self.num_blocks_for_bytes(
-                self.spec, self.dtype, block_size, kv_cache_bytes
-            ) - int(use_graphs)
+            per_block = self.spec.kv_block_bytes(block_size)
+            num_blocks = kv_cache_bytes // per_block - int(use_graphs)
             if num_blocks < 1:
-                per_block = self.bytes_per_block(self.spec, self.dtype, block_size)
                 raise ValueError(
                     f"a KV cache budget of {kv_cache_bytes} bytes holds no block of "
                     f"{per_block} bytes; raise the budget or lower block_size"
@@ -205,55 +191,10 @@ class ModelRunner:
         """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
         return (num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
 
-    @staticmethod
-    def bytes_per_block(spec: ModelSpec, dtype: str | torch.dtype, block_size: int) -> int:
-        """Bytes one KV block takes (all layers, K and V)."""
-        itemsize = _as_torch_dtype(dtype).itemsize
-        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
-
-    @staticmethod
-    def num_blocks_for_bytes(
-        spec: ModelSpec, dtype: str | torch.dtype, block_size: int, nbytes: int
-    ) -> int:
-        """How many KV blocks fit in `nbytes`."""
-        return nbytes // ModelRunner.bytes_per_block(spec, dtype, block_size)
-
-    def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Block ids as an index on the device, copied without waiting for the device (a
-        gather between two layers of a running pass must not stall the host)."""
-        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
-        if bad:
-            raise ValueError(f"block ids {bad} outside [0, {self.num_blocks})")
-        return to_device(list(block_ids), torch.long, self.device)
-
-    def gather_blocks(
-        self, block_ids: Sequence[int] | torch.Tensor, layers: tuple[int, int] | None = None
-    ) -> torch.Tensor:
-        """A contiguous copy of these blocks' KV, [len(block_ids), *kv_cache.shape[1:]],
-        or of layers [start, stop) of them; `block_ids` may be a `block_index`."""
-        # Block-major layout: one index_select, ready to send as one message.
-        cache = self.kv_cache if layers is None else self.kv_cache[:, layers[0] : layers[1]]
-        if not isinstance(block_ids, torch.Tensor):
-            block_ids = self.block_index(block_ids)
-        return cache.index_select(0, block_ids)
-
-    def scatter_blocks(
-        self, block_ids: Sequence[int], data: torch.Tensor, layers: tuple[int, int] | None = None
-    ) -> None:
-        """Write `data` (as from `gather_blocks`) into these blocks of the cache (or into
-        layers [start, stop) of them), on the caller's stream, after every step launched
-        so far (a launched step may still be writing blocks the host has since freed and
-        handed to this import)."""
-        cache = self.kv_cache if layers is None else self.kv_cache[:, layers[0] : layers[1]]
-        expected = (len(block_ids), *cache.shape[1:])
-        if tuple(data.shape) != expected:
-            raise ValueError(f"KV data of shape {tuple(data.shape)}, expected {expected}")
-        if data.dtype != cache.dtype:
-            raise ValueError(f"KV data in {data.dtype}, cache in {cache.dtype}")
-        step_done = self._last_step_done
-        if step_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(step_done)
-        cache.index_copy_(0, self.block_index(block_ids), data.to(self.device))
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of KV, every layer (the unit a hand-off moves)."""
+        return self.spec.kv_block_bytes(self.block_size)
 
     def execute(
         self, batch: Batch, *, use_cuda_graphs: bool = True, paged_decode: bool | None = None
