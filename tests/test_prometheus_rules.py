@@ -19,6 +19,7 @@ from engine.wire import PhaseReport, WorkerStats
 from router.fleet_metrics import FleetCollector, FleetState
 from router.metrics import RouterMetrics
 from router.phase_metrics import PhaseMetrics
+from router.planner.metrics import planner_metrics
 from router.protocol import PoolStats
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +66,7 @@ def _exported_series() -> set[str]:
     """Every series name the router's /metrics can carry, from its real registries."""
     metrics = RouterMetrics()
     phases = PhaseMetrics(metrics.registry)
+    planner_metrics(metrics.registry)  # with --planner
     fleet = FleetCollector()
     metrics.registry.register(fleet)
     stats = WorkerStats("decode", 0, 100, 25, 2, 1, 32, 64, 0)
