@@ -3,19 +3,24 @@ core (its unit tests, and `bench.router_load`): a prefill worker that 'sends' KV
 paired decode worker, decode workers that step every running request once per poll,
 and controls to make them die, refuse or run out of room. A token depends only on
 (seed, position), as with the real sampler, so a request resumed elsewhere must produce
-the same tokens as one left alone."""
+the same tokens as one left alone. They report each request's phases as real workers do
+(`PhaseReport`), and remember the trace context each request came with."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.request import FinishReason
+from engine.transfer.channel import ChannelSpec
 from engine.transfer.layout import KVLayout
 from engine.wire import (
+    DetachedRequest,
     GenerationInput,
     HandoffTarget,
+    PhaseReport,
     PrefillResult,
     Reservation,
     TokenBatch,
@@ -67,13 +72,25 @@ class FakeWorker:
     no_room: bool = False  # decode: reserve() returns None
     refuse_kv: bool = False  # decode: every arriving hand-off is refused
     prefill_delay_s: float = 0.0
+    kv_delay_s: float = 0.001  # prefill: from its reply to the KV landing on decode
     step_s: float = 0.002  # decode: one step of every running request per poll
     hold_prefill: asyncio.Event | None = None  # prefill waits for it
+    no_channel: bool = False  # decode: connect() to a peer fails
+    # decode: dies right after a step that sampled the token at this position
+    die_after_position: int | None = None
+    # decode: stops stepping a request once it sampled the token at this position
+    hold_after_position: int | None = None
     calls: list[tuple[str, Any]] = field(default_factory=list)
     reserved: dict[str, GenerationInput] = field(default_factory=dict)
+    expires_at: dict[str, float] = field(default_factory=dict)  # decode: reservation leases
     running: dict[str, _Running] = field(default_factory=dict)
+    detached: dict[str, DetachedRequest] = field(default_factory=dict)  # blocks kept
     aborted: set[str] = field(default_factory=set)
     outbox: list[TokenUpdate] = field(default_factory=list)
+    trace_contexts: dict[str, dict[str, str]] = field(default_factory=dict)  # traced ones
+    # Decode: requests whose first token (and phases) is still to come → ran their prompt
+    # here (else their KV arrived).
+    first_token_pending: dict[str, bool] = field(default_factory=dict)
 
     def _check(self) -> None:
         if self.dead:
@@ -86,6 +103,7 @@ class FakeWorker:
     async def prefill(self, inp: GenerationInput, target: HandoffTarget) -> PrefillResult:
         self._check()
         self.calls.append(("prefill", inp.req_id))
+        self._remember_context(inp)
         if self.hold_prefill is not None:
             await self.hold_prefill.wait()
         await asyncio.sleep(self.prefill_delay_s)
@@ -93,11 +111,52 @@ class FakeWorker:
         if inp.req_id in self.aborted:
             return PrefillResult(None, FinishReason.ABORT, 0, 0.0)
         first = token_at(inp.sampling.seed or 0, len(inp.prompt_token_ids))
+        phases = PhaseReport(queue_s=0.0, compute_s=self.prefill_delay_s)
         if inp.sampling.max_tokens == 1:
-            return PrefillResult(first, FinishReason.LENGTH, 0, self.prefill_delay_s)
+            return PrefillResult(first, FinishReason.LENGTH, 0, self.prefill_delay_s, phases=phases)
         decode = self.peers[target.worker_id]
-        asyncio.get_running_loop().call_later(0.001, decode.receive_kv, inp.req_id, first)
-        return PrefillResult(first, None, 0, self.prefill_delay_s, transfer_bytes=4096)
+        asyncio.get_running_loop().call_later(self.kv_delay_s, decode.receive_kv, inp.req_id, first)
+        return PrefillResult(
+            first, None, 0, self.prefill_delay_s, transfer_bytes=4096, phases=phases
+        )
+
+    # ---------------------------------------------------------------- live migration
+    async def connect(self, spec: ChannelSpec) -> None:
+        self._check()
+        self.calls.append(("connect", spec.receiver_id))
+        if self.no_channel:
+            raise RuntimeError(f"{self.worker_id}: no channel can be made")
+
+    async def disconnect(self, peer_id: str, notify_peer: bool) -> None:
+        self._check()
+        self.calls.append(("disconnect", peer_id))
+
+    async def detach(self, req_id: str) -> DetachedRequest | None:
+        self._check()
+        self.calls.append(("detach", req_id))
+        run = self.running.pop(req_id, None)
+        if run is None:
+            return None
+        # As on a real worker, a token sampled just before the step boundary may not
+        # have reached the router yet: the detached tokens are its only record.
+        run.position += 1
+        seed, prompt = run.inp.sampling.seed or 0, run.inp.prompt_token_ids
+        outputs = tuple(token_at(seed, p) for p in range(len(prompt), run.position))
+        detached = DetachedRequest(prompt + outputs, run.position - 1)
+        self.detached[req_id] = detached
+        return detached
+
+    async def send_detached(
+        self, req_id: str, as_req_id: str, target: HandoffTarget, detached: DetachedRequest
+    ) -> int:
+        self._check()
+        self.calls.append(("send_detached", req_id))
+        self.detached.pop(req_id, None)
+        receiver = self.peers[target.worker_id]
+        asyncio.get_running_loop().call_later(
+            self.kv_delay_s, receiver.receive_kv, as_req_id, detached.next_token
+        )
+        return 4096
 
     # ---------------------------------------------------------------- decode verbs
     async def reserve(
@@ -105,35 +164,46 @@ class FakeWorker:
     ) -> Reservation | None:
         self._check()
         self.calls.append(("reserve", inp.req_id))
+        self._remember_context(inp)
         if self.no_room or inp.req_id in self.aborted:
             return None
         self.reserved[inp.req_id] = inp
+        self.expires_at[inp.req_id] = time.monotonic() + lease_s
         return Reservation(self.worker_id, EPOCH, (0,))
 
     async def renew(self, req_ids: list[str], lease_s: float) -> int:
         self._check()
         self.calls.append(("renew", tuple(req_ids)))
-        return sum(r in self.reserved for r in req_ids)
+        held = [r for r in req_ids if r in self.reserved]
+        for req_id in held:
+            self.expires_at[req_id] = max(self.expires_at[req_id], time.monotonic() + lease_s)
+        return len(held)
 
     def receive_kv(self, req_id: str, first_token: int) -> None:
         if self.dead:
             return
         inp = self.reserved.pop(req_id, None)
-        if inp is None or self.refuse_kv:
+        expired = self.expires_at.pop(req_id, 0.0) < time.monotonic()
+        if inp is None or self.refuse_kv or expired:
             if req_id not in self.aborted:
+                error = "the reservation expired" if expired and inp else "refused"
                 self.outbox.append(
-                    TokenUpdate(req_id, finish_reason=FinishReason.ERROR, error="refused")
+                    TokenUpdate(req_id, finish_reason=FinishReason.ERROR, error=error)
                 )
             return
         n = len(inp.prompt_token_ids)
         self.running[req_id] = _Running(inp, n + 1, inp.sampling.max_tokens - 1)
-        self.outbox.append(TokenUpdate(req_id, kv_wire_s=0.001, kv_handoff_s=0.002))
+        self.first_token_pending[req_id] = False
+        arrival = PhaseReport(transfer_s=0.002, wire_bytes=4096, wire_s=0.001)
+        self.outbox.append(TokenUpdate(req_id, kv_wire_s=0.001, kv_handoff_s=0.002, phases=arrival))
 
     async def submit(self, inp: GenerationInput) -> None:
         self._check()
         self.calls.append(("submit", inp.req_id))
+        self._remember_context(inp)
         if inp.req_id in self.aborted:
             return
+        self.first_token_pending[inp.req_id] = True
         n = len(inp.prompt_token_ids)
         self.running[inp.req_id] = _Running(inp, n, inp.sampling.max_tokens)
 
@@ -142,21 +212,41 @@ class FakeWorker:
         self._check()
         updates, self.outbox = self.outbox, []
         for req_id, run in list(self.running.items()):
+            if run.position - 1 == self.hold_after_position:
+                continue
             token = token_at(run.inp.sampling.seed or 0, run.position)
             run.position += 1
             run.remaining -= 1
             reason = FinishReason.LENGTH if run.remaining <= 0 else None
-            updates.append(TokenUpdate(req_id, (token,), reason))
+            phases = self._first_token_phases(req_id)
+            updates.append(TokenUpdate(req_id, (token,), reason, phases=phases))
             if reason is not None:
                 del self.running[req_id]
+            if run.position - 1 == self.die_after_position:
+                self.dead = True  # this batch still goes out; the next poll fails
         return TokenBatch(tuple(updates), (), self._stats())
+
+    def _remember_context(self, inp: GenerationInput) -> None:
+        if inp.trace_context:
+            self.trace_contexts[inp.req_id] = inp.trace_context
+
+    def _first_token_phases(self, req_id: str) -> PhaseReport | None:
+        ran_prompt = self.first_token_pending.pop(req_id, None)
+        if ran_prompt is None:
+            return None
+        if ran_prompt:
+            return PhaseReport(queue_s=0.0, compute_s=self.step_s)
+        return PhaseReport(admission_s=0.0, first_step_s=self.step_s)
 
     async def abort(self, req_id: str) -> None:
         self._check()
         self.calls.append(("abort", req_id))
         self.aborted.add(req_id)
+        self.detached.pop(req_id, None)
         self.reserved.pop(req_id, None)
+        self.expires_at.pop(req_id, None)
         self.running.pop(req_id, None)
+        self.first_token_pending.pop(req_id, None)
 
     async def load(self) -> WorkerStats:
         self._check()
@@ -169,7 +259,7 @@ class FakeWorker:
 
     @property
     def holds_nothing(self) -> bool:
-        return not self.reserved and not self.running
+        return not self.reserved and not self.running and not self.detached
 
 
 class FakePools:
@@ -183,6 +273,7 @@ class FakePools:
         self.cluster = type("Cluster", (), {"use_gpus": False})()
         self.on_death: list[Any] = []
         self.on_removed: list[Any] = []
+        self.drain_hooks: list[Any] = []
         self.fakes: dict[str, FakeWorker] = {}
         self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in sizes}
         for pool, size in sizes.items():
@@ -206,8 +297,9 @@ class FakePools:
                 )
                 self.workers[pool].append(WorkerRef(pool, index, None, info, client_impl=fake))
         decode_ids = [w.worker_id for w in self.workers["decode"]]
-        for ref in self.workers["prefill"]:
-            ref.peers.update(decode_ids)
+        for ref in self.workers["prefill"] + self.workers["decode"]:
+            if ref.pool == "prefill":
+                ref.peers.update(decode_ids)
             self.fakes[ref.worker_id].peers = {d: self.fakes[d] for d in decode_ids}
 
     def routable(self, pool: str) -> list[WorkerRef]:
@@ -219,6 +311,21 @@ class FakePools:
     @property
     def reference(self) -> WorkerInfo | None:
         return self.all()[0].info
+
+    def channel_spec(self, sender: WorkerRef, receiver: WorkerRef) -> ChannelSpec:
+        return ChannelSpec("127.0.0.1", 0, sender.worker_id, EPOCH, receiver.worker_id, EPOCH)
+
+    async def drain(self, worker_id: str) -> None:
+        """As router.pools.Pools.drain: no new work, the hooks, then wait until empty."""
+        ref = next(w for w in self.all() if w.worker_id == worker_id)
+        ref.state = "draining"
+        for hook in self.drain_hooks:
+            await hook(ref)
+        while ref.num_assigned:
+            await asyncio.sleep(0.001)
+        ref.state = "gone"
+        for callback in self.on_removed:
+            callback(ref)
 
     def mark_dead(self, ref: WorkerRef, reason: str) -> None:
         if ref.state == "dead":

@@ -19,7 +19,6 @@ Writes one JSON (`--out`); `bench.gpu_suite` starts this and reads it.
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import statistics
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from bench.device import free, sync
 from bench.report import provenance
 from bench.suite_common import (
     KVGeometry,
@@ -44,31 +44,20 @@ from bench.suite_plan import parse_ints, plan_from_args, prompts_for
 # ---------------------------------------------------------------- floor
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> dict[str, Any]:
     """Device-to-device copy; GB/s counts bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(iters):
         dst.copy_(src)
-    _sync(device)
+    sync(device)
     seconds = (time.perf_counter() - t0) / iters
     del src, dst
-    _free(device)
+    free(device)
     return {
         "bytes": nbytes,
         "seconds": seconds,
@@ -171,7 +160,7 @@ def run_engine(
         "runs": runs,
     }
     del llm
-    _free(device)
+    free(device)
     return info
 
 
@@ -335,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             result[part] = run_engine(ns, device, dtype, bandwidth, part)
         except Exception as exc:  # noqa: BLE001
             result[part] = error_record(exc)
-        _free(device)
+        free(device)
         save()
     if ns.parts & {"a", "a2"}:
         from engine.model.model_loader import load_model
@@ -349,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                     result[part] = fn(model, ns, device)
                 except Exception as exc:  # noqa: BLE001
                     result[part] = error_record(exc)
-                _free(device)
+                free(device)
                 save()
     save()
     return 0

@@ -17,18 +17,21 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
 
+from decode_worker.export import KVExporter
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
 from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import Reservation
-from engine.transfer.receiver import ChannelReceiver
+from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import ReservationBook
 from engine.wire import GenerationInput, TokenBatch, TokenUpdate, coalesce
 from engine.worker import WorkerBase
+from engine.worker_phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +39,22 @@ DEFAULT_LEASE_S = 30.0
 LEASE_SWEEP_S = 0.5
 
 
-class DecodeWorker(WorkerBase):
+class DecodeWorker(KVExporter, WorkerBase):
     pool = "decode"
     role = EngineRole.DECODE
 
-    def __init__(self, args: Any, index: int) -> None:
-        super().__init__(args, index)
+    def __init__(self, args: Any, index: int, tracing_config: Any = None) -> None:
+        super().__init__(args, index, tracing_config)
         self._book: ReservationBook | None = None
+        # Requests with no token out yet (a prompt submitted, or KV landed): their first
+        # token closes their phases here (worker_phases). Written from the receiving
+        # threads too: one dict operation at a time.
+        self._starting: dict[str, Waiting] = {}
         self._outbox: list[TokenUpdate] = []
         self._outbox_ready = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self._sources: dict[str, str] = {}  # req_id → the peer its KV comes from
+        self.send_channels: dict[str, KVChannel] = {}  # to peer decode workers (export.py)
 
     def on_started(self) -> None:
         self._book = ReservationBook(self.epoch, self.built.layout.block_size)  # type: ignore[union-attr]
@@ -120,8 +128,15 @@ class DecodeWorker(WorkerBase):
             lambda: self.core.admit_imported(inp, first_token)
         ).add_done_callback(lambda fut: self._admit_failed(req_id, fut.exception()))
 
-    def arrived(self, req_id: str, wire_s: float, handoff_s: float) -> None:
-        self._post(TokenUpdate(req_id, kv_wire_s=wire_s, kv_handoff_s=handoff_s))
+    def arrived(self, arrival: KVArrival) -> None:
+        req_id = arrival.inp.req_id
+        self._starting[req_id] = Waiting(arrival.inp, arrival.received_at, imported=True)
+        phases = arrival_phases(self.worker_id, arrival)
+        self._post(
+            TokenUpdate(
+                req_id, kv_wire_s=arrival.wire_s, kv_handoff_s=arrival.handoff_s, phases=phases
+            )
+        )
 
     def release(self, req_id: str) -> None:
         """Give a reservation's blocks back at the next step boundary (any thread)."""
@@ -130,6 +145,7 @@ class DecodeWorker(WorkerBase):
         self.loop_thread.submit(lambda: self.core.release(req_id))
 
     def fail(self, req_id: str, error: str) -> None:
+        self._starting.pop(req_id, None)
         self._post(TokenUpdate(req_id, finish_reason=FinishReason.ERROR, error=error))
 
     def _admit_failed(self, req_id: str, exc: BaseException | None) -> None:
@@ -146,6 +162,19 @@ class DecodeWorker(WorkerBase):
 
     def channel_peer(self, spec: ChannelSpec) -> str:
         return spec.sender_id
+
+    async def connect(self, spec: ChannelSpec) -> None:
+        """Build this end of a pair's channel: the receiving end (from a prefill worker,
+        or from a decode worker that hands requests over), or, when the spec names this
+        worker as the sender, the sending end to a peer decode worker."""
+        if spec.sender_id == self.worker_id:
+            await self.connect_sender(spec)
+        else:
+            await super().connect(spec)
+
+    async def disconnect(self, peer_id: str, notify_peer: bool = True) -> None:
+        await self.disconnect_sender(peer_id, notify_peer)
+        await super().disconnect(peer_id, notify_peer)
 
     def on_connected(self, channel: KVChannel) -> None:
         thread = threading.Thread(
@@ -176,8 +205,24 @@ class DecodeWorker(WorkerBase):
         self._outbox_ready.set()
 
     # ---------------------------------------------------------------- tokens out
-    def on_updates(self, updates: list[TokenUpdate]) -> None:
+    def on_updates(self, updates: list[TokenUpdate], stepped_at: float) -> None:
+        if self._starting:  # some request's first token may be here: its phases with it
+            self._append([self._with_phases(u, stepped_at) for u in updates])
+            return
         self._append(updates)  # the engine's own updates are what the router reads
+
+    def _with_phases(self, u: TokenUpdate, stepped_at: float) -> TokenUpdate:
+        """The update, carrying the request's phases here if this is its first token."""
+        waiting = self._starting.pop(u.req_id, None)
+        if waiting is None:
+            return u
+        if waiting.imported:
+            phases = decode_start_phases(self.worker_id, waiting, u, stepped_at)
+        else:
+            phases = prompt_phases(
+                self.pool, self.worker_id, waiting.inp, waiting.since, u, stepped_at
+            )
+        return u._replace(phases=phases)
 
     async def next_tokens(self, wait_s: float = 1.0) -> TokenBatch:
         """Long-poll: every update produced since the last call (empty after wait_s)."""
@@ -195,6 +240,7 @@ class DecodeWorker(WorkerBase):
         arrive through next_tokens()."""
         if self.is_buried(inp.req_id):
             return  # aborted before it got here
+        self._starting[inp.req_id] = Waiting(inp, time.monotonic(), imported=False)
         # The router validated the prompt already.
         await self.on_engine(lambda: self.core.add_request(inp, validate=False))
 
@@ -203,13 +249,20 @@ class DecodeWorker(WorkerBase):
         """Idempotent, any state: reserved → released; importing → discarded on arrival;
         running → finished and freed at the next step boundary."""
         self.bury(req_id)
+        self._starting.pop(req_id, None)
         if self._book is not None and self.book.abort(req_id):
             self._sources.pop(req_id, None)
             await self.on_engine(lambda: self.core.release(req_id))
             return
-        await self.on_engine(lambda: self.core.abort(req_id))
+        await self.on_engine(lambda: self._abort_on_engine(req_id))
+
+    def _abort_on_engine(self, req_id: str) -> None:
+        self.core.abort(req_id)
+        self.core.release(req_id)  # blocks of a request detached to move, if any
 
     async def shutdown(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        for peer_id in list(self.send_channels):
+            await self.disconnect_sender(peer_id)
         await super().shutdown()

@@ -6,12 +6,15 @@ wire types itself, as vLLM's core produces `EngineCoreOutputs`: a step's result 
 `TokenUpdate` per request (a decode worker sends them in a `TokenBatch`), and an
 engine's occupancy is its `WorkerStats`. The prefill pool answers with a
 `PrefillResult`; a hand-off is addressed by a `HandoffTarget` and filled into a
-`Reservation`.
+`Reservation`. Where a request's time went on a worker rides along as a `PhaseReport`;
+a request's trace context (W3C `traceparent`/`tracestate`, empty when it is not traced)
+travels inside its `GenerationInput`, so a worker's spans join the router's trace
+(engine/tracing.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Literal, NamedTuple
 
 from engine.core.kv_events import KVEvents
@@ -34,6 +37,10 @@ class GenerationInput:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     priority: int = 0
+    # The W3C trace-context carrier of the router's span for this attempt; empty when the
+    # request is not traced (then workers record no spans for it). Not part of the
+    # request's identity.
+    trace_context: dict[str, str] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,47 @@ class Reservation:
 
 
 @dataclass(frozen=True)
+class PhaseReport:
+    """Where one request's time went on one worker, in seconds (None: the phase did not
+    run there, or not in this message). The router turns these into its per-worker
+    phase histograms; each phase is reported once."""
+
+    queue_s: float | None = None  # waiting in the worker's engine queue for a first step
+    compute_s: float | None = None  # its prompt: first step to first token (cached or not)
+    transfer_s: float | None = None  # its KV: ready on the sender to in place here
+    # Bytes of its KV received in a whole message (0 for a streamed one, whose receive
+    # waits on the sender's pass), and its share by bytes of that message's receive
+    # time: summed, the time the channel spent receiving, the true bandwidth's divisor.
+    wire_bytes: int = 0
+    wire_s: float = 0.0
+    admission_s: float | None = None  # KV in place to its first decode step scheduled
+    first_step_s: float | None = None  # that step scheduled to its token out
+
+    def merged(self, later: PhaseReport) -> PhaseReport:
+        """Both reports in one (each phase is set in at most one of them)."""
+        values = {
+            f.name: getattr(later, f.name) if getattr(later, f.name) else getattr(self, f.name)
+            for f in fields(self)
+        }
+        return PhaseReport(**values)
+
+
+@dataclass(frozen=True)
+class DetachedRequest:
+    """A running request taken off its decode engine to move elsewhere, its KV kept: the
+    tokens so far (prompt and outputs) and how many of them the kept KV covers (all but
+    the last, which the next step would have computed)."""
+
+    token_ids: tuple[int, ...]
+    num_kv_tokens: int
+
+    @property
+    def next_token(self) -> int:
+        """The token the receiver continues from (sampled, its KV not yet computed)."""
+        return self.token_ids[self.num_kv_tokens]
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     """A prefill worker's answer: the first token, and how the request goes on."""
 
@@ -71,6 +119,7 @@ class PrefillResult:
     transfer_bytes: int = 0  # posted on the channel (arrival is the receiver's to report)
     error: str = ""
     kv_events: tuple[KVEvents, ...] = ()  # this worker's prefix-cache changes, for routing
+    phases: PhaseReport | None = None  # queue and compute on the prefill worker
 
 
 class TokenUpdate(NamedTuple):
@@ -92,6 +141,10 @@ class TokenUpdate(NamedTuple):
     # hand-off from the sender's KV being ready to the KV in place.
     kv_wire_s: float = 0.0
     kv_handoff_s: float = 0.0
+    phases: PhaseReport | None = None  # set on arrival and with the first token
+    # time.monotonic() on its engine when a step first scheduled it (its queue wait
+    # ended): the worker's phase timings read it, the router does not.
+    scheduled_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -111,10 +164,23 @@ class WorkerStats:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     num_preemptions: int = 0  # since this worker started
+    # Speculative decoding since this worker started: proposals verified, accepted, and
+    # verifications (one per request per verifying step).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
 
     @property
     def num_blocks_free(self) -> int:
         return self.num_blocks_total - self.num_blocks_in_use
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verifying step gave a request on average: its accepted proposals
+        plus the one the target sampled after them (0 before any verification)."""
+        if not self.spec_verifications:
+            return 0.0
+        return 1.0 + self.spec_accepted_tokens / self.spec_verifications
 
 
 @dataclass(frozen=True)
@@ -141,7 +207,18 @@ def merge_updates(taken: list[TokenUpdate]) -> TokenUpdate:
         error=taken[-1].error,
         kv_wire_s=next((u.kv_wire_s for u in reversed(taken) if u.kv_wire_s), 0.0),
         kv_handoff_s=next((u.kv_handoff_s for u in reversed(taken) if u.kv_handoff_s), 0.0),
+        phases=_merged_phases(taken),
     )
+
+
+def _merged_phases(taken: list[TokenUpdate]) -> PhaseReport | None:
+    reports = [u.phases for u in taken if u.phases is not None]
+    if not reports:
+        return None
+    merged = reports[0]
+    for report in reports[1:]:
+        merged = merged.merged(report)
+    return merged
 
 
 def coalesce(updates: list[TokenUpdate]) -> list[TokenUpdate]:

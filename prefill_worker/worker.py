@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,6 +36,7 @@ from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, open_stream
 from engine.wire import GenerationInput, HandoffTarget, PrefillResult, Reservation, TokenUpdate
 from engine.worker import WorkerBase
+from engine.worker_phases import prompt_phases, record_kv_send
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,9 @@ class _Prefilled:
     """A finished prefill for one request, and what became of its KV."""
 
     update: TokenUpdate
+    ready_at: float  # time.monotonic() when its step's tokens were out (the KV ready)
     handle: TransferHandle | None = None  # the message that carries its KV
+    header: HandoffHeader | None = None
     num_bytes: int = 0
     error: str = ""  # the KV could not be posted
 
@@ -57,8 +61,8 @@ class PrefillWorker(WorkerBase):
     pool = "prefill"
     role = EngineRole.PREFILL
 
-    def __init__(self, args: Any, index: int) -> None:
-        super().__init__(args, index)
+    def __init__(self, args: Any, index: int, tracing_config: Any = None) -> None:
+        super().__init__(args, index, tracing_config)
         self._waiters: dict[str, asyncio.Future[_Prefilled]] = {}
         # Where each request's KV goes, and how many tokens of it (read on the engine
         # thread, set before the request reaches it).
@@ -143,6 +147,7 @@ class PrefillWorker(WorkerBase):
         # Engine thread, between two steps: post this step's hand-offs right here
         # (ordered after the step that wrote the KV) and give the blocks back at once:
         # later kernels on the engine's stream run after the gather.
+        ready_at = time.monotonic()
         outcome: dict[str, _Prefilled] = {}
         streamed = self._close_streams(updates)
         ready: list[ReadyKV] = []
@@ -158,7 +163,9 @@ class PrefillWorker(WorkerBase):
             if handle is not None:  # its parts were gathered during the pass
                 num_blocks = len(self.core.block_ids(upd.req_id))
                 self.core.release(upd.req_id)
-                outcome[upd.req_id] = _Prefilled(upd, handle, num_blocks * self.block_bytes)
+                outcome[upd.req_id] = _Prefilled(
+                    upd, ready_at, handle, num_bytes=num_blocks * self.block_bytes
+                )
                 continue
             block_ids = tuple(self.core.block_ids(upd.req_id))
             ready.append(ReadyKV(upd.req_id, target, block_ids, num_tokens, upd.new_token_ids[0]))
@@ -169,7 +176,9 @@ class PrefillWorker(WorkerBase):
                 for item in message.items:
                     self.core.release(item.req_id)
                     outcome[item.req_id] = _Prefilled(
-                        by_id[item.req_id], error=f"no channel to {message.target.worker_id}"
+                        by_id[item.req_id],
+                        ready_at,
+                        error=f"no channel to {message.target.worker_id}",
                     )
                 continue
             payload = self.runner.gather_blocks(message.block_ids)
@@ -191,9 +200,13 @@ class PrefillWorker(WorkerBase):
             handle = channel.send(header, payload, event)
             for item in message.items:
                 outcome[item.req_id] = _Prefilled(
-                    by_id[item.req_id], handle, len(item.block_ids) * self.block_bytes
+                    by_id[item.req_id],
+                    ready_at,
+                    handle,
+                    header,
+                    len(item.block_ids) * self.block_bytes,
                 )
-        prefilled = [outcome.get(u.req_id) or _Prefilled(u) for u in updates]
+        prefilled = [outcome.get(u.req_id) or _Prefilled(u, ready_at) for u in updates]
         # After the releases above, so the freed blocks' cache entries are included.
         events = self.core.take_kv_events()
         self._loop.call_soon_threadsafe(self._deliver, prefilled, events)
@@ -218,6 +231,7 @@ class PrefillWorker(WorkerBase):
 
     async def _prefill(self, inp: GenerationInput, target: HandoffTarget | None) -> PrefillResult:
         start = time.perf_counter()
+        arrived_at = time.monotonic()
         if self.is_buried(inp.req_id):
             return PrefillResult(None, FinishReason.ABORT, 0, 0.0)
         waiter: asyncio.Future[_Prefilled] = asyncio.get_running_loop().create_future()
@@ -238,8 +252,9 @@ class PrefillWorker(WorkerBase):
         upd = done.update
         token = upd.new_token_ids[0]
         cached = upd.num_cached_tokens
+        phases = prompt_phases(self.pool, self.worker_id, inp, arrived_at, upd, done.ready_at)
         if not upd.hand_off:  # the first token ended it
-            return PrefillResult(token, upd.finish_reason, cached, prefill_s)
+            return PrefillResult(token, upd.finish_reason, cached, prefill_s, phases=phases)
         if target is None:
             return PrefillResult(token, FinishReason.ABORT, cached, prefill_s)
         handle = done.handle
@@ -254,10 +269,28 @@ class PrefillWorker(WorkerBase):
                 cached,
                 prefill_s,
                 error=f"KV hand-off to {target.worker_id} failed: {failure}",
+                phases=phases,
             )
         req_id, peer = inp.req_id, target.worker_id
         handle.add_done_callback(lambda state: _log_failure(state, handle, req_id, peer))
-        return PrefillResult(token, None, cached, prefill_s, done.num_bytes)
+        if inp.trace_context:
+            handle.add_done_callback(self._kv_send_tracer(inp, target, done, handle))
+        return PrefillResult(token, None, cached, prefill_s, done.num_bytes, phases=phases)
+
+    def _kv_send_tracer(
+        self, inp: GenerationInput, target: HandoffTarget, done: _Prefilled, handle: TransferHandle
+    ) -> Callable[[KVPoll], None]:
+        """Records a traced request's `kv.send` span when its message is sent (for a
+        streamed one: its last parts and trailer, the rest left during the pass)."""
+
+        def record(state: KVPoll) -> None:
+            span = (done.ready_at, time.monotonic())
+            failure = handle.failure or ""
+            record_kv_send(
+                self.worker_id, inp, target, done.header, done.num_bytes, span, state, failure
+            )
+
+        return record
 
     async def abort(self, req_id: str) -> None:
         """Idempotent, any state: queued or prefilling requests end here; once the KV

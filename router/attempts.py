@@ -20,6 +20,7 @@ from engine.frontend.output_processor import OutputProcessor
 from engine.wire import GenerationInput
 from router.inbox import UpdateInbox
 from router.pools import WorkerRef
+from router.tracing import NO_ATTEMPT, AttemptTrace, RequestTrace
 from router.worker_load import WorkerLease
 
 log = logging.getLogger("pdserve.router")
@@ -28,11 +29,22 @@ log = logging.getLogger("pdserve.router")
 class WorkerLost(RuntimeError):
     """An attempt cannot go on where it is: continue the request in a new attempt.
     `run_locally`: the prefill pool failed it before any KV left (or a live decode worker
-    refused its KV), so the next attempt runs the prompt on a decode worker."""
+    refused its KV), so the next attempt runs the prompt on a decode worker.
+    `worker`: the worker the request was on, when that worker is gone (`why`: died or
+    drained); after streamed tokens the next attempt is then a migration
+    (router/migrations.py)."""
 
-    def __init__(self, reason: str, run_locally: bool = False) -> None:
+    def __init__(
+        self,
+        reason: str,
+        run_locally: bool = False,
+        worker: WorkerRef | None = None,
+        why: str = "worker_died",
+    ) -> None:
         super().__init__(reason)
         self.run_locally = run_locally
+        self.worker = worker
+        self.why = why
 
 
 @dataclass
@@ -44,6 +56,8 @@ class Attempt:
     decode_ref: WorkerRef | None = None
     prefill_ref: WorkerRef | None = None
     leases: list[WorkerLease] = field(default_factory=list)
+    trace: AttemptTrace = NO_ATTEMPT  # its spans (records nothing for untraced requests)
+    resumes_after: int = 0  # tokens the client saw before this attempt began
 
     @property
     def req_id(self) -> str:
@@ -62,7 +76,16 @@ class Progress:
     t_decoding: float = 0.0
     timings: PhaseTimings = field(default_factory=PhaseTimings)
     finish_reason: FinishReason = FinishReason.ERROR  # set when the stream ends
-    num_resumed: int = 0
+    num_resumed: int = 0  # attempts that continued after streamed tokens
+    num_migrations: int = 0  # of those, moves off a worker that was lost
+    num_moved: int = 0  # moves with the KV off a draining worker (no recompute)
+
+    def note_cached(self, attempt: Attempt, num_cached_tokens: int) -> None:
+        """Prompt tokens served from a prefix cache, as the client counts them: a
+        continuation's prompt is the client's prompt plus tokens it already has, so only
+        an attempt that ran the client's own prompt counts."""
+        if not attempt.resumes_after:
+            self.num_cached = max(self.num_cached, num_cached_tokens)
 
     @property
     def num_out(self) -> int:
@@ -105,8 +128,9 @@ def final_result(
     progress: Progress,
     reason: FinishReason,
     error: str = "",
+    trace: RequestTrace | None = None,
 ) -> FinalResult:
-    """The request's one terminal message (and its log line)."""
+    """The request's one terminal message (and its log line; the trace ends with it)."""
     end = time.perf_counter()
     timings = replace(
         progress.timings,
@@ -114,11 +138,14 @@ def final_result(
         time_to_first_token_s=(progress.t_first or end) - progress.arrival,
     )
     usage = Usage(len(base.prompt_token_ids), progress.num_out, progress.num_cached)
-    result = FinalResult(reason, usage, timings, error)
+    trace_id = trace.trace_id if trace is not None else ""
+    result = FinalResult(reason, usage, timings, error, trace_id)
+    if trace is not None:
+        trace.finish(result, progress.t_first)
     t = result.timings
     log.info(
         "request %s finished=%s prompt=%d out=%d cached=%d queued=%.3fs prefill=%.3fs "
-        "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s",
+        "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s%s%s%s",
         request_id,
         result.finish_reason.value,
         usage.prompt_tokens,
@@ -132,5 +159,8 @@ def final_result(
         t.time_to_first_token_s,
         " local" if t.local_prefill else "",
         f" resumed={progress.num_resumed}" if progress.num_resumed else "",
+        f" migrated={progress.num_migrations}" if progress.num_migrations else "",
+        f" moved={progress.num_moved}" if progress.num_moved else "",
+        f" trace={trace_id}" if trace_id else "",
     )
     return result

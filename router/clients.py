@@ -14,7 +14,9 @@ from typing import Any, Protocol, TypeVar
 
 from ray.exceptions import RayActorError
 
+from engine.transfer.channel import ChannelSpec
 from engine.wire import (
+    DetachedRequest,
     GenerationInput,
     HandoffTarget,
     PrefillResult,
@@ -45,6 +47,13 @@ class DecodeClient(Protocol):
     async def next_tokens(self) -> TokenBatch: ...
     async def abort(self, req_id: str) -> None: ...
     async def load(self) -> WorkerStats: ...
+    # Live migration (decode_worker/export.py): a channel to a peer, and moving a request.
+    async def connect(self, spec: ChannelSpec) -> None: ...
+    async def disconnect(self, peer_id: str, notify_peer: bool) -> None: ...
+    async def detach(self, req_id: str) -> DetachedRequest | None: ...
+    async def send_detached(
+        self, req_id: str, as_req_id: str, target: HandoffTarget, detached: DetachedRequest
+    ) -> int: ...
 
 
 class WorkerClient(PrefillClient, DecodeClient, Protocol):
@@ -86,3 +95,17 @@ class RayWorkerClient:
 
     async def load(self) -> WorkerStats:
         return await _call(self.handle.load.remote())
+
+    async def connect(self, spec: ChannelSpec) -> None:
+        await _call(self.handle.connect.remote(spec))
+
+    async def disconnect(self, peer_id: str, notify_peer: bool) -> None:
+        await _call(self.handle.disconnect.remote(peer_id, notify_peer))
+
+    async def detach(self, req_id: str) -> DetachedRequest | None:
+        return await _call(self.handle.detach.remote(req_id))
+
+    async def send_detached(
+        self, req_id: str, as_req_id: str, target: HandoffTarget, detached: DetachedRequest
+    ) -> int:
+        return await _call(self.handle.send_detached.remote(req_id, as_req_id, target, detached))

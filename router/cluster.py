@@ -22,6 +22,7 @@ from torch.distributed import TCPStore
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine.factory import EngineArgs
+from engine.tracing import TracingConfig
 from engine.wire import POOLS  # noqa: F401 - the pools, named once
 from engine.worker import WorkerInfo
 from prefill_worker.worker import PrefillWorker
@@ -56,6 +57,7 @@ class ClusterConfig:
     restart_workers: bool = True  # replace a worker that dies
     # The most workers the pools may grow to (the planner's budget); 0: the initial sizes.
     max_workers: int = 0
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # workers' spans (off)
 
     def __post_init__(self) -> None:
         if self.num_colocated_workers < 0:
@@ -168,6 +170,9 @@ class Cluster:
         total = max(1, sum(cfg.initial_sizes.values()))
         threads = cfg.cpu_threads_per_worker or max(1, (os.cpu_count() or 1) // total)
         env = {"OMP_NUM_THREADS": str(threads), "PDSERVE_TORCH_THREADS": str(threads)}
+        # The OpenTelemetry SDK's own settings (batching, exporter headers, TLS) reach
+        # the workers' exporters as they reach the router's.
+        env |= {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
         handle: Any = (
             ray.remote(_CLASSES[pool])
             .options(  # type: ignore[attr-defined]
@@ -180,7 +185,7 @@ class Cluster:
                     placement_group=pg, placement_group_bundle_index=0
                 ),
             )
-            .remote(cfg.args_for(pool), index)
+            .remote(cfg.args_for(pool), index, cfg.tracing)
         )
         try:
             info = await asyncio.wait_for(handle.start.remote(), cfg.startup_timeout_s)

@@ -68,6 +68,7 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
     if not ns.ray_address:
         prepare_local_ray()  # before Ray is imported below
     quiet_worker_output()
+    from engine.tracing import TracingConfig
     from router.cluster import ClusterConfig
     from router.service import ServeConfig
 
@@ -85,6 +86,7 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
             kv_store_port=ns.kv_store_port,
             placement_timeout_s=ns.placement_timeout_s,
             max_workers=ns.max_gpus if ns.planner else 0,
+            tracing=TracingConfig(ns.otlp_traces_endpoint or "", ns.otlp_traces_sample_ratio),
         ),
         planner=planner_config(ns),
         router=router_config(ns),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
 
+from engine.core.waiting_queue import QueuePolicy
 from router.prefill_policy import (
     DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
     DEFAULT_SLO_TPOT_MS,
@@ -13,8 +13,6 @@ from router.prefill_policy import (
     PrefillPolicyConfig,
 )
 from router.routing import RoutingConfig
-
-AdmissionOrder = Literal["fifo", "priority"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +25,12 @@ class RouterConfig:
     # request forever: prefill + hand-off, and the gap between two token batches.
     prefill_timeout_s: float = 600.0
     token_stall_timeout_s: float = 300.0
-    # A worker lost before any token reached the client: try again on others.
+    # Lost attempts (a worker lost before any token reached the client, a refused or
+    # broken hand-off) a request survives: it tries again on other workers.
     max_attempts: int = 3
+    # Moves of one request off a decode or colocated worker lost after tokens were
+    # streamed (router/migrations.py); 0: such a request ends with an error.
+    max_migrations: int = 3
     retry_delay_s: float = 0.5  # times the attempt number
     # How long a request waits for a worker when a whole pool is down (being replaced).
     worker_wait_s: float = 60.0
@@ -41,12 +43,15 @@ class RouterConfig:
     local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
     slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
-    # The router's queue: "fifo", or "priority" (lower value first, aged by waiting).
-    admission_order: AdmissionOrder = "fifo"
+    # The router's queue, ordered as the engines order theirs (engine.core.waiting_queue):
+    # "fcfs", or "priority" (lower value first, aged by waiting).
+    admission_policy: QueuePolicy = "fcfs"
     priority_aging_s: float = 10.0  # one priority level gained per this many seconds waited
 
     def __post_init__(self) -> None:
         self.prefill_policy  # noqa: B018 - validates the three fields it is made of
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0 (0 = a lost worker fails its requests)")
         if self.priority_aging_s < 0:
             raise ValueError("priority_aging_s must be >= 0 (0 = no aging)")
 

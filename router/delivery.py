@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from engine.core.kv_events import KVEvents
+from router import phase_metrics
 from router.clients import WorkerDied
 from router.inbox import UpdateInbox
 from router.kv_index import PrefixIndex
@@ -74,6 +75,8 @@ class TokenDelivery:
                 for update in batch.updates:
                     if update.kv_handoff_s:
                         ref.load.handoff_s.add(update.kv_handoff_s)
+                    if update.phases is not None:
+                        phase_metrics.observe(ref.pool, ref.index, update.phases)
                     inbox = self.inbox_of(update.req_id)
                     if inbox is not None:
                         inbox.put(update)

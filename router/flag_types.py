@@ -9,6 +9,8 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
+from engine.core.spec_config import SpeculativeConfig
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -90,6 +92,14 @@ def port(value: str) -> int:
     return number
 
 
+def host_port(value: str) -> str:
+    """argparse type of a HOST:PORT address (a port from 1 to 65535)."""
+    host, sep, number = value.rpartition(":")
+    if not sep or not host or not number.isdigit() or not 0 < int(number) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
 def device(value: str) -> str:
     """argparse type of --device: auto, cpu, cuda or cuda:N."""
     head, _, index = value.partition(":")
@@ -109,6 +119,14 @@ def resources(text: str) -> dict[str, float]:
     ):
         raise argparse.ArgumentTypeError('expected an object of amounts, e.g. {"prefill_node": 1}')
     return {k: float(v) for k, v in value.items()}
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """argparse type of --speculative-config: vLLM's JSON object, checked."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:

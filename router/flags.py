@@ -20,9 +20,11 @@ from router.flag_types import (
     SubcommandParser,
     at_least,
     device,
+    host_port,
     number_in,
     port,
     resources,
+    speculative_config,
 )
 from router.planner.flags import add_planner_args
 from router.prefill_policy import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
@@ -73,6 +75,17 @@ def add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "(by default decode and colocated engines run one step ahead)",
         ),
         g.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block"),
+        g.add_argument(
+            "--speculative-config",
+            type=speculative_config,
+            metavar="JSON",
+            help="speculative decoding in decode and colocated engines (and offline), as "
+            'vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", '
+            '"model": PATH, "num_speculative_tokens": 4}, optionally with '
+            '"disable_by_batch_size": N (no speculation in steps of more than N requests) '
+            "(default: off)",
+        ),
     ]
 
 
@@ -160,6 +173,21 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="requests waiting; beyond it RESOURCE_EXHAUSTED",
     )
     g.add_argument(
+        "--reservation-lease-s",
+        type=number_in(0, open_low=True),
+        default=RouterConfig.lease_s,
+        help="a decode reservation whose request shows no progress for this long is "
+        "freed (the router renews it while the request waits for or runs its prefill)",
+    )
+    g.add_argument(
+        "--max-migrations",
+        type=at_least(0),
+        default=RouterConfig.max_migrations,
+        help="times one request may move to another worker when its decode (or "
+        "colocated) worker is lost after tokens were streamed; it goes on from the "
+        "streamed tokens, with the same text. 0 = such a request ends with an error",
+    )
+    g.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
         default="prefix-aware",
@@ -194,14 +222,16 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         max_in_flight=ns.max_in_flight,
         max_queue=ns.max_queue,
+        lease_s=ns.reservation_lease_s,
+        max_migrations=ns.max_migrations,
         routing=RoutingConfig(policy=ns.routing),
         local_prefill_max_tokens=ns.local_prefill_max_tokens,
         slo_ttft_ms=ns.slo_ttft_ms,
         slo_tpot_ms=ns.slo_tpot_ms,
         # The router's queue follows the pools' policy: priority first, with aging.
-        admission_order="priority"
+        admission_policy="priority"
         if "priority" in (ns.prefill_policy, ns.decode_policy)
-        else "fifo",
+        else "fcfs",
         priority_aging_s=min(ns.prefill_priority_aging_s, ns.decode_priority_aging_s),
     )
 
@@ -223,6 +253,8 @@ def engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
         compile_model=ns.compile_model,
         # True: the engine's own default (one step ahead where it pays), not a forced on.
         async_scheduling=None if ns.async_scheduling else False,
+        # The prefill pool stops at the first token: nothing to speculate.
+        speculative=None if prefix == "prefill" else ns.speculative_config,
         num_blocks=get("num_blocks"),  # type: ignore[arg-type]
         kv_cache_gib=get("kv_cache_gib"),  # type: ignore[arg-type]
         gpu_memory_utilization=get("gpu_memory_utilization"),  # type: ignore[arg-type]
@@ -360,6 +392,20 @@ def add_deploy_args(p: argparse.ArgumentParser) -> None:
         type=at_least(1024),
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest request or response message",
+    )
+    g = p.add_argument_group("tracing (OpenTelemetry)")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        type=host_port,
+        metavar="HOST:PORT",
+        help="send a trace of each request (router and workers) to this OTLP/gRPC "
+        "collector (default: no tracing)",
+    )
+    g.add_argument(
+        "--otlp-traces-sample-ratio",
+        type=number_in(0, 1),
+        default=1.0,
+        help="share of requests traced, of those whose caller sent no sampled traceparent",
     )
     g = p.add_argument_group("metrics")
     g.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics")

@@ -127,8 +127,10 @@ class GrpcServer:
         security: EdgeSecurity | None = None,
         metrics: RouterMetrics | None = None,
         admin: AdminServicer | None = None,
+        on_drain: Callable[[], None] | None = None,
     ) -> None:
         self._generator = generator
+        self._on_drain = on_drain  # told first when a drain starts
         self._admin = admin or AdminServicer(lambda: None, enabled=False)
         self.security = security or EdgeSecurity()
         self.metrics = metrics
@@ -144,6 +146,8 @@ class GrpcServer:
         self._port: int | None = None
         self._stop_task: asyncio.Task[None] | None = None
         self._stop_now = asyncio.Event()
+        self._serving = False
+        self._stop_now_reason: str | None = None
 
     @property
     def port(self) -> int:
@@ -202,6 +206,12 @@ class GrpcServer:
         """Report SERVING (call once the pools are warm); ignored after a drain started."""
         for service in ("", GENERATION_SERVICE):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = self._stop_task is None
+
+    @property
+    def is_serving(self) -> bool:
+        """The health check answers SERVING: warm, and no drain has started."""
+        return self._serving
 
     @property
     def num_in_flight(self) -> int:
@@ -227,6 +237,9 @@ class GrpcServer:
     async def _drain(self, grace: float | None) -> None:
         assert self._server is not None
         grace = self.drain_grace_s if grace is None else grace
+        self._serving = False
+        if self._on_drain is not None:
+            self._on_drain()
         await self._health.enter_graceful_shutdown()
         logger.info(
             "draining: %d in flight, notice %.1fs, grace %.1fs",
@@ -241,7 +254,11 @@ class GrpcServer:
             self._servicer.wait_idle(), grace
         ):
             stopped_now = self._stop_now.is_set()
-            why = "stopped at once by a second signal" if stopped_now else None
+            why = (
+                (self._stop_now_reason or "stopped at once by a second signal")
+                if stopped_now
+                else None
+            )
             await self._abort_in_flight(why or f"drain grace of {grace:g}s is over")
         # A short grace, not 0: a call whose handler has just returned its final message
         # may still have it (and its status) on the way out, and stop(0) would cancel it
@@ -273,8 +290,10 @@ class GrpcServer:
         if self._server is not None and self._stop_task is None:
             self._stop_task = asyncio.get_running_loop().create_task(self._drain(None))
 
-    def stop_now(self) -> None:
-        """Cut a drain short: no notice, no grace; in-flight calls end with ABORT at once."""
+    def stop_now(self, reason: str | None = None) -> None:
+        """Cut a drain short: no notice, no grace; in-flight calls end with ABORT at once
+        (naming `reason`, by default the second signal)."""
+        self._stop_now_reason = reason
         self._stop_now.set()
         self.request_stop()
 
@@ -313,6 +332,7 @@ async def serve(
     security: EdgeSecurity | None = None,
     metrics: RouterMetrics | None = None,
     admin: AdminServicer | None = None,
+    on_drain: Callable[[], None] | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT has drained the server; the caller then stops the workers.
 
@@ -328,6 +348,7 @@ async def serve(
         security=security,
         metrics=metrics,
         admin=admin,
+        on_drain=on_drain,
     )
     try:
         await server.start()

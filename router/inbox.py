@@ -15,15 +15,29 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass
 
 from engine.core.request import FinishReason
 from engine.wire import TokenUpdate, merge_updates
 
-Item = TokenUpdate | BaseException
+
+@dataclass(frozen=True)
+class Moved:
+    """The request moved, KV and all, to another decode worker (router/live_migration.py):
+    `outputs` are every token its previous attempt produced, the first of them the
+    client's token number `first_index`; what the client has not seen of them yet is
+    streamed from here, then the new attempt's tokens follow."""
+
+    outputs: tuple[int, ...]
+    first_index: int
+
+
+Item = TokenUpdate | BaseException | Moved
 
 
 def _is_failure(item: Item) -> bool:
-    return isinstance(item, BaseException) or item.finish_reason is FinishReason.ERROR
+    """Items never merged with others: failures, and the point where the request moved."""
+    return not isinstance(item, TokenUpdate) or item.finish_reason is FinishReason.ERROR
 
 
 class UpdateInbox:

@@ -9,16 +9,15 @@ plus every token already streamed (sampling is a function of seed and position, 
 continuation is the same text). Whatever ends an attempt, it is aborted on every worker
 it touched; aborts are idempotent there.
 
-Files of the serving core: this one (admission, attempts, streaming, leases renewed),
-`router/attempts.py` (an attempt, the client's progress, continuations, the final
-result), `router/paths.py` (the colocated and the disaggregated path),
-`router/placement.py` (which workers, and where the prompt runs), `router/delivery.py`
-(token batches into inboxes), `router/clients.py` (the worker calls).
+This file: admission, attempts, streaming, leases renewed. The rest of the serving core:
+`attempts`, `migrations`, `live_migration`, `paths`, `placement`, `delivery`, `clients`
+(docs/architecture.md says what each does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -40,13 +39,16 @@ from router.cluster import POOLS
 from router.config import RouterConfig
 from router.delivery import TokenDelivery
 from router.errors import NotReadyError, QueueFullError
-from router.inbox import UpdateInbox
+from router.inbox import Moved, UpdateInbox
 from router.kv_index import PrefixIndex
+from router.live_migration import LiveMigrator
+from router.migrations import migrates, migrations_counter
 from router.paths import ServingPaths
 from router.planner.signals import ServingSignals
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
 from router.protocol import GenerateCall, PoolStats, ServerInfo
+from router.tracing import NO_TRACE, RequestTrace, start_request
 from router.worker_load import WorkerLease
 
 log = logging.getLogger("pdserve.router")
@@ -66,7 +68,7 @@ class DisaggregatedGenerator(ServingPaths):
         self.admission = Admission(
             self.config.max_in_flight,
             self.config.max_queue,
-            order=self.config.admission_order,
+            policy=self.config.admission_policy,
             aging_s=self.config.priority_aging_s,
         )
         # What the planner reads: traffic, first tokens, worker speeds (cheap when unread).
@@ -77,6 +79,7 @@ class DisaggregatedGenerator(ServingPaths):
         self._renewing: dict[WorkerRef, set[str]] = defaultdict(set)
         self._renewer: asyncio.Task[None] | None = None
         self._ready = False
+        self._shutting_down = False
         info = pools.reference
         if info is None:
             raise ValueError("no workers")
@@ -91,6 +94,9 @@ class DisaggregatedGenerator(ServingPaths):
         self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
         self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of, self.signals)
+        migrations_counter()  # on /metrics from the start, at zero
+        if not self.colocated_mode:
+            self.live_migration = LiveMigrator(pools, self._attempts, self.config, self._spawn)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -105,6 +111,11 @@ class DisaggregatedGenerator(ServingPaths):
         if self._renewer is not None:
             self._renewer.cancel()
         await self.delivery.stop()
+
+    def begin_shutdown(self) -> None:
+        """The service is draining: a request whose worker is lost from now on ends with
+        ABORT at once (there is nowhere to move it that will outlive the drain)."""
+        self._shutting_down = True
 
     def is_ready(self) -> bool:
         if not self._ready:
@@ -144,7 +155,7 @@ class DisaggregatedGenerator(ServingPaths):
     def _on_worker_death(self, ref: WorkerRef, reason: str) -> None:
         for attempt in list(self._attempts.values()):
             if attempt.decode_ref is ref:
-                attempt.inbox.put(WorkerLost(reason))
+                attempt.inbox.put(WorkerLost(reason, worker=ref))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -200,7 +211,7 @@ class DisaggregatedGenerator(ServingPaths):
             return await pending
         except WorkerDied as exc:
             self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
-            raise WorkerLost(f"{ref.worker_id} died: {exc}") from exc
+            raise WorkerLost(f"{ref.worker_id} died: {exc}", worker=ref) from exc
 
     # ---------------------------------------------------------------- requests
     def _to_input(self, call: GenerateCall) -> GenerationInput:
@@ -237,13 +248,16 @@ class DisaggregatedGenerator(ServingPaths):
         output = OutputProcessor(self.tokenizer, base.prompt_token_ids, base.sampling.stop)
         progress = Progress(time.perf_counter(), output)
         self.signals.request_arrived(progress)
+        trace = start_request(call.trace_parent, request_id, progress.arrival, base.priority)
         attempt: Attempt | None = None
         finished = False
         run_locally = False
+        num_failed = 0  # lost attempts other than migrations
         try:
             async with self.admission.slot(priority=base.priority):
-                for number in range(self.config.max_attempts):
-                    attempt = self._begin(base, number, progress)
+                trace.admitted()
+                for number in itertools.count():
+                    attempt = self._begin(base, number, progress, trace)
                     try:
                         if self.colocated_mode:
                             chunks = self._run_colocated(attempt, progress)
@@ -255,11 +269,33 @@ class DisaggregatedGenerator(ServingPaths):
                         self.signals.request_ended(
                             progress, progress.num_out, progress.tpot_s(), completed=True
                         )
-                        yield final_result(request_id, base, progress, progress.finish_reason)
+                        yield final_result(
+                            request_id, base, progress, progress.finish_reason, trace=trace
+                        )
                         return
                     except WorkerLost as exc:
+                        attempt.trace.lost(str(exc), resumed=bool(progress.num_out))
                         self._end(attempt)
+                        if self._shutting_down:
+                            finished = True
+                            log.info("request %s ends with the service: %s", request_id, exc)
+                            yield final_result(
+                                request_id,
+                                base,
+                                progress,
+                                FinishReason.ABORT,
+                                f"server shutting down: {exc}",
+                                trace,
+                            )
+                            return
                         run_locally = exc.run_locally
+                        if migrates(request_id, exc, progress, self.config.max_migrations):
+                            continue  # straight on: the client is waiting mid-stream
+                        num_failed += 1
+                        if num_failed >= self.config.max_attempts:
+                            raise RuntimeError(
+                                f"gave up after {self.config.max_attempts} attempts: {exc}"
+                            ) from exc
                         if progress.num_out:
                             progress.num_resumed += 1
                         log.warning(
@@ -271,27 +307,38 @@ class DisaggregatedGenerator(ServingPaths):
                             else "retrying on other workers",
                         )
                         if not run_locally:
-                            await asyncio.sleep(self.config.retry_delay_s * number)
-                raise RuntimeError(f"gave up after {self.config.max_attempts} attempts")
+                            await asyncio.sleep(self.config.retry_delay_s * num_failed)
         except (QueueFullError, NotReadyError) as exc:
             finished = True  # refused at the door: nothing to abort, not a cancellation
             log.info("request %s refused: %s", request_id, exc)
+            trace.finish(None, None, f"refused: {exc}")
             raise
         except Exception as exc:  # noqa: BLE001 - becomes this request's terminal message
             log.error("request %s failed: %s", request_id, exc)
             finished = True
             if attempt is not None:
                 self._end(attempt)
-            yield final_result(request_id, base, progress, FinishReason.ERROR, str(exc))
+            yield final_result(request_id, base, progress, FinishReason.ERROR, str(exc), trace)
         finally:
             if attempt is not None:
                 self._end(attempt, abort=not finished)
             self.signals.request_ended(progress, progress.num_out, None, completed=False)
             if not finished:
-                log.info("request %s cancelled after %d tokens", request_id, progress.num_out)
+                traced = f" trace={trace.trace_id}" if trace.trace_id else ""
+                log.info(
+                    "request %s cancelled after %d tokens%s", request_id, progress.num_out, traced
+                )
+            trace.finish(None, progress.t_first, "cancelled")  # unless it finished
 
-    def _begin(self, base: GenerationInput, number: int, progress: Progress) -> Attempt:
-        attempt = Attempt(continuation(base, number, progress))
+    def _begin(
+        self, base: GenerationInput, number: int, progress: Progress, trace: RequestTrace = NO_TRACE
+    ) -> Attempt:
+        # A worker that became live since the request arrived (a replacement, a scale-up)
+        # may be where this attempt lands: follow it first.
+        self.delivery.ensure_pollers()
+        attempt_trace = trace.attempt(number, progress.num_out)
+        inp = attempt_trace.bind(continuation(base, number, progress))
+        attempt = Attempt(inp, trace=attempt_trace, resumes_after=progress.num_out)
         self._attempts[attempt.req_id] = attempt
         return attempt
 
@@ -300,6 +347,7 @@ class DisaggregatedGenerator(ServingPaths):
         this may run while the generator closes on cancellation)."""
         if self._attempts.pop(attempt.req_id, None) is None:
             return
+        attempt.trace.end()
         for lease in attempt.leases:
             lease.release()
         if attempt.decode_ref is not None:
@@ -344,9 +392,22 @@ class DisaggregatedGenerator(ServingPaths):
                 raise RuntimeError(
                     f"no token for {self.config.token_stall_timeout_s:.0f}s"
                 ) from exc
+            if attempt.decode_ref is not None:
+                # The decode worker answered for the request: its reservation is used.
+                self._renewing[attempt.decode_ref].discard(attempt.req_id)
             if isinstance(item, BaseException):
                 raise item
-            if item.kv_wire_s:
+            if isinstance(item, Moved):
+                # It moved with its KV (router/live_migration.py): stream what the client
+                # has not seen of the old attempt's tokens; the new attempt's follow.
+                tokens, reason, local = (
+                    item.outputs[progress.num_out - item.first_index :],
+                    None,
+                    None,
+                )
+                progress.num_moved += 1
+                continue
+            if item.kv_wire_s and not attempt.resumes_after:
                 progress.timings = replace(
                     progress.timings, kv_wire_s=item.kv_wire_s, kv_transfer_s=item.kv_handoff_s
                 )
@@ -358,4 +419,4 @@ class DisaggregatedGenerator(ServingPaths):
             if local is not None and item.new_token_ids:
                 local.done_with_tokens()  # its prompt ran: no longer queued there
             tokens, reason = item.new_token_ids, item.finish_reason
-            progress.num_cached = max(progress.num_cached, item.num_cached_tokens)
+            progress.note_cached(attempt, item.num_cached_tokens)

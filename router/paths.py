@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from engine.core.outputs import PhaseTimings, TextChunk
 from engine.core.request import FinishReason
 from engine.wire import HandoffTarget, PrefillResult, Reservation
-from router import metrics
+from router import metrics, phase_metrics
 from router.attempts import Attempt, Progress, WorkerLost
 from router.clients import WorkerDied
 from router.config import RouterConfig
@@ -81,6 +81,7 @@ class ServingPaths:
                 route_by_cache(self.indexes["colocated"], hashes, self.config.routing),
             )
             attempt.decode_ref = ref  # before submit: tokens may come back at once
+            attempt.trace.routed(worker=ref.worker_id, policy=self.config.routing.policy)
             attempt.leases.append(ref.load.lease())
             try:
                 await ref.client.submit(attempt.inp)
@@ -120,6 +121,13 @@ class ServingPaths:
                 block_size=self.block_size,
             )
         metrics.prefill_path(decision.path, decision.reason)
+        attempt.trace.routed(
+            decode_worker=decode_ref.worker_id,
+            prefill_worker=prefill_ref.worker_id if prefill_ref is not None else "",
+            path=decision.path,
+            reason=decision.reason,
+            uncached_tokens=num_uncached,
+        )
         queued_s = progress.since_arrival()
         if prefill_ref is None:
             # Local path: the decode worker runs the prompt itself; no hand-off.
@@ -138,9 +146,11 @@ class ServingPaths:
         attempt.prefill_ref = prefill_ref
         self.signals.prompt_placed(num_uncached, prefill_work=True)
         result, reservation = await self._prefill(attempt, decode_ref, prefill_ref, num_uncached)
+        attempt.trace.prefilled(prefill_ref.worker_id, result)
+        phase_metrics.observe(prefill_ref.pool, prefill_ref.index, result.phases)
         self.delivery.apply_kv_events(prefill_ref, result.kv_events)
         progress.mark_decoding(PhaseTimings(queued_s, result.prefill_s))
-        progress.num_cached = max(progress.num_cached, result.num_cached_tokens)
+        progress.note_cached(attempt, result.num_cached_tokens)
         if result.finish_reason is FinishReason.ERROR:
             metrics.kv_transfer_failed()
             raise WorkerLost(result.error, run_locally=True)  # nothing was sent
@@ -168,6 +178,8 @@ class ServingPaths:
             self._call(decode_ref, decode_ref.client.reserve(inp, self.config.lease_s, source))
         )
         lease = prefill_ref.load.lease(num_uncached)
+        # Renewed until the KV lands (the decode worker's first word on the request, in
+        # `_stream`): a hand-off queued behind others on its channel is still progress.
         self._renewing[decode_ref].add(inp.req_id)
         target = HandoffTarget(decode_ref.worker_id, decode_ref.info.epoch)
         try:
@@ -177,12 +189,13 @@ class ServingPaths:
             )
         except WorkerLost as exc:
             reserving.cancel()
+            self._renewing[decode_ref].discard(inp.req_id)
             raise WorkerLost(str(exc), run_locally=True) from exc
         except TimeoutError as exc:
             reserving.cancel()
+            self._renewing[decode_ref].discard(inp.req_id)
             raise RuntimeError(f"prefill took over {self.config.prefill_timeout_s:.0f}s") from exc
         finally:
-            self._renewing[decode_ref].discard(inp.req_id)
             lease.release()
         load = prefill_ref.load
         load.prefill_rate.observe(

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +95,9 @@ class Pools:
         self.targets = dict(cluster.config.initial_sizes)
         self.on_death: list[Callable[[WorkerRef, str], None]] = []
         self.on_removed: list[Callable[[WorkerRef], None]] = []  # dead, drained or stopped
+        # Run when a worker starts draining, before the wait for its requests to end
+        # (live migration moves them off it).
+        self.drain_hooks: list[Callable[[WorkerRef], Awaitable[None]]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._starting: dict[str, set[int]] = {pool: set() for pool in POOLS}
         self._stopping = False
@@ -227,6 +230,10 @@ class Pools:
             self.startup_times[pool].append(time.monotonic() - asked)
             log.info("%s live (epoch %x, %s)", ref.worker_id, ref.info.epoch, ref.info.device)
         return ref
+
+    def channel_spec(self, sender: WorkerRef, receiver: WorkerRef) -> ChannelSpec:
+        """The rendezvous of a channel from `sender` to `receiver` (either pool)."""
+        return self._spec(sender, receiver)
 
     def _spec(self, prefill: WorkerRef, decode: WorkerRef) -> ChannelSpec:
         return ChannelSpec(
@@ -362,6 +369,11 @@ class Pools:
             if self._count(ref.pool) < self.targets[ref.pool]:
                 self.targets[ref.pool] = self._count(ref.pool)
         log.info("%s draining", worker_id)
+        for hook in self.drain_hooks:
+            try:
+                await hook(ref)
+            except Exception as exc:  # noqa: BLE001 - its requests then finish here
+                log.error("moving the requests off %s failed: %s", worker_id, exc)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while ref.state == "draining" and loop.time() < deadline:

@@ -7,15 +7,19 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from engine import tracing
 from engine.core.outputs import FinalResult, TextChunk
 from engine.model.model_loader import has_tokenizer, load_tokenizer
 from router.admin import AdminServicer
 from router.cluster import Cluster, ClusterConfig
 from router.config import RouterConfig
 from router.errors import NotReadyError
+from router.fleet_metrics import FleetState, get_fleet_metrics
 from router.grpc_server import GrpcServer, serve
+from router.local_watch import watch_children
 from router.metrics import DEFAULT_METRICS_PORT, get_metrics
 from router.orchestrator import DisaggregatedGenerator
+from router.phase_metrics import get_phase_metrics
 from router.planner.config import PlannerConfig
 from router.planner.loop import PlannerLoop
 from router.planner.metrics import planner_metrics
@@ -82,6 +86,9 @@ async def run_service(
     pools = Pools(cluster)
     planner: PlannerLoop | None = None
     metrics = get_metrics()
+    get_phase_metrics()  # their families are on /metrics from the first scrape
+    tracing.configure(config.cluster.tracing, "pdserve-router")
+    servers: list[GrpcServer] = []
     stop_metrics = None
     if config.metrics_port:
         stop_metrics = metrics.serve(config.metrics_host, config.metrics_port)
@@ -94,6 +101,21 @@ async def run_service(
             return future.result(timeout=metrics.pools.timeout_s)
 
         metrics.pools.set_source(read_pool_stats)
+
+        def read_fleet() -> FleetState:
+            # Called on the metrics server's thread: plain reads of the pools' counts.
+            return FleetState(
+                serving=bool(servers) and servers[0].is_serving,
+                target_workers=dict(pools.targets),
+                live_workers={pool: len(pools.routable(pool)) for pool in pools.targets},
+            )
+
+        get_fleet_metrics().set_source(read_fleet)
+
+    def started(server: GrpcServer) -> None:
+        servers.append(server)
+        if on_started is not None:
+            on_started(server)
 
     async def warm_up() -> None:
         await pools.start()
@@ -116,6 +138,23 @@ async def run_service(
             planner.start()
         log.info("pools warm; SERVING")
 
+    watcher: asyncio.Task[None] | None = None
+
+    def ray_going_down(why: str) -> None:
+        log.warning("%s; ending the streams in flight now", why)
+        for server in servers:
+            server.stop_now(f"the workers went down with the service ({why})")
+
+    def on_drain() -> None:
+        # The service is going away: a request whose worker is lost ends now (ABORT)
+        # rather than moving. A local Ray that a process-group signal takes down with
+        # the router can no longer be asked anything: its processes are watched instead.
+        nonlocal watcher
+        if front.inner is not None:
+            front.inner.begin_shutdown()
+        if cluster.started_local_ray:
+            watcher = asyncio.ensure_future(watch_children(ray_going_down))
+
     try:
         await serve(
             front,
@@ -123,7 +162,7 @@ async def run_service(
             config.port,
             drain_grace_s=config.drain_grace_s,
             warm_up=warm_up(),
-            on_started=on_started,
+            on_started=started,
             security=config.security,
             metrics=metrics,
             admin=AdminServicer(
@@ -132,9 +171,13 @@ async def run_service(
                 lambda: front.inner,
                 lambda: planner,
             ),
+            on_drain=on_drain,
         )
     finally:
+        if watcher is not None:
+            watcher.cancel()
         metrics.pools.set_source(None)
+        get_fleet_metrics().set_source(None)
         if stop_metrics is not None:
             stop_metrics()
         if planner is not None:
@@ -144,4 +187,5 @@ async def run_service(
         if not await pools.stop(timeout_s=STOP_WORKERS_S) and cluster.started_local_ray:
             # The signal went to the whole process group: the local Ray is going down.
             cluster.abandon_ray()
+        tracing.shutdown()  # send the spans still buffered
         log.info("stopped")

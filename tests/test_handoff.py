@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from bench.harness import wait_until_async
 from decode_worker.worker import DecodeWorker
 from engine.core.config import SchedulerConfig
 from engine.core.request import FinishReason
@@ -54,13 +55,10 @@ class Pair:
         return p.num_blocks_in_use, d.num_blocks_in_use
 
     async def wait_zero(self, timeout: float = 10.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while loop.time() < deadline:
-            if await self.blocks_in_use() == (0, 0):
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"blocks still in use: {await self.blocks_in_use()}")
+        async def empty() -> bool:
+            return await self.blocks_in_use() == (0, 0)
+
+        await wait_until_async(empty, timeout, interval=0.05, what="both pools hold no block")
 
 
 @pytest.fixture(scope="module")

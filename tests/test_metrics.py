@@ -47,6 +47,8 @@ COUNTERS = {
     "pdserve_kv_transfer_failures": set(),
     "pdserve_preemptions": {"pool"},
     "pdserve_worker_restarts": {"pool"},
+    "pdserve_spec_decode_draft_tokens": {"pool"},
+    "pdserve_spec_decode_accepted_tokens": {"pool"},
 }
 GAUGES = {
     "pdserve_num_requests_running": {"pool", "worker"},
@@ -61,6 +63,20 @@ PLANNER_SERIES = {
     "pdserve_planner_target_workers",
     "pdserve_planner_load_workers",
 }
+# Registered by the serving core (router/migrations.py) on the same registry.
+MIGRATION_SERIES = {"pdserve_request_migrations_total"}
+
+PHASE_AND_FLEET_SERIES = {
+    f"pdserve_phase_{phase}_seconds_{part}"
+    for phase in ("queue", "prefill", "kv_transfer", "decode_admission", "first_decode_step")
+    for part in ("bucket", "sum", "count")
+} | {
+    "pdserve_kv_wire_bytes_total",
+    "pdserve_kv_wire_seconds_total",
+    "pdserve_serving",
+    "pdserve_pool_live_workers",
+    "pdserve_pool_target_workers",
+}
 
 
 def worker(pool: str, index: int, **kw: int) -> WorkerStats:
@@ -72,7 +88,8 @@ def test_metrics_count_what_clients_sent(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("tok\n")
     metrics = RouterMetrics()
-    stats = [PoolStats((worker("prefill", 0), worker("decode", 0, num_preemptions=3)), 1, 2)]
+    decode = worker("decode", 0, num_preemptions=3, spec_draft_tokens=40, spec_accepted_tokens=25)
+    stats = [PoolStats((worker("prefill", 0), decode), 1, 2)]
     metrics.pools.set_source(lambda: stats[0])
     port = free_port()
     stop_http = metrics.serve("127.0.0.1", port)
@@ -133,6 +150,8 @@ def test_metrics_count_what_clients_sent(tmp_path: Path) -> None:
         assert value(samples, "pdserve_prefix_cache_hits_total", pool="prefill") == 32
         assert value(samples, "pdserve_prefix_cache_queries_total", pool="decode") == 64
         assert value(samples, "pdserve_preemptions_total", pool="decode") == 3
+        assert value(samples, "pdserve_spec_decode_draft_tokens_total", pool="decode") == 40
+        assert value(samples, "pdserve_spec_decode_accepted_tokens_total", pool="decode") == 25
 
         # A restarted worker counts from zero again; the pool's counter does not go back.
         stats[0] = PoolStats(
@@ -192,6 +211,8 @@ def test_grafana_dashboard_queries_only_existing_metrics() -> None:
     for name in HISTOGRAMS:
         exposed |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
     exposed |= {f"{name}_total" for name in COUNTERS} | set(GAUGES) | PLANNER_SERIES
+    exposed |= PHASE_AND_FLEET_SERIES  # router/phase_metrics.py, router/fleet_metrics.py
+    exposed |= MIGRATION_SERIES
     titles = []
     for panel in dashboard["panels"]:
         titles.append(panel["title"].lower())

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from bench.fake_workers import FakePools, WordTokenizer, expected_tokens, token_at
+from bench.harness import wait_until_async
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -57,11 +58,12 @@ def _expected(call: GenerateCall) -> list[int]:
 
 
 async def _settle(pools: FakePools) -> None:
-    for _ in range(50):  # background aborts run on the loop
-        await asyncio.sleep(0)
-        if all(f.holds_nothing for f in pools.fakes.values()):
-            return
-        await asyncio.sleep(0.005)
+    """Until the background aborts (they run on the loop) left every worker empty."""
+    await wait_until_async(
+        lambda: all(f.holds_nothing for f in pools.fakes.values()),
+        2.0,
+        what="every fake worker holds nothing",
+    )
 
 
 def test_a_long_prompt_is_prefilled_remotely_and_decoded_with_the_same_tokens() -> None:
@@ -191,10 +193,9 @@ def test_a_cancelled_request_is_aborted_on_every_worker_it_reached() -> None:
         gen = _generator(pools)
         stream = gen.generate(_call())
         task = asyncio.ensure_future(stream.__anext__())
-        for _ in range(100):
-            await asyncio.sleep(0.001)
-            if pools.fakes["prefill-0"].calls:
-                break
+        await wait_until_async(
+            lambda: pools.fakes["prefill-0"].calls, 2.0, what="the prefill call arrived"
+        )
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -274,3 +275,47 @@ def test_a_stop_string_that_spans_the_resume_point_still_stops_the_request() -> 
         await gen.stop()
 
     _run(body())
+
+
+def test_a_reservation_is_renewed_until_its_kv_lands() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        pools.fakes["prefill-0"].prefill_delay_s = 0.2
+        # The KV lands well past the lease after the prefill answered: still progress.
+        pools.fakes["prefill-0"].kv_delay_s = 0.3
+        gen = _generator(pools, lease_s=0.1)
+        tokens, final = await _collect(gen.generate(_call()))
+        assert final.finish_reason is FinishReason.LENGTH, final.error
+        assert tokens == _expected(_call())
+        # The hand-off itself was accepted: nothing ran the prompt again on decode.
+        assert [v for v, _ in pools.fakes["decode-0"].calls].count("submit") == 0
+        await _settle(pools)
+        assert all(f.holds_nothing for f in pools.fakes.values())
+        await gen.stop()
+
+    _run(body())
+
+
+def test_an_expired_reservation_is_retried_on_decode_not_failed() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        pools.fakes["prefill-0"].kv_delay_s = 0.3
+        gen = _generator(pools, lease_s=0.1)
+        gen._renewing.default_factory = _Forgetful  # type: ignore[assignment]
+        tokens, final = await _collect(gen.generate(_call()))
+        assert final.finish_reason is FinishReason.LENGTH, final.error
+        assert tokens == _expected(_call())  # the first token once, then the rest
+        submits = [r for v, r in pools.fakes["decode-0"].calls if v == "submit"]
+        assert len(submits) == 1  # continued from its first token on the decode worker
+        await _settle(pools)
+        assert all(f.holds_nothing for f in pools.fakes.values())
+        await gen.stop()
+
+    _run(body())
+
+
+class _Forgetful(set[str]):
+    """A renewal set that never holds anything: the lease is left to expire."""
+
+    def add(self, element: str) -> None:
+        pass

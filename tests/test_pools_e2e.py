@@ -5,8 +5,10 @@ brings the pools to the size it starts from, so any test runs alone or in any or
 Scaling up to 2P2D and back down happens while requests stream; a burst spreads over
 both pairs; two hundred requests (mixed lengths, ~20 % cancelled at random points, some
 with short deadlines) run while a prefill and a decode worker are SIGKILLed (the decode
-one twice) and the pools come back. Every stream ends with exactly one terminal outcome,
-no block stays in use, and greedy outputs equal the in-process engine's.
+one twice) and the pools come back; seeded streams continue when their decode worker
+is killed; a drained decode worker hands its running generations to its peer with their
+KV. Every stream ends with exactly one terminal outcome, no block stays in use, and
+greedy and seeded outputs equal the in-process engine's.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import asyncio
 import os
 import random
 import signal
+import time
 
 import grpc
 import pytest
 
 from bench.harness import ServiceProcess, StartService
+from bench.harness.metrics import scrape
+from bench.harness.metrics import value as metric_value
+from bench.harness.polling import wait_until_async
 from bench.harness.pools import assert_pools_empty, wait_pool_sizes
 from bench.harness.streams import StreamResult, generate
 from engine.llm import LLM
@@ -155,6 +161,70 @@ def test_requests_spread_over_both_pairs(
         assert result.tokens == expected[i]
 
 
+def test_seeded_streams_on_a_killed_decode_worker_end_with_the_undisturbed_text(
+    service: ServiceProcess, reference_llm: LLM
+) -> None:
+    """SIGKILL the decode worker while seeded streams with stop strings run on it: each
+    continues on the other decode worker, and the client sees the undisturbed text."""
+    seeded = [
+        SamplingParams(max_tokens=40, temperature=0.8, top_k=40, seed=11 + i, ignore_eos=True)
+        for i in range(4)
+    ]
+    prompts = PROMPTS[:4]
+    reference = reference_llm.generate(prompts, seeded)
+    # A stop string late in each text: the matcher has seen the tokens before the kill.
+    stops = [out.text[-12:-6] for out in reference]
+
+    async def scenario() -> list[StreamResult]:
+        await _pools_at(service.address, 2, 2)
+        before = scrape(service.metrics_port)[1]
+        seen = [0] * len(prompts)
+        streams = [
+            asyncio.ensure_future(
+                generate(
+                    service.address,
+                    prompt=p,
+                    max_tokens=params.max_tokens,
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    seed=params.seed,
+                    ignore_eos=True,
+                    stop=[stop],
+                    on_tokens=lambda n, i=i: seen.__setitem__(i, n),
+                )
+            )
+            for i, (p, params, stop) in enumerate(zip(prompts, seeded, stops, strict=True))
+        ]
+        await wait_until_async(
+            lambda: all(n >= 3 or t.done() for n, t in zip(seen, streams, strict=True)),
+            60,
+            what="every stream under way",
+        )
+        # The decode worker with the most streams on it dies.
+        stats = await get_pool_stats(service.address)
+        busiest = max(
+            (w for w in stats.workers if w.pool == pb.POOL_DECODE), key=lambda w: w.num_running
+        )
+        listing = await list_workers(service.address)
+        victim = next(w for w in listing.workers if w.worker_id == f"decode-{busiest.index}")
+        os.kill(victim.pid, signal.SIGKILL)
+        results = await asyncio.gather(*streams)
+        after = scrape(service.metrics_port)[1]
+        labels = {"pool": "decode", "reason": "worker_died"}
+        moved = metric_value(after, "pdserve_request_migrations_total", **labels)
+        moved -= metric_value(before, "pdserve_request_migrations_total", **labels)
+        assert moved >= 1, "no stream was on the killed worker any more"
+        await assert_pools_empty(service.address)  # its replacement may still be starting
+        return results
+
+    results = asyncio.run(scenario())
+    for result, ref, stop in zip(results, reference, stops, strict=True):
+        assert result.outcome == "final:FINISH_REASON_STOP", (result.outcome, result.details)
+        assert result.text == ref.text[: ref.text.index(stop)]
+        assert result.final is not None
+        assert result.final.usage.completion_tokens == len(result.tokens)
+
+
 def test_chaos_kills_cancels_and_deadlines(
     service: ServiceProcess, expected: dict[int, list[int]]
 ) -> None:
@@ -245,11 +315,72 @@ def test_chaos_kills_cancels_and_deadlines(
         raise AssertionError(f"{exc}\n--- service log ---\n{service.log_tail(8000)}") from exc
 
 
+def test_a_drained_decode_worker_hands_its_running_generations_over(
+    service: ServiceProcess, reference_llm: LLM
+) -> None:
+    """`pdserve scale --decode 1` with long generations running on decode-1: they move to
+    decode-0 with their KV (no prompt runs again), the scale returns while they still
+    run, and each text is the undisturbed one."""
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    prompts = [f"Story {i}: the lighthouse keeper counted the ships." for i in range(6)]
+    reference = reference_llm.generate(prompts, greedy)
+
+    async def scenario() -> tuple[list[StreamResult], float]:
+        await _pools_at(service.address, 2, 2)
+        before = scrape(service.metrics_port)[1]
+        seen = [0] * len(prompts)
+        streams = [
+            asyncio.ensure_future(
+                generate(
+                    service.address,
+                    prompt=p,
+                    max_tokens=48,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    on_tokens=lambda n, i=i: seen.__setitem__(i, n),
+                )
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+        async def under_way_on_both() -> bool:
+            stats = await get_pool_stats(service.address)
+            running = {w.index: w.num_running for w in stats.workers if w.pool == pb.POOL_DECODE}
+            return min(seen) >= 2 and running.get(1, 0) > 0
+
+        await wait_until_async(under_way_on_both, 60, what="streams running on decode-1")
+        started = time.monotonic()
+        await scale_pool(service.address, "decode", 1)
+        scale_s = time.monotonic() - started
+        still_running = sum(not s.done() for s in streams)
+        results = await asyncio.gather(*streams)
+        after = scrape(service.metrics_port)[1]
+
+        def moved(reason: str) -> float:
+            labels = {"pool": "decode", "reason": reason}
+            return metric_value(after, "pdserve_request_migrations_total", **labels) - metric_value(
+                before, "pdserve_request_migrations_total", **labels
+            )
+
+        assert moved("drained_kv") >= 1 and moved("drained") == 0, service.log_tail(3000)
+        assert still_running > 0, "the scale-down waited for the generations to end"
+        await assert_pools_empty(service.address)
+        return results, scale_s
+
+    results, scale_s = asyncio.run(scenario())
+    assert scale_s < 10, f"the drain took {scale_s:.1f} s"
+    for result, ref in zip(results, reference, strict=True):
+        assert result.outcome == "final:FINISH_REASON_LENGTH", (result.outcome, result.details)
+        assert result.tokens == list(ref.token_ids)
+
+
 def test_scale_down_while_streaming(
     service: ServiceProcess, expected: dict[int, list[int]]
 ) -> None:
     async def scenario() -> None:
-        await _pools_at(service.address, 2, 2)
+        # The decode pool shrank under long generations in the test before (it leaves it
+        # at 2P1D): the prefill pool shrinks here.
+        await _pools_at(service.address, 2, 1)
         await _resize_while_streaming(service.address, expected, [("decode", 1), ("prefill", 1)])
 
     asyncio.run(scenario())

@@ -5,7 +5,6 @@ sender's plan. No process group, no model: a plain tensor stands in for the cach
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from engine.transfer.handoff import (
     HeaderKind,
     Reservation,
 )
-from engine.transfer.receiver import ChannelReceiver
+from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import ReservationBook
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, layers_per_part, open_stream
@@ -44,6 +43,8 @@ class Worker:
         self.errors: dict[str, str] = {}
         self.arrivals: list[str] = []
         self.buried: set[str] = set()
+        # Set once the receiver found no reservation for an entry and asked about it.
+        self.asked_if_buried = threading.Event()
 
     def reserve(self, req_id: str, num_tokens: int) -> Reservation:
         ids = [self.free.pop(0) for _ in range(-(-num_tokens // BLOCK))]
@@ -83,9 +84,10 @@ class Worker:
     def admit(self, inp: GenerationInput, first_token: int) -> None:
         self.admitted[inp.req_id] = first_token
 
-    def arrived(self, req_id: str, wire_s: float, handoff_s: float) -> None:
-        assert handoff_s >= 0 and wire_s >= 0
-        self.arrivals.append(req_id)
+    def arrived(self, arrival: KVArrival) -> None:
+        assert arrival.handoff_s >= 0 and arrival.wire_s >= 0
+        assert 0 < arrival.num_bytes <= arrival.header.num_bytes
+        self.arrivals.append(arrival.inp.req_id)
 
     def release(self, req_id: str) -> None:
         self.free += self.held.pop(req_id, [])
@@ -94,6 +96,7 @@ class Worker:
         self.errors[req_id] = error
 
     def is_buried(self, req_id: str) -> bool:
+        self.asked_if_buried.set()
         return req_id in self.buried
 
 
@@ -282,7 +285,7 @@ def test_kv_that_overtakes_its_reservation_waits_for_it() -> None:
     worker = Worker()
     thread = _run_receiver(recv, worker)
     _send(send, [("late", 4, 7)], _blocks(3))  # the reservation is still on its way
-    time.sleep(0.05)
+    assert worker.asked_if_buried.wait(5), "the receiver never waited for the reservation"
     res = worker.reserve("late", 4)
     send.close(notify_peer=True)
     thread.join(5)

@@ -43,3 +43,4 @@ class FinalResult:
     usage: Usage
     timings: PhaseTimings = field(default_factory=PhaseTimings)
     error: str = ""  # set when finish_reason is ERROR
+    trace_id: str = ""  # the request's trace (32 hex digits), when it was traced

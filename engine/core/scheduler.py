@@ -17,14 +17,18 @@ Every waiting request, imported ones included, is admitted only under `max_num_s
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Mapping
+from typing import cast
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.inflight import InflightBatches
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.priority import PriorityAging
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
+from engine.core.spec_config import SpeculativeConfig
+from engine.core.speculation import Speculator
+from engine.core.waiting_queue import WaitingQueue
 from engine.wire import TokenUpdate
 
 
@@ -38,27 +42,26 @@ class Scheduler:
         *,
         role: EngineRole = EngineRole.COLOCATED,
         async_scheduling: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
-        # How many handed-out batches may await their update() when schedule() runs: one
-        # when the engine schedules a step ahead. Older ones were abandoned by the caller
-        # (a batch scheduled only to look at it) and are rolled back.
-        self.max_batches_in_flight = 1 if async_scheduling else 0
+        # Only engines that decode speculate (a prefill engine stops at the first token).
+        self.speculator = Speculator(speculative) if speculative and role.decodes else None
+        self._proposals: dict[str, tuple[int, ...]] = {}  # this step's, by request
+        # Batches handed out and not yet updated: one may await its update() when the
+        # engine schedules a step ahead.
+        self.inflight = InflightBatches(1 if async_scheduling else 0)
         self.block_size = cache.block_size
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching)
         self.role = role
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []
+        self.waiting: WaitingQueue[Request] = WaitingQueue(config.policy, config.priority_aging_s)
         # Waiting requests whose KV was imported (decode pool): they hold their blocks
         # while they wait for a slot and rank ahead of prompts of the same priority
         # (their prompt costs no compute; holding blocks idle helps nobody).
         self._imported: set[str] = set()
         self.running: list[Request] = []
-        self.aging = PriorityAging(config.priority_aging_s if config.policy == "priority" else 0)
         self.num_preemptions = 0  # since start, for metrics
-        # Batches handed out and not yet updated, with the requests they were built for
-        # (an id may be aborted and reused while its old step is still running).
-        self._inflight: deque[tuple[Batch, tuple[Request, ...]]] = deque()
         # Requests preempted during the current schedule() call: they are not admitted
         # again until the results of the steps they were in have been applied.
         self._preempted_now: set[str] = set()
@@ -76,21 +79,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _queue_key(self, req: Request) -> tuple[float, ...]:
-        prompt_first = 0 if req.req_id in self._imported else 1
-        if self.config.policy == "priority":
-            return (self.aging.effective_priority(req), prompt_first, req.arrival_time)
-        return (prompt_first, req.arrival_time)
+    @property
+    def wants_speculation(self) -> bool:
+        """The next step would speculate: it needs every running token on the host."""
+        spec = self.speculator
+        return spec is not None and bool(self.running) and spec.speculates_at(len(self.running))
 
     def _enqueue_waiting(self, req: Request) -> None:
-        # Sorted insert keeps the queue in policy order; a preempted request keeps
-        # its original arrival time, so under FCFS it resumes ahead of newcomers.
-        self.aging.start_waiting(req.req_id)
-        key = self._queue_key(req)
-        idx = len(self.waiting)
-        while idx > 0 and self._queue_key(self.waiting[idx - 1]) > key:
-            idx -= 1
-        self.waiting.insert(idx, req)
+        # Imported requests go ahead of prompts of the same priority.
+        self.waiting.push(req, tier=0 if req.req_id in self._imported else 1)
 
     def add_request(self, req: Request) -> None:
         """Queue a new request (one whose KV is already here: see add_imported)."""
@@ -143,7 +140,7 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
             self._imported.discard(req_id)
-        self.aging.forget(req_id)
+        self.waiting.forget(req_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if not hand_off:
@@ -160,7 +157,8 @@ class Scheduler:
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         # Lowest priority (largest value) first, then the latest arrival.
-        return max(candidates, key=lambda r: (self.aging.effective_priority(r), r.arrival_time))
+        urgency = self.waiting.effective_priority
+        return max(candidates, key=lambda r: (urgency(r), r.arrival_time))
 
     def _preempt_for(self, req: Request, chunks: dict[str, int]) -> int | None:
         """Priority policy: make room for `req` by preempting the least urgent running
@@ -169,7 +167,7 @@ class Scheduler:
         if self.config.policy != "priority" or not self.running:
             return None
         victim = self._pick_victim(self.running)
-        if self.aging.effective_priority(victim) <= self.aging.effective_priority(req):
+        if self.waiting.effective_priority(victim) <= self.waiting.effective_priority(req):
             return None
         freed = chunks.pop(victim.req_id, 0)
         self._preempt(victim)
@@ -189,11 +187,11 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         """Pick this step's work under the token budget, the seq limit and free blocks."""
-        while len(self._inflight) > self.max_batches_in_flight:
-            self._roll_back(*self._inflight.popleft())
+        self.inflight.roll_back_abandoned()
         budget = self.config.step_tokens
         chunks: dict[str, int] = {}
         self._preempted_now.clear()
+        self._proposals.clear()
         if self.config.prioritize_prefill:
             budget = self._schedule_waiting(chunks, budget)
             budget = self._schedule_running(chunks, budget)
@@ -207,6 +205,7 @@ class Scheduler:
         allocate_slots = self.kv.allocate_slots
         threshold = self.config.long_prefill_token_threshold
         handoff = self.role.hands_off_after_first_token
+        spec = self.speculator if self.wants_speculation else None
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -215,13 +214,10 @@ class Scheduler:
             done = req.num_computed_tokens
             if req.num_inflight_tokens:
                 done += req.num_inflight_tokens
-                outputs = req.output_token_ids
                 # A token still being sampled that will end the request (its length, or
                 # the hand-off after a prefill): no step past it.
-                if (
-                    outputs
-                    and outputs[-1] == PLACEHOLDER_TOKEN
-                    and (handoff or req.length_stop(len(outputs)) is not None)
+                if req.last_output_token == PLACEHOLDER_TOKEN and (
+                    handoff or req.length_stop(req.num_output_tokens) is not None
                 ):
                     continue
             # _chunk(), inlined: this loop visits every running request every step.
@@ -232,6 +228,11 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0:
                 continue
+            if spec is not None and len(req.all_token_ids) - done == 1:
+                proposals = spec.plan(req, done, budget, allocate_slots)
+                if proposals:  # their slots are allocated
+                    self._proposals[req.req_id] = proposals
+                    num_new += len(proposals)
             while allocate_slots(req.req_id, done, num_new) is None:
                 victim = self._pick_victim(self.running)
                 if victim.req_id in chunks:
@@ -245,10 +246,9 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, chunks: dict[str, int], budget: int) -> int:
-        if self.aging.enabled:
-            self.waiting.sort(key=self._queue_key)  # waiting time reorders the queue
+        self.waiting.reorder()  # waiting time reorders the queue
         while self.waiting and budget > 0:
-            req = self.waiting[0]
+            req = self.waiting.first()
             if req.req_id in self._preempted_now:
                 break  # back next step, once its in-flight step's results are applied
             if len(self.running) >= self.config.max_num_seqs:
@@ -280,10 +280,9 @@ class Scheduler:
             if is_new:
                 req.num_cached_tokens = num_hit
                 self.kv.record_prefix_query(req.num_prompt_tokens, num_hit)
-            self.waiting.pop(0)
+            self.waiting.pop_first()
             self._imported.discard(req.req_id)
-            self.aging.stop_waiting(req.req_id)
-            req.status = RequestStatus.RUNNING
+            req.start_running()
             self.running.append(req)
             chunks[req.req_id] = num_new
             budget -= num_new
@@ -304,7 +303,6 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.aging.stop_waiting(victim.req_id)
         self._enqueue_waiting(victim)
         return True
 
@@ -312,6 +310,8 @@ class Scheduler:
         seqs = []
         reqs = []
         block_table = self.kv.block_table
+        proposals, spec = self._proposals, self.speculator
+        num_drafts = 0
         for req in self.running:
             num_new = chunks.get(req.req_id)
             if not num_new:
@@ -319,68 +319,68 @@ class Scheduler:
             tokens = req.all_token_ids
             start = req.num_computed_tokens + req.num_inflight_tokens
             end = start + num_new
-            sample = end == len(tokens)
-            # Positional: this runs for every request every step.
-            seqs.append(
-                ScheduledSeq(
-                    req.req_id,
-                    (tokens[start],) if num_new == 1 else tuple(tokens[start:end]),
-                    start,
-                    block_table(req.req_id),
-                    sample,
-                    req.sampling,
-                    req.seed,
+            sample = end >= len(tokens)  # past the end: proposals to verify, then sampled
+            if proposals and spec is not None and req.req_id in proposals:
+                seqs.append(spec.verify_seq(req, start, proposals[req.req_id], block_table))
+                num_drafts += num_new - 1
+            else:  # positional: this runs for every request every step
+                seqs.append(
+                    ScheduledSeq(
+                        req.req_id,
+                        (tokens[start],) if num_new == 1 else tuple(tokens[start:end]),
+                        start,
+                        block_table(req.req_id),
+                        sample,
+                        req.sampling,
+                        req.seed,
+                    )
                 )
-            )
             reqs.append(req)
             req.num_inflight_tokens += num_new
             if sample:
                 req.append_output_token(PLACEHOLDER_TOKEN)
-        batch = Batch(seqs=tuple(seqs), block_size=self.block_size)
+        batch = Batch(seqs=tuple(seqs), block_size=self.block_size, num_draft_tokens=num_drafts)
         if seqs:
-            self._inflight.append((batch, tuple(reqs)))
+            self.inflight.add(batch, tuple(reqs))
         return batch
 
-    def _roll_back(self, batch: Batch, reqs: tuple[Request, ...]) -> None:
-        """Forget a batch that will never be updated: its tokens are scheduled again."""
-        for seq, req in zip(batch.seqs, reqs, strict=True):
-            if req.status is RequestStatus.RUNNING:
-                req.num_inflight_tokens -= len(seq.token_ids)
-                if seq.sample:
-                    req.drop_placeholders()
-
-    def _requests_of(self, batch: Batch) -> tuple[Request | None, ...]:
-        """The requests `batch` was built for (oldest in-flight batch first)."""
-        while self._inflight:
-            scheduled, reqs = self._inflight.popleft()
-            if scheduled is batch:
-                return reqs
-        # Not one of ours (built by hand): look the ids up.
-        return tuple(self.requests.get(s.req_id) for s in batch.seqs)
-
     # ---------------------------------------------------------------- update
-    def update(self, batch: Batch, sampled: dict[str, int]) -> list[TokenUpdate]:
+    def update(
+        self, batch: Batch, sampled: Mapping[str, int | tuple[int, ...]]
+    ) -> list[TokenUpdate]:
         """Apply a step's results: progress, new tokens, stop checks, finishing."""
         updates: list[TokenUpdate] = []
         running_status = RequestStatus.RUNNING
         cache_full_blocks = self.kv.cache_full_blocks
         handoff = self.role.hands_off_after_first_token
-        for seq, req in zip(batch.seqs, self._requests_of(batch), strict=True):
+        spec = self.speculator
+        reqs = self.inflight.requests_of(batch, self.requests.get)
+        for seq, req in zip(batch.seqs, reqs, strict=True):
             req_id = seq.req_id
             if req is None or req.status is not running_status:
                 continue  # aborted or preempted while the step ran
+            if seq.num_draft_tokens and spec is not None:
+                kept, reason = spec.keep_verified(seq, req, sampled[req_id], self.kv)
+                if reason is not None:
+                    self.finish_request(req_id, reason)
+                cached, scheduled_at = req.num_cached_tokens, req.scheduled_at
+                updates.append(TokenUpdate(req_id, kept, reason, cached, scheduled_at=scheduled_at))
+                continue
             num_new = len(seq.token_ids)
             req.num_computed_tokens += num_new
             req.num_inflight_tokens -= num_new
             cache_full_blocks(req_id, req.all_token_ids, req.num_computed_tokens)
             if not seq.sample:
                 continue
-            token = sampled[req_id]
+            token = cast(int, sampled[req_id])
             position = seq.end_position
             req.set_output_token(position, token)
-            reason = req.check_stop(position + 1 - len(req.prompt_token_ids))
+            reason = req.check_stop(position + 1 - req.num_prompt_tokens)
             hand_off = reason is None and handoff
             if reason is not None or hand_off:
                 self.finish_request(req_id, reason, hand_off=hand_off)
-            updates.append(TokenUpdate(req_id, (token,), reason, req.num_cached_tokens, hand_off))
+            cached, scheduled_at = req.num_cached_tokens, req.scheduled_at
+            updates.append(
+                TokenUpdate(req_id, (token,), reason, cached, hand_off, scheduled_at=scheduled_at)
+            )
         return updates

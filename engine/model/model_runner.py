@@ -1,8 +1,9 @@
 """Runs one scheduled Batch as one packed forward pass over the paged KV cache.
 
 On CUDA the decoder is compiled by torch.compile (engine.model.compiled), and pure-decode
-steps replay captured CUDA graphs of it (engine.model.cuda_graphs) unless `enforce_eager`;
-every other step (prefill chunks, mixed steps) runs the compiled decoder without a graph.
+steps replay captured CUDA graphs of it (engine.model.cuda_graphs) unless `enforce_eager`,
+as do speculative decoding's verifying steps (engine.model.verify_graphs); every other
+step (prefill chunks, mixed steps) runs the compiled decoder without a graph.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -21,50 +21,23 @@ from engine.model.attention import paged_step, register_paged_attention
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from engine.model.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
+from engine.model.draft_model import Proposer, fill_proposals
+from engine.model.kv_blocks import KVBlocks, LayerStream
+from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
-from engine.model.sampler import SamplingBatch, is_greedy, sample
 from engine.model.staging import to_device
+from engine.model.startup_log import startup_phase
+from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
 from engine.model.triton_attention import triton_available
 from engine.model.triton_gemv import use_gemv
+from engine.model.verify_graphs import VerifyGraphs, capture_verify_graphs
+from engine.model.verify_graphs import logits_rows as verify_logits_rows
 from engine.sampling_params import GREEDY
 
 log = logging.getLogger(__name__)
 
 
-class LayerStream(Protocol):
-    """What a step observer returns (engine.transfer.streaming.StepStream)."""
-
-    def layer_written(self, layer_idx: int) -> None: ...
-
-    def abort(self) -> None: ...
-
-
-def _as_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    return DTYPES[dtype] if isinstance(dtype, str) else dtype
-
-
-class PendingTokens:
-    """The sampled tokens of a launched step, on their way to the host."""
-
-    __slots__ = ("_req_ids", "_host", "_ready")
-
-    def __init__(
-        self, req_ids: list[str], host: torch.Tensor, ready: torch.cuda.Event | None
-    ) -> None:
-        self._req_ids = req_ids
-        self._host = host
-        self._ready = ready
-
-    def result(self) -> dict[str, int]:
-        """req_id → sampled token; waits for the step (and only for it)."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        tokens = self._host[: len(self._req_ids)].tolist()
-        return dict(zip(self._req_ids, tokens, strict=True))
-
-
-class ModelRunner:
+class ModelRunner(KVBlocks):
     """Owns the model and the KV cache of one worker; turns a Batch into sampled tokens."""
 
     def __init__(
@@ -84,6 +57,9 @@ class ModelRunner:
         paged_decode: bool | None = None,
         compile_model: bool | None = None,
         small_batch_gemv: bool | None = None,
+        preloaded: tuple[torch.nn.Module, ModelSpec] | None = None,
+        verify_graph_tokens: int = 0,
+        verify_graph_max_seqs: int = 0,
     ) -> None:
         """`enforce_eager` turns CUDA graphs off; they are captured here (CUDA only) for
         decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`).
@@ -93,7 +69,11 @@ class ModelRunner:
         Triton imports); it compiles here, at start-up, not on the first request.
         `small_batch_gemv` runs one-row products of 16-bit weights (batch-1 decode steps,
         a lone sequence's logits) with the Triton GEMV (engine.model.triton_gemv; None:
-        on CUDA when Triton imports)."""
+        on CUDA when Triton imports). `preloaded`: the model and its spec, already
+        loaded from `model_path` (a draft model whose weights must count before the
+        target sizes its cache). `verify_graph_tokens` q >= 2 (speculative decoding: 1 +
+        proposals) also captures graphs of steps of up to q tokens per sequence, for up to
+        `verify_graph_max_seqs` sequences (engine.model.verify_graphs)."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         if block_size < 1:
@@ -103,7 +83,10 @@ class ModelRunner:
         # None: pad attention shapes to buckets on CUDA only (see engine.model.attention).
         self.bucket_shapes = bucket_shapes
         self.paged_decode = paged_decode
-        self.model, self.spec = load_model(model_path, dtype, self.device, load_format)
+        with startup_phase("weights", f"{model_path}, {load_format}"):
+            self.model, self.spec = preloaded or load_model(
+                model_path, dtype, self.device, load_format
+            )
         # nn.Module's __getattr__ types every attribute as Tensor | Module.
         self.model.set_attn_implementation(register_paged_attention())  # type: ignore[operator]
         use_graphs = self.device.type == "cuda" and not enforce_eager
@@ -121,11 +104,9 @@ class ModelRunner:
                 # Measured now that the weights are resident (a GPU budget must see them).
                 kv_cache_bytes = kv_cache_bytes()
             # With graphs the budget also holds the scratch block (below).
-            num_blocks = self.num_blocks_for_bytes(
-                self.spec, self.dtype, block_size, kv_cache_bytes
-            ) - int(use_graphs)
+            per_block = self.spec.kv_block_bytes(block_size)
+            num_blocks = kv_cache_bytes // per_block - int(use_graphs)
             if num_blocks < 1:
-                per_block = self.bytes_per_block(self.spec, self.dtype, block_size)
                 raise ValueError(
                     f"a KV cache budget of {kv_cache_bytes} bytes holds no block of "
                     f"{per_block} bytes; raise the budget or lower block_size"
@@ -136,11 +117,12 @@ class ModelRunner:
         self.block_size = block_size
         # With graphs, one extra block past `num_blocks` takes the padding rows' K/V;
         # the scheduler never sees it. `kv_cache` is the part requests own.
-        self._kv_storage = torch.zeros(
-            self.kv_cache_shape(self.spec, num_blocks + int(use_graphs), block_size),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        with startup_phase("kv_cache", f"{num_blocks} blocks of {block_size} tokens"):
+            self._kv_storage = torch.zeros(
+                self.kv_cache_shape(self.spec, num_blocks + int(use_graphs), block_size),
+                dtype=self.dtype,
+                device=self.device,
+            )
         self.kv_cache = self._kv_storage[:num_blocks]
         # The tokens the step launched last sampled, by row, and the request of each row:
         # a later step whose input is still a placeholder reads its token here, on the
@@ -155,14 +137,28 @@ class ModelRunner:
         # layer whose KV the step has written (layer-wise KV streaming).
         self.step_observer: Callable[[Batch], LayerStream | None] | None = None
         self.cuda_graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
+        # Fills proposal slots before a verifying step (speculative decoding's draft model).
+        self.drafter: Proposer | None = None
         if is_compiled(self.model):
             # The same first shapes in every engine, whether it captures graphs or not:
             # the compiler's choices may follow the shapes it first sees.
-            self._compile_now()
+            with startup_phase("compile"):
+                self._compile_now()
         if use_graphs:
             sizes = cuda_graph_batch_sizes or graph_batch_sizes(max_num_seqs)
             max_blocks = min(-(-self.spec.max_model_len // block_size), num_blocks)
-            self.capture_cuda_graphs(sizes, max_blocks)
+            with startup_phase("cuda_graphs", f"batch sizes {list(sizes)}"):
+                self.capture_cuda_graphs(sizes, max_blocks)
+            if verify_graph_tokens >= 2 and self.cuda_graphs is not None:
+                limit = min(verify_graph_max_seqs or max_num_seqs, max_num_seqs)
+                self.verify_graphs = capture_verify_graphs(
+                    self.model,
+                    self._kv_storage,
+                    graph_batch_sizes(limit),
+                    max_blocks,
+                    verify_graph_tokens,
+                )
 
     def capture_cuda_graphs(self, batch_sizes: Sequence[int], max_blocks_per_seq: int) -> None:
         """Capture decode graphs now (start-up), or stay eager with a warning if that fails."""
@@ -205,60 +201,16 @@ class ModelRunner:
         """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
         return (num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
 
-    @staticmethod
-    def bytes_per_block(spec: ModelSpec, dtype: str | torch.dtype, block_size: int) -> int:
-        """Bytes one KV block takes (all layers, K and V)."""
-        itemsize = _as_torch_dtype(dtype).itemsize
-        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
-
-    @staticmethod
-    def num_blocks_for_bytes(
-        spec: ModelSpec, dtype: str | torch.dtype, block_size: int, nbytes: int
-    ) -> int:
-        """How many KV blocks fit in `nbytes`."""
-        return nbytes // ModelRunner.bytes_per_block(spec, dtype, block_size)
-
-    def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Block ids as an index on the device, copied without waiting for the device (a
-        gather between two layers of a running pass must not stall the host)."""
-        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
-        if bad:
-            raise ValueError(f"block ids {bad} outside [0, {self.num_blocks})")
-        return to_device(list(block_ids), torch.long, self.device)
-
-    def gather_blocks(
-        self, block_ids: Sequence[int] | torch.Tensor, layers: tuple[int, int] | None = None
-    ) -> torch.Tensor:
-        """A contiguous copy of these blocks' KV, [len(block_ids), *kv_cache.shape[1:]],
-        or of layers [start, stop) of them; `block_ids` may be a `block_index`."""
-        # Block-major layout: one index_select, ready to send as one message.
-        cache = self.kv_cache if layers is None else self.kv_cache[:, layers[0] : layers[1]]
-        if not isinstance(block_ids, torch.Tensor):
-            block_ids = self.block_index(block_ids)
-        return cache.index_select(0, block_ids)
-
-    def scatter_blocks(
-        self, block_ids: Sequence[int], data: torch.Tensor, layers: tuple[int, int] | None = None
-    ) -> None:
-        """Write `data` (as from `gather_blocks`) into these blocks of the cache (or into
-        layers [start, stop) of them), on the caller's stream, after every step launched
-        so far (a launched step may still be writing blocks the host has since freed and
-        handed to this import)."""
-        cache = self.kv_cache if layers is None else self.kv_cache[:, layers[0] : layers[1]]
-        expected = (len(block_ids), *cache.shape[1:])
-        if tuple(data.shape) != expected:
-            raise ValueError(f"KV data of shape {tuple(data.shape)}, expected {expected}")
-        if data.dtype != cache.dtype:
-            raise ValueError(f"KV data in {data.dtype}, cache in {cache.dtype}")
-        step_done = self._last_step_done
-        if step_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(step_done)
-        cache.index_copy_(0, self.block_index(block_ids), data.to(self.device))
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of KV, every layer (the unit a hand-off moves)."""
+        return self.spec.kv_block_bytes(self.block_size)
 
     def execute(
         self, batch: Batch, *, use_cuda_graphs: bool = True, paged_decode: bool | None = None
-    ) -> dict[str, int]:
-        """One packed forward pass for every scheduled token; req_id → sampled token.
+    ) -> StepTokens:
+        """One packed forward pass for every scheduled token; req_id → sampled token (or,
+        for a sequence with proposals, the tokens its verification kept).
 
         The keywords pick a slower path for one call (benchmarks compare them):
         `use_cuda_graphs` False runs a decode step eagerly, `paged_decode` overrides
@@ -280,6 +232,8 @@ class ModelRunner:
         """
         if batch.block_size != self.block_size:
             raise ValueError(f"batch block_size {batch.block_size} != cache's {self.block_size}")
+        if batch.num_draft_tokens:
+            batch = fill_proposals(batch, self.drafter)
         sources = self._placeholder_sources(batch)
         sampled_seqs = [s for s in batch.seqs if s.sample]
         graphs = self.cuda_graphs if use_cuda_graphs else None
@@ -290,6 +244,15 @@ class ModelRunner:
             if len(sampled_seqs) < len(batch.seqs):
                 rows = [i for i, s in enumerate(batch.seqs) if s.sample]
                 logits = logits[to_device(rows, torch.long, self.device)]
+        elif (
+            use_cuda_graphs
+            and sources is None
+            and (verify := self.verify_graphs) is not None
+            and verify.can_run(batch)
+        ):
+            self._check_block_ids(batch)
+            rows = verify_logits_rows(batch.seqs, verify.q)
+            logits = verify.run(batch)[to_device(rows, torch.long, self.device)]
         else:
             self._check_block_ids(batch)
             logits = self._forward_eager(batch, sources, paged_decode)
@@ -341,15 +304,13 @@ class ModelRunner:
             torch.long,
             self.device,
         )
-        # Only the last token of each sampling sequence needs the (vocab-wide) lm_head.
-        last_token_idx = []
+        # Only the rows a step samples need the (vocab-wide) lm_head.
+        last_token_idx = logits_rows(batch.seqs)
         where: list[int] = []  # tokens still being sampled: their index in input_ids ...
         rows: list[int] = []  # ... and their row in _last_tokens
         end = 0
         for i, s in enumerate(batch.seqs):
             end += s.num_tokens
-            if s.sample:
-                last_token_idx.append(end - 1)
             if sources is not None and sources[i] >= 0:
                 where.append(end - 1)
                 rows.append(sources[i])
@@ -383,21 +344,18 @@ class ModelRunner:
             self._last_rows = {}
             done = None if logits is None else self._record_step_done()
             return PendingTokens([], torch.empty(0, dtype=torch.long), done)
-        if all(is_greedy(s.sampling) for s in sampled_seqs):
-            # sample()'s greedy result without building per-row parameter tensors.
-            tokens = logits.argmax(dim=-1)
-        else:
-            params = SamplingBatch.build(
-                [s.sampling for s in sampled_seqs],
-                [s.seed for s in sampled_seqs],
-                [s.end_position for s in sampled_seqs],
-                vocab_size=logits.shape[-1],
-                device=self.device,
-            )
-            tokens = sample(logits, params)
-        n = len(sampled_seqs)
+        tokens = sample_rows(logits, sampled_seqs)
+        n = tokens.shape[0]
         req_ids = [s.req_id for s in sampled_seqs]
-        if n <= self._max_sampled:
+        verifying = n > len(sampled_seqs)
+        proposals = (
+            [s.token_ids[-s.num_draft_tokens :] if s.num_draft_tokens else () for s in sampled_seqs]
+            if verifying
+            else None
+        )
+        if verifying:
+            self._last_rows = {}  # the next step waits for this one: no placeholders
+        elif n <= self._max_sampled:
             self._last_tokens[:n].copy_(tokens)
             self._last_rows = {req_id: i for i, req_id in enumerate(req_ids)}
         else:  # more rows than the scheduler ever runs (a benchmark's batch): not kept
@@ -407,7 +365,7 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         host = torch.empty(n, dtype=torch.long, pin_memory=on_cuda)
         host.copy_(tokens, non_blocking=on_cuda)
-        return PendingTokens(req_ids, host, self._record_step_done())
+        return PendingTokens(req_ids, host, self._record_step_done(), proposals)
 
     def _record_step_done(self) -> torch.cuda.Event | None:
         """Mark the end of the step just queued (CUDA; on CPU every step is done here)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from engine.transfer.base import ChannelClosed, KVReceiver
@@ -33,6 +33,31 @@ log = logging.getLogger(__name__)
 # reservation call, sent at the same time, is still on its way here: an entry with no
 # reservation waits this long for it (or for the request's abort) before it is refused.
 RESERVATION_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class KVArrival:
+    """One request's KV in place on the receiver, and how it came (for its timings,
+    the phase metrics and its trace)."""
+
+    inp: GenerationInput  # as reserved: it carries the request's trace context
+    peer_id: str
+    header: HandoffHeader  # the message that carried it (epochs, sequence, entries)
+    num_bytes: int  # this request's share of the payload
+    wire_s: float  # the message's receive, header read to rows scattered
+    handoff_s: float  # from the KV ready on the sender to in place here
+    received_at: float  # time.monotonic() here when it was in place
+
+    @property
+    def streamed(self) -> bool:
+        """Sent in parts while the sender's pass ran: its receive time includes waiting
+        for that pass, so it says nothing of the channel's speed."""
+        return self.header.kind is HeaderKind.STREAM
+
+    @property
+    def active_s(self) -> float:
+        """Its share, by bytes, of the time the channel spent receiving the message."""
+        return self.wire_s * self.num_bytes / max(1, self.header.num_bytes)
 
 
 class ImportTarget(Protocol):
@@ -67,7 +92,7 @@ class ImportTarget(Protocol):
         so an abort issued later is ordered after it; must not block)."""
         ...
 
-    def arrived(self, req_id: str, wire_s: float, handoff_s: float) -> None:
+    def arrived(self, arrival: KVArrival) -> None:
         """Tell the router the KV is in place (with the receive time)."""
         ...
 
@@ -165,6 +190,7 @@ class ChannelReceiver:
                     self.target.fail(entry.req_id, f"KV hand-off broke off: {exc}")
             return False
         wire_s = time.perf_counter() - posted
+        received_at = time.monotonic()
         # Sender's clock to ours: exact on one node, as good as the clocks across nodes.
         # A streamed message's KV was mostly here before its first token was sampled:
         # what counts is how long after that the rest arrived.
@@ -179,7 +205,17 @@ class ChannelReceiver:
                 self.book.fail(entry.req_id)
                 self.target.release(entry.req_id)
             else:
-                self._admit(held, replace(entry, first_token=first_token), wire_s, handoff_s)
+                num_bytes = entry.num_blocks * self.target.block_bytes
+                arrival = KVArrival(
+                    held.inp,
+                    self.channel.peer_id,
+                    header,
+                    num_bytes,
+                    wire_s,
+                    handoff_s,
+                    received_at,
+                )
+                self._admit(held, replace(entry, first_token=first_token), arrival)
         return True
 
     def _receive_part(
@@ -233,13 +269,11 @@ class ChannelReceiver:
         if not self.target.is_buried(entry.req_id):
             self.target.fail(entry.req_id, f"KV hand-off refused: {problem}")
 
-    def _admit(
-        self, held: HeldReservation, entry: HandoffEntry, wire_s: float, handoff_s: float
-    ) -> None:
+    def _admit(self, held: HeldReservation, entry: HandoffEntry, arrival: KVArrival) -> None:
         def admit() -> None:
             self.target.admit(held.inp, entry.first_token)
 
         if self.book.complete(entry.req_id, admit):
-            self.target.arrived(entry.req_id, wire_s, handoff_s)
+            self.target.arrived(arrival)
         else:  # aborted while its bytes were on the wire
             self.target.release(entry.req_id)

@@ -1,0 +1,155 @@
+"""Drain a decode worker under load: how long it takes, and what its requests notice.
+
+    python -m bench.drain --out drain.json                       # CPU, small
+    python -m bench.drain --num-requests 64 --prompt-tokens 600 --max-tokens 1024 \\
+        --serve-args "--model deploy/model_configs/llama-3.2-1b --load-format dummy"   # GPUs
+
+Starts `pdserve serve` with 1 prefill and 2 decode workers (admin on), sends
+`--num-requests` long generations at once, waits until every one of them is decoding,
+then shrinks the decode pool to one (`pdserve scale --decode 1`): decode-1 drains and
+its running requests move to decode-0 with their KV. Reports how long the scale-down
+took, how many requests moved with their KV and how many by recompute (a prompt run
+again), and, for every stream, the largest gap between two token messages from the
+drain's start to its end plus one second (the moved requests' pause), against the
+largest gap of the same streams before the drain (their ordinary step time). Every
+request must then complete. Prints one summary and writes it, with provenance, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness.metrics import scrape
+from bench.harness.metrics import value as metric_value
+from bench.harness.polling import wait_until_async
+from bench.harness.service import service_process
+from bench.report import distribution, provenance
+from pdserve.v1 import generation_pb2 as pb
+from router.admin_client import scale_pool
+from router.client import get_pool_stats, stream_generate
+
+
+class Stream:
+    """One request's token messages, timed."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[float] = []
+        self.num_tokens = 0
+        self.finish = ""
+
+    def largest_gap(self, start: float, end: float) -> float:
+        """The longest wait for a message, among waits that end within [start, end]."""
+        pairs = zip(self.arrivals, self.arrivals[1:], strict=False)
+        gaps = [b - a for a, b in pairs if start <= b <= end]
+        return max(gaps, default=0.0)
+
+
+async def run_one(address: str, prompt_ids: list[int], max_tokens: int, out: Stream) -> None:
+    async for resp in stream_generate(
+        address,
+        prompt_token_ids=prompt_ids,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+    ):
+        if resp.token_ids:
+            out.arrivals.append(time.monotonic())
+            out.num_tokens += len(resp.token_ids)
+        if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            out.finish = pb.FinishReason.Name(resp.finish_reason)
+
+
+def moves(samples: Any, reason: str) -> float:
+    labels = {"pool": "decode", "reason": reason}
+    return metric_value(samples, "pdserve_request_migrations_total", **labels)
+
+
+async def measure(address: str, metrics_port: int, args: argparse.Namespace) -> dict[str, Any]:
+    await scale_pool(address, "decode", 2)
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randrange(100, args.vocab_size) for _ in range(args.prompt_tokens)]
+        for _ in range(args.num_requests)
+    ]
+    streams = [Stream() for _ in prompts]
+    tasks = [
+        asyncio.ensure_future(run_one(address, p, args.max_tokens, s))
+        for p, s in zip(prompts, streams, strict=True)
+    ]
+    await wait_until_async(
+        lambda: all(s.num_tokens >= 3 for s in streams), args.start_timeout_s, interval=0.05
+    )
+    stats = await get_pool_stats(address)
+    on_worker = {w.index: w.num_running for w in stats.workers if w.pool == pb.POOL_DECODE}
+    before = scrape(metrics_port)[1]
+    steady_from = time.monotonic()
+    await asyncio.sleep(args.steady_s)  # ordinary gaps, to compare with
+    start = time.monotonic()
+    await scale_pool(address, "decode", 1)
+    drain_s = time.monotonic() - start
+    await asyncio.sleep(1.0)
+    after = scrape(metrics_port)[1]
+    await asyncio.gather(*tasks)
+    window_end = start + drain_s + 1.0
+    return {
+        "num_requests": args.num_requests,
+        "prompt_tokens": args.prompt_tokens,
+        "running_per_decode_worker_before": on_worker,
+        "drain_s": drain_s,
+        "moved_with_kv": moves(after, "drained_kv") - moves(before, "drained_kv"),
+        "moved_by_recompute": moves(after, "drained") - moves(before, "drained"),
+        "completed": sum(s.finish == "FINISH_REASON_LENGTH" for s in streams),
+        "largest_gap_during_drain_ms": 1e3 * max(s.largest_gap(start, window_end) for s in streams),
+        "gap_during_drain_ms": distribution(
+            (s.largest_gap(start, window_end) for s in streams), scale=1e3
+        ),
+        "largest_gap_before_ms": 1e3 * max(s.largest_gap(steady_from, start) for s in streams),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.drain", description=__doc__.split("\n")[0])
+    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=200, help="long enough to outlast it")
+    p.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids below it")
+    p.add_argument("--steady-s", type=float, default=2.0, help="gaps measured before it")
+    p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--serve-args", default="", help="more `pdserve serve` flags")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the summary as JSON here")
+    p.add_argument("--log", help="the service's log (default: a temporary file)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    serve_args = [
+        "--prefill-workers", "1", "--decode-workers", "2", "--enable-admin",
+        "--local-prefill-max-tokens", "0", *shlex.split(args.serve_args),
+    ]  # fmt: skip
+    log = Path(args.log or tempfile.mkstemp(prefix="drain-", suffix=".log")[1])
+    print(f"service log: {log}", flush=True)
+    with service_process(serve_args, log) as svc:
+        svc.wait_serving(900)
+        summary = asyncio.run(measure(svc.address, svc.metrics_port, args))
+    summary["serve_args"] = serve_args
+    summary["provenance"] = provenance("bench.drain", sys.argv[1:] if argv is None else argv)
+    print(json.dumps({k: v for k, v in summary.items() if k != "provenance"}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    ok = summary["completed"] == args.num_requests and not summary["moved_by_recompute"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

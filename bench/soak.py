@@ -1,0 +1,337 @@
+"""Soak: a 2P2D service on CPU under Poisson load for ten minutes while workers die and the
+decode pool grows and shrinks; every request must still complete, nothing may leak.
+
+    python -m bench.soak --out soak.json          # `make soak`
+
+1. Starts `pdserve serve` (2 prefill + 2 decode workers, admin on) on the embedded model.
+2. Measures its capacity with a short closed-loop run of the same workload, then sends
+   Poisson arrivals at `--load` (default 70 %) of it for `--duration-s` (600).
+3. Every `--kill-every-s` (120) SIGKILLs a live worker, prefill and decode in turn; at a
+   quarter of the run adds a decode worker (`pdserve scale`), at three quarters removes it.
+4. Reports requests sent, completed, failed (by gRPC status or finish reason), texts that
+   differ from other runs of the same request (every request is one of a few prompts,
+   greedy or seeded, so all its runs must agree), migrations and restarts (from the
+   service's metrics), blocks in use once traffic stops, and the RSS of the router and of
+   each worker at the start and the end (the router's also from minute 2 on).
+Prints one summary and writes it, with provenance, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.harness.metrics import scrape
+from bench.harness.pools import wait_pool_sizes
+from bench.harness.service import ServiceProcess, service_process
+from bench.harness.streams import StreamResult, generate
+from bench.report import distribution, provenance
+from pdserve.v1 import admin_pb2 as admin_pb
+from router.admin_client import list_workers, scale_pool
+from router.client import get_pool_stats
+
+SENTENCES = (
+    "The river runs past the old mill and on to the sea.",
+    "Bright lanterns swayed above the market as the traders packed their stalls.",
+    "A careful engineer measures twice and changes one thing at a time.",
+    "Snow covered the mountain pass long before the travellers reached it.",
+)
+NUM_PROMPTS = 12
+
+
+@dataclass(frozen=True)
+class RequestKind:
+    """One of the workload's requests; every run of it must give the same text."""
+
+    prompt: str
+    max_tokens: int
+    seed: int | None  # None: greedy
+
+    def kwargs(self) -> dict[str, Any]:
+        sampling: dict[str, Any] = {"temperature": 0.0}
+        if self.seed is not None:
+            sampling = {"temperature": 0.8, "top_k": 40, "seed": self.seed}
+        return {
+            "prompt": self.prompt,
+            "max_tokens": self.max_tokens,
+            "ignore_eos": True,
+            **sampling,
+        }
+
+
+def workload() -> list[RequestKind]:
+    """Prompts of about 40 to 250 tokens, 16 to 48 tokens out, half of them seeded."""
+    kinds = []
+    for i in range(NUM_PROMPTS):
+        text = " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(2 + 3 * (i % 4)))
+        kinds.append(
+            RequestKind(f"Note {i}: {text}", 16 * (1 + i % 3), 1000 + i if i % 2 else None)
+        )
+    return kinds
+
+
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of process `pid` in MiB; None when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+async def worker_rss(address: str) -> dict[str, float | None]:
+    listing = await list_workers(address)
+    live = [w for w in listing.workers if w.state == admin_pb.WORKER_STATE_LIVE]
+    return {w.worker_id: rss_mib(w.pid) for w in live}
+
+
+def migrations(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> dict[str, float]:
+    """pdserve_request_migrations_total by 'pool/reason'."""
+    out = {}
+    for (name, labels), value in samples.items():
+        if name == "pdserve_request_migrations_total":
+            tags = dict(labels)
+            out[f"{tags['pool']}/{tags['reason']}"] = value
+    return out
+
+
+def restarts(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> float:
+    return sum(v for (name, _), v in samples.items() if name == "pdserve_worker_restarts_total")
+
+
+class Soak:
+    def __init__(self, svc: ServiceProcess, args: argparse.Namespace) -> None:
+        self.svc = svc
+        self.args = args
+        self.kinds = workload()
+        self.rng = random.Random(args.seed)
+        self.results: list[tuple[RequestKind, StreamResult, float]] = []
+        self.events: list[dict[str, Any]] = []
+        self.router_rss: list[tuple[float, float | None]] = []
+        self.t0 = 0.0
+
+    def log(self, what: str, **fields: Any) -> None:
+        at = time.monotonic() - self.t0
+        self.events.append({"at_s": round(at, 1), "event": what, **fields})
+        print(f"[{at:6.1f} s] {what} {fields if fields else ''}", flush=True)
+
+    async def one(self, kind: RequestKind) -> None:
+        sent = time.monotonic()
+        result = await generate(self.svc.address, timeout=self.args.timeout_s, **kind.kwargs())
+        self.results.append((kind, result, result.done_at - sent))
+
+    async def capacity(self) -> float:
+        """Completed requests per second of a closed loop at `--concurrency`."""
+        done = 0
+        deadline = time.monotonic() + self.args.calibrate_s
+
+        async def client() -> None:
+            nonlocal done
+            while time.monotonic() < deadline:
+                result = await generate(self.svc.address, **self.rng.choice(self.kinds).kwargs())
+                done += result.finish_reason in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+
+        start = time.monotonic()
+        await asyncio.gather(*(client() for _ in range(self.args.concurrency)))
+        return done / (time.monotonic() - start)
+
+    async def traffic(self, rate: float) -> None:
+        tasks = []
+        end = self.t0 + self.args.duration_s
+        while time.monotonic() < end:
+            tasks.append(asyncio.ensure_future(self.one(self.rng.choice(self.kinds))))
+            await asyncio.sleep(self.rng.expovariate(rate))
+        self.log("traffic stopped", sent=len(tasks))
+        await asyncio.gather(*tasks)
+
+    async def chaos(self) -> None:
+        """Kills (alternating pools) and one scale-up and scale-down, on a schedule."""
+        duration, every = self.args.duration_s, self.args.kill_every_s
+        plan: list[tuple[float, str]] = [
+            (k * every, "kill prefill" if k % 2 else "kill decode")
+            for k in range(1, int(duration // every) + 1)
+            if k * every < duration
+        ]
+        plan += [(duration / 4, "scale decode 3"), (3 * duration / 4, "scale decode 2")]
+        # Each on its own clock: a scale-up that takes a while delays no kill.
+        await asyncio.gather(*(self.act(at, action) for at, action in plan))
+
+    async def act(self, at: float, action: str) -> None:
+        await asyncio.sleep(max(0.0, self.t0 + at - time.monotonic()))
+        verb, pool, *size = action.split()
+        if verb == "kill":
+            await self.kill(pool)
+            return
+        self.log(f"scaling {pool} to {size[0]}")
+        await scale_pool(self.svc.address, pool, int(size[0]))
+        self.log(f"{pool} at {size[0]}")
+
+    async def kill(self, pool: str) -> None:
+        listing = await list_workers(self.svc.address)
+        live = [
+            w for w in listing.workers if w.pool == pool and w.state == admin_pb.WORKER_STATE_LIVE
+        ]
+        if not live:
+            self.log(f"no live {pool} worker to kill")
+            return
+        victim = self.rng.choice(live)
+        self.log("SIGKILL", worker=victim.worker_id, pid=victim.pid)
+        os.kill(victim.pid, signal.SIGKILL)
+
+    async def sample_rss(self) -> None:
+        while True:
+            self.router_rss.append((time.monotonic() - self.t0, rss_mib(self.svc.proc.pid)))
+            await asyncio.sleep(self.args.rss_every_s)
+
+    async def blocks_in_use(self) -> int:
+        """Blocks held once every request ended (waits up to 30 s for releases to land)."""
+        deadline = time.monotonic() + 30
+        while True:
+            stats = await get_pool_stats(self.svc.address)
+            held = sum(w.num_blocks_in_use for w in stats.workers)
+            if held == 0 or time.monotonic() > deadline:
+                return held
+            await asyncio.sleep(0.5)
+
+    async def run(self) -> dict[str, Any]:
+        self.t0 = time.monotonic()
+        capacity = await self.capacity()
+        rate = self.args.load * capacity
+        self.log("capacity measured", req_per_s=round(capacity, 3), rate=round(rate, 3))
+        self.results.clear()
+        before = scrape(self.svc.metrics_port)[1]
+        workers_start = await worker_rss(self.svc.address)
+        self.t0 = time.monotonic()
+        sampler = asyncio.ensure_future(self.sample_rss())
+        await asyncio.gather(self.traffic(rate), self.chaos())
+        sampler.cancel()
+        self.router_rss.append((time.monotonic() - self.t0, rss_mib(self.svc.proc.pid)))
+        held = await self.blocks_in_use()
+        after = scrape(self.svc.metrics_port)[1]
+        await wait_pool_sizes(self.svc.address, 2, 2)  # the last kill's replacement
+        workers_end = await worker_rss(self.svc.address)
+        return self.summary(capacity, rate, before, after, held, workers_start, workers_end)
+
+    def summary(
+        self,
+        capacity: float,
+        rate: float,
+        before: Any,
+        after: Any,
+        held: int,
+        workers_start: dict[str, float | None],
+        workers_end: dict[str, float | None],
+    ) -> dict[str, Any]:
+        completed = [r for r in self.results if r[1].outcome == "final:FINISH_REASON_LENGTH"]
+        failed = Counter(
+            r.outcome for _, r, _ in self.results if r.outcome != "final:FINISH_REASON_LENGTH"
+        )
+        texts: dict[RequestKind, Counter[str]] = {}
+        for kind, result, _ in completed:
+            texts.setdefault(kind, Counter())[result.text] += 1
+        mismatches = sum(sum(c.values()) - c.most_common(1)[0][1] for c in texts.values())
+        moved_before, moved_after = migrations(before), migrations(after)
+        router = [(t, m) for t, m in self.router_rss if m is not None]
+        from_minute_2 = next((m for t, m in router if t >= 120), None)
+        end_rss = router[-1][1] if router else None
+        growth = (
+            100 * (end_rss - from_minute_2) / from_minute_2 if from_minute_2 and end_rss else None
+        )
+        return {
+            "capacity_req_per_s": capacity,
+            "rate_req_per_s": rate,
+            "duration_s": self.args.duration_s,
+            "sent": len(self.results),
+            "completed": len(completed),
+            "failed": dict(failed),
+            "text_mismatches": mismatches,
+            "migrations": {k: moved_after[k] - moved_before.get(k, 0) for k in moved_after},
+            "worker_restarts": restarts(after) - restarts(before),
+            "blocks_in_use_after": held,
+            "latency_s": distribution(d for _, _, d in completed),
+            "rss_mib": {
+                "router": {
+                    "start": router[0][1] if router else None,
+                    "minute_2": from_minute_2,
+                    "end": end_rss,
+                    "growth_from_minute_2_pct": growth,
+                    "samples": [(round(t), round(m, 1)) for t, m in router],
+                },
+                "workers_start": workers_start,
+                "workers_end": workers_end,
+            },
+            "events": self.events,
+        }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    rss = s["rss_mib"]["router"]
+    growth = rss["growth_from_minute_2_pct"]
+    return "\n".join(
+        [
+            f"capacity {s['capacity_req_per_s']:.2f} req/s; Poisson at {s['rate_req_per_s']:.2f} "
+            f"req/s for {s['duration_s']:g} s",
+            f"requests {s['completed']}/{s['sent']} completed; failed {s['failed'] or 0}; "
+            f"texts differing from their other runs {s['text_mismatches']}",
+            f"migrations {s['migrations']}; worker restarts {s['worker_restarts']:g}; "
+            f"blocks in use after {s['blocks_in_use_after']}",
+            f"router RSS {rss['start']:.0f} MiB at start, {rss['end']:.0f} MiB at end"
+            + (f" ({growth:+.1f} % from minute 2)" if growth is not None else ""),
+            f"worker RSS start {s['rss_mib']['workers_start']}",
+            f"worker RSS end   {s['rss_mib']['workers_end']}",
+        ]
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    p.add_argument("--duration-s", type=float, default=600.0)
+    p.add_argument("--kill-every-s", type=float, default=120.0)
+    p.add_argument("--load", type=float, default=0.7, help="share of the measured capacity")
+    p.add_argument("--calibrate-s", type=float, default=45.0, help="closed-loop capacity run")
+    p.add_argument("--concurrency", type=int, default=8, help="of the capacity run")
+    p.add_argument("--rss-every-s", type=float, default=30.0)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the summary as JSON here")
+    p.add_argument("--log", help="the service's log (default: a temporary file)")
+    return p.parse_args(argv)
+
+
+SERVICE_ARGS = [
+    "--prefill-workers", "2", "--decode-workers", "2", "--enable-admin",
+    "--prefill-kv-cache-gib", "0.25", "--decode-kv-cache-gib", "0.5",
+]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = Path(args.log or tempfile.mkstemp(prefix="soak-", suffix=".log")[1])
+    print(f"service log: {log}", flush=True)
+    with service_process(SERVICE_ARGS, log) as svc:
+        svc.wait_serving(600)
+        summary = asyncio.run(Soak(svc, args).run())
+    summary["provenance"] = provenance("bench.soak", sys.argv[1:] if argv is None else argv)
+    summary["service_args"] = SERVICE_ARGS
+    print(format_summary(summary))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    ok = not summary["failed"] and summary["blocks_in_use_after"] == 0
+    return 0 if ok and not summary["text_mismatches"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

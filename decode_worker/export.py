@@ -1,0 +1,114 @@
+"""A decode worker's sending side: hand a running request, KV and all, to a peer decode
+worker (live migration, when this worker drains).
+
+A request's life here, once the router moves it: running → detached (taken off the
+schedule at a step boundary; its blocks kept, its tokens so far returned to the router)
+→ sent (its blocks gathered into one buffer, released at once, and posted with one
+header on this worker's channel to the peer, exactly like a prefill hand-off: the peer
+checks the entry against the reservation the router made there, and the request goes on
+from the last sampled token) or released (the router gave up on moving it; it then
+continues by recompute). The channels are made lazily, one per (this, peer) pair, with
+this worker as the sending end (rank 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.transfer.base import KVPoll
+from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
+from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
+from engine.wire import DetachedRequest, HandoffTarget
+
+
+class KVExporter:
+    """Mixin for DecodeWorker: detach, send, and the sending channels to peers."""
+
+    worker_id: str
+    epoch: int
+    send_channels: dict[str, KVChannel]
+
+    if TYPE_CHECKING:  # provided by WorkerBase
+
+        @property
+        def core(self) -> Any: ...
+
+        @property
+        def runner(self) -> Any: ...
+
+        @property
+        def block_bytes(self) -> int: ...
+
+        async def on_engine(self, fn: Any) -> Any: ...
+
+    async def connect_sender(self, spec: ChannelSpec) -> None:
+        """Build this end (the sender) of a channel to a peer decode worker."""
+        loop = asyncio.get_running_loop()
+        old = self.send_channels.pop(spec.receiver_id, None)
+        if old is not None:  # the peer restarted: its old channel is dead
+            await loop.run_in_executor(None, old.close, False)
+        channel = KVChannel(spec, SENDER_RANK, torch.device(self.runner.device))
+        await loop.run_in_executor(None, channel.open)
+        self.send_channels[spec.receiver_id] = channel
+
+    async def disconnect_sender(self, peer_id: str, notify_peer: bool = True) -> None:
+        channel = self.send_channels.pop(peer_id, None)
+        if channel is not None:
+            await asyncio.get_running_loop().run_in_executor(None, channel.close, notify_peer)
+
+    async def detach(self, req_id: str) -> DetachedRequest | None:
+        """Take a running request off the schedule at the next step boundary, keeping its
+        KV; None when it is not running here (finished, queued, or mid-recompute)."""
+        detached: DetachedRequest | None = await self.on_engine(lambda: self.core.detach(req_id))
+        return detached
+
+    async def send_detached(
+        self, req_id: str, as_req_id: str, target: HandoffTarget, detached: DetachedRequest
+    ) -> int:
+        """Send a detached request's KV to `target` (which reserved blocks for `as_req_id`)
+        and free it here; the bytes sent. RuntimeError when the transfer failed."""
+        channel = self.send_channels.get(target.worker_id)
+        if channel is None or channel.closed:
+            await self.on_engine(lambda: self.core.release(req_id))
+            raise RuntimeError(f"no channel from {self.worker_id} to {target.worker_id}")
+
+        def post() -> tuple[Any, int]:
+            # Engine thread: the gather is ordered after every step that wrote this KV,
+            # and the blocks go back right behind it.
+            block_ids = self.core.block_ids(req_id)
+            payload = self.runner.gather_blocks(block_ids)
+            ready = None
+            if payload.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            self.core.release(req_id)
+            entry = HandoffEntry(
+                as_req_id, detached.num_kv_tokens, len(block_ids), detached.next_token
+            )
+            header = HandoffHeader(
+                kind=HeaderKind.HANDOFF,
+                seq_no=channel.next_seq(),
+                dst_epoch=target.epoch,
+                src_epoch=self.epoch,
+                entries=(entry,),
+                num_bytes=int(payload.numel() * payload.element_size()),
+                posted_at_us=int(time.time() * 1e6),
+            )
+            return channel.send(header, payload, ready), header.num_bytes
+
+        handle, num_bytes = await self.on_engine(post)
+        done: asyncio.Future[KVPoll] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        handle.add_done_callback(lambda state: loop.call_soon_threadsafe(_set, done, state))
+        if await done is not KVPoll.SUCCESS:
+            raise RuntimeError(f"KV to {target.worker_id} failed: {handle.failure}")
+        return int(num_bytes)
+
+
+def _set(future: asyncio.Future[KVPoll], state: KVPoll) -> None:
+    if not future.done():
+        future.set_result(state)

@@ -1,0 +1,216 @@
+"""Live migration: a draining decode worker hands its running requests, KV and all, to
+peer decode workers while their streams go on.
+
+When a decode worker starts draining (`pdserve scale --decode N-1`, `DrainWorker`), each
+request running on it moves, one at a time per request and all requests at once:
+
+1. the pair's channel, source → target, is made if it is not there yet (lazily, once
+   per pair and incarnation; the same transfer interface and header/epoch checks as a
+   prefill hand-off, with the source as the sending end);
+2. `detach` on the source takes the request off its schedule at a step boundary,
+   keeping its blocks, and returns its tokens so far;
+3. the stream switches to a new attempt id on the target (an inbox marker, `Moved`,
+   carries the tokens the client may not have seen yet, so none is lost or repeated);
+4. `reserve` on the target holds blocks for the KV of all but the last token, under a
+   lease, for the new id;
+5. `send_detached` on the source gathers the blocks, frees them and posts them on the
+   channel; the target checks the entry against its reservation and continues the
+   request from its last sampled token, with the same seed (sampling depends on seed
+   and absolute position, so the text is the one it would have been).
+
+The request is paused from step 2 to the target's first step: one round. Where a step
+fails (no channel, no room, a worker lost), the request moves by recompute instead
+(router/migrations.py, reason `drained`). The drain then returns once every request has
+left. Counted in `pdserve_request_migrations_total{pool="decode", reason="drained_kv"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from engine.wire import DetachedRequest, GenerationInput, HandoffTarget
+from router.attempts import Attempt, WorkerLost
+from router.clients import WorkerDied
+from router.config import RouterConfig
+from router.inbox import Moved
+from router.migrations import migrations_counter
+from router.pools import Pools, WorkerRef
+
+log = logging.getLogger("pdserve.router")
+
+LINK_TIMEOUT_S = 60.0
+_Link = tuple[WorkerRef, WorkerRef, "asyncio.Future[None]"]  # sender, receiver, made
+
+
+class LiveMigrator:
+    """Moves requests off draining decode workers (the pools' drain hook)."""
+
+    def __init__(
+        self,
+        pools: Pools,
+        attempts: dict[str, Attempt],
+        config: RouterConfig,
+        spawn: Callable[[Any], None],
+    ) -> None:
+        self.pools = pools
+        self.attempts = attempts
+        self.config = config
+        self.spawn = spawn
+        # (sender, receiver) incarnations whose channel is up or being made.
+        self._links: dict[tuple[str, int, str, int], _Link] = {}
+        self._num_moves = 0
+        pools.drain_hooks.append(self.drain)
+        pools.on_removed.append(self._forget)
+
+    async def drain(self, source: WorkerRef) -> None:
+        """Move every request running on `source` to the other decode workers."""
+        if source.pool != "decode":
+            return
+        on_it = [a for a in list(self.attempts.values()) if a.decode_ref is source]
+        if not on_it:
+            return
+        peers = [w for w in self.pools.routable("decode") if w is not source]
+        if not peers:
+            log.info("%s drains with no peer to take its requests", source.worker_id)
+            return  # they finish there
+        # Spread them: each to the peer with the fewest requests, counting those sent.
+        planned = {id(w): w.num_assigned for w in peers}
+        targets = []
+        for _ in on_it:
+            target = min(peers, key=lambda w: planned[id(w)])
+            planned[id(target)] += 1
+            targets.append(target)
+        started = time.perf_counter()
+        moved = await asyncio.gather(
+            *(self.move(a, source, t) for a, t in zip(on_it, targets, strict=True))
+        )
+        log.info(
+            "%s: %d of %d requests moved with their KV in %.3f s",
+            source.worker_id,
+            sum(moved),
+            len(on_it),
+            time.perf_counter() - started,
+        )
+
+    async def move(self, attempt: Attempt, source: WorkerRef, target: WorkerRef) -> bool:
+        """Move one request with its KV; False when it moved by recompute (or ended)."""
+        try:
+            await self._link(source, target)
+        except Exception as exc:  # noqa: BLE001 - then by recompute
+            return self._recompute(attempt, source, f"no channel to {target.worker_id}: {exc}")
+        old_id = attempt.req_id
+        try:
+            detached = await source.client.detach(old_id)
+        except WorkerDied as exc:
+            return self._recompute(attempt, source, f"{source.worker_id} died: {exc}")
+        if self.attempts.get(old_id) is not attempt:  # it ended meanwhile
+            self.spawn(self._abort(source, old_id))
+            return False
+        if detached is None:  # queued, mid-recompute or finishing there
+            return self._recompute(attempt, source, "it was not running")
+        paused = time.perf_counter()
+        inp = self._switch(attempt, target, detached)
+        try:
+            reservation = await target.client.reserve(inp, self.config.lease_s, source.worker_id)
+            if reservation is None:
+                raise RuntimeError(f"no room on {target.worker_id}")
+            num_bytes = await source.client.send_detached(
+                old_id, inp.req_id, HandoffTarget(target.worker_id, target.info.epoch), detached
+            )
+        except Exception as exc:  # noqa: BLE001 - then by recompute
+            self.spawn(self._abort(source, old_id))
+            return self._recompute(attempt, source, f"moving its KV failed: {exc}")
+        migrations_counter().labels(pool="decode", reason="drained_kv").inc()
+        log.info(
+            "request %s moved from %s to %s with its KV (%d tokens, %d bytes, %.1f ms)",
+            old_id,
+            source.worker_id,
+            target.worker_id,
+            detached.num_kv_tokens,
+            num_bytes,
+            1e3 * (time.perf_counter() - paused),
+        )
+        return True
+
+    def _switch(
+        self, attempt: Attempt, target: WorkerRef, detached: DetachedRequest
+    ) -> GenerationInput:
+        """The stream goes on as a new attempt on `target`, from the tokens detached: the
+        request's KV covers all but the last of them, which the target continues from."""
+        old = attempt.inp
+        num_outputs = len(detached.token_ids) - len(old.prompt_token_ids)
+        self._num_moves += 1
+        inp = replace(
+            old,
+            req_id=f"{old.req_id.split('-')[0]}-k{self._num_moves}",
+            prompt_token_ids=detached.token_ids[: detached.num_kv_tokens],
+            # The target counts the last token, already sampled, as its first output.
+            sampling=replace(old.sampling, max_tokens=old.sampling.max_tokens - num_outputs + 1),
+        )
+        outputs = detached.token_ids[len(old.prompt_token_ids) :]
+        # Late updates of the old id are dropped: the marker carries every token.
+        self.attempts.pop(old.req_id, None)
+        attempt.inbox.put(Moved(outputs, attempt.resumes_after))
+        for lease in attempt.leases:
+            lease.release()
+        attempt.leases = [target.load.lease()]
+        attempt.inp = inp
+        attempt.decode_ref = target
+        attempt.prefill_ref = None
+        attempt.resumes_after += num_outputs
+        self.attempts[inp.req_id] = attempt
+        return inp
+
+    def _recompute(self, attempt: Attempt, source: WorkerRef, why: str) -> bool:
+        """Fall back: the request continues elsewhere from its streamed tokens."""
+        log.warning("request %s leaves %s by recompute: %s", attempt.req_id, source.worker_id, why)
+        attempt.inbox.put(
+            WorkerLost(f"{source.worker_id} drained; {why}", worker=source, why="drained")
+        )
+        return False
+
+    async def _abort(self, ref: WorkerRef, req_id: str) -> None:
+        with contextlib.suppress(WorkerDied):  # a dead worker's blocks went with it
+            await ref.client.abort(req_id)
+
+    async def _link(self, sender: WorkerRef, receiver: WorkerRef) -> None:
+        """The channel sender → receiver, made once per pair of incarnations."""
+        key = (sender.worker_id, sender.info.epoch, receiver.worker_id, receiver.info.epoch)
+        link = self._links.get(key)
+        if link is None or (link[2].done() and link[2].exception() is not None):
+            spec = self.pools.channel_spec(sender, receiver)
+            made = asyncio.ensure_future(
+                asyncio.wait_for(
+                    _both(sender.client.connect(spec), receiver.client.connect(spec)),
+                    LINK_TIMEOUT_S,
+                )
+            )
+            link = (sender, receiver, made)
+            self._links[key] = link
+        await asyncio.shield(link[2])
+
+    def _forget(self, ref: WorkerRef) -> None:
+        """A worker left: the channels it had with peers go, and a live peer drops its
+        end now (a dead worker's peer would otherwise find out only from a broken
+        receive, which NCCL reports after a minute)."""
+        for key, (sender, receiver, _) in list(self._links.items()):
+            if ref not in (sender, receiver):
+                continue
+            del self._links[key]
+            peer = receiver if ref is sender else sender
+            if peer.state in ("live", "draining"):
+                self.spawn(self._disconnect(peer, ref.worker_id))
+
+    async def _disconnect(self, peer: WorkerRef, gone_id: str) -> None:
+        with contextlib.suppress(WorkerDied):
+            await peer.client.disconnect(gone_id, False)
+
+
+async def _both(a: Any, b: Any) -> None:
+    await asyncio.gather(a, b)

@@ -1,0 +1,144 @@
+"""A running request handed from one decode worker to another, KV and all, over their own
+gloo channel (the path a draining worker's requests take).
+
+The two workers are driven in-process (no Ray), as the router drives them: detach on the
+source, reserve on the target, send the detached KV. The request continues on the target
+with the tokens an undisturbed run gives, greedy and seeded, and neither worker keeps a
+block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from torch.distributed import TCPStore
+
+from decode_worker.worker import DecodeWorker
+from engine.factory import EngineArgs
+from engine.sampling_params import SamplingParams
+from engine.transfer.channel import ChannelSpec
+from engine.wire import GenerationInput, HandoffTarget
+
+ARGS = EngineArgs(kv_cache_gib=0.05)
+MAX_TOKENS = 400  # long enough to be running still when the test detaches it
+MORE = 8  # tokens asked of the target after the move
+PROMPT = tuple(100 + (i * 37) % 5000 for i in range(40))
+SAMPLING = {
+    "greedy": SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    "seeded": SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.9, top_k=50, seed=11, ignore_eos=True
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def workers(
+    loop: asyncio.AbstractEventLoop, smollm2_path: Path
+) -> Iterator[tuple[DecodeWorker, DecodeWorker]]:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    async def start() -> tuple[DecodeWorker, DecodeWorker]:
+        source, target = DecodeWorker(ARGS, 0), DecodeWorker(ARGS, 1)
+        # One after the other: importing transformers from two threads at once races.
+        await source.start()
+        await target.start()
+        spec = ChannelSpec(
+            "127.0.0.1", store.port, "decode-0", source.epoch, "decode-1", target.epoch
+        )
+        await asyncio.gather(source.connect(spec), target.connect(spec))
+        return source, target
+
+    pair = loop.run_until_complete(start())
+    yield pair
+    for worker in pair:
+        loop.run_until_complete(worker.shutdown())
+
+
+async def _tokens(
+    worker: DecodeWorker, want: dict[str, int], timeout: float = 60
+) -> dict[str, list[int]]:
+    """Tokens of each request id until it has `want[id]` of them (or it finished)."""
+    got: dict[str, list[int]] = {req_id: [] for req_id in want}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while any(len(got[r]) < n for r, n in want.items()):
+        assert loop.time() < deadline, f"not enough tokens: {got}"
+        batch = await worker.next_tokens(0.2)
+        for update in batch.updates:
+            if update.req_id in got:
+                assert update.finish_reason is None or update.new_token_ids or got[update.req_id]
+                got[update.req_id] += update.new_token_ids
+    return got
+
+
+async def _blocks_in_use(*workers: DecodeWorker) -> list[int]:
+    return [(await w.load()).num_blocks_in_use for w in workers]
+
+
+def test_a_running_request_moves_with_its_kv_and_goes_on_unchanged(
+    loop: asyncio.AbstractEventLoop, workers: tuple[DecodeWorker, DecodeWorker]
+) -> None:
+    source, target = workers
+
+    async def body() -> None:
+        for kind, sampling in SAMPLING.items():
+            await source.submit(GenerationInput(kind, PROMPT, sampling))
+        streamed = await _tokens(source, dict.fromkeys(SAMPLING, 4))
+        for kind, sampling in SAMPLING.items():
+            detached = await source.detach(kind)
+            assert detached is not None, kind
+            outputs = list(detached.token_ids[len(PROMPT) :])
+            # Whatever the source sampled by then, the stream so far is a prefix of it.
+            assert outputs[: len(streamed[kind])] == streamed[kind]
+            total = len(outputs) + MORE  # the request now ends MORE tokens on
+            moved = GenerationInput(
+                f"{kind}-k1",
+                detached.token_ids[: detached.num_kv_tokens],
+                replace(sampling, max_tokens=total - len(outputs) + 1),
+            )
+            assert await target.reserve(moved, 30.0, "decode-0") is not None
+            target_id = HandoffTarget("decode-1", target.epoch)
+            num_bytes = await source.send_detached(kind, moved.req_id, target_id, detached)
+            assert num_bytes == -(-detached.num_kv_tokens // 16) * source.block_bytes
+            rest = await _tokens(target, {moved.req_id: MORE})
+            # The same request undisturbed, on the target itself.
+            await target.submit(
+                GenerationInput(f"ref-{kind}", PROMPT, replace(sampling, max_tokens=total))
+            )
+            reference = await _tokens(target, {f"ref-{kind}": total})
+            assert outputs + rest[moved.req_id] == reference[f"ref-{kind}"], kind
+        assert await source.detach("greedy") is None  # gone from the source
+        loop_ = asyncio.get_running_loop()
+        deadline = loop_.time() + 10
+        while await _blocks_in_use(source, target) != [0, 0]:
+            assert loop_.time() < deadline, await _blocks_in_use(source, target)
+            await asyncio.sleep(0.05)
+
+    loop.run_until_complete(body())
+
+
+def test_a_detached_request_that_cannot_move_gives_its_blocks_back(
+    loop: asyncio.AbstractEventLoop, workers: tuple[DecodeWorker, DecodeWorker]
+) -> None:
+    source, _ = workers
+
+    async def body() -> None:
+        await source.submit(GenerationInput("stays", PROMPT, SAMPLING["greedy"]))
+        await _tokens(source, {"stays": 3})
+        assert await source.detach("stays") is not None
+        assert (await source.load()).num_blocks_in_use > 0  # kept for the move
+        await source.abort("stays")  # the router gave up on moving it
+        assert await _blocks_in_use(source) == [0]
+
+    loop.run_until_complete(body())

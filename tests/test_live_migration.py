@@ -1,0 +1,123 @@
+"""Live migration on drain, over fake workers: a draining decode worker's running
+requests move with their KV to a peer while their streams go on (same tokens, none
+missing or repeated, no prompt run again), the drain returns once they have left, and
+where the KV cannot move they continue by recompute."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bench.fake_workers import FakePools
+from bench.harness.polling import wait_until_async
+from engine.core.request import FinishReason
+from router import metrics
+from router.migrations import migrations_counter
+from tests.test_migration import _stream, _text, _token
+from tests.test_orchestrator import PROMPT, _call, _generator, _run
+
+
+def _moves(reason: str) -> float:
+    migrations_counter()
+    value = metrics.get_metrics().registry.get_sample_value(
+        "pdserve_request_migrations_total", {"pool": "decode", "reason": reason}
+    )
+    return value or 0.0
+
+
+async def _under_way(pools: FakePools, n: int, worker: str, max_tokens: int, **kw: object):  # type: ignore[no-untyped-def]
+    """n streams running on `worker` (the other decode worker opens once they are)."""
+    gen = _generator(pools)
+    for ref in pools.workers["decode"]:
+        if ref.worker_id != worker:
+            ref.state = "starting"
+    tasks = [
+        asyncio.ensure_future(_stream(gen, _call(max_tokens=max_tokens, **kw))) for _ in range(n)
+    ]
+    while len(pools.fakes[worker].running) < n:
+        await asyncio.sleep(0.001)
+    for ref in pools.workers["decode"]:
+        ref.state = "live"
+    return gen, tasks
+
+
+def test_a_drain_moves_running_requests_with_their_kv_and_returns_at_once() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 2, step_s=0.005)
+        gen, tasks = await _under_way(pools, 4, "decode-0", max_tokens=200)
+        before = _moves("drained_kv")
+        await asyncio.wait_for(pools.drain("decode-0"), 1.0)
+        assert not any(t.done() for t in tasks)  # the drain did not wait for them
+        assert pools.fakes["decode-0"].holds_nothing
+        results = await asyncio.gather(*tasks)
+        for tokens, text, final in results:
+            assert final.finish_reason is FinishReason.LENGTH, final.error
+            assert tokens == [_token(k) for k in range(200)]
+            assert text == _text(tokens)
+            assert final.usage.completion_tokens == 200
+        assert _moves("drained_kv") == before + 4
+        # Nothing ran again: one prefill per request, the KV went decode to decode.
+        assert len(pools.fakes["prefill-0"].calls) == 4
+        assert [v for v, _ in pools.fakes["decode-1"].calls].count("submit") == 0
+        assert [v for v, _ in pools.fakes["decode-0"].calls].count("send_detached") == 4
+        assert all(f.holds_nothing for f in pools.fakes.values())
+        assert all(ref.num_assigned == 0 for ref in pools.all())
+        await gen.stop()
+
+    _run(body())
+
+
+def test_a_stop_string_spanning_the_move_still_stops_the_request() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 2, step_s=0.005)
+        # decode-0 holds after output token 5; detached, it also gives token 6, which the
+        # router had not received; decode-1 goes on from token 7.
+        pools.fakes["decode-0"].hold_after_position = len(PROMPT) + 5
+        stop = _text([_token(6)])[-3:] + _text([_token(7)])[:3]
+        gen, tasks = await _under_way(pools, 1, "decode-0", max_tokens=200, stop=(stop,))
+        held = pools.fakes["decode-0"]
+        await wait_until_async(
+            lambda: [r.position - 1 for r in held.running.values()] == [held.hold_after_position],
+            5,
+            what="decode-0 holding after token 5",
+        )
+        await pools.drain("decode-0")
+        tokens, text, final = await tasks[0]
+        assert final.finish_reason is FinishReason.STOP, final.error
+        assert tokens == [_token(k) for k in range(8)]
+        full = _text(tokens)
+        assert text == full[: full.index(stop)]
+        await gen.stop()
+
+    _run(body())
+
+
+def test_where_no_channel_can_be_made_requests_move_by_recompute() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 2, step_s=0.005)
+        pools.fakes["decode-0"].no_channel = True
+        gen, tasks = await _under_way(pools, 2, "decode-0", max_tokens=60)
+        before = _moves("drained")
+        await asyncio.wait_for(pools.drain("decode-0"), 1.0)
+        for tokens, _, final in await asyncio.gather(*tasks):
+            assert final.finish_reason is FinishReason.LENGTH, final.error
+            assert tokens == [_token(k) for k in range(60)]
+        assert _moves("drained") == before + 2
+        assert all(f.holds_nothing for f in pools.fakes.values())
+        await gen.stop()
+
+    _run(body())
+
+
+def test_no_room_on_the_peer_falls_back_to_recompute_and_frees_the_source() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 2, step_s=0.005)
+        gen, tasks = await _under_way(pools, 2, "decode-0", max_tokens=60)
+        pools.fakes["decode-1"].no_room = True
+        await asyncio.wait_for(pools.drain("decode-0"), 1.0)
+        assert pools.fakes["decode-0"].holds_nothing  # the detached KV was given back
+        for tokens, _, final in await asyncio.gather(*tasks):
+            assert final.finish_reason is FinishReason.LENGTH, final.error
+            assert tokens == [_token(k) for k in range(60)]
+        await gen.stop()
+
+    _run(body())
