@@ -162,21 +162,36 @@ def test_requests_spread_over_both_pairs(
 
 
 def test_seeded_streams_on_a_killed_decode_worker_end_with_the_undisturbed_text(
-    service: ServiceProcess, reference_llm: LLM
+    service: ServiceProcess,
 ) -> None:
     """SIGKILL the decode worker while seeded streams with stop strings run on it: each
-    continues on the other decode worker, and the client sees the undisturbed text."""
+    continues on the other decode worker, and the client sees the text the same request
+    gets from the undisturbed service."""
     seeded = [
         SamplingParams(max_tokens=40, temperature=0.8, top_k=40, seed=11 + i, ignore_eos=True)
         for i in range(4)
     ]
     prompts = PROMPTS[:4]
-    reference = reference_llm.generate(prompts, seeded)
-    # A stop string late in each text: the matcher has seen the tokens before the kill.
-    stops = [out.text[-12:-6] for out in reference]
 
-    async def scenario() -> list[StreamResult]:
+    def sampling(params: SamplingParams) -> dict[str, object]:
+        return {
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_k": params.top_k,
+            "seed": params.seed,
+            "ignore_eos": True,
+        }
+
+    async def scenario() -> tuple[list[StreamResult], list[StreamResult], list[str]]:
         await _pools_at(service.address, 2, 2)
+        reference = await asyncio.gather(
+            *(
+                generate(service.address, prompt=p, **sampling(s))
+                for p, s in zip(prompts, seeded, strict=True)
+            )
+        )
+        # A stop string late in each text: the matcher has seen the tokens before the kill.
+        stops = [r.text[-12:-6] for r in reference]
         before = scrape(service.metrics_port)[1]
         seen = [0] * len(prompts)
         streams = [
@@ -184,13 +199,9 @@ def test_seeded_streams_on_a_killed_decode_worker_end_with_the_undisturbed_text(
                 generate(
                     service.address,
                     prompt=p,
-                    max_tokens=params.max_tokens,
-                    temperature=params.temperature,
-                    top_k=params.top_k,
-                    seed=params.seed,
-                    ignore_eos=True,
                     stop=[stop],
                     on_tokens=lambda n, i=i: seen.__setitem__(i, n),
+                    **sampling(params),
                 )
             )
             for i, (p, params, stop) in enumerate(zip(prompts, seeded, stops, strict=True))
@@ -215,10 +226,11 @@ def test_seeded_streams_on_a_killed_decode_worker_end_with_the_undisturbed_text(
         moved -= metric_value(before, "pdserve_request_migrations_total", **labels)
         assert moved >= 1, "no stream was on the killed worker any more"
         await assert_pools_empty(service.address)  # its replacement may still be starting
-        return results
+        return results, reference, stops
 
-    results = asyncio.run(scenario())
+    results, reference, stops = asyncio.run(scenario())
     for result, ref, stop in zip(results, reference, stops, strict=True):
+        assert ref.outcome == "final:FINISH_REASON_LENGTH", ref.outcome
         assert result.outcome == "final:FINISH_REASON_STOP", (result.outcome, result.details)
         assert result.text == ref.text[: ref.text.index(stop)]
         assert result.final is not None
@@ -316,17 +328,21 @@ def test_chaos_kills_cancels_and_deadlines(
 
 
 def test_a_drained_decode_worker_hands_its_running_generations_over(
-    service: ServiceProcess, reference_llm: LLM
+    service: ServiceProcess,
 ) -> None:
     """`pdserve scale --decode 1` with long generations running on decode-1: they move to
     decode-0 with their KV (no prompt runs again), the scale returns while they still
-    run, and each text is the undisturbed one."""
-    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    run, and each text is the one the undisturbed service gives."""
     prompts = [f"Story {i}: the lighthouse keeper counted the ships." for i in range(6)]
-    reference = reference_llm.generate(prompts, greedy)
 
-    async def scenario() -> tuple[list[StreamResult], float]:
+    async def scenario() -> tuple[list[StreamResult], list[StreamResult], float]:
         await _pools_at(service.address, 2, 2)
+        reference = await asyncio.gather(
+            *(
+                generate(service.address, prompt=p, max_tokens=48, temperature=0.0, ignore_eos=True)
+                for p in prompts
+            )
+        )
         before = scrape(service.metrics_port)[1]
         seen = [0] * len(prompts)
         streams = [
@@ -365,13 +381,14 @@ def test_a_drained_decode_worker_hands_its_running_generations_over(
         assert moved("drained_kv") >= 1 and moved("drained") == 0, service.log_tail(3000)
         assert still_running > 0, "the scale-down waited for the generations to end"
         await assert_pools_empty(service.address)
-        return results, scale_s
+        return results, reference, scale_s
 
-    results, scale_s = asyncio.run(scenario())
+    results, reference, scale_s = asyncio.run(scenario())
     assert scale_s < 10, f"the drain took {scale_s:.1f} s"
     for result, ref in zip(results, reference, strict=True):
+        assert ref.outcome == "final:FINISH_REASON_LENGTH", ref.outcome
         assert result.outcome == "final:FINISH_REASON_LENGTH", (result.outcome, result.details)
-        assert result.tokens == list(ref.token_ids)
+        assert result.tokens == ref.tokens
 
 
 def test_scale_down_while_streaming(
