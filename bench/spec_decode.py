@@ -102,35 +102,49 @@ def count_target_steps(llm: Any) -> list[int]:
     return counter
 
 
-def run_level(llm: Any, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    """The prompts in groups of `concurrency` started together; timings and counters."""
+def run_level(
+    systems: dict[str, Any], prompts: list[list[int]], max_tokens: int, concurrency: int
+) -> dict[str, dict[str, Any]]:
+    """The prompts in groups of `concurrency` started together, each group on every
+    system in turn (so a change in the machine's load falls on both); per system its
+    timings (wall and this process's CPU seconds) and counters."""
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    steps = llm._bench_steps
-    before_stats, before_steps = llm.core.stats(), steps[0]
-    outputs: list[tuple[int, ...]] = []
-    start = time.perf_counter()
+    before = {name: (llm.core.stats(), llm._bench_steps[0]) for name, llm in systems.items()}
+    outputs: dict[str, list[tuple[int, ...]]] = {name: [] for name in systems}
+    wall = dict.fromkeys(systems, 0.0)
+    cpu = dict.fromkeys(systems, 0.0)
     for i in range(0, len(prompts), concurrency):
-        outputs += [o.token_ids for o in llm.generate(prompts[i : i + concurrency], params)]
-    wall_s = time.perf_counter() - start
-    stats = llm.core.stats()
-    drafts = stats.spec_draft_tokens - before_stats.spec_draft_tokens
-    accepted = stats.spec_accepted_tokens - before_stats.spec_accepted_tokens
-    verifications = stats.spec_verifications - before_stats.spec_verifications
-    num_tokens = sum(len(o) for o in outputs)
-    return {
-        "outputs": outputs,
-        "output_tokens": num_tokens,
-        "wall_s": round(wall_s, 4),
-        "output_tok_s": round(num_tokens / wall_s, 3),
-        "target_steps": steps[0] - before_steps,
-        "draft_tokens": drafts,
-        "accepted_tokens": accepted,
-        "verifications": verifications,
-        "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
-        "mean_accepted_length": round(1 + accepted / verifications, 3) if verifications else None,
-    }
+        for name, llm in systems.items():
+            wall0, cpu0 = time.perf_counter(), time.process_time()
+            group = llm.generate(prompts[i : i + concurrency], params)
+            wall[name] += time.perf_counter() - wall0
+            cpu[name] += time.process_time() - cpu0
+            outputs[name] += [o.token_ids for o in group]
+    results = {}
+    for name, llm in systems.items():
+        stats, steps = llm.core.stats(), llm._bench_steps[0]
+        drafts = stats.spec_draft_tokens - before[name][0].spec_draft_tokens
+        accepted = stats.spec_accepted_tokens - before[name][0].spec_accepted_tokens
+        verifications = stats.spec_verifications - before[name][0].spec_verifications
+        num_tokens = sum(len(o) for o in outputs[name])
+        results[name] = {
+            "outputs": outputs[name],
+            "output_tokens": num_tokens,
+            "wall_s": round(wall[name], 4),
+            "process_cpu_s": round(cpu[name], 4),
+            "output_tok_s": round(num_tokens / wall[name], 3),
+            "target_steps": steps - before[name][1],
+            "draft_tokens": drafts,
+            "accepted_tokens": accepted,
+            "verifications": verifications,
+            "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
+            "mean_accepted_length": (
+                round(1 + accepted / verifications, 3) if verifications else None
+            ),
+        }
+    return results
 
 
 def step_times(llm: Any, context: int, k: int, reps: int) -> dict[str, float]:
@@ -241,17 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"config": vars(ns) | {"out": str(ns.out)}, "levels": []}
     systems = {"off": build(ns, None), "on": build(ns, spec)}
     prompts_all = prompts_for(systems["off"], max(max(levels), 8), ns.seed)
-    for llm in systems.values():  # warm-up: first-call costs are no one's throughput
-        run_level(llm, prompts_all[:1], 4, 1)
+    run_level(systems, prompts_all[:1], 4, 1)  # warm-up: first-call costs are no one's
     print(
-        f"{'conc':>5} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'accept':>7} "
-        f"{'mean len':>8} {'steps/tok on':>12} {'same':>5}"
+        f"{'conc':>5} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'cpu ratio':>9} "
+        f"{'accept':>7} {'mean len':>8} {'steps/tok on':>12} {'same':>5}"
     )
     for conc in levels:
         n = ns.num_requests or max(8, conc)
         prompts = [prompts_all[i % len(prompts_all)] for i in range(n)]
-        off = run_level(systems["off"], prompts, ns.max_tokens, conc)
-        on = run_level(systems["on"], prompts, ns.max_tokens, conc)
+        measured = run_level(systems, prompts, ns.max_tokens, conc)
+        off, on = measured["off"], measured["on"]
         same = off.pop("outputs") == on.pop("outputs")
         ratio = on["output_tok_s"] / off["output_tok_s"]
         level = {
@@ -260,13 +273,16 @@ def main(argv: list[str] | None = None) -> int:
             "off": off,
             "on": on,
             "speedup": round(ratio, 3),
+            # The same over CPU seconds of this process: on a shared CPU it is less
+            # sensitive to other processes than wall time (bench.offline does the same).
+            "speedup_cpu_time": round(off["process_cpu_s"] / max(on["process_cpu_s"], 1e-9), 3),
             "identical_outputs": same,
         }
         results["levels"].append(level)
         steps_per_token = on["target_steps"] / max(on["output_tokens"], 1)
         print(
             f"{conc:>5} {off['output_tok_s']:>10.1f} {on['output_tok_s']:>10.1f} "
-            f"{ratio:>6.2f} {on['acceptance_rate'] or 0:>7.2f} "
+            f"{ratio:>6.2f} {level['speedup_cpu_time']:>9.2f} {on['acceptance_rate'] or 0:>7.2f} "
             f"{on['mean_accepted_length'] or 0:>8.2f} {steps_per_token:>12.3f} {same!s:>5}"
         )
     if ns.step_timing:
