@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from bench.report import percentile, provenance
+from engine.model.model_spec import kv_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "deploy" / "model_configs"
@@ -199,7 +200,7 @@ def bench_model(
         runner._kv_storage.normal_()  # random K/V: never time on zeros
         spec = runner.spec
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        kv_token_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+        kv_token_bytes = spec.kv_bytes_per_token
         vocab = spec.vocab_size
         rng = random.Random(0)
         rows = []
@@ -307,7 +308,7 @@ def _kernel_row(n: int, context: int, block_n: int) -> dict[str, Any]:
         lambda: ta.paged_decode_attention(q, cache, 0, table, ctx, head_dim**-0.5, splits), 50
     )
     ms = statistics.median(times)
-    kv_bytes = n * context * 2 * kv_heads * head_dim * 2
+    kv_bytes = n * context * kv_bytes_per_token(1, kv_heads, head_dim, 2)  # one layer, bf16
     return {
         "batch": n,
         "context": context,

@@ -3,7 +3,8 @@ core (its unit tests, and `bench.router_load`): a prefill worker that 'sends' KV
 paired decode worker, decode workers that step every running request once per poll,
 and controls to make them die, refuse or run out of room. A token depends only on
 (seed, position), as with the real sampler, so a request resumed elsewhere must produce
-the same tokens as one left alone."""
+the same tokens as one left alone. They report each request's phases as real workers do
+(`PhaseReport`), and remember the trace context each request came with."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from engine.wire import (
     DetachedRequest,
     GenerationInput,
     HandoffTarget,
+    PhaseReport,
     PrefillResult,
     Reservation,
     TokenBatch,
@@ -85,6 +87,10 @@ class FakeWorker:
     detached: dict[str, DetachedRequest] = field(default_factory=dict)  # blocks kept
     aborted: set[str] = field(default_factory=set)
     outbox: list[TokenUpdate] = field(default_factory=list)
+    trace_contexts: dict[str, dict[str, str]] = field(default_factory=dict)  # traced ones
+    # Decode: requests whose first token (and phases) is still to come → ran their prompt
+    # here (else their KV arrived).
+    first_token_pending: dict[str, bool] = field(default_factory=dict)
 
     def _check(self) -> None:
         if self.dead:
@@ -97,6 +103,7 @@ class FakeWorker:
     async def prefill(self, inp: GenerationInput, target: HandoffTarget) -> PrefillResult:
         self._check()
         self.calls.append(("prefill", inp.req_id))
+        self._remember_context(inp)
         if self.hold_prefill is not None:
             await self.hold_prefill.wait()
         await asyncio.sleep(self.prefill_delay_s)
@@ -104,11 +111,14 @@ class FakeWorker:
         if inp.req_id in self.aborted:
             return PrefillResult(None, FinishReason.ABORT, 0, 0.0)
         first = token_at(inp.sampling.seed or 0, len(inp.prompt_token_ids))
+        phases = PhaseReport(queue_s=0.0, compute_s=self.prefill_delay_s)
         if inp.sampling.max_tokens == 1:
-            return PrefillResult(first, FinishReason.LENGTH, 0, self.prefill_delay_s)
+            return PrefillResult(first, FinishReason.LENGTH, 0, self.prefill_delay_s, phases=phases)
         decode = self.peers[target.worker_id]
         asyncio.get_running_loop().call_later(self.kv_delay_s, decode.receive_kv, inp.req_id, first)
-        return PrefillResult(first, None, 0, self.prefill_delay_s, transfer_bytes=4096)
+        return PrefillResult(
+            first, None, 0, self.prefill_delay_s, transfer_bytes=4096, phases=phases
+        )
 
     # ---------------------------------------------------------------- live migration
     async def connect(self, spec: ChannelSpec) -> None:
@@ -154,6 +164,7 @@ class FakeWorker:
     ) -> Reservation | None:
         self._check()
         self.calls.append(("reserve", inp.req_id))
+        self._remember_context(inp)
         if self.no_room or inp.req_id in self.aborted:
             return None
         self.reserved[inp.req_id] = inp
@@ -182,13 +193,17 @@ class FakeWorker:
             return
         n = len(inp.prompt_token_ids)
         self.running[req_id] = _Running(inp, n + 1, inp.sampling.max_tokens - 1)
-        self.outbox.append(TokenUpdate(req_id, kv_wire_s=0.001, kv_handoff_s=0.002))
+        self.first_token_pending[req_id] = False
+        arrival = PhaseReport(transfer_s=0.002, wire_bytes=4096, wire_s=0.001)
+        self.outbox.append(TokenUpdate(req_id, kv_wire_s=0.001, kv_handoff_s=0.002, phases=arrival))
 
     async def submit(self, inp: GenerationInput) -> None:
         self._check()
         self.calls.append(("submit", inp.req_id))
+        self._remember_context(inp)
         if inp.req_id in self.aborted:
             return
+        self.first_token_pending[inp.req_id] = True
         n = len(inp.prompt_token_ids)
         self.running[inp.req_id] = _Running(inp, n, inp.sampling.max_tokens)
 
@@ -203,12 +218,25 @@ class FakeWorker:
             run.position += 1
             run.remaining -= 1
             reason = FinishReason.LENGTH if run.remaining <= 0 else None
-            updates.append(TokenUpdate(req_id, (token,), reason))
+            phases = self._first_token_phases(req_id)
+            updates.append(TokenUpdate(req_id, (token,), reason, phases=phases))
             if reason is not None:
                 del self.running[req_id]
             if run.position - 1 == self.die_after_position:
                 self.dead = True  # this batch still goes out; the next poll fails
         return TokenBatch(tuple(updates), (), self._stats())
+
+    def _remember_context(self, inp: GenerationInput) -> None:
+        if inp.trace_context:
+            self.trace_contexts[inp.req_id] = inp.trace_context
+
+    def _first_token_phases(self, req_id: str) -> PhaseReport | None:
+        ran_prompt = self.first_token_pending.pop(req_id, None)
+        if ran_prompt is None:
+            return None
+        if ran_prompt:
+            return PhaseReport(queue_s=0.0, compute_s=self.step_s)
+        return PhaseReport(admission_s=0.0, first_step_s=self.step_s)
 
     async def abort(self, req_id: str) -> None:
         self._check()
@@ -218,6 +246,7 @@ class FakeWorker:
         self.reserved.pop(req_id, None)
         self.expires_at.pop(req_id, None)
         self.running.pop(req_id, None)
+        self.first_token_pending.pop(req_id, None)
 
     async def load(self) -> WorkerStats:
         self._check()

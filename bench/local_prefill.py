@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shlex
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ServiceProcess
-from bench.report import percentile, provenance
+from bench.report import percentile, write_result
 from router.client import stream_generate
 
 NEVER = 1_000_000
@@ -100,12 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:>7} {remote[n] * 1e3:>15.1f} {local[n] * 1e3:>14.1f} {ratio:>15.2f}")
     pays = [r["prompt_tokens"] for r in rows if r["ratio"] <= 1.0]
     print("shortest prompt where the hand-off pays:", pays[0] if pays else "none measured")
-    record = {
-        "provenance": provenance("bench.local_prefill", sys.argv[1:] if argv is None else argv),
-        "args": vars(args),
-        "rows": rows,
-    }
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    write_result(args.out, "bench.local_prefill", argv, args=vars(args), rows=rows)
     return 0
 
 

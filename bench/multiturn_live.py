@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import sys
@@ -39,7 +38,7 @@ from bench.multiturn import (
     make_conversations,
     summarize,
 )
-from bench.report import percentile, provenance
+from bench.report import percentile, write_result
 from router.client import get_server_info, stream_generate
 
 DEFAULT_SERVE_ARGS = (
@@ -182,12 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r.get('ttft_p50_ms', '-'):>9} {r.get('ttft_p99_ms', '-'):>9} "
             f"{r.get('output_tok_s', '-'):>9}"
         )
-    record = {
-        "provenance": provenance("bench.multiturn_live", sys.argv[1:] if argv is None else argv),
-        "workload": asdict(wl),
-        "rows": rows,
-    }
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    write_result(args.out, "bench.multiturn_live", argv, workload=asdict(wl), rows=rows)
     return 0
 
 

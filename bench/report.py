@@ -5,7 +5,8 @@
   (docs/benchmarks.md says which older numbers were made with another definition).
 * `provenance(module, args)`: the commit, whether the tree had uncommitted changes, the
   date (UTC), the machine (CPU model, GPU names) and the command line that reproduces
-  the run. Benchmarks put it under the key "provenance" of their JSON.
+  the run. Benchmarks put it under the key "provenance" of their JSON
+  (`write_result` writes such a JSON).
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import importlib.metadata
+import json
 import math
 import os
 import platform
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -128,3 +131,14 @@ def provenance(module: str, args: Sequence[str]) -> dict[str, Any]:
         "hardware": hardware(),
         "versions": _versions(),
     }
+
+
+def write_result(
+    path: str | Path, module: str, argv: Sequence[str] | None, **fields: Any
+) -> dict[str, Any]:
+    """Write a run's JSON: its provenance (`argv`, or the process's own arguments) and
+    `fields`; returns the record."""
+    args = sys.argv[1:] if argv is None else argv
+    record = {"provenance": provenance(module, args), **fields}
+    Path(path).write_text(json.dumps(record, indent=1))
+    return record

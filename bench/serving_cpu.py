@@ -28,10 +28,10 @@ from bench.load import build_requests, run_load, summarize
 from bench.load import parse_args as load_args
 from bench.report import percentile, provenance
 from engine.core.config import SchedulerConfig
-from engine.core.outputs import GenerationInput
 from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.wire import GenerationInput
 
 
 def run_engine(requests: list[Any], concurrency: int, kv_gib: float) -> dict[str, Any]:

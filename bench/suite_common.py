@@ -11,6 +11,7 @@ from typing import Any
 
 from bench.harness.ports import free_port as free_port  # where the suite's parts import it
 from bench.report import percentile
+from engine.model.model_spec import kv_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -72,7 +73,7 @@ class KVGeometry:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.itemsize)
 
     def handoff_bytes(self, prompt_len: int, block_size: int = 16) -> int:
         """Bytes of one request's hand-off message: its whole blocks, all layers, K and V."""

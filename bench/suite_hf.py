@@ -9,12 +9,12 @@ Both take the engine's model (same random weights) and the burst prompts of b an
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from typing import Any
 
 import torch
 
+from bench.device import free, sync
 from bench.suite_common import ReqTiming, make_prompts, summarize
 from bench.suite_plan import RunSpec, prompts_for
 
@@ -22,17 +22,6 @@ from bench.suite_plan import RunSpec, prompts_for
 def burst_prompts(shape: str, concurrency: int, prompt_len: int, vocab: int) -> list[list[int]]:
     """a, a2: one batch of `concurrency` prompts, the same as b's and c's burst."""
     return prompts_for(shape, RunSpec(concurrency, 1, prompt_len), vocab)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 class _StepStamps:
@@ -63,19 +52,19 @@ def run_hf_static(model: Any, ns: argparse.Namespace, device: torch.device) -> l
         kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0)
         model.generate(**kw, max_new_tokens=2, min_new_tokens=2)  # warm-up, same shapes
         stamps = _StepStamps()
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         out = model.generate(
             **kw, max_new_tokens=ns.output_len, min_new_tokens=ns.output_len, streamer=stamps
         )
-        _sync(device)
+        sync(device)
         wall = time.perf_counter() - start
         n = out.shape[1] - ids.shape[1]
         first, last = stamps.times[0], stamps.times[-1]
         timings = [ReqTiming(start, first, last, n) for _ in prompts]
         runs.append(summarize("a_hf_generate_static", c, timings, wall, steps=len(stamps.times)))
         del ids, mask, out
-        _free(device)
+        free(device)
     return runs
 
 

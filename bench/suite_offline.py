@@ -19,7 +19,6 @@ Writes one JSON (`--out`); `bench.gpu_suite` starts this and reads it.
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import statistics
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from bench.device import free, sync
 from bench.report import provenance
 from bench.suite_common import (
     KVGeometry,
@@ -44,31 +44,20 @@ from bench.suite_plan import parse_ints, plan_from_args, prompts_for
 # ---------------------------------------------------------------- floor
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> dict[str, Any]:
     """Device-to-device copy; GB/s counts bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(iters):
         dst.copy_(src)
-    _sync(device)
+    sync(device)
     seconds = (time.perf_counter() - t0) / iters
     del src, dst
-    _free(device)
+    free(device)
     return {
         "bytes": nbytes,
         "seconds": seconds,
@@ -171,7 +160,7 @@ def run_engine(
         "runs": runs,
     }
     del llm
-    _free(device)
+    free(device)
     return info
 
 
@@ -185,11 +174,11 @@ def closed_loop(
     that finishes is replaced by the next prompt at that step boundary, as a client that
     sends its next request on an answer would. Returns each request's timings (sent when
     queued) and the wall time to the last answer."""
-    from engine.core.outputs import GenerationInput
     from engine.frontend.output_processor import OutputProcessor
+    from engine.wire import GenerationInput
 
     core = llm.core
-    outputs = OutputProcessor(llm.tokenizer)
+    outputs: dict[str, OutputProcessor] = {}
     timings = [ReqTiming(0.0) for _ in prompts]
     index_of: dict[str, int] = {}
     run = next(_run_ids)
@@ -200,7 +189,7 @@ def closed_loop(
         while next_index < len(prompts) and len(index_of) < concurrency:
             inp = GenerationInput(f"bench-{run}-{next_index}", tuple(prompts[next_index]), params)
             core.add_request(inp)
-            outputs.add(inp.req_id, inp.prompt_token_ids, params.stop)
+            outputs[inp.req_id] = OutputProcessor(llm.tokenizer, inp.prompt_token_ids, params.stop)
             index_of[inp.req_id] = next_index
             timings[next_index].sent_s = now
             next_index += 1
@@ -213,15 +202,15 @@ def closed_loop(
                 i = index_of.get(upd.req_id)
                 if i is None:
                     continue
-                out = outputs.process(upd.req_id, upd.new_token_ids, upd.finish_reason)
-                if out.chunk is not None and out.chunk.token_ids:
-                    timings[i].add_tokens(time.perf_counter(), len(out.chunk.token_ids))
-                if out.finish_reason is not None:
-                    del index_of[upd.req_id]
+                chunk, finish = outputs[upd.req_id].process(upd.new_token_ids, upd.finish_reason)
+                if chunk is not None and chunk.token_ids:
+                    timings[i].add_tokens(time.perf_counter(), len(chunk.token_ids))
+                if finish is not None:
+                    del index_of[upd.req_id], outputs[upd.req_id]
                     t = timings[i]
                     if t.num_tokens != params.max_tokens:
                         t.ok = False
-                        t.error = f"{out.finish_reason.name}: {t.num_tokens} tokens"
+                        t.error = f"{finish.name}: {t.num_tokens} tokens"
             admit(time.perf_counter())
         wall = time.perf_counter() - start
     finally:
@@ -335,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             result[part] = run_engine(ns, device, dtype, bandwidth, part)
         except Exception as exc:  # noqa: BLE001
             result[part] = error_record(exc)
-        _free(device)
+        free(device)
         save()
     if ns.parts & {"a", "a2"}:
         from engine.model.model_loader import load_model
@@ -349,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                     result[part] = fn(model, ns, device)
                 except Exception as exc:  # noqa: BLE001
                     result[part] = error_record(exc)
-                _free(device)
+                free(device)
                 save()
     save()
     return 0

@@ -17,21 +17,21 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
 
 from decode_worker.export import KVExporter
-from engine.core.outputs import GenerationInput, TokenBatch, TokenUpdate
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
-from engine.core.scheduler import RequestUpdate
 from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import Reservation
-from engine.transfer.receiver import ChannelReceiver
+from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import ReservationBook
-from engine.wire import coalesce
+from engine.wire import GenerationInput, TokenBatch, TokenUpdate, coalesce
 from engine.worker import WorkerBase
+from engine.worker_phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,13 @@ class DecodeWorker(KVExporter, WorkerBase):
     pool = "decode"
     role = EngineRole.DECODE
 
-    def __init__(self, args: Any, index: int) -> None:
-        super().__init__(args, index)
+    def __init__(self, args: Any, index: int, tracing_config: Any = None) -> None:
+        super().__init__(args, index, tracing_config)
         self._book: ReservationBook | None = None
+        # Requests with no token out yet (a prompt submitted, or KV landed): their first
+        # token closes their phases here (worker_phases). Written from the receiving
+        # threads too: one dict operation at a time.
+        self._starting: dict[str, Waiting] = {}
         self._outbox: list[TokenUpdate] = []
         self._outbox_ready = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
@@ -94,14 +98,25 @@ class DecodeWorker(KVExporter, WorkerBase):
                 self.fail(req_id, "KV hand-off refused: the reservation expired")
 
     # ---------------------------------------------------------------- ImportTarget
-    def staging(self, num_blocks: int) -> torch.Tensor:
-        cache = self.runner.kv_cache
-        return torch.empty((num_blocks, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+    @property
+    def num_layers(self) -> int:
+        return int(self.runner.kv_cache.shape[1])
 
-    def scatter(self, block_ids: list[int], rows: torch.Tensor, row_ids: list[int] | None) -> None:
+    def staging(self, num_blocks: int, layers: tuple[int, int]) -> torch.Tensor:
+        cache = self.runner.kv_cache
+        shape = (num_blocks, layers[1] - layers[0], *cache.shape[2:])
+        return torch.empty(shape, dtype=cache.dtype, device=cache.device)
+
+    def scatter(
+        self,
+        block_ids: list[int],
+        rows: torch.Tensor,
+        row_ids: list[int] | None,
+        layers: tuple[int, int],
+    ) -> None:
         if row_ids is not None:
             rows = rows.index_select(0, torch.tensor(row_ids, device=rows.device))
-        self.runner.scatter_blocks(block_ids, rows)
+        self.runner.scatter_blocks(block_ids, rows, layers)
 
     def admit(self, inp: GenerationInput, first_token: int) -> None:
         # Engine commands run in order: any abort issued after this is applied after
@@ -113,8 +128,15 @@ class DecodeWorker(KVExporter, WorkerBase):
             lambda: self.core.admit_imported(inp, first_token)
         ).add_done_callback(lambda fut: self._admit_failed(req_id, fut.exception()))
 
-    def arrived(self, req_id: str, wire_s: float, handoff_s: float) -> None:
-        self._post(TokenUpdate(req_id, kv_wire_s=wire_s, kv_handoff_s=handoff_s))
+    def arrived(self, arrival: KVArrival) -> None:
+        req_id = arrival.inp.req_id
+        self._starting[req_id] = Waiting(arrival.inp, arrival.received_at, imported=True)
+        phases = arrival_phases(self.worker_id, arrival)
+        self._post(
+            TokenUpdate(
+                req_id, kv_wire_s=arrival.wire_s, kv_handoff_s=arrival.handoff_s, phases=phases
+            )
+        )
 
     def release(self, req_id: str) -> None:
         """Give a reservation's blocks back at the next step boundary (any thread)."""
@@ -123,6 +145,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         self.loop_thread.submit(lambda: self.core.release(req_id))
 
     def fail(self, req_id: str, error: str) -> None:
+        self._starting.pop(req_id, None)
         self._post(TokenUpdate(req_id, finish_reason=FinishReason.ERROR, error=error))
 
     def _admit_failed(self, req_id: str, exc: BaseException | None) -> None:
@@ -182,13 +205,24 @@ class DecodeWorker(KVExporter, WorkerBase):
         self._outbox_ready.set()
 
     # ---------------------------------------------------------------- tokens out
-    def on_updates(self, updates: list[RequestUpdate]) -> None:
-        self._append(
-            [
-                TokenUpdate(u.req_id, u.new_token_ids, u.finish_reason, u.num_cached_tokens)
-                for u in updates
-            ]
-        )
+    def on_updates(self, updates: list[TokenUpdate], stepped_at: float) -> None:
+        if self._starting:  # some request's first token may be here: its phases with it
+            self._append([self._with_phases(u, stepped_at) for u in updates])
+            return
+        self._append(updates)  # the engine's own updates are what the router reads
+
+    def _with_phases(self, u: TokenUpdate, stepped_at: float) -> TokenUpdate:
+        """The update, carrying the request's phases here if this is its first token."""
+        waiting = self._starting.pop(u.req_id, None)
+        if waiting is None:
+            return u
+        if waiting.imported:
+            phases = decode_start_phases(self.worker_id, waiting, u, stepped_at)
+        else:
+            phases = prompt_phases(
+                self.pool, self.worker_id, waiting.inp, waiting.since, u, stepped_at
+            )
+        return u._replace(phases=phases)
 
     async def next_tokens(self, wait_s: float = 1.0) -> TokenBatch:
         """Long-poll: every update produced since the last call (empty after wait_s)."""
@@ -206,6 +240,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         arrive through next_tokens()."""
         if self.is_buried(inp.req_id):
             return  # aborted before it got here
+        self._starting[inp.req_id] = Waiting(inp, time.monotonic(), imported=False)
         # The router validated the prompt already.
         await self.on_engine(lambda: self.core.add_request(inp, validate=False))
 
@@ -214,6 +249,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         """Idempotent, any state: reserved → released; importing → discarded on arrival;
         running → finished and freed at the next step boundary."""
         self.bury(req_id)
+        self._starting.pop(req_id, None)
         if self._book is not None and self.book.abort(req_id):
             self._sources.pop(req_id, None)
             await self.on_engine(lambda: self.core.release(req_id))

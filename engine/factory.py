@@ -23,6 +23,14 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
 
+# From this prompt length on, streaming the KV during the pass pays: the hand-off after
+# the first token shrinks 3-4x and the first inter-token gap by about a fifth, for ~3 %
+# on the pass. Shorter passes are bound by the host launching kernels, and posting the
+# parts costs them more than the transfer it hides (docs/benchmarks.md, "Layer-wise KV
+# streaming").
+DEFAULT_KV_STREAM_MIN_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything needed to build one engine; shared by the offline API and both pools."""
@@ -42,6 +50,9 @@ class EngineArgs:
     # to hide).
     async_scheduling: bool | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Prefill workers: hand-offs of prompts this long stream their KV layer by layer
+    # during the forward pass (engine.transfer.streaming); shorter ones go in one message.
+    kv_stream_min_tokens: int = DEFAULT_KV_STREAM_MIN_TOKENS
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -88,8 +99,11 @@ def _kv_budget_bytes(args: EngineArgs, device: torch.device) -> int:
     return int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
 
 
-def build_engine(args: EngineArgs, *, role: EngineRole = EngineRole.COLOCATED) -> BuiltEngine:
-    """Load the model, size and allocate the KV cache, and wire the scheduler to it."""
+def build_engine(
+    args: EngineArgs, *, role: EngineRole = EngineRole.COLOCATED, index: int = 0
+) -> BuiltEngine:
+    """Load the model, size and allocate the KV cache, and wire the scheduler to it;
+    `index` names the engine among its pool's in its stats."""
     from engine.model.model_loader import has_tokenizer, load_tokenizer
     from engine.model.model_runner import ModelRunner
 
@@ -119,6 +133,7 @@ def build_engine(args: EngineArgs, *, role: EngineRole = EngineRole.COLOCATED) -
         vocab_size=spec.vocab_size,
         eos_token_ids=frozenset(spec.eos_token_ids),
         role=role,
+        index=index,
         # A prefill engine hands a request off after one step; running a step ahead would
         # queue its hand-off gather behind the next prefill step (TTFT), for little gain.
         async_scheduling=(

@@ -6,12 +6,13 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from engine.core.outputs import GenerationInput, TextChunk
+from engine.core.outputs import TextChunk
 from engine.core.request import FinishReason
 from engine.factory import EngineArgs, build_engine
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.prompt import encode_prompt
 from engine.sampling_params import SamplingParams
+from engine.wire import GenerationInput
 
 PromptLike = str | Sequence[int]
 
@@ -65,21 +66,23 @@ class LLM:
         # Validate everything first: a bad prompt fails before anything is scheduled.
         inputs = [self._input(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
         requests = [self.core.make_request(inp) for inp in inputs]
-        outputs = OutputProcessor(self.tokenizer)
+        outputs: dict[str, OutputProcessor] = {}
         index_of = {}
         for i, (inp, req) in enumerate(zip(inputs, requests, strict=True)):
             index_of[inp.req_id] = i
-            outputs.add(inp.req_id, inp.prompt_token_ids, inp.sampling.stop)
+            outputs[inp.req_id] = OutputProcessor(
+                self.tokenizer, inp.prompt_token_ids, inp.sampling.stop
+            )
             self.core.scheduler.add_request(req)
         try:
             while self.core.has_unfinished:
                 for upd in self.core.step():
-                    out = outputs.process(upd.req_id, upd.new_token_ids, upd.finish_reason)
-                    if out.stopped_by_string and upd.finish_reason is None:
-                        self.core.abort(upd.req_id)
-                    yield StreamEvent(
-                        index_of[upd.req_id], out.chunk, out.finish_reason, upd.num_cached_tokens
+                    chunk, finish = outputs[upd.req_id].process(
+                        upd.new_token_ids, upd.finish_reason
                     )
+                    if finish is not None and upd.finish_reason is None:
+                        self.core.abort(upd.req_id)  # a stop string ended it
+                    yield StreamEvent(index_of[upd.req_id], chunk, finish, upd.num_cached_tokens)
         finally:
             for req_id in index_of:  # a caller that stops iterating leaves nothing behind
                 self.core.abort(req_id)

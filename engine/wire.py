@@ -1,16 +1,21 @@
 """Every type that crosses a process boundary between the router and the workers.
 
-Frozen, typed, plain Python (no torch, no Ray, no protobuf): Ray pickles them between
-actors, and both sides import them from here. One token's path from a decode step to
-the router is `TokenUpdate` (inside a `TokenBatch`); the prefill pool answers with a
+Immutable, typed, plain Python (no torch, no Ray, no protobuf): Ray pickles them
+between actors, and both sides import them from here. The engine core produces the
+wire types itself, as vLLM's core produces `EngineCoreOutputs`: a step's result is one
+`TokenUpdate` per request (a decode worker sends them in a `TokenBatch`), and an
+engine's occupancy is its `WorkerStats`. The prefill pool answers with a
 `PrefillResult`; a hand-off is addressed by a `HandoffTarget` and filled into a
-`Reservation`. What a worker reports of itself rides along as `WorkerStats`.
+`Reservation`. Where a request's time went on a worker rides along as a `PhaseReport`;
+a request's trace context (W3C `traceparent`/`tracestate`, empty when it is not traced)
+travels inside its `GenerationInput`, so a worker's spans join the router's trace
+(engine/tracing.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Literal, NamedTuple
 
 from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
@@ -32,6 +37,10 @@ class GenerationInput:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     priority: int = 0
+    # The W3C trace-context carrier of the router's span for this attempt; empty when the
+    # request is not traced (then workers record no spans for it). Not part of the
+    # request's identity.
+    trace_context: dict[str, str] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,32 @@ class Reservation:
     @property
     def target(self) -> HandoffTarget:
         return HandoffTarget(self.worker_id, self.epoch)
+
+
+@dataclass(frozen=True)
+class PhaseReport:
+    """Where one request's time went on one worker, in seconds (None: the phase did not
+    run there, or not in this message). The router turns these into its per-worker
+    phase histograms; each phase is reported once."""
+
+    queue_s: float | None = None  # waiting in the worker's engine queue for a first step
+    compute_s: float | None = None  # its prompt: first step to first token (cached or not)
+    transfer_s: float | None = None  # its KV: ready on the sender to in place here
+    # Bytes of its KV received in a whole message (0 for a streamed one, whose receive
+    # waits on the sender's pass), and its share by bytes of that message's receive
+    # time: summed, the time the channel spent receiving, the true bandwidth's divisor.
+    wire_bytes: int = 0
+    wire_s: float = 0.0
+    admission_s: float | None = None  # KV in place to its first decode step scheduled
+    first_step_s: float | None = None  # that step scheduled to its token out
+
+    def merged(self, later: PhaseReport) -> PhaseReport:
+        """Both reports in one (each phase is set in at most one of them)."""
+        values = {
+            f.name: getattr(later, f.name) if getattr(later, f.name) else getattr(self, f.name)
+            for f in fields(self)
+        }
+        return PhaseReport(**values)
 
 
 @dataclass(frozen=True)
@@ -84,26 +119,41 @@ class PrefillResult:
     transfer_bytes: int = 0  # posted on the channel (arrival is the receiver's to report)
     error: str = ""
     kv_events: tuple[KVEvents, ...] = ()  # this worker's prefix-cache changes, for routing
+    phases: PhaseReport | None = None  # queue and compute on the prefill worker
 
 
-@dataclass(frozen=True)
-class TokenUpdate:
-    """One request's news from a decode worker: new tokens, its arrival, or its end."""
+class TokenUpdate(NamedTuple):
+    """One request's news from an engine: new tokens, its KV's arrival, or its end.
+
+    The engine core builds these itself, one per request per step (a NamedTuple: cheap
+    to build), and the decode pool sends them to the router as they are.
+    """
 
     req_id: str
     new_token_ids: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    # The request left its engine with its blocks still allocated (a prefill engine:
+    # they hold the KV to hand off); whoever handles the update must release() them.
+    hand_off: bool = False
     error: str = ""  # with finish_reason ERROR: what went wrong on the worker
     # Set once, when the request's KV has arrived: the receive itself, and the whole
     # hand-off from the sender's KV being ready to the KV in place.
     kv_wire_s: float = 0.0
     kv_handoff_s: float = 0.0
+    phases: PhaseReport | None = None  # set on arrival and with the first token
+    # time.monotonic() on its engine when a step first scheduled it (its queue wait
+    # ended): the worker's phase timings read it, the router does not.
+    scheduled_at: float = 0.0
 
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """Occupancy of one worker's KV cache and scheduler, and its counters since start."""
+    """Occupancy of one engine's KV cache and scheduler, and its counters since start.
+
+    The engine core reports it (`EngineCore.stats()`), naming itself by its pool and its
+    index there; a worker sends it as it is.
+    """
 
     pool: PoolName
     index: int
@@ -141,10 +191,21 @@ def merge_updates(taken: list[TokenUpdate]) -> TokenUpdate:
         tuple(t for u in taken for t in u.new_token_ids),
         taken[-1].finish_reason,
         max(u.num_cached_tokens for u in taken),
-        taken[-1].error,
-        next((u.kv_wire_s for u in reversed(taken) if u.kv_wire_s), 0.0),
-        next((u.kv_handoff_s for u in reversed(taken) if u.kv_handoff_s), 0.0),
+        error=taken[-1].error,
+        kv_wire_s=next((u.kv_wire_s for u in reversed(taken) if u.kv_wire_s), 0.0),
+        kv_handoff_s=next((u.kv_handoff_s for u in reversed(taken) if u.kv_handoff_s), 0.0),
+        phases=_merged_phases(taken),
     )
+
+
+def _merged_phases(taken: list[TokenUpdate]) -> PhaseReport | None:
+    reports = [u.phases for u in taken if u.phases is not None]
+    if not reports:
+        return None
+    merged = reports[0]
+    for report in reports[1:]:
+        merged = merged.merged(report)
+    return merged
 
 
 def coalesce(updates: list[TokenUpdate]) -> list[TokenUpdate]:

@@ -14,20 +14,21 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
+from engine import tracing
 from engine.core.engine_loop import EngineLoop
 from engine.core.kv_events import KVEvents
-from engine.core.outputs import WorkerStats
 from engine.core.role import EngineRole
-from engine.core.scheduler import RequestUpdate
 from engine.factory import BuiltEngine, EngineArgs, build_engine
 from engine.model.startup_log import show_startup_lines, startup_phase
+from engine.tracing import TracingConfig
 from engine.transfer.channel import ChannelSpec, KVChannel
 from engine.transfer.layout import KVLayout
+from engine.wire import TokenUpdate, WorkerStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,9 +60,12 @@ class WorkerBase:
     pool = "worker"
     role = EngineRole.COLOCATED
 
-    def __init__(self, args: EngineArgs, index: int) -> None:
+    def __init__(
+        self, args: EngineArgs, index: int, tracing_config: TracingConfig | None = None
+    ) -> None:
         self.args = args
         self.index = index
+        self.tracing_config = tracing_config  # spans of traced requests go where it says
         self.worker_id = f"{self.pool}-{index}"
         self.epoch = random.getrandbits(62) | 1  # never 0: 0 means "no epoch" in a header
         self.built: BuiltEngine | None = None
@@ -78,6 +82,7 @@ class WorkerBase:
         """Load the model, allocate the cache, start stepping."""
         loop = asyncio.get_running_loop()
         self._loop = loop
+        tracing.configure(self.tracing_config, f"pdserve-{self.pool}")
         threads = int(os.environ.get("PDSERVE_TORCH_THREADS", "0"))
         if threads > 0:
             torch.set_num_threads(threads)
@@ -85,7 +90,7 @@ class WorkerBase:
         with startup_phase("engine", f"{self.worker_id}, every phase above"):
             built = await loop.run_in_executor(
                 None,
-                lambda: build_engine(self.args, role=self.role),
+                lambda: build_engine(self.args, role=self.role, index=self.index),
             )
         self.built = built
         self.loop_thread = EngineLoop(built.core, self._updates_from_thread, name=self.worker_id)
@@ -120,6 +125,9 @@ class WorkerBase:
             await self.disconnect(peer_id)
         if self.loop_thread is not None:
             self.loop_thread.stop()
+        # Send the spans still buffered (bounded: a collector that is down must not
+        # hold up the stop).
+        await asyncio.get_running_loop().run_in_executor(None, tracing.shutdown)
         self._stopped.set()
 
     # ---------------------------------------------------------------- channels
@@ -178,15 +186,15 @@ class WorkerBase:
         assert self.loop_thread is not None, "worker not started"
         return await asyncio.wrap_future(self.loop_thread.submit(fn))
 
-    def _updates_from_thread(self, updates: list[RequestUpdate]) -> None:
+    def _updates_from_thread(self, updates: list[TokenUpdate]) -> None:
         events = self.core.take_kv_events()
-        self._loop.call_soon_threadsafe(self._on_step, updates, events)
+        self._loop.call_soon_threadsafe(self._on_step, updates, events, time.monotonic())
 
-    def _on_step(self, updates: list[RequestUpdate], events: KVEvents) -> None:
+    def _on_step(self, updates: list[TokenUpdate], events: KVEvents, stepped_at: float) -> None:
         # One callback for both: the cache changes are recorded before any reply or
         # token batch that the updates wake can leave, so the router's index keeps up.
         self.add_kv_events(events)
-        self.on_updates(updates)
+        self.on_updates(updates, stepped_at)
 
     def add_kv_events(self, events: KVEvents) -> None:
         """Event loop: keep a step's prefix-cache changes for the next message to the
@@ -199,27 +207,26 @@ class WorkerBase:
         events, self._kv_events = tuple(self._kv_events), []
         return events
 
-    def on_updates(self, updates: list[RequestUpdate]) -> None:
-        """Called on the event loop with each step's updates."""
+    def on_updates(self, updates: list[TokenUpdate], stepped_at: float) -> None:
+        """Called on the event loop with each step's updates (and the time.monotonic()
+        reading when the step's tokens were out)."""
         raise NotImplementedError
 
     async def load(self) -> WorkerStats:
         """Blocks in use, queue lengths and prefix-cache counters."""
-        return self._worker_stats(await self.on_engine(self.core.stats))
+        stats: WorkerStats = await self.on_engine(self.core.stats)
+        return stats
 
     def latest_stats(self) -> WorkerStats:
         """The same, read from the event loop without waiting for a step boundary: a
         snapshot of plain counters for routing hints, not for accounting."""
-        return self._worker_stats(self.core.stats())
-
-    def _worker_stats(self, stats: Any) -> WorkerStats:
-        return WorkerStats(pool=self.pool, index=self.index, **asdict(stats))  # type: ignore[arg-type]
+        stats: WorkerStats = self.core.stats()
+        return stats
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of KV, every layer (the unit a hand-off moves)."""
-        cache = self.runner.kv_cache
-        return int(cache[0].numel() * cache.element_size())
+        return int(self.runner.block_bytes)
 
     async def read_blocks(self, block_ids: list[int]) -> Any:
         """A copy of these blocks' KV as a CPU tensor (for hand-off verification)."""

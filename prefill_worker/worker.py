@@ -7,6 +7,11 @@ released at once (into the prefix cache), and one header + payload is posted on 
 pair's channel → the reply to the router carries the first token without waiting for
 the bytes: the receiver checks each entry against its reservation and reports arrival,
 refusal or a broken transfer in its own token stream.
+
+Prompts of at least `kv_stream_min_tokens` stream instead (engine.transfer.streaming):
+their message opens before the pass that completes them, each group of layers leaves
+as soon as the pass has written it, and the step boundary only adds the trailer with
+the first tokens.
 """
 
 from __future__ import annotations
@@ -14,22 +19,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from engine.core.batch import Batch
 from engine.core.kv_events import KVEvents
-from engine.core.outputs import GenerationInput
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
-from engine.core.scheduler import RequestUpdate
-from engine.transfer.base import KVPoll, TransferHandle
+from engine.transfer.base import KVPoll, KVSender, TransferHandle
 from engine.transfer.channel import SENDER_RANK, ChannelSpec
-from engine.transfer.handoff import HandoffHeader, HeaderKind
-from engine.transfer.sender import ReadyKV, plan_messages
-from engine.wire import HandoffTarget, PrefillResult, Reservation
+from engine.transfer.handoff import NO_TOKEN, HandoffHeader, HeaderKind
+from engine.transfer.sender import Message, ReadyKV, plan_messages
+from engine.transfer.streaming import StepStream, open_stream
+from engine.wire import GenerationInput, HandoffTarget, PrefillResult, Reservation, TokenUpdate
 from engine.worker import WorkerBase
+from engine.worker_phases import prompt_phases, record_kv_send
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +49,10 @@ class PrefillAborted(Exception):
 class _Prefilled:
     """A finished prefill for one request, and what became of its KV."""
 
-    update: RequestUpdate
+    update: TokenUpdate
+    ready_at: float  # time.monotonic() when its step's tokens were out (the KV ready)
     handle: TransferHandle | None = None  # the message that carries its KV
+    header: HandoffHeader | None = None
     num_bytes: int = 0
     error: str = ""  # the KV could not be posted
 
@@ -52,12 +61,81 @@ class PrefillWorker(WorkerBase):
     pool = "prefill"
     role = EngineRole.PREFILL
 
-    def __init__(self, args: Any, index: int) -> None:
-        super().__init__(args, index)
+    def __init__(self, args: Any, index: int, tracing_config: Any = None) -> None:
+        super().__init__(args, index, tracing_config)
         self._waiters: dict[str, asyncio.Future[_Prefilled]] = {}
         # Where each request's KV goes, and how many tokens of it (read on the engine
         # thread, set before the request reaches it).
         self._targets: dict[str, tuple[HandoffTarget, int]] = {}
+        self._open_streams: list[StepStream] = []  # engine thread only
+        self.num_streamed_messages = 0
+
+    def on_started(self) -> None:
+        # A streamed message's trailer needs its step's tokens right after the pass,
+        # which an engine scheduling one step ahead does not give.
+        if not self.core.async_scheduling:
+            self.runner.step_observer = self._stream_step
+
+    def _stream_step(self, batch: Batch) -> StepStream | None:
+        """Engine thread, before a pass: open streamed messages for the long prompts it
+        completes that go on to a decode worker."""
+        ready: list[ReadyKV] = []
+        for seq in batch.seqs:
+            destination = self._targets.get(seq.req_id) if seq.sample else None
+            if destination is None:
+                continue
+            target, num_tokens = destination
+            if seq.end_position != num_tokens or num_tokens < self.args.kv_stream_min_tokens:
+                continue
+            num_blocks = -(-num_tokens // batch.block_size)
+            ready.append(
+                ReadyKV(seq.req_id, target, seq.block_table[:num_blocks], num_tokens, NO_TOKEN)
+            )
+        messages: list[tuple[Message, KVSender]] = []
+        for message in plan_messages(ready, self.block_bytes):
+            channel = self.channels.get(message.target.worker_id)
+            if channel is not None and not channel.closed:  # else: fails after the step
+                messages.append((message, channel))
+        if not messages:
+            return None
+        stream = open_stream(
+            messages,
+            src_epoch=self.epoch,
+            num_layers=self.runner.kv_cache.shape[1],
+            block_bytes=self.block_bytes,
+            gather=self._gather_layers,
+            index_of=self.runner.block_index,
+        )
+        self._open_streams.append(stream)
+        self.num_streamed_messages += len(messages)
+        return stream
+
+    def _gather_layers(
+        self, block_index: torch.Tensor, layers: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """One part of a streamed message, gathered on the engine's stream right behind
+        the layer that wrote it; the event tells the channel when it is ready."""
+        payload = self.runner.gather_blocks(block_index, layers)
+        if not payload.is_cuda:
+            return payload, None
+        event = torch.cuda.Event()
+        event.record()
+        return payload, event
+
+    def _close_streams(self, updates: list[TokenUpdate]) -> dict[str, TransferHandle]:
+        """End the streamed messages of the pass just run: each entry's first token, or
+        none where the request does not continue (finished, or aborted meanwhile)."""
+        streams, self._open_streams = self._open_streams, []
+        first_tokens = {
+            u.req_id: u.new_token_ids[0]
+            for u in updates
+            if u.hand_off and u.req_id in self._targets
+        }
+        handles: dict[str, TransferHandle] = {}
+        for stream in streams:
+            if not stream.closed:  # a failed pass closed its own
+                handles.update(stream.close(first_tokens))
+        return handles
 
     def channel_rank(self) -> int:
         return SENDER_RANK
@@ -65,11 +143,13 @@ class PrefillWorker(WorkerBase):
     def channel_peer(self, spec: ChannelSpec) -> str:
         return spec.receiver_id
 
-    def _updates_from_thread(self, updates: list[RequestUpdate]) -> None:
+    def _updates_from_thread(self, updates: list[TokenUpdate]) -> None:
         # Engine thread, between two steps: post this step's hand-offs right here
         # (ordered after the step that wrote the KV) and give the blocks back at once:
         # later kernels on the engine's stream run after the gather.
+        ready_at = time.monotonic()
         outcome: dict[str, _Prefilled] = {}
+        streamed = self._close_streams(updates)
         ready: list[ReadyKV] = []
         for upd in updates:
             if not upd.hand_off:
@@ -79,6 +159,14 @@ class PrefillWorker(WorkerBase):
                 self.core.release(upd.req_id)
                 continue
             target, num_tokens = destination
+            handle = streamed.get(upd.req_id)
+            if handle is not None:  # its parts were gathered during the pass
+                num_blocks = len(self.core.block_ids(upd.req_id))
+                self.core.release(upd.req_id)
+                outcome[upd.req_id] = _Prefilled(
+                    upd, ready_at, handle, num_bytes=num_blocks * self.block_bytes
+                )
+                continue
             block_ids = tuple(self.core.block_ids(upd.req_id))
             ready.append(ReadyKV(upd.req_id, target, block_ids, num_tokens, upd.new_token_ids[0]))
         by_id = {u.req_id: u for u in updates}
@@ -88,7 +176,9 @@ class PrefillWorker(WorkerBase):
                 for item in message.items:
                     self.core.release(item.req_id)
                     outcome[item.req_id] = _Prefilled(
-                        by_id[item.req_id], error=f"no channel to {message.target.worker_id}"
+                        by_id[item.req_id],
+                        ready_at,
+                        error=f"no channel to {message.target.worker_id}",
                     )
                 continue
             payload = self.runner.gather_blocks(message.block_ids)
@@ -110,9 +200,13 @@ class PrefillWorker(WorkerBase):
             handle = channel.send(header, payload, event)
             for item in message.items:
                 outcome[item.req_id] = _Prefilled(
-                    by_id[item.req_id], handle, len(item.block_ids) * self.block_bytes
+                    by_id[item.req_id],
+                    ready_at,
+                    handle,
+                    header,
+                    len(item.block_ids) * self.block_bytes,
                 )
-        prefilled = [outcome.get(u.req_id) or _Prefilled(u) for u in updates]
+        prefilled = [outcome.get(u.req_id) or _Prefilled(u, ready_at) for u in updates]
         # After the releases above, so the freed blocks' cache entries are included.
         events = self.core.take_kv_events()
         self._loop.call_soon_threadsafe(self._deliver, prefilled, events)
@@ -137,6 +231,7 @@ class PrefillWorker(WorkerBase):
 
     async def _prefill(self, inp: GenerationInput, target: HandoffTarget | None) -> PrefillResult:
         start = time.perf_counter()
+        arrived_at = time.monotonic()
         if self.is_buried(inp.req_id):
             return PrefillResult(None, FinishReason.ABORT, 0, 0.0)
         waiter: asyncio.Future[_Prefilled] = asyncio.get_running_loop().create_future()
@@ -157,8 +252,9 @@ class PrefillWorker(WorkerBase):
         upd = done.update
         token = upd.new_token_ids[0]
         cached = upd.num_cached_tokens
+        phases = prompt_phases(self.pool, self.worker_id, inp, arrived_at, upd, done.ready_at)
         if not upd.hand_off:  # the first token ended it
-            return PrefillResult(token, upd.finish_reason, cached, prefill_s)
+            return PrefillResult(token, upd.finish_reason, cached, prefill_s, phases=phases)
         if target is None:
             return PrefillResult(token, FinishReason.ABORT, cached, prefill_s)
         handle = done.handle
@@ -173,10 +269,28 @@ class PrefillWorker(WorkerBase):
                 cached,
                 prefill_s,
                 error=f"KV hand-off to {target.worker_id} failed: {failure}",
+                phases=phases,
             )
         req_id, peer = inp.req_id, target.worker_id
         handle.add_done_callback(lambda state: _log_failure(state, handle, req_id, peer))
-        return PrefillResult(token, None, cached, prefill_s, done.num_bytes)
+        if inp.trace_context:
+            handle.add_done_callback(self._kv_send_tracer(inp, target, done, handle))
+        return PrefillResult(token, None, cached, prefill_s, done.num_bytes, phases=phases)
+
+    def _kv_send_tracer(
+        self, inp: GenerationInput, target: HandoffTarget, done: _Prefilled, handle: TransferHandle
+    ) -> Callable[[KVPoll], None]:
+        """Records a traced request's `kv.send` span when its message is sent (for a
+        streamed one: its last parts and trailer, the rest left during the pass)."""
+
+        def record(state: KVPoll) -> None:
+            span = (done.ready_at, time.monotonic())
+            failure = handle.failure or ""
+            record_kv_send(
+                self.worker_id, inp, target, done.header, done.num_bytes, span, state, failure
+            )
+
+        return record
 
     async def abort(self, req_id: str) -> None:
         """Idempotent, any state: queued or prefilling requests end here; once the KV

@@ -1,5 +1,5 @@
-"""AdminService: list, scale and drain workers, and set the local-prefill policy, while
-serving.
+"""AdminService: list, scale and drain workers, set the local-prefill policy, and show
+the planner's last decision, while serving.
 
 Always registered (so reflection shows it), refused with PERMISSION_DENIED unless the
 server was started with --enable-admin. Bearer-token auth, when on, covers it like
@@ -18,6 +18,7 @@ import grpc
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.cluster import POOLS
+from router.planner.loop import PlannerLoop
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
 
@@ -47,6 +48,30 @@ def describe(ref: WorkerRef) -> pb.WorkerDescription:
     )
 
 
+def planner_status(planner: PlannerLoop) -> pb.PlannerStatus:
+    """The planner's budget and its last decision, for ListWorkers."""
+    status = pb.PlannerStatus(
+        max_workers=planner.config.max_workers, interval_seconds=planner.config.interval_s
+    )
+    decision = planner.last
+    if decision is None:
+        return status
+    status.seconds_since_decision = max(planner.clock() - decision.at, 1e-3)
+    status.traffic = decision.traffic
+    for d in decision.pools:
+        entry = status.pools.add(
+            pool=d.pool,
+            current=d.current,
+            target=d.target,
+            action=d.action,
+            reason=d.reason,
+            detail=d.detail,
+        )
+        if d.load is not None:
+            entry.load_workers = d.load
+    return status
+
+
 class PolicyHolder(Protocol):
     """The serving core's side of SetPrefillPolicy."""
 
@@ -61,9 +86,11 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         pools: Callable[[], Pools | None],
         enabled: bool,
         core: Callable[[], PolicyHolder | None] = lambda: None,
+        planner: Callable[[], PlannerLoop | None] = lambda: None,
     ) -> None:
         self._pools = pools
         self._core = core
+        self._planner = planner
         self.enabled = enabled
 
     async def _check(self, context: grpc.aio.ServicerContext) -> Pools:
@@ -82,10 +109,12 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListWorkersResponse:
         pools = await self._check(context)
+        planner = self._planner()
         return pb.ListWorkersResponse(
             workers=[describe(w) for w in pools.all()],
             targets=dict(pools.targets),
             num_restarts=pools.num_restarts,
+            planner=planner_status(planner) if planner is not None else None,
         )
 
     async def ScalePool(
@@ -102,6 +131,12 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"this deployment runs the {' and '.join(active)} pools, not {request.pool}",
+            )
+        if self._planner() is not None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the planner sizes the pools (--planner): it would undo this at its next "
+                "decision; restart without --planner to size them by hand",
             )
         if not 1 <= request.size <= MAX_POOL_SIZE:
             await context.abort(

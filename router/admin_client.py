@@ -1,5 +1,5 @@
-"""Client side of AdminService: `pdserve scale`, `pdserve workers` and
-`pdserve prefill-policy`."""
+"""Client side of AdminService: `pdserve scale`, `pdserve workers` (with the planner's
+last decision) and `pdserve prefill-policy`."""
 
 from __future__ import annotations
 
@@ -114,6 +114,18 @@ def _table(workers: list[pb.WorkerDescription]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _planner_lines(status: pb.PlannerStatus) -> list[str]:
+    """The planner's last decision: when, what it measured, and each pool's verdict."""
+    head = f"planner: budget {status.max_workers} workers, every {status.interval_seconds:g} s"
+    if not status.pools:
+        return [f"{head}; no decision yet"]
+    lines = [f"{head}; last decision {status.seconds_since_decision:.0f} s ago: {status.traffic}"]
+    for d in status.pools:
+        size = str(d.current) if d.current == d.target else f"{d.current} -> {d.target}"
+        lines.append(f"  {d.pool} {size}: {d.action} ({d.reason}); {d.detail}")
+    return lines
+
+
 def _policy_line(policy: pb.PrefillPolicy) -> str:
     return (
         f"local_prefill_max_tokens={policy.local_prefill_max_tokens} "
@@ -146,4 +158,6 @@ async def run_admin(ns: argparse.Namespace, security: ClientSecurity | None = No
         print(f"pdserve {ns.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     print(_table(list(listing.workers)))
+    if listing.HasField("planner"):
+        print("\n".join(_planner_lines(listing.planner)))
     return 0

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field, replace
 
 from engine.core.outputs import FinalResult, PhaseTimings, Usage
 from engine.core.request import FinishReason
+from engine.frontend.output_processor import OutputProcessor
 from engine.wire import GenerationInput
 from router.inbox import UpdateInbox
 from router.pools import WorkerRef
+from router.tracing import NO_ATTEMPT, AttemptTrace, RequestTrace
 from router.worker_load import WorkerLease
 
 log = logging.getLogger("pdserve.router")
@@ -54,6 +56,7 @@ class Attempt:
     decode_ref: WorkerRef | None = None
     prefill_ref: WorkerRef | None = None
     leases: list[WorkerLease] = field(default_factory=list)
+    trace: AttemptTrace = NO_ATTEMPT  # its spans (records nothing for untraced requests)
     resumes_after: int = 0  # tokens the client saw before this attempt began
 
     @property
@@ -61,11 +64,12 @@ class Attempt:
         return self.inp.req_id
 
 
-@dataclass
+@dataclass(eq=False)  # one per request, compared (and hashed) by identity
 class Progress:
     """What the client has seen so far, across attempts."""
 
     arrival: float
+    output: OutputProcessor  # the text streamed so far (stop strings included)
     token_ids: list[int] = field(default_factory=list)  # every token streamed
     num_cached: int = 0
     t_first: float | None = None
@@ -86,6 +90,12 @@ class Progress:
     @property
     def num_out(self) -> int:
         return len(self.token_ids)
+
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first, so far (None below two tokens)."""
+        if self.t_first is None or self.num_out < 2:
+            return None
+        return (time.perf_counter() - self.t_first) / (self.num_out - 1)
 
     def since_arrival(self) -> float:
         return time.perf_counter() - self.arrival
@@ -113,13 +123,14 @@ def continuation(base: GenerationInput, number: int, progress: Progress) -> Gene
 
 
 def final_result(
-    user_id: str,
+    request_id: str,
     base: GenerationInput,
     progress: Progress,
     reason: FinishReason,
     error: str = "",
+    trace: RequestTrace | None = None,
 ) -> FinalResult:
-    """The request's one terminal message (and its log line)."""
+    """The request's one terminal message (and its log line; the trace ends with it)."""
     end = time.perf_counter()
     timings = replace(
         progress.timings,
@@ -127,12 +138,15 @@ def final_result(
         time_to_first_token_s=(progress.t_first or end) - progress.arrival,
     )
     usage = Usage(len(base.prompt_token_ids), progress.num_out, progress.num_cached)
-    result = FinalResult(reason, usage, timings, error)
+    trace_id = trace.trace_id if trace is not None else ""
+    result = FinalResult(reason, usage, timings, error, trace_id)
+    if trace is not None:
+        trace.finish(result, progress.t_first)
     t = result.timings
     log.info(
         "request %s finished=%s prompt=%d out=%d cached=%d queued=%.3fs prefill=%.3fs "
-        "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s%s%s",
-        user_id,
+        "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s%s%s%s",
+        request_id,
         result.finish_reason.value,
         usage.prompt_tokens,
         usage.completion_tokens,
@@ -147,5 +161,6 @@ def final_result(
         f" resumed={progress.num_resumed}" if progress.num_resumed else "",
         f" migrated={progress.num_migrations}" if progress.num_migrations else "",
         f" moved={progress.num_moved}" if progress.num_moved else "",
+        f" trace={trace_id}" if trace_id else "",
     )
     return result

@@ -104,13 +104,16 @@ def build_request(
     messages: Iterable[Message] | None = None,
     request_id: str = "",
     priority: int = 0,
+    include_trace_id: bool = False,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; sampling kwargs left at None stay unset."""
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
-    request = pb.GenerateRequest(request_id=request_id, priority=priority)
+    request = pb.GenerateRequest(
+        request_id=request_id, priority=priority, include_trace_id=include_trace_id
+    )
     # Leave the oneof unset unless a value was given, so the server's "no input"
     # check is reachable from tests.
     if prompt is not None:
@@ -139,13 +142,15 @@ async def stream_generate(
     timeout: float | None = None,
     metadata: Sequence[tuple[str, str]] | None = None,
     security: ClientSecurity | None = None,
+    include_trace_id: bool = False,
     **sampling: Any,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """Yield every GenerateResponse of one call; raises grpc.aio.AioRpcError on failure.
 
     `target` is "host:port" (a channel is opened and closed here) or an open
     channel to reuse across calls. `security` adds TLS (to a channel opened here)
-    and the bearer token.
+    and the bearer token. A W3C `traceparent` in `metadata` makes the server's trace a
+    child of the caller's; `include_trace_id` asks for the trace id in the final message.
     """
     security = security or ClientSecurity()
     metadata = security.metadata(metadata)
@@ -155,6 +160,7 @@ async def stream_generate(
         messages=messages,
         request_id=request_id,
         priority=priority,
+        include_trace_id=include_trace_id,
         **sampling,
     )
     if isinstance(target, str):
@@ -183,28 +189,34 @@ async def _stream(
         call.cancel()
 
 
+async def _call_once(
+    target: str, method: str, request: Any, timeout: float, security: ClientSecurity | None
+) -> Any:
+    """One unary GenerationService call on a channel of its own."""
+    security = security or ClientSecurity()
+    async with security.channel(target) as channel:
+        rpc = getattr(pb_grpc.GenerationServiceStub(channel), method)
+        return await rpc(request, timeout=timeout, metadata=security.metadata())
+
+
 async def get_server_info(
     target: str, timeout: float = 10.0, security: ClientSecurity | None = None
 ) -> pb.GetServerInfoResponse:
     """Call GetServerInfo once."""
-    security = security or ClientSecurity()
-    async with security.channel(target) as channel:
-        stub = pb_grpc.GenerationServiceStub(channel)
-        return await stub.GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=timeout, metadata=security.metadata()
-        )
+    info: pb.GetServerInfoResponse = await _call_once(
+        target, "GetServerInfo", pb.GetServerInfoRequest(), timeout, security
+    )
+    return info
 
 
 async def get_pool_stats(
     target: str, timeout: float = 10.0, security: ClientSecurity | None = None
 ) -> pb.GetPoolStatsResponse:
     """Call GetPoolStats once (e.g. to check that blocks in use returned to 0)."""
-    security = security or ClientSecurity()
-    async with security.channel(target) as channel:
-        stub = pb_grpc.GenerationServiceStub(channel)
-        return await stub.GetPoolStats(
-            pb.GetPoolStatsRequest(), timeout=timeout, metadata=security.metadata()
-        )
+    stats: pb.GetPoolStatsResponse = await _call_once(
+        target, "GetPoolStats", pb.GetPoolStatsRequest(), timeout, security
+    )
+    return stats
 
 
 def parse_target(value: str) -> str:

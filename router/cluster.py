@@ -22,6 +22,7 @@ from torch.distributed import TCPStore
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine.factory import EngineArgs
+from engine.tracing import TracingConfig
 from engine.wire import POOLS  # noqa: F401 - the pools, named once
 from engine.worker import WorkerInfo
 from prefill_worker.worker import PrefillWorker
@@ -54,6 +55,9 @@ class ClusterConfig:
     pool_resources: dict[str, dict[str, float]] = field(default_factory=dict)
     kv_store_port: int = 0  # the KV channels' rendezvous on the router's host (0 = any free)
     restart_workers: bool = True  # replace a worker that dies
+    # The most workers the pools may grow to (the planner's budget); 0: the initial sizes.
+    max_workers: int = 0
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # workers' spans (off)
 
     def __post_init__(self) -> None:
         if self.num_colocated_workers < 0:
@@ -112,13 +116,13 @@ class Cluster:
             ray.init(address=self.config.ray_address, log_to_driver=True)
             self.store_host = ray.util.get_node_ip_address()
         else:
-            sizes = self.config.initial_sizes
+            workers = max(sum(self.config.initial_sizes.values()), self.config.max_workers)
             # Every worker needs a CPU slot even on a 2-core machine; Ray's CPU count
             # is a scheduling token, the torch thread count is set per worker. Room is
             # left for scaling up and for replacements.
             ray.init(
                 address="local",
-                num_cpus=max(os.cpu_count() or 1, 2 * sum(sizes.values()) + 4),
+                num_cpus=max(os.cpu_count() or 1, 2 * workers + 4),
                 include_dashboard=False,
                 # With router.config.keep_ray_on_loopback() (the CLI calls it) Ray keeps
                 # this; otherwise Ray swaps loopback for the host's address.
@@ -166,6 +170,9 @@ class Cluster:
         total = max(1, sum(cfg.initial_sizes.values()))
         threads = cfg.cpu_threads_per_worker or max(1, (os.cpu_count() or 1) // total)
         env = {"OMP_NUM_THREADS": str(threads), "PDSERVE_TORCH_THREADS": str(threads)}
+        # The OpenTelemetry SDK's own settings (batching, exporter headers, TLS) reach
+        # the workers' exporters as they reach the router's.
+        env |= {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
         handle: Any = (
             ray.remote(_CLASSES[pool])
             .options(  # type: ignore[attr-defined]
@@ -178,7 +185,7 @@ class Cluster:
                     placement_group=pg, placement_group_bundle_index=0
                 ),
             )
-            .remote(cfg.args_for(pool), index)
+            .remote(cfg.args_for(pool), index, cfg.tracing)
         )
         try:
             info = await asyncio.wait_for(handle.start.remote(), cfg.startup_timeout_s)

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from router.config import keep_ray_on_loopback
 from router.flag_checks import port_problem
 from router.flags import engine_args, pool_resources, router_config
+from router.planner.flags import planner_config
 
 if TYPE_CHECKING:
     from pdserve.v1 import generation_pb2
@@ -66,6 +68,7 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
     if not ns.ray_address:
         prepare_local_ray()  # before Ray is imported below
     quiet_worker_output()
+    from engine.tracing import TracingConfig
     from router.cluster import ClusterConfig
     from router.service import ServeConfig
 
@@ -74,12 +77,18 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
             num_prefill_workers=ns.prefill_workers,
             num_decode_workers=ns.decode_workers,
             num_colocated_workers=ns.colocated_workers,
-            prefill_args=engine_args(ns, "prefill"),
+            prefill_args=replace(
+                engine_args(ns, "prefill"), kv_stream_min_tokens=ns.kv_stream_min_tokens
+            ),
             decode_args=engine_args(ns, "decode"),
             ray_address=ns.ray_address,
             pool_resources=pool_resources(ns),
             kv_store_port=ns.kv_store_port,
+            placement_timeout_s=ns.placement_timeout_s,
+            max_workers=ns.max_gpus if ns.planner else 0,
+            tracing=TracingConfig(ns.otlp_traces_endpoint or "", ns.otlp_traces_sample_ratio),
         ),
+        planner=planner_config(ns),
         router=router_config(ns),
         host=ns.host,
         port=ns.port,

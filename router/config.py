@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
 
+from engine.core.waiting_queue import QueuePolicy
 from router.prefill_policy import (
     DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
     DEFAULT_SLO_TPOT_MS,
@@ -13,8 +13,6 @@ from router.prefill_policy import (
     PrefillPolicyConfig,
 )
 from router.routing import RoutingConfig
-
-AdmissionOrder = Literal["fifo", "priority"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +43,9 @@ class RouterConfig:
     local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
     slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
-    # The router's queue: "fifo", or "priority" (lower value first, aged by waiting).
-    admission_order: AdmissionOrder = "fifo"
+    # The router's queue, ordered as the engines order theirs (engine.core.waiting_queue):
+    # "fcfs", or "priority" (lower value first, aged by waiting).
+    admission_policy: QueuePolicy = "fcfs"
     priority_aging_s: float = 10.0  # one priority level gained per this many seconds waited
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ Each decode (or colocated) worker answers `next_tokens()` with every update of o
 more steps for all of its requests; the poller drops each update into its attempt's
 `UpdateInbox`, applies the worker's prefix-cache changes to the routing index, and
 records what the batch says about the worker's load (occupancy, step time, hand-off
-time) for the local-prefill decision.
+time) for the local-prefill decision and, as step samples, for the planner.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import time
 from collections.abc import Callable
 
 from engine.core.kv_events import KVEvents
+from router import phase_metrics
 from router.clients import WorkerDied
 from router.inbox import UpdateInbox
 from router.kv_index import PrefixIndex
+from router.planner.signals import ServingSignals
 from router.pools import Pools, WorkerRef
 
 log = logging.getLogger("pdserve.router")
@@ -32,8 +34,10 @@ class TokenDelivery:
         pools: Pools,
         indexes: dict[str, PrefixIndex],
         inbox_of: Callable[[str], UpdateInbox | None],
+        signals: ServingSignals | None = None,
     ) -> None:
         self.pools = pools
+        self.signals = signals
         self.indexes = indexes
         self.inbox_of = inbox_of
         self._pollers: dict[WorkerRef, asyncio.Task[None]] = {}
@@ -61,10 +65,18 @@ class TokenDelivery:
                     return
                 self.apply_kv_events(ref, batch.kv_events)
                 num_steps = max((len(u.new_token_ids) for u in batch.updates), default=0)
-                ref.load.observe_batch(num_steps, batch.stats, time.monotonic())
+                step_s = ref.load.observe_batch(num_steps, batch.stats, time.monotonic())
+                if step_s is not None and batch.stats is not None and self.signals is not None:
+                    self.signals.decode_step(
+                        batch.stats.num_running,
+                        batch.stats.num_blocks_in_use * ref.info.layout.block_size,
+                        step_s,
+                    )
                 for update in batch.updates:
                     if update.kv_handoff_s:
                         ref.load.handoff_s.add(update.kv_handoff_s)
+                    if update.phases is not None:
+                        phase_metrics.observe(ref.pool, ref.index, update.phases)
                     inbox = self.inbox_of(update.req_id)
                     if inbox is not None:
                         inbox.put(update)

@@ -76,6 +76,7 @@ def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
             )
     elif "--colocated-resources" in given:
         raise ValueError("--colocated-resources applies only with --colocated-workers N")
+    check_planner_flags(ns, given)
     if ns.metrics_port:
         problem = port_problem(ns.metrics_host, ns.metrics_port)
         if problem is not None:
@@ -85,6 +86,45 @@ def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
     if ns.metrics_port and ns.metrics_port == ns.port:
         raise ValueError(f"--port and --metrics-port are both {ns.port}")
     check_model_folder(ns.model)
+
+
+PLANNER_ONLY = (
+    "--max-gpus",
+    "--min-prefill",
+    "--min-decode",
+    "--planner-interval-s",
+    "--planner-cooldown-s",
+)
+
+
+def check_planner_flags(ns: argparse.Namespace, given: set[str]) -> None:
+    """The planner's flags need --planner, and the pools must start within its bounds."""
+    if not ns.planner:
+        stray = sorted(given & set(PLANNER_ONLY))
+        if stray:
+            raise ValueError(f"{', '.join(stray)} applies only with --planner")
+        return
+    if ns.colocated_workers:
+        raise ValueError(
+            "--planner and --colocated-workers cannot both apply: the planner sizes the "
+            "prefill and decode pools"
+        )
+    if ns.max_gpus is None:
+        raise ValueError("--planner needs --max-gpus N: the most workers both pools may hold")
+    if ns.min_prefill + ns.min_decode > ns.max_gpus:
+        raise ValueError(
+            f"--planner: --min-prefill {ns.min_prefill} and --min-decode {ns.min_decode} "
+            f"exceed --max-gpus {ns.max_gpus}"
+        )
+    for pool in ("prefill", "decode"):
+        start, low = getattr(ns, f"{pool}_workers"), getattr(ns, f"min_{pool}")
+        if start < low:
+            raise ValueError(f"--planner: --{pool}-workers {start} is below --min-{pool} {low}")
+    if ns.prefill_workers + ns.decode_workers > ns.max_gpus:
+        raise ValueError(
+            f"--planner: --prefill-workers {ns.prefill_workers} and --decode-workers "
+            f"{ns.decode_workers} exceed --max-gpus {ns.max_gpus}"
+        )
 
 
 def check_generate_flags(ns: argparse.Namespace, given: set[str]) -> None:

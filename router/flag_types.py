@@ -90,6 +90,14 @@ def port(value: str) -> int:
     return number
 
 
+def host_port(value: str) -> str:
+    """argparse type of a HOST:PORT address (a port from 1 to 65535)."""
+    host, sep, number = value.rpartition(":")
+    if not sep or not host or not number.isdigit() or not 0 < int(number) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
 def device(value: str) -> str:
     """argparse type of --device: auto, cpu, cuda or cuda:N."""
     head, _, index = value.partition(":")

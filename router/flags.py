@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from engine.core.config import SchedulerConfig
-from engine.factory import EngineArgs
+from engine.factory import DEFAULT_KV_STREAM_MIN_TOKENS, EngineArgs
 from engine.wire import POOLS  # noqa: F401 - the pools, named once
 from router.config import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterConfig
 from router.flag_types import (
@@ -20,10 +20,12 @@ from router.flag_types import (
     SubcommandParser,
     at_least,
     device,
+    host_port,
     number_in,
     port,
     resources,
 )
+from router.planner.flags import add_planner_args
 from router.prefill_policy import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from router.routing import ROUTING_POLICIES, RoutingConfig
 from router.security import DEFAULT_MAX_MESSAGE_BYTES
@@ -215,9 +217,9 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
         slo_ttft_ms=ns.slo_ttft_ms,
         slo_tpot_ms=ns.slo_tpot_ms,
         # The router's queue follows the pools' policy: priority first, with aging.
-        admission_order="priority"
+        admission_policy="priority"
         if "priority" in (ns.prefill_policy, ns.decode_policy)
-        else "fifo",
+        else "fcfs",
         priority_aging_s=min(ns.prefill_priority_aging_s, ns.decode_priority_aging_s),
     )
 
@@ -323,12 +325,28 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="port on the router's host where the KV channels rendezvous (0 = any free one)",
     )
     serve.add_argument(
+        "--placement-timeout-s",
+        type=number_in(0, open_low=True),
+        default=60.0,
+        help="how long a new worker may wait for a device (its placement group); raise it "
+        "where a cluster autoscaler adds nodes on demand, which takes minutes",
+    )
+    serve.add_argument(
+        "--kv-stream-min-tokens",
+        type=at_least(0),
+        default=DEFAULT_KV_STREAM_MIN_TOKENS,
+        help="prompts of at least this many tokens stream their KV to the decode worker "
+        "layer by layer while the prefill pass runs; shorter ones send it in one message "
+        "after the pass (0 = stream every hand-off)",
+    )
+    serve.add_argument(
         "--enable-admin",
         action="store_true",
         help="serve AdminService (pdserve scale / workers); refused with PERMISSION_DENIED "
         "when off",
     )
     add_router_args(serve)
+    add_planner_args(serve)
     add_deploy_args(serve)
     add_model_args(serve)
     add_engine_args(serve, "prefill")
@@ -360,6 +378,20 @@ def add_deploy_args(p: argparse.ArgumentParser) -> None:
         type=at_least(1024),
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest request or response message",
+    )
+    g = p.add_argument_group("tracing (OpenTelemetry)")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        type=host_port,
+        metavar="HOST:PORT",
+        help="send a trace of each request (router and workers) to this OTLP/gRPC "
+        "collector (default: no tracing)",
+    )
+    g.add_argument(
+        "--otlp-traces-sample-ratio",
+        type=number_in(0, 1),
+        default=1.0,
+        help="share of requests traced, of those whose caller sent no sampled traceparent",
     )
     g = p.add_argument_group("metrics")
     g.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics")

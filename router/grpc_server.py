@@ -19,7 +19,8 @@ from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.admin import ADMIN_SERVICE, AdminServicer
-from router.metrics import MetricsInterceptor, RouterMetrics
+from router.metrics import RouterMetrics
+from router.metrics_edge import MetricsInterceptor
 from router.protocol import Generator
 from router.security import EdgeSecurity
 from router.servicer import GenerationServicer, is_valid_request_id, request_id_var
@@ -146,6 +147,7 @@ class GrpcServer:
         self._stop_task: asyncio.Task[None] | None = None
         self._stop_now = asyncio.Event()
         self._stop_now_reason: str | None = None
+        self._serving = False
 
     @property
     def port(self) -> int:
@@ -204,6 +206,12 @@ class GrpcServer:
         """Report SERVING (call once the pools are warm); ignored after a drain started."""
         for service in ("", GENERATION_SERVICE):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = self._stop_task is None
+
+    @property
+    def is_serving(self) -> bool:
+        """The health check answers SERVING: warm, and no drain has started."""
+        return self._serving
 
     @property
     def num_in_flight(self) -> int:
@@ -229,6 +237,7 @@ class GrpcServer:
     async def _drain(self, grace: float | None) -> None:
         assert self._server is not None
         grace = self.drain_grace_s if grace is None else grace
+        self._serving = False
         if self._on_drain is not None:
             self._on_drain()
         await self._health.enter_graceful_shutdown()

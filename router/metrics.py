@@ -1,10 +1,13 @@
-"""Prometheus metrics of the router, served at /metrics on their own HTTP port.
+"""Prometheus metrics of the router: their definitions, served at /metrics on their own
+HTTP port.
 
 Two sources, one endpoint:
-* `MetricsInterceptor` observes every Generate call at the gRPC edge: each chunk as
-  sent, the final message with its phase timings and usage, the status code;
-* `PoolCollector` reads every worker's numbers at scrape time through the same
-  `pool_stats()` path as GetPoolStats, so workers need no scrape target of their own.
+* `router.metrics_edge.MetricsInterceptor` observes every Generate call at the gRPC
+  edge: each chunk as sent, the final message with its phase timings and usage, the
+  status code;
+* `router.metrics_pools.PoolCollector` reads every worker's numbers at scrape time
+  through the same `pool_stats()` path as GetPoolStats, so workers need no scrape
+  target of their own.
 
 Router code that sees events the edge cannot (KV transfer bytes and failures, worker
 restarts) reports them with the module-level functions at the bottom.
@@ -12,15 +15,10 @@ restarts) reports them with the module-level functions at the bottom.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import threading
-import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable
 
-import grpc
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -28,18 +26,13 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from engine.core.outputs import WorkerStats
 from engine.wire import POOLS
-from pdserve.v1 import generation_pb2 as pb
-from router.protocol import PoolStats
+from router.metrics_pools import PoolCollector
 
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_PORT = 9400
-GENERATE_METHOD = "/pdserve.v1.GenerationService/Generate"
 
 # The *_created series double every counter's output and no dashboard reads them.
 disable_created_metrics()
@@ -159,10 +152,6 @@ class RouterMetrics:
         self.pools = PoolCollector()
         r.register(self.pools)
 
-    def start_request(self) -> RequestObserver:
-        """An observer for one Generate call, started now."""
-        return RequestObserver(self)
-
     def serve(self, host: str, port: int) -> Callable[[], None]:
         """Serve /metrics on host:port in a daemon thread; returns a function that stops it."""
         try:
@@ -179,119 +168,6 @@ class RouterMetrics:
         return stop
 
 
-class RequestObserver:
-    """Records one Generate call: first token, gaps between tokens, final result, status."""
-
-    def __init__(self, metrics: RouterMetrics) -> None:
-        self._m = metrics
-        self._start = time.perf_counter()
-        self._last: float | None = None
-        self._failed = False
-
-    def on_tokens(self, num_tokens: int) -> None:
-        """A chunk carrying `num_tokens` new tokens was sent to the client."""
-        if num_tokens <= 0:
-            return
-        now = time.perf_counter()
-        if self._last is None:
-            self._m.ttft.observe(now - self._start)
-            num_gaps, gap = num_tokens - 1, 0.0
-        else:
-            # Tokens sent together share the gap since the previous chunk.
-            num_gaps, gap = num_tokens, (now - self._last) / num_tokens
-        for _ in range(num_gaps):
-            self._m.itl.observe(gap)
-        self._last = now
-
-    def on_response(self, response: pb.GenerateResponse) -> None:
-        """A message of the stream was sent: a chunk, or the final one."""
-        self.on_tokens(len(response.token_ids))
-        if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            self.on_final(response)
-
-    def on_final(self, response: pb.GenerateResponse) -> None:
-        """The final message was sent."""
-        m, t, u = self._m, response.timings, response.usage
-        m.e2e.observe(time.perf_counter() - self._start)
-        reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_")
-        m.requests.labels(finish_reason=reason.lower()).inc()
-        m.queue_time.observe(t.queued_seconds)
-        if t.prefill_seconds > 0:
-            m.prefill_time.observe(t.prefill_seconds)
-        if t.kv_transfer_seconds > 0:
-            m.kv_transfer_time.observe(t.kv_transfer_seconds)
-        m.prompt_tokens.observe(u.prompt_tokens)
-        m.generation_tokens.observe(u.completion_tokens)
-        m.prompt_tokens_total.inc(u.prompt_tokens)
-        m.generation_tokens_total.inc(u.completion_tokens)
-
-    def on_error(self, code: grpc.StatusCode) -> None:
-        """The call ended with this non-OK status; counted once per call."""
-        if not self._failed:
-            self._failed = True
-            self._m.errors.labels(code=code.name).inc()
-
-
-class _ObservedContext:
-    """A ServicerContext that shows the observer every message and abort on the way out."""
-
-    def __init__(self, inner: grpc.aio.ServicerContext, observer: RequestObserver) -> None:
-        self._inner = inner
-        self._observer = observer
-
-    async def write(self, message: Any) -> None:
-        await self._inner.write(message)
-        self._observer.on_response(message)
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", *args: Any) -> None:
-        self._observer.on_error(code)
-        await self._inner.abort(code, details, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Observes every Generate call at the edge; put it first, so it sees auth refusals too."""
-
-    def __init__(self, metrics: RouterMetrics, method: str = GENERATE_METHOD) -> None:
-        self._metrics = metrics
-        self._method = method
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method != self._method:
-            return handler
-        behavior = handler.unary_stream
-        metrics = self._metrics
-
-        async def observed(request: Any, context: grpc.aio.ServicerContext) -> None:
-            observer = metrics.start_request()
-            wrapped = _ObservedContext(context, observer)
-            try:
-                if inspect.isasyncgenfunction(behavior):
-                    async for response in behavior(request, wrapped):
-                        await wrapped.write(response)
-                else:
-                    await behavior(request, wrapped)
-            except asyncio.CancelledError:
-                observer.on_error(grpc.StatusCode.CANCELLED)  # client gone or deadline
-                raise
-            except grpc.aio.AbortError:
-                raise  # context.abort(): already counted by _ObservedContext
-            except Exception:
-                observer.on_error(grpc.StatusCode.UNKNOWN)
-                raise
-
-        return grpc.unary_stream_rpc_method_handler(
-            observed, handler.request_deserializer, handler.response_serializer
-        )
-
-
 # The decisions a deployment makes every day, present from the start.
 PREFILL_PATH_SERIES = (
     ("local", "short_prompt"),
@@ -305,107 +181,6 @@ PREFILL_PATH_SERIES = (
     ("remote", "decode_kv_pressure"),
     ("remote", "remote_sooner"),
 )
-
-# Per-worker counters from WorkerStats, summed per pool: (metric, help, field).
-_POOL_COUNTERS = (
-    (
-        "pdserve_prefix_cache_queries",
-        "Prompt tokens looked up in the prefix cache, by pool.",
-        "prefix_query_tokens",
-    ),
-    (
-        "pdserve_prefix_cache_hits",
-        "Prompt tokens found in the prefix cache, by pool.",
-        "prefix_hit_tokens",
-    ),
-    ("pdserve_preemptions", "Requests preempted to free KV blocks, by pool.", "num_preemptions"),
-)
-
-
-class PoolCollector(Collector):
-    """Reads pool stats at scrape time; per-worker gauges, per-pool monotonic counters.
-
-    Workers count from zero when they restart, so counters here add each worker's
-    increase since the previous scrape (a drop means a new incarnation: its count is new).
-    """
-
-    def __init__(self, timeout_s: float = 5.0) -> None:
-        self.timeout_s = timeout_s
-        self._source: Callable[[], PoolStats | None] | None = None
-        self._lock = threading.Lock()
-        self._last: dict[tuple[str, int, str], int] = {}
-        self._totals: dict[tuple[str, str], float] = {}
-
-    def set_source(self, source: Callable[[], PoolStats | None] | None) -> None:
-        """`source()` returns the current PoolStats, or None while there are none."""
-        self._source = source
-
-    def _read(self) -> PoolStats | None:
-        if self._source is None:
-            return None
-        try:
-            return self._source()
-        except Exception as exc:  # noqa: BLE001 - a scrape must not fail with the pools
-            log.debug("pool stats unavailable for metrics: %r", exc)
-            return None
-
-    def _accumulate(self, workers: Iterable[WorkerStats]) -> None:
-        for w in workers:
-            for _, _, field in _POOL_COUNTERS:
-                value = int(getattr(w, field))
-                key = (w.pool, w.index, field)
-                last = self._last.get(key, 0)
-                increase = value - last if value >= last else value
-                self._totals[(w.pool, field)] = self._totals.get((w.pool, field), 0) + increase
-                self._last[key] = value
-
-    def collect(self) -> Iterator[Metric]:
-        """Called by prometheus_client for every scrape."""
-        stats = self._read()
-        with self._lock:
-            workers = stats.workers if stats is not None else ()
-            self._accumulate(workers)
-            for name, doc, field in _POOL_COUNTERS:
-                family = CounterMetricFamily(name, doc, labels=["pool"])
-                for pool in POOLS:
-                    if (pool, field) in self._totals:
-                        family.add_metric([pool], self._totals[(pool, field)])
-                yield family
-        running = GaugeMetricFamily(
-            "pdserve_num_requests_running",
-            "Requests in a worker's running batch.",
-            labels=["pool", "worker"],
-        )
-        waiting = GaugeMetricFamily(
-            "pdserve_num_requests_waiting",
-            "Requests waiting in a worker's scheduler queue.",
-            labels=["pool", "worker"],
-        )
-        usage = GaugeMetricFamily(
-            "pdserve_kv_cache_usage_ratio",
-            "Fraction of a worker's KV blocks in use (0-1).",
-            labels=["pool", "worker"],
-        )
-        for w in workers:
-            labels = [w.pool, str(w.index)]
-            running.add_metric(labels, w.num_running)
-            waiting.add_metric(labels, w.num_waiting)
-            usage.add_metric(labels, w.num_blocks_in_use / max(1, w.num_blocks_total))
-        yield from (running, waiting, usage)
-        yield GaugeMetricFamily(
-            "pdserve_router_in_flight",
-            "Requests admitted by the router and not finished.",
-            value=stats.num_in_flight if stats is not None else 0,
-        )
-        yield GaugeMetricFamily(
-            "pdserve_router_queued",
-            "Requests waiting for admission at the router.",
-            value=stats.num_queued if stats is not None else 0,
-        )
-
-    def describe(self) -> Iterator[Metric]:
-        # Keeps registration from calling collect() (which would read the pools).
-        return iter(())
 
 
 _default: RouterMetrics | None = None

@@ -21,7 +21,6 @@ import itertools
 import logging
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -41,12 +40,15 @@ from router.delivery import TokenDelivery
 from router.errors import NotReadyError, QueueFullError
 from router.inbox import Moved, UpdateInbox
 from router.kv_index import PrefixIndex
+from router.lease_renewal import LeaseRenewer
 from router.live_migration import LiveMigrator
 from router.migrations import migrates, migrations_counter
 from router.paths import ServingPaths
+from router.planner.signals import ServingSignals
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
 from router.protocol import GenerateCall, PoolStats, ServerInfo
+from router.tracing import NO_TRACE, RequestTrace, start_request
 from router.worker_load import WorkerLease
 
 log = logging.getLogger("pdserve.router")
@@ -66,15 +68,15 @@ class DisaggregatedGenerator(ServingPaths):
         self.admission = Admission(
             self.config.max_in_flight,
             self.config.max_queue,
-            order=self.config.admission_order,
+            policy=self.config.admission_policy,
             aging_s=self.config.priority_aging_s,
         )
-        self.outputs = OutputProcessor(tokenizer)
+        # What the planner reads: traffic, first tokens, worker speeds (cheap when unread).
+        self.signals = ServingSignals()
         self._attempts: dict[str, Attempt] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        # Reservations whose requests are still queued or prefilling, by decode worker.
-        self._renewing: dict[WorkerRef, set[str]] = defaultdict(set)
-        self._renewer: asyncio.Task[None] | None = None
+        self.leases = LeaseRenewer(pools, self.config.lease_s, self._spawn)
+        self._renewing = self.leases.renewing  # reservations kept while their requests wait
         self._ready = False
         self._shutting_down = False
         info = pools.reference
@@ -90,7 +92,7 @@ class DisaggregatedGenerator(ServingPaths):
         # Which prompt prefixes each worker's cache holds, fed by the workers' KV events.
         self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
-        self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of)
+        self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of, self.signals)
         migrations_counter()  # on /metrics from the start, at zero
         if not self.colocated_mode:
             self.live_migration = LiveMigrator(pools, self._attempts, self.config, self._spawn)
@@ -101,12 +103,11 @@ class DisaggregatedGenerator(ServingPaths):
         self._ready = True
         self.delivery.ensure_pollers()
         if not self.colocated_mode:
-            self._renewer = asyncio.ensure_future(self._renew_leases())
+            self.leases.start()
 
     async def stop(self) -> None:
         self._ready = False
-        if self._renewer is not None:
-            self._renewer.cancel()
+        self.leases.stop()
         await self.delivery.stop()
 
     def begin_shutdown(self) -> None:
@@ -167,23 +168,6 @@ class DisaggregatedGenerator(ServingPaths):
         except WorkerDied as exc:
             self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
 
-    async def _renew_leases(self) -> None:
-        """Keep reservations alive while their requests wait for a prefill worker."""
-        period = max(self.config.lease_s / 3, 0.05)
-        while True:
-            await asyncio.sleep(period)
-            for ref, req_ids in list(self._renewing.items()):
-                if ref.state in ("dead", "gone"):
-                    del self._renewing[ref]  # its reservations went with it
-                elif req_ids:
-                    self._spawn(self._renew(ref, list(req_ids)))
-
-    async def _renew(self, ref: WorkerRef, req_ids: list[str]) -> None:
-        try:
-            await ref.client.renew(req_ids, self.config.lease_s)
-        except WorkerDied as exc:
-            self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
-
     async def _pick(
         self,
         candidates: Callable[[], list[WorkerRef]],
@@ -241,44 +225,48 @@ class DisaggregatedGenerator(ServingPaths):
             raise NotReadyError("pools are not ready")
         self.delivery.ensure_pollers()
         base = self._to_input(call)
-        user_id = call.request_id or base.req_id  # what the client knows it by, for the log
-        progress = Progress(time.perf_counter())
-        self.outputs.add(base.req_id, base.prompt_token_ids, base.sampling.stop)
+        request_id = call.request_id or base.req_id  # what the client knows it by, for the log
+        output = OutputProcessor(self.tokenizer, base.prompt_token_ids, base.sampling.stop)
+        progress = Progress(time.perf_counter(), output)
+        self.signals.request_arrived(progress)
+        trace = start_request(call.trace_parent, request_id, progress.arrival, base.priority)
         attempt: Attempt | None = None
         finished = False
         run_locally = False
         num_failed = 0  # lost attempts other than migrations
         try:
             async with self.admission.slot(priority=base.priority):
+                trace.admitted()
                 for number in itertools.count():
-                    attempt = self._begin(base, number, progress)
+                    attempt = self._begin(base, number, progress, trace)
                     try:
                         if self.colocated_mode:
-                            chunks = self._run_colocated(attempt, progress, base.req_id)
+                            chunks = self._run_colocated(attempt, progress)
                         else:
-                            chunks = self._run_disaggregated(
-                                attempt, progress, base.req_id, run_locally
-                            )
+                            chunks = self._run_disaggregated(attempt, progress, run_locally)
                         async for chunk in chunks:
                             yield chunk
                         finished = True
-                        yield final_result(user_id, base, progress, progress.finish_reason)
+                        self.signals.request_ended(
+                            progress, progress.num_out, progress.tpot_s(), completed=True
+                        )
+                        yield final_result(
+                            request_id, base, progress, progress.finish_reason, trace=trace
+                        )
                         return
                     except WorkerLost as exc:
+                        attempt.trace.lost(str(exc), resumed=bool(progress.num_out))
                         self._end(attempt)
                         if self._shutting_down:
                             finished = True
-                            log.info("request %s ends with the service: %s", user_id, exc)
+                            log.info("request %s ends with the service: %s", request_id, exc)
+                            why = f"server shutting down: {exc}"
                             yield final_result(
-                                user_id,
-                                base,
-                                progress,
-                                FinishReason.ABORT,
-                                f"server shutting down: {exc}",
+                                request_id, base, progress, FinishReason.ABORT, why, trace
                             )
                             return
                         run_locally = exc.run_locally
-                        if migrates(user_id, exc, progress, self.config.max_migrations):
+                        if migrates(request_id, exc, progress, self.config.max_migrations):
                             continue  # straight on: the client is waiting mid-stream
                         num_failed += 1
                         if num_failed >= self.config.max_attempts:
@@ -289,7 +277,7 @@ class DisaggregatedGenerator(ServingPaths):
                             progress.num_resumed += 1
                         log.warning(
                             "request %s: %s; %s",
-                            user_id,
+                            request_id,
                             exc,
                             f"resuming after {progress.num_out} tokens"
                             if progress.num_out
@@ -299,26 +287,35 @@ class DisaggregatedGenerator(ServingPaths):
                             await asyncio.sleep(self.config.retry_delay_s * num_failed)
         except (QueueFullError, NotReadyError) as exc:
             finished = True  # refused at the door: nothing to abort, not a cancellation
-            log.info("request %s refused: %s", user_id, exc)
+            log.info("request %s refused: %s", request_id, exc)
+            trace.finish(None, None, f"refused: {exc}")
             raise
         except Exception as exc:  # noqa: BLE001 - becomes this request's terminal message
-            log.error("request %s failed: %s", user_id, exc)
+            log.error("request %s failed: %s", request_id, exc)
             finished = True
             if attempt is not None:
                 self._end(attempt)
-            yield final_result(user_id, base, progress, FinishReason.ERROR, str(exc))
+            yield final_result(request_id, base, progress, FinishReason.ERROR, str(exc), trace)
         finally:
             if attempt is not None:
                 self._end(attempt, abort=not finished)
-            self.outputs.remove(base.req_id)
+            self.signals.request_ended(progress, progress.num_out, None, completed=False)
             if not finished:
-                log.info("request %s cancelled after %d tokens", user_id, progress.num_out)
+                traced = f" trace={trace.trace_id}" if trace.trace_id else ""
+                log.info(
+                    "request %s cancelled after %d tokens%s", request_id, progress.num_out, traced
+                )
+            trace.finish(None, progress.t_first, "cancelled")  # unless it finished
 
-    def _begin(self, base: GenerationInput, number: int, progress: Progress) -> Attempt:
+    def _begin(
+        self, base: GenerationInput, number: int, progress: Progress, trace: RequestTrace = NO_TRACE
+    ) -> Attempt:
         # A worker that became live since the request arrived (a replacement, a scale-up)
         # may be where this attempt lands: follow it first.
         self.delivery.ensure_pollers()
-        attempt = Attempt(continuation(base, number, progress), resumes_after=progress.num_out)
+        attempt_trace = trace.attempt(number, progress.num_out)
+        inp = attempt_trace.bind(continuation(base, number, progress))
+        attempt = Attempt(inp, trace=attempt_trace, resumes_after=progress.num_out)
         self._attempts[attempt.req_id] = attempt
         return attempt
 
@@ -327,6 +324,7 @@ class DisaggregatedGenerator(ServingPaths):
         this may run while the generator closes on cancellation)."""
         if self._attempts.pop(attempt.req_id, None) is None:
             return
+        attempt.trace.end()
         for lease in attempt.leases:
             lease.release()
         if attempt.decode_ref is not None:
@@ -346,23 +344,24 @@ class DisaggregatedGenerator(ServingPaths):
         self,
         attempt: Attempt,
         progress: Progress,
-        out_id: str,
         tokens: tuple[int, ...],
         reason: FinishReason | None,
         local: WorkerLease | None = None,
     ) -> AsyncIterator[TextChunk]:
         """Turn token updates into text chunks until the request finishes."""
         while True:
-            out = self.outputs.process(out_id, tokens, reason)
-            if out.chunk is not None:
-                progress.token_ids += out.chunk.token_ids
-                progress.t_first = progress.t_first or time.perf_counter()
-                yield out.chunk
-            if out.finish_reason is not None:
+            chunk, finish = progress.output.process(tokens, reason)
+            if chunk is not None:
+                progress.token_ids += chunk.token_ids
+                if progress.t_first is None:
+                    progress.t_first = time.perf_counter()
+                    self.signals.first_token(progress, progress.t_first - progress.arrival)
+                yield chunk
+            if finish is not None:
                 if reason is None and attempt.decode_ref is not None:
                     # A stop string ended it here: the worker is still going.
                     self._spawn(self._abort_on(attempt.decode_ref, attempt.req_id))
-                progress.finish_reason = out.finish_reason
+                progress.finish_reason = finish
                 return
             try:
                 item = await attempt.inbox.take(self.config.token_stall_timeout_s)
@@ -378,11 +377,8 @@ class DisaggregatedGenerator(ServingPaths):
             if isinstance(item, Moved):
                 # It moved with its KV (router/live_migration.py): stream what the client
                 # has not seen of the old attempt's tokens; the new attempt's follow.
-                tokens, reason, local = (
-                    item.outputs[progress.num_out - item.first_index :],
-                    None,
-                    None,
-                )
+                tokens = item.outputs[progress.num_out - item.first_index :]
+                reason, local = None, None
                 progress.num_moved += 1
                 continue
             if item.kv_wire_s and not attempt.resumes_after:

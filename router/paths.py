@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from engine.core.outputs import PhaseTimings, TextChunk
 from engine.core.request import FinishReason
 from engine.wire import HandoffTarget, PrefillResult, Reservation
-from router import metrics
+from router import metrics, phase_metrics
 from router.attempts import Attempt, Progress, WorkerLost
 from router.clients import WorkerDied
 from router.config import RouterConfig
 from router.delivery import TokenDelivery
 from router.kv_index import PrefixIndex
 from router.placement import place_prompt, route_by_cache
+from router.planner.signals import ServingSignals
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PathDecision, PrefillPolicyConfig
 from router.worker_load import WorkerLease
@@ -41,6 +42,7 @@ class ServingPaths:
     prefill_policy: PrefillPolicyConfig
     indexes: dict[str, PrefixIndex]
     delivery: TokenDelivery
+    signals: ServingSignals
     block_size: int
     _renewing: dict[WorkerRef, set[str]]
 
@@ -63,14 +65,13 @@ class ServingPaths:
             self,
             attempt: Attempt,
             progress: Progress,
-            out_id: str,
             tokens: tuple[int, ...],
             reason: FinishReason | None,
             local: WorkerLease | None = None,
         ) -> AsyncIterator[TextChunk]: ...  # type: ignore[empty-body]
 
     async def _run_colocated(
-        self, attempt: Attempt, progress: Progress, out_id: str
+        self, attempt: Attempt, progress: Progress
     ) -> AsyncIterator[TextChunk]:
         hashes = self.indexes["colocated"].hash_prompt(attempt.inp.prompt_token_ids)
         while True:
@@ -80,6 +81,7 @@ class ServingPaths:
                 route_by_cache(self.indexes["colocated"], hashes, self.config.routing),
             )
             attempt.decode_ref = ref  # before submit: tokens may come back at once
+            attempt.trace.routed(worker=ref.worker_id, policy=self.config.routing.policy)
             attempt.leases.append(ref.load.lease())
             try:
                 await ref.client.submit(attempt.inp)
@@ -88,11 +90,11 @@ class ServingPaths:
                 attempt.leases.pop().release()
                 self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
         progress.mark_decoding(PhaseTimings(queued_s=progress.since_arrival()))
-        async for chunk in self._stream(attempt, progress, out_id, (), None):
+        async for chunk in self._stream(attempt, progress, (), None):
             yield chunk
 
     async def _run_disaggregated(
-        self, attempt: Attempt, progress: Progress, out_id: str, run_locally: bool
+        self, attempt: Attempt, progress: Progress, run_locally: bool
     ) -> AsyncIterator[TextChunk]:
         inp = attempt.inp
         hashes = self.indexes["prefill"].hash_prompt(inp.prompt_token_ids)
@@ -119,6 +121,13 @@ class ServingPaths:
                 block_size=self.block_size,
             )
         metrics.prefill_path(decision.path, decision.reason)
+        attempt.trace.routed(
+            decode_worker=decode_ref.worker_id,
+            prefill_worker=prefill_ref.worker_id if prefill_ref is not None else "",
+            path=decision.path,
+            reason=decision.reason,
+            uncached_tokens=num_uncached,
+        )
         queued_s = progress.since_arrival()
         if prefill_ref is None:
             # Local path: the decode worker runs the prompt itself; no hand-off.
@@ -127,14 +136,18 @@ class ServingPaths:
             )
             local = decode_ref.load.lease(num_local)
             attempt.leases.append(local)
+            self.signals.prompt_placed(num_local, prefill_work=decision.reason != "short_prompt")
             await self._call(decode_ref, decode_ref.client.submit(inp))
             progress.mark_decoding(PhaseTimings(queued_s, local_prefill=True))
-            async for chunk in self._stream(attempt, progress, out_id, (), None, local):
+            async for chunk in self._stream(attempt, progress, (), None, local):
                 yield chunk
             return
         attempt.leases.append(decode_ref.load.lease())
         attempt.prefill_ref = prefill_ref
+        self.signals.prompt_placed(num_uncached, prefill_work=True)
         result, reservation = await self._prefill(attempt, decode_ref, prefill_ref, num_uncached)
+        attempt.trace.prefilled(prefill_ref.worker_id, result)
+        phase_metrics.observe(prefill_ref.pool, prefill_ref.index, result.phases)
         self.delivery.apply_kv_events(prefill_ref, result.kv_events)
         progress.mark_decoding(PhaseTimings(queued_s, result.prefill_s))
         progress.note_cached(attempt, result.num_cached_tokens)
@@ -152,7 +165,7 @@ class ServingPaths:
             # then continue from it in the decode worker's own queue.
             attempt.inbox.put(WorkerLost(f"no room on {decode_ref.worker_id}", run_locally=True))
         tokens = () if result.first_token is None else (result.first_token,)
-        async for chunk in self._stream(attempt, progress, out_id, tokens, result.finish_reason):
+        async for chunk in self._stream(attempt, progress, tokens, result.finish_reason):
             yield chunk
 
     async def _prefill(
@@ -187,5 +200,8 @@ class ServingPaths:
         load = prefill_ref.load
         load.prefill_rate.observe(
             num_uncached, result.prefill_s, time.monotonic(), load.busy_since, lease.was_idle
+        )
+        self.signals.prefill_reply(
+            prefill_ref.worker_id, num_uncached, result.prefill_s, load.busy_since, lease.was_idle
         )
         return result, await reserving

@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,7 @@ from router.worker_load import WorkerLoad
 log = logging.getLogger("pdserve.pools")
 
 RESTART_BACKOFF_S = (1.0, 5.0, 15.0)
+STARTUPS_KEPT = 5  # recent start-up times per pool (the planner reads their mean)
 # Removing a worker's actor and placement group is a GCS round trip of milliseconds; a
 # GCS that does not answer in this long is going down with the process group.
 GCS_ANSWER_S = 2.0
@@ -99,6 +102,11 @@ class Pools:
         self._starting: dict[str, set[int]] = {pool: set() for pool in POOLS}
         self._stopping = False
         self.num_restarts = 0
+        # Seconds from asking for a worker to its being live: placement (which may wait
+        # for a cluster autoscaler), model load, pairing.
+        self.startup_times: dict[str, deque[float]] = {
+            pool: deque(maxlen=STARTUPS_KEPT) for pool in POOLS
+        }
 
     # ---------------------------------------------------------------- views
     def routable(self, pool: str) -> list[WorkerRef]:
@@ -109,6 +117,16 @@ class Pools:
 
     def find(self, worker_id: str) -> WorkerRef | None:
         return next((w for w in self.all() if w.worker_id == worker_id), None)
+
+    def num_starting(self, pool: str) -> int:
+        """Workers asked for and not yet live (being placed, loading, pairing)."""
+        placed = sum(1 for w in self.workers[pool] if w.state == "starting")
+        return placed + len(self._starting[pool])
+
+    def startup_s(self, pool: str) -> float | None:
+        """The mean of the pool's recent start-up times; None before one was measured."""
+        times = self.startup_times[pool]
+        return sum(times) / len(times) if times else None
 
     @property
     def reference(self) -> WorkerInfo | None:
@@ -185,6 +203,7 @@ class Pools:
 
     async def _spawn(self, pool: str, index: int) -> WorkerRef:
         self._starting[pool].add(index)
+        asked = time.monotonic()
         try:
             spawned = await self.cluster.spawn(pool, index)
         finally:
@@ -208,21 +227,20 @@ class Pools:
             raise StartupError(f"{ref.worker_id} could not pair: {root_cause(exc)}") from exc
         if ref.state == "starting":
             ref.state = "live"
+            self.startup_times[pool].append(time.monotonic() - asked)
             log.info("%s live (epoch %x, %s)", ref.worker_id, ref.info.epoch, ref.info.device)
         return ref
 
     def channel_spec(self, sender: WorkerRef, receiver: WorkerRef) -> ChannelSpec:
-        """The rendezvous of a channel from `sender` to `receiver` (either pool)."""
-        return self._spec(sender, receiver)
-
-    def _spec(self, prefill: WorkerRef, decode: WorkerRef) -> ChannelSpec:
+        """The rendezvous of a channel from `sender` (a prefill worker, or a decode worker
+        handing requests over) to `receiver`."""
         return ChannelSpec(
             store_host=self.cluster.store_host,
             store_port=self.cluster.store_port,
-            prefill_id=prefill.worker_id,
-            prefill_epoch=prefill.info.epoch,
-            decode_id=decode.worker_id,
-            decode_epoch=decode.info.epoch,
+            prefill_id=sender.worker_id,
+            prefill_epoch=sender.info.epoch,
+            decode_id=receiver.worker_id,
+            decode_epoch=receiver.info.epoch,
         )
 
     async def _pair_with_peers(self, ref: WorkerRef) -> None:
@@ -234,7 +252,7 @@ class Pools:
 
     async def _connect(self, a: WorkerRef, b: WorkerRef) -> None:
         prefill, decode = (a, b) if a.pool == "prefill" else (b, a)
-        spec = self._spec(prefill, decode)
+        spec = self.channel_spec(prefill, decode)
         try:
             await asyncio.wait_for(
                 asyncio.gather(
@@ -328,7 +346,13 @@ class Pools:
                 index = self._free_index(pool)
                 self._starting[pool].add(index)
                 indices.append(index)
-            await asyncio.gather(*(self._spawn(pool, i) for i in indices))
+            try:
+                await asyncio.gather(*(self._spawn(pool, i) for i in indices))
+            except Exception:
+                # The target names the workers there are (and those still starting), not
+                # one that failed: a later death must not be "replaced" by a new one.
+                self.targets[pool] = min(self.targets[pool], self._count(pool))
+                raise
         elif size < len(current):
             victims = sorted(current, key=lambda w: w.index)[size:]
             await asyncio.gather(*(self.drain(w.worker_id) for w in victims))
@@ -344,10 +368,7 @@ class Pools:
                 self.targets[ref.pool] = self._count(ref.pool)
         log.info("%s draining", worker_id)
         for hook in self.drain_hooks:
-            try:
-                await hook(ref)
-            except Exception as exc:  # noqa: BLE001 - its requests then finish here
-                log.error("moving the requests off %s failed: %s", worker_id, exc)
+            await hook(ref)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while ref.state == "draining" and loop.time() < deadline:

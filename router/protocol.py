@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.core.outputs import FinalResult, TextChunk, WorkerStats
+from engine.core.outputs import FinalResult, TextChunk
 from engine.sampling_params import SamplingParams
+from engine.wire import WorkerStats
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class GenerateCall:
     messages: tuple[ChatMessage, ...] | None
     sampling: SamplingParams
     priority: int = 0
+    # The caller's W3C trace context (traceparent, tracestate) from the call's metadata.
+    trace_parent: dict[str, str] = field(default_factory=dict, compare=False)
+    include_trace_id: bool = False  # the final message carries the trace id
 
     def __post_init__(self) -> None:
         num_inputs = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))

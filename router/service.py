@@ -7,16 +7,22 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from engine import tracing
 from engine.core.outputs import FinalResult, TextChunk
 from engine.model.model_loader import has_tokenizer, load_tokenizer
 from router.admin import AdminServicer
 from router.cluster import Cluster, ClusterConfig
 from router.config import RouterConfig
 from router.errors import NotReadyError
+from router.fleet_metrics import FleetState, get_fleet_metrics
 from router.grpc_server import GrpcServer, serve
 from router.local_watch import watch_children
 from router.metrics import DEFAULT_METRICS_PORT, get_metrics
 from router.orchestrator import DisaggregatedGenerator
+from router.phase_metrics import get_phase_metrics
+from router.planner.config import PlannerConfig
+from router.planner.loop import PlannerLoop
+from router.planner.metrics import planner_metrics
 from router.pools import Pools
 from router.protocol import GenerateCall, PoolStats, ServerInfo
 from router.security import EdgeSecurity
@@ -62,6 +68,7 @@ class ServeConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = DEFAULT_METRICS_PORT  # 0 = no metrics endpoint
     enable_admin: bool = False  # AdminService (scale, drain); refused when off
+    planner: PlannerConfig | None = None  # None: the pools keep the sizes they are given
 
 
 async def run_service(
@@ -77,7 +84,11 @@ async def run_service(
     front = WarmingGenerator()
     loop = asyncio.get_running_loop()
     pools = Pools(cluster)
+    planner: PlannerLoop | None = None
     metrics = get_metrics()
+    get_phase_metrics()  # their families are on /metrics from the first scrape
+    tracing.configure(config.cluster.tracing, "pdserve-router")
+    servers: list[GrpcServer] = []
     stop_metrics = None
     if config.metrics_port:
         stop_metrics = metrics.serve(config.metrics_host, config.metrics_port)
@@ -91,6 +102,21 @@ async def run_service(
 
         metrics.pools.set_source(read_pool_stats)
 
+        def read_fleet() -> FleetState:
+            # Called on the metrics server's thread: plain reads of the pools' counts.
+            return FleetState(
+                serving=bool(servers) and servers[0].is_serving,
+                target_workers=dict(pools.targets),
+                live_workers={pool: len(pools.routable(pool)) for pool in pools.targets},
+            )
+
+        get_fleet_metrics().set_source(read_fleet)
+
+    def started(server: GrpcServer) -> None:
+        servers.append(server)
+        if on_started is not None:
+            on_started(server)
+
     async def warm_up() -> None:
         await pools.start()
         model_path = config.cluster.decode_args.resolve_model_path()
@@ -100,20 +126,23 @@ async def run_service(
         core = DisaggregatedGenerator(pools, tokenizer, config.router)
         core.start()
         front.inner = core
+        if config.planner is not None:
+            nonlocal planner
+            planner = PlannerLoop(
+                config.planner,
+                pools,
+                core,
+                max_num_seqs=config.cluster.decode_args.scheduler.max_num_seqs,
+                metrics=planner_metrics(metrics.registry),
+            )
+            planner.start()
         log.info("pools warm; SERVING")
 
     watcher: asyncio.Task[None] | None = None
-    server: GrpcServer | None = None
-
-    def started(grpc_server: GrpcServer) -> None:
-        nonlocal server
-        server = grpc_server
-        if on_started is not None:
-            on_started(grpc_server)
 
     def ray_going_down(why: str) -> None:
         log.warning("%s; ending the streams in flight now", why)
-        if server is not None:
+        for server in servers:
             server.stop_now(f"the workers went down with the service ({why})")
 
     def on_drain() -> None:
@@ -140,6 +169,7 @@ async def run_service(
                 lambda: pools if front.inner is not None else None,
                 config.enable_admin,
                 lambda: front.inner,
+                lambda: planner,
             ),
             on_drain=on_drain,
         )
@@ -147,11 +177,15 @@ async def run_service(
         if watcher is not None:
             watcher.cancel()
         metrics.pools.set_source(None)
+        get_fleet_metrics().set_source(None)
         if stop_metrics is not None:
             stop_metrics()
+        if planner is not None:
+            await planner.stop()
         if front.inner is not None:
             await front.inner.stop()
         if not await pools.stop(timeout_s=STOP_WORKERS_S) and cluster.started_local_ray:
             # The signal went to the whole process group: the local Ray is going down.
             cluster.abandon_ray()
+        tracing.shutdown()  # send the spans still buffered
         log.info("stopped")

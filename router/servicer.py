@@ -18,6 +18,7 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.errors import InvalidRequestError, NotReadyError, QueueFullError
 from router.protocol import ChatMessage, GenerateCall, Generator, PoolStats, ServerInfo
+from router.tracing import trace_parent
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,11 @@ def to_sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
 
 
 def to_generate_call(
-    request: pb.GenerateRequest, *, request_id: str, max_model_len: int | None = None
+    request: pb.GenerateRequest,
+    *,
+    request_id: str,
+    max_model_len: int | None = None,
+    trace_context: dict[str, str] | None = None,
 ) -> GenerateCall:
     """Validate a GenerateRequest and convert it; raises ValueError naming the bad field."""
     if request_id and not is_valid_request_id(request_id):
@@ -146,11 +151,15 @@ def to_generate_call(
         messages=messages,
         sampling=to_sampling_params(request.sampling),
         priority=request.priority,
+        trace_parent=trace_context or {},
+        include_trace_id=request.include_trace_id,
     )
 
 
-def final_response(request_id: str, result: FinalResult) -> pb.GenerateResponse:
-    """The terminal stream message for a FinalResult."""
+def final_response(
+    request_id: str, result: FinalResult, include_trace_id: bool = False
+) -> pb.GenerateResponse:
+    """The terminal stream message for a FinalResult (with its trace id if asked)."""
     t = result.timings
     return pb.GenerateResponse(
         request_id=request_id,
@@ -168,6 +177,7 @@ def final_response(request_id: str, result: FinalResult) -> pb.GenerateResponse:
             time_to_first_token_seconds=t.time_to_first_token_s,
             kv_wire_seconds=t.kv_wire_s,
             local_prefill=t.local_prefill,
+            trace_id=result.trace_id if include_trace_id else "",
         ),
         error=result.error,
     )
@@ -298,6 +308,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 request,
                 request_id=request_id,
                 max_model_len=self._generator.server_info().max_model_len,
+                trace_context=trace_parent(context.invocation_metadata()),
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -318,7 +329,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         num_sent = [0]  # completion tokens the client already has, for an ABORT's usage
         try:
             async with timeout:
-                return await self._forward(stream, call.request_id, context, num_sent)
+                return await self._forward(stream, call, context, num_sent)
         except asyncio.CancelledError:
             if self._abort_reason is None:
                 raise  # the client cancelled or went away: nobody to tell
@@ -343,10 +354,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def _forward(
         self,
         stream: AsyncIterator[TextChunk | FinalResult],
-        request_id: str,
+        call: GenerateCall,
         context: grpc.aio.ServicerContext,
         num_sent: list[int],
     ) -> _Status | None:
+        request_id = call.request_id
         async for out in stream:
             if isinstance(out, TextChunk):
                 if out.text or out.token_ids:
@@ -359,7 +371,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 continue
             if out.finish_reason not in _FINISH_TO_PROTO:
                 return grpc.StatusCode.INTERNAL, f"unexpected finish reason {out.finish_reason}"
-            await context.write(final_response(request_id, out))
+            await context.write(final_response(request_id, out, call.include_trace_id))
             if out.finish_reason is FinishReason.ERROR:
                 return grpc.StatusCode.INTERNAL, out.error or "generation failed"
             return None

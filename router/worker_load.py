@@ -32,14 +32,18 @@ class WorkerLoad:
     def lease(self, num_tokens: int = 0) -> WorkerLease:
         return WorkerLease(self, num_tokens)
 
-    def observe_batch(self, num_steps: int, stats: WorkerStats | None, now: float) -> None:
-        """A decode worker's token batch covering num_steps steps arrived."""
+    def observe_batch(self, num_steps: int, stats: WorkerStats | None, now: float) -> float | None:
+        """A decode worker's token batch covering num_steps steps arrived; the step time
+        it shows, if any."""
         if stats is not None:
             self.stats = stats
         last, self.last_batch_at = self.last_batch_at, now
         busy = stats is None or stats.num_running > 0
-        if last is not None and num_steps > 0 and busy:
-            self.step_s.add((now - last) / num_steps)
+        if last is None or num_steps <= 0 or not busy:
+            return None
+        step_s = (now - last) / num_steps
+        self.step_s.add(step_s)
+        return step_s
 
 
 class WorkerLease:

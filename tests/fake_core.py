@@ -13,10 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.core.outputs import FinalResult, PhaseTimings, TextChunk, Usage
 from engine.core.request import FinishReason
+from engine.wire import WorkerStats
 from pdserve.v1 import generation_pb2 as pb
 from router.client import stream_generate
 from router.grpc_server import GrpcServer
-from router.protocol import GenerateCall, PoolStats, ServerInfo, WorkerStats
+from router.protocol import GenerateCall, PoolStats, ServerInfo
 
 MAX_MODEL_LEN = 64
 

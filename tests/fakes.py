@@ -6,10 +6,10 @@ from __future__ import annotations
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
-from engine.core.outputs import GenerationInput
 from engine.core.request import PLACEHOLDER_TOKEN
 from engine.core.role import EngineRole
 from engine.sampling_params import SamplingParams
+from engine.wire import GenerationInput
 
 
 def next_token(last_token: int, position: int) -> int:

@@ -1,4 +1,4 @@
-"""Router admission: bounded in-flight and queue, FIFO or priority order with aging."""
+"""Router admission: bounded in-flight and queue, fcfs or priority order with aging."""
 
 from __future__ import annotations
 
@@ -45,21 +45,21 @@ async def admit_all(adm: Admission, requests: list[tuple[str, int]]) -> list[str
     return order
 
 
-def test_fifo_by_default_ignores_priority() -> None:
+def test_fcfs_by_default_ignores_priority() -> None:
     adm = Admission(1, 10)
     order = asyncio.run(admit_all(adm, [("a", 5), ("b", 0), ("c", 1)]))
     assert order == ["a", "b", "c"]
 
 
 def test_priority_order_serves_the_most_urgent_first() -> None:
-    adm = Admission(1, 10, order="priority")
+    adm = Admission(1, 10, policy="priority")
     order = asyncio.run(admit_all(adm, [("a", 5), ("b", 0), ("c", 1), ("d", 0)]))
     assert order == ["b", "d", "c", "a"]
 
 
 def test_aging_promotes_a_long_waiter() -> None:
     clock = FakeClock()
-    adm = Admission(1, 10, order="priority", aging_s=10.0, clock=clock)
+    adm = Admission(1, 10, policy="priority", aging_s=10.0, clock=clock)
 
     async def main() -> list[str]:
         order: list[str] = []
@@ -89,7 +89,7 @@ def test_aging_promotes_a_long_waiter() -> None:
 
 def test_queue_full_is_refused_and_cancelled_waiters_leave() -> None:
     async def main() -> None:
-        adm = Admission(1, 1, order="priority")
+        adm = Admission(1, 1, policy="priority")
         gate = asyncio.Event()
 
         async def hold(priority: int = 0) -> None:
@@ -115,6 +115,6 @@ def test_queue_full_is_refused_and_cancelled_waiters_leave() -> None:
     asyncio.run(main())
 
 
-def test_rejects_unknown_order() -> None:
-    with pytest.raises(ValueError, match="order"):
-        Admission(1, 1, order="lifo")  # type: ignore[arg-type]
+def test_rejects_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="'fcfs' or 'priority'"):
+        Admission(1, 1, policy="lifo")  # type: ignore[arg-type]

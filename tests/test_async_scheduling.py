@@ -9,10 +9,9 @@ import pytest
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
-from engine.core.outputs import GenerationInput
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason
-from engine.core.scheduler import RequestUpdate
 from engine.sampling_params import SamplingParams
+from engine.wire import GenerationInput, TokenUpdate
 from tests.fakes import FakeRunner, assert_engine_empty, expected_output, make_engine
 
 PROMPT = (5, 6, 7)
@@ -25,8 +24,8 @@ def make_core(
     return make_engine(num_blocks, 4, async_scheduling=async_scheduling, **kwargs)  # type: ignore[arg-type]
 
 
-def run(core: EngineCore) -> list[RequestUpdate]:
-    updates: list[RequestUpdate] = []
+def run(core: EngineCore) -> list[TokenUpdate]:
+    updates: list[TokenUpdate] = []
     for _ in range(1000):
         if not core.has_unfinished:
             return updates
@@ -34,7 +33,7 @@ def run(core: EngineCore) -> list[RequestUpdate]:
     raise AssertionError("engine did not finish")
 
 
-def collect(updates: list[RequestUpdate]) -> tuple[dict[str, list[int]], dict[str, FinishReason]]:
+def collect(updates: list[TokenUpdate]) -> tuple[dict[str, list[int]], dict[str, FinishReason]]:
     tokens: dict[str, list[int]] = {}
     finishes: dict[str, FinishReason] = {}
     for upd in updates:

@@ -167,6 +167,13 @@ def test_bad_values_are_one_line_usage_errors_before_anything_starts(
         (["--colocated-workers", "1", "--local-prefill-max-tokens", "0"], "--local-prefill-max"),
         (["--colocated-resources", '{"gpu_node": 1}'], "--colocated-resources"),
         (["--metrics-port", "0", "--metrics-host", "0.0.0.0"], "--metrics-host"),
+        (["--max-gpus", "4"], "--max-gpus applies only with --planner"),
+        (["--planner-interval-s", "2"], "--planner-interval-s applies only with --planner"),
+        (["--planner", "--colocated-workers", "2", "--max-gpus", "4"], "--colocated-workers"),
+        (["--planner"], "--planner needs --max-gpus N"),
+        (["--planner", "--max-gpus", "3", "--min-decode", "3"], "exceed --max-gpus 3"),
+        (["--planner", "--max-gpus", "4", "--min-prefill", "2"], "--prefill-workers 1 is below"),
+        (["--planner", "--max-gpus", "3", "--decode-workers", "3"], "--decode-workers 3"),
     ],
 )
 def test_flags_that_cannot_both_apply_are_refused_naming_both(

@@ -1,5 +1,5 @@
 """`pdserve workers` against a scripted AdminService: rows in pool and index order, epochs
-in one width."""
+in one width, and the planner's last decision when the server runs one."""
 
 from __future__ import annotations
 
@@ -28,26 +28,30 @@ def worker(pool: str, index: int, epoch: str) -> pb.WorkerDescription:
 class ScriptedAdmin(pb_grpc.AdminServiceServicer):
     """Lists workers in the order a router's restarts and scaling can leave them."""
 
+    def __init__(self, planner: pb.PlannerStatus | None = None) -> None:
+        self.planner = planner
+
     async def ListWorkers(
         self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListWorkersResponse:
         return pb.ListWorkersResponse(
+            planner=self.planner,
             workers=[
                 worker("decode", 10, "3b"),
                 worker("prefill", 1, "2f0c41d9e8a7b6c5"),
                 worker("decode", 2, "1a2b3c4d5e6f7a8"),
                 worker("prefill", 0, "9"),
                 worker("decode", 0, "3c0ffee15badd00d"),
-            ]
+            ],
         )
 
 
-def run_workers_cli() -> int:
+def run_workers_cli(planner: pb.PlannerStatus | None = None) -> int:
     """`pdserve workers` in-process against a ScriptedAdmin; its exit status."""
 
     async def body() -> int:
         server = grpc.aio.server()
-        pb_grpc.add_AdminServiceServicer_to_server(ScriptedAdmin(), server)
+        pb_grpc.add_AdminServiceServicer_to_server(ScriptedAdmin(planner), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -77,3 +81,35 @@ def test_workers_are_listed_by_pool_then_index_with_fixed_width_epochs(
     ]
     starts = {row.index(epoch) for row, epoch in zip(rows, epochs, strict=True)}
     assert len(starts) == 1  # one column
+
+
+def test_the_planners_last_decision_follows_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    planner = pb.PlannerStatus(
+        max_workers=4,
+        interval_seconds=10,
+        seconds_since_decision=3.2,
+        traffic="2.10 req/s over 30 s, output 38 tokens",
+        pools=[
+            pb.PlannerPoolDecision(
+                pool="prefill", current=1, target=2, action="scale_up",
+                reason="capacity_short", load_workers=1.4, detail="load 1.40 workers",
+            ),
+            pb.PlannerPoolDecision(
+                pool="decode", current=1, target=1, action="hold",
+                reason="within_slo", load_workers=0.3, detail="load 0.30 workers",
+            ),
+        ],
+    )  # fmt: skip
+    assert run_workers_cli(planner) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-3:] == [
+        "planner: budget 4 workers, every 10 s; last decision 3 s ago: "
+        "2.10 req/s over 30 s, output 38 tokens",
+        "  prefill 1 -> 2: scale_up (capacity_short); load 1.40 workers",
+        "  decode 1: hold (within_slo); load 0.30 workers",
+    ]
+
+
+def test_without_a_planner_only_the_workers_are_listed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_workers_cli() == 0
+    assert "planner" not in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""Deployment files: valid for Ray's and KubeRay's schemas, and `pdserve serve` in each parses.
+"""Deployment files: valid for Ray's and KubeRay's schemas, `pdserve serve` in each parses,
+and the clusters can grow as far as the planner may size each pool.
 
 KubeRay's CRDs and the ray-cluster chart are read from ../shared/reference/kuberay next to
 the repository; tests that need them are skipped where they are absent.
@@ -21,6 +22,7 @@ from google.protobuf import json_format
 
 from pdserve.v1 import generation_pb2 as pb
 from router.cli import build_parser
+from router.flag_checks import check_planner_flags, given_flags
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -76,6 +78,21 @@ def test_serve_command_parses_with_the_real_cli(path: Path) -> None:
         assert ns.host == "0.0.0.0" and ns.metrics_host == "0.0.0.0"
         assert ns.prefill_resources == {"prefill_node": 1.0}
         assert ns.decode_resources == {"decode_node": 1.0}
+        # The planner sizes the pools; a new worker's placement waits for the autoscaler
+        # to bring a node up, which takes minutes.
+        assert ns.planner and ns.max_gpus == 4
+        check_planner_flags(ns, given_flags(argv))
+        assert ns.placement_timeout_s >= 300
+
+
+def planner_limits(path: Path) -> dict[str, tuple[int, int]]:
+    """pool -> (fewest, most) workers the planner in this file's command may run."""
+    (argv,) = serve_commands(path)
+    ns = build_parser().parse_args(argv)
+    return {
+        "prefill": (ns.min_prefill, ns.max_gpus - ns.min_decode),
+        "decode": (ns.min_decode, ns.max_gpus - ns.min_prefill),
+    }
 
 
 def test_ray_cluster_config_matches_rays_schema_and_offers_the_pool_resources() -> None:
@@ -86,10 +103,16 @@ def test_ray_cluster_config_matches_rays_schema_and_offers_the_pool_resources() 
     assert config["head_node_type"] in types
     (argv,) = serve_commands(DEPLOY / "ray" / "cluster.yaml")
     ns = build_parser().parse_args(argv)
-    for requested in (ns.prefill_resources, ns.decode_resources):
+    limits = planner_limits(DEPLOY / "ray" / "cluster.yaml")
+    for pool, requested in (("prefill", ns.prefill_resources), ("decode", ns.decode_resources)):
         offering = [n for n, t in types.items() if set(requested) <= set(t.get("resources", {}))]
         assert len(offering) == 1, f"{requested} should be offered by one node type"
-        assert types[offering[0]]["resources"].get("GPU", 0) >= 1
+        node_type = types[offering[0]]
+        assert node_type["resources"].get("GPU", 0) >= 1
+        # The autoscaler may start as many nodes as the planner may ask workers.
+        fewest, most = limits[pool]
+        assert node_type["min_workers"] >= fewest and node_type["max_workers"] >= most
+    assert config["max_workers"] >= sum(most for _, most in limits.values())
 
 
 def strict(schema: Any) -> Any:
@@ -149,10 +172,15 @@ def test_raycluster_manifest_matches_the_kuberay_crd() -> None:
         validate(misspelt)
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
     assert set(groups) == {"prefill", "decode"}
+    assert cluster["spec"]["enableInTreeAutoscaling"] is True
+    limits = planner_limits(DEPLOY / "kuberay" / "raycluster.yaml")
     for name, group in groups.items():
         assert start_param_resources(group) == {f"{name}_node": 1}
         (container,) = group["template"]["spec"]["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
+        fewest, most = limits[name]
+        assert fewest <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        assert group["maxReplicas"] >= most
     head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
     assert any("pdserve serve" in " ".join(c.get("args", [])) for c in head)
 
@@ -186,8 +214,12 @@ def test_service_and_podmonitor_select_the_head_pod_and_its_ports() -> None:
 _FREE_FORM = {"resources", "rayStartParams", "labels", "annotations", "nodeSelector"}
 
 
-def unknown_keys(ours: Any, chart: Any, path: str = "") -> list[str]:
-    """Keys of `ours` that the chart's values.yaml does not have."""
+def unknown_keys(
+    ours: Any, chart: Any, path: str = "", read: frozenset[str] = frozenset()
+) -> list[str]:
+    """Keys of `ours` that the chart's values.yaml does not have, and that its templates
+    do not read either (`read`: dotted paths like "head.enableInTreeAutoscaling", for
+    keys the chart documents only as comments)."""
     if not isinstance(ours, dict) or not isinstance(chart, dict):
         return []
     missing = []
@@ -195,26 +227,43 @@ def unknown_keys(ours: Any, chart: Any, path: str = "") -> list[str]:
         where = f"{path}.{key}" if path else key
         if path == "additionalWorkerGroups":
             # Group names are the user's; each group takes the keys of the chart's example.
-            missing += unknown_keys(value, chart["smallGroup"], where)
+            missing += unknown_keys(value, chart["smallGroup"], where, read)
         elif key not in chart:
-            missing.append(where)
+            if where not in read:
+                missing.append(where)
         elif key not in _FREE_FORM:
-            missing += unknown_keys(value, chart[key], where)
+            missing += unknown_keys(value, chart[key], where, read)
     return missing
+
+
+def template_reads(chart_dir: Path) -> frozenset[str]:
+    """Every `.Values.a.b` path the chart's templates read."""
+    text = "".join(p.read_text() for p in (chart_dir / "templates").glob("*"))
+    return frozenset(re.findall(r"\.Values\.([A-Za-z0-9_.]+)", text))
 
 
 def test_helm_values_use_only_keys_of_the_ray_cluster_chart() -> None:
     chart_dir = needs_kuberay_reference("ray-cluster-chart")
     chart = yaml.safe_load((chart_dir / "values.yaml").read_text())
     ours = yaml.safe_load((DEPLOY / "kuberay" / "values.yaml").read_text())
-    assert unknown_keys(ours, chart) == []
+    read = template_reads(chart_dir)
+    assert unknown_keys(ours, chart, read=read) == []
+    # Autoscaling: the chart documents its switch only in a comment, and reads it here.
+    assert "head.enableInTreeAutoscaling" in read and ours["head"]["enableInTreeAutoscaling"]
+    limits = planner_limits(DEPLOY / "kuberay" / "values.yaml")
+    for pool, group in (
+        ("prefill", ours["worker"]),
+        ("decode", ours["additionalWorkerGroups"]["decode"]),
+    ):
+        fewest, most = limits[pool]
+        assert fewest <= group["minReplicas"] and group["maxReplicas"] >= most
     # The same cluster as the manifest: both pools, placed by the same resources.
     assert start_param_resources(ours["worker"]) == {"prefill_node": 1}
     assert ours["worker"]["groupName"] == "prefill"
     assert start_param_resources(ours["additionalWorkerGroups"]["decode"]) == {"decode_node": 1}
     assert ours["additionalWorkerGroups"]["decode"]["disabled"] is False
     # The check itself catches a misspelt key.
-    assert unknown_keys({"head": {"rayStartParam": {}}}, chart) == ["head.rayStartParam"]
+    assert unknown_keys({"head": {"rayStartParam": {}}}, chart, read=read) == ["head.rayStartParam"]
 
 
 # The keys of ghz's JSON config file, as its documentation lists them (ghz.sh/docs/options).

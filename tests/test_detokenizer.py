@@ -61,18 +61,16 @@ def test_tokens_given_together_past_a_stop_string_are_not_reported(tokenizer) ->
 
     prompt = tokenizer.encode("Say:", add_special_tokens=False)
     ids = tokenizer.encode(" one two STOP three four", add_special_tokens=False)
-    one_at_a_time = OutputProcessor(tokenizer)
-    one_at_a_time.add("a", prompt, ("STOP",))
+    one_at_a_time = OutputProcessor(tokenizer, prompt, ("STOP",))
     read = []
     for token in ids:
-        out = one_at_a_time.process("a", [token], None)
-        read += out.chunk.token_ids if out.chunk else []
-        if out.finish_reason is not None:
+        chunk, finish = one_at_a_time.process([token], None)
+        read += chunk.token_ids if chunk else []
+        if finish is not None:
             break
-    together = OutputProcessor(tokenizer)
-    together.add("b", prompt, ("STOP",))
-    out = together.process("b", ids, None)
-    assert out.finish_reason is FinishReason.STOP
-    assert out.chunk is not None and out.chunk.text == " one two "
-    assert list(out.chunk.token_ids) == read
+    together = OutputProcessor(tokenizer, prompt, ("STOP",))
+    chunk, finish = together.process(ids, None)
+    assert finish is FinishReason.STOP
+    assert chunk is not None and chunk.text == " one two "
+    assert list(chunk.token_ids) == read
     assert len(read) < len(ids)

@@ -36,7 +36,6 @@ def test_second_call_is_instant_and_folder_loads_offline(smollm2_path: Path) -> 
 def _fake_convert(calls: list[int]):  # type: ignore[no-untyped-def]
     def convert(source: Path, out_dir: Path) -> None:
         calls.append(1)
-        time.sleep(0.2)  # long enough for a second caller to hit the lock
         (out_dir / "model.safetensors").write_text("weights")
         (out_dir / "config.json").write_text("{}")
 
@@ -44,8 +43,36 @@ def _fake_convert(calls: list[int]):  # type: ignore[no-untyped-def]
 
 
 def test_concurrent_callers_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The conversion runs only once all three callers found no folder and reached the
+    # lock: the two that wait there must find the first one's folder, not convert again.
+    at_lock = threading.Condition()
+    num_at_lock = [0]
+    real_lock = embedded.FileLock
+
+    class CountingLock:
+        def __init__(self, path: str) -> None:
+            self._lock = real_lock(path)
+
+        def __enter__(self) -> object:
+            with at_lock:
+                num_at_lock[0] += 1
+                at_lock.notify_all()
+            return self._lock.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            self._lock.__exit__(*exc)
+
     calls: list[int] = []
-    monkeypatch.setattr(embedded, "_convert", _fake_convert(calls))
+
+    def convert(source: Path, out_dir: Path) -> None:
+        calls.append(1)
+        with at_lock:
+            assert at_lock.wait_for(lambda: num_at_lock[0] == 3, 10), "callers never met"
+        (out_dir / "model.safetensors").write_text("weights")
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(embedded, "FileLock", CountingLock)
+    monkeypatch.setattr(embedded, "_convert", convert)
     results: list[Path] = []
     threads = [
         threading.Thread(target=lambda: results.append(ensure_embedded_model(tmp_path)))

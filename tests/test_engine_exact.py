@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from engine.core.config import SchedulerConfig
-from engine.core.outputs import GenerationInput
 from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.wire import GenerationInput
 from tests.fakes import assert_engine_empty
 
 SHARED = (

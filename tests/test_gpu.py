@@ -321,7 +321,8 @@ def _gpu_service(tmp_path: Path, *pools: str) -> Iterator[ServiceProcess]:
 
 @pytest.fixture
 def service_1p1d(tmp_path: Path) -> Iterator[ServiceProcess]:
-    yield from _gpu_service(tmp_path)
+    # Prompts of 32 tokens and more stream their KV layer by layer; shorter ones go whole.
+    yield from _gpu_service(tmp_path, "--kv-stream-min-tokens", "32")
 
 
 @pytest.fixture

@@ -17,13 +17,8 @@ import pytest
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
-from engine.model.attention import (
-    PagedAttentionMetadata,
-    build_metadata,
-    paged_attention_forward,
-    paged_step,
-    write_kv,
-)
+from engine.model.attention import paged_attention_forward, paged_step, write_kv
+from engine.model.attention_metadata import PagedAttentionMetadata, build_metadata
 from engine.model.compiled import is_compiled
 from engine.model.model_runner import ModelRunner
 from engine.model.triton_attention import paged_decode_attention, triton_available
@@ -296,9 +291,9 @@ def test_async_scheduling_gives_the_plain_loops_tokens(tiny_llama_path: Path) ->
     """One step ahead on CUDA: decode inputs come from the device (inside the CUDA graphs
     and on the eager path), with seeded sampling, staggered arrivals and preemption."""
     from engine.core.config import SchedulerConfig
-    from engine.core.outputs import GenerationInput
     from engine.factory import EngineArgs, build_engine
     from engine.sampling_params import SamplingParams
+    from engine.wire import GenerationInput
 
     rng = random.Random(11)
     prompts = [

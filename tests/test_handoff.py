@@ -3,7 +3,8 @@
 The workers are driven in-process (no Ray): the protocol is the same, and every
 guarantee is checked where it is made: bit-identical blocks, refusal of stale or
 mismatched hand-offs with the channel still in step, aborts during a transfer, lease
-expiry, and no block left in use.
+expiry, and no block left in use. Every test runs twice: KV sent in one message after
+the prefill pass, and streamed layer by layer during it.
 """
 
 from __future__ import annotations
@@ -17,23 +18,25 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from bench.harness import wait_until_async
 from decode_worker.worker import DecodeWorker
 from engine.core.config import SchedulerConfig
-from engine.core.outputs import GenerationInput, TokenUpdate
 from engine.core.request import FinishReason
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
 from engine.transfer.channel import ChannelSpec
 from engine.transfer.handoff import Reservation
+from engine.wire import GenerationInput, TokenUpdate
 from prefill_worker.worker import PrefillWorker
 
 ARGS = EngineArgs(kv_cache_gib=0.05, scheduler=SchedulerConfig(long_prefill_token_threshold=16))
 
 
 class Pair:
-    def __init__(self, prefill: PrefillWorker, decode: DecodeWorker) -> None:
+    def __init__(self, prefill: PrefillWorker, decode: DecodeWorker, streamed: bool) -> None:
         self.prefill = prefill
         self.decode = decode
+        self.streamed = streamed
 
     async def updates_for(self, req_id: str, timeout: float = 20.0) -> list[TokenUpdate]:
         """Every update for req_id until it finishes (other requests' are dropped)."""
@@ -52,13 +55,10 @@ class Pair:
         return p.num_blocks_in_use, d.num_blocks_in_use
 
     async def wait_zero(self, timeout: float = 10.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while loop.time() < deadline:
-            if await self.blocks_in_use() == (0, 0):
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"blocks still in use: {await self.blocks_in_use()}")
+        async def empty() -> bool:
+            return await self.blocks_in_use() == (0, 0)
+
+        await wait_until_async(empty, timeout, interval=0.05, what="both pools hold no block")
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +68,16 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.close()
 
 
-@pytest.fixture(scope="module")
-def pair(loop: asyncio.AbstractEventLoop, smollm2_path: Path) -> Iterator[Pair]:
+@pytest.fixture(scope="module", params=["whole", "streamed"])
+def pair(
+    loop: asyncio.AbstractEventLoop, smollm2_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Pair]:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    streamed = request.param == "streamed"
+    prefill_args = replace(ARGS, kv_stream_min_tokens=0 if streamed else 10**6)
 
     async def start() -> Pair:
-        prefill, decode = PrefillWorker(ARGS, 0), DecodeWorker(ARGS, 0)
+        prefill, decode = PrefillWorker(prefill_args, 0), DecodeWorker(ARGS, 0)
         # One after the other: importing transformers from two threads at once races.
         p_info = await prefill.start()
         d_info = await decode.start()
@@ -81,7 +85,7 @@ def pair(loop: asyncio.AbstractEventLoop, smollm2_path: Path) -> Iterator[Pair]:
             "127.0.0.1", store.port, "prefill-0", p_info.epoch, "decode-0", d_info.epoch
         )
         await asyncio.gather(prefill.connect(spec), decode.connect(spec))
-        return Pair(prefill, decode)
+        return Pair(prefill, decode, streamed)
 
     p = loop.run_until_complete(start())
     yield p
@@ -200,6 +204,7 @@ def test_requests_prefilled_in_one_step_travel_in_one_message(
         reservations = await asyncio.gather(*(pair.decode.reserve(inp) for inp in inputs))
         # Queued together: they share the engine's first step (6 x ~15 tokens < 2048).
         posted_before = channel.num_posted
+        streamed_before = pair.prefill.num_streamed_messages
         results = await asyncio.gather(
             *(pair.prefill.prefill(inp, res) for inp, res in zip(inputs, reservations, strict=True))
         )
@@ -212,8 +217,12 @@ def test_requests_prefilled_in_one_step_travel_in_one_message(
                     seen[u.req_id].append(u)
         for updates in seen.values():
             assert updates[-1].finish_reason is FinishReason.LENGTH
-            assert updates[0].kv_handoff_s >= updates[0].kv_wire_s > 0
+            assert updates[0].kv_wire_s > 0 and updates[0].kv_handoff_s >= 0
+            if not pair.streamed:  # a streamed message's bytes leave before the step ends
+                assert updates[0].kv_handoff_s >= updates[0].kv_wire_s
         assert channel.num_posted - posted_before < len(inputs)
+        num_streamed = pair.prefill.num_streamed_messages - streamed_before
+        assert num_streamed == (channel.num_posted - posted_before if pair.streamed else 0)
         await pair.wait_zero()
 
     run(loop, body())

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from engine.core.engine_core import EngineCore
-from engine.core.outputs import GenerationInput
 from engine.core.request import RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.wire import GenerationInput
 from tests.fakes import (
     add,
     assert_engine_empty,

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from engine.core.outputs import TokenUpdate
 from engine.core.request import FinishReason
+from engine.wire import TokenUpdate
 from router.inbox import UpdateInbox
 
 

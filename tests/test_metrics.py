@@ -17,11 +17,12 @@ import pytest
 
 from bench.harness import REPO, free_port
 from bench.harness.metrics import scrape, value
+from engine.wire import WorkerStats
 from router import metrics as router_metrics
 from router.client import ClientSecurity, stream_generate
 from router.grpc_server import GrpcServer
 from router.metrics import RouterMetrics
-from router.protocol import PoolStats, WorkerStats
+from router.protocol import PoolStats
 from router.security import EdgeSecurity
 from tests.fake_core import FakeCore
 
@@ -53,6 +54,27 @@ GAUGES = {
     "pdserve_kv_cache_usage_ratio": {"pool", "worker"},
     "pdserve_router_in_flight": set(),
     "pdserve_router_queued": set(),
+}
+# With --planner (router/planner/metrics.py, registered on the same registry).
+PLANNER_SERIES = {
+    "pdserve_planner_decisions_total",
+    "pdserve_planner_target_workers",
+    "pdserve_planner_load_workers",
+}
+
+# Requests moved off lost or drained workers (router/migrations.py, same registry).
+MIGRATION_SERIES = {"pdserve_request_migrations_total"}
+
+PHASE_AND_FLEET_SERIES = {
+    f"pdserve_phase_{phase}_seconds_{part}"
+    for phase in ("queue", "prefill", "kv_transfer", "decode_admission", "first_decode_step")
+    for part in ("bucket", "sum", "count")
+} | {
+    "pdserve_kv_wire_bytes_total",
+    "pdserve_kv_wire_seconds_total",
+    "pdserve_serving",
+    "pdserve_pool_live_workers",
+    "pdserve_pool_target_workers",
 }
 
 
@@ -184,7 +206,9 @@ def test_grafana_dashboard_queries_only_existing_metrics() -> None:
     exposed = set()
     for name in HISTOGRAMS:
         exposed |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
-    exposed |= {f"{name}_total" for name in COUNTERS} | set(GAUGES)
+    exposed |= {f"{name}_total" for name in COUNTERS} | set(GAUGES) | PLANNER_SERIES
+    exposed |= PHASE_AND_FLEET_SERIES  # router/phase_metrics.py, router/fleet_metrics.py
+    exposed |= MIGRATION_SERIES
     titles = []
     for panel in dashboard["panels"]:
         titles.append(panel["title"].lower())

@@ -218,15 +218,13 @@ def test_a_continuation_gives_the_undisturbed_text_and_stop(
     before = reference_llm.tokenizer.decode(tokens[:k])
     full = reference_llm.tokenizer.decode(tokens)
     stop = full[len(before) - 2 : len(before) + 2]
-    outputs = OutputProcessor(reference_llm.tokenizer)
-    outputs.add("r", tuple(prompt_ids), (stop,))
+    output = OutputProcessor(reference_llm.tokenizer, tuple(prompt_ids), (stop,))
     text = ""
     reason = None
     for token in tokens:
-        out = outputs.process("r", (token,), None)
-        text += out.chunk.text if out.chunk else ""
-        if out.finish_reason is not None:
-            reason = out.finish_reason
+        chunk, reason = output.process((token,), None)
+        text += chunk.text if chunk else ""
+        if reason is not None:
             break
     assert reason is FinishReason.STOP
     assert text == full[: full.index(stop)]

@@ -237,9 +237,7 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_model_paths: dict[s
 def test_sizes_and_rejections(tiny_model_paths: dict[str, Path]) -> None:
     runner = ModelRunner(tiny_model_paths["llama"], num_blocks=4, block_size=8)
     spec: ModelSpec = runner.spec
-    per_block = ModelRunner.bytes_per_block(spec, "float32", 8)
-    assert per_block == runner.kv_cache[0].numel() * 4
-    assert ModelRunner.num_blocks_for_bytes(spec, torch.float32, 8, 10 * per_block + 1) == 10
+    assert runner.block_bytes == spec.kv_block_bytes(8) == runner.kv_cache[0].numel() * 4
     assert runner.execute(Batch((), 8)) == {}
     # A prompt chunk that does not reach the end samples nothing (no lm_head rows).
     assert runner.execute(Batch((ScheduledSeq("a", (5, 6), 0, (0,), False, GREEDY, 0),), 8)) == {}
@@ -256,7 +254,7 @@ def test_handed_off_blocks_continue_decoding_identically(tiny_model_paths: dict[
     # (sized by a byte budget), decode there: tokens equal a single-runner run.
     path = tiny_model_paths["mistral"]
     src = ModelRunner(path, num_blocks=8, block_size=8)
-    per_block = ModelRunner.bytes_per_block(src.spec, "float32", 8)
+    per_block = src.block_bytes
     dst = ModelRunner(path, kv_cache_bytes=12 * per_block + 100, block_size=8)
     assert dst.num_blocks == 12
     prompt = tuple(range(100, 119))  # 19 tokens: 3 blocks

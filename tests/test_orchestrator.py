@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from bench.fake_workers import FakePools, WordTokenizer, expected_tokens, token_at
+from bench.harness import wait_until_async
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -57,11 +58,12 @@ def _expected(call: GenerateCall) -> list[int]:
 
 
 async def _settle(pools: FakePools) -> None:
-    for _ in range(50):  # background aborts run on the loop
-        await asyncio.sleep(0)
-        if all(f.holds_nothing for f in pools.fakes.values()):
-            return
-        await asyncio.sleep(0.005)
+    """Until the background aborts (they run on the loop) left every worker empty."""
+    await wait_until_async(
+        lambda: all(f.holds_nothing for f in pools.fakes.values()),
+        2.0,
+        what="every fake worker holds nothing",
+    )
 
 
 def test_a_long_prompt_is_prefilled_remotely_and_decoded_with_the_same_tokens() -> None:
@@ -191,10 +193,9 @@ def test_a_cancelled_request_is_aborted_on_every_worker_it_reached() -> None:
         gen = _generator(pools)
         stream = gen.generate(_call())
         task = asyncio.ensure_future(stream.__anext__())
-        for _ in range(100):
-            await asyncio.sleep(0.001)
-            if pools.fakes["prefill-0"].calls:
-                break
+        await wait_until_async(
+            lambda: pools.fakes["prefill-0"].calls, 2.0, what="the prefill call arrived"
+        )
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

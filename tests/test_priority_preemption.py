@@ -21,7 +21,7 @@ class FakeClock:
 
 def with_clock(core: EngineCore) -> FakeClock:
     clock = FakeClock()
-    core.scheduler.aging.clock = clock
+    core.scheduler.waiting.aging.clock = clock
     return clock
 
 

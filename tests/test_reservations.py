@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 
-from engine.core.outputs import GenerationInput
 from engine.sampling_params import SamplingParams
 from engine.transfer.handoff import (
     MAX_ENTRIES,
@@ -18,6 +17,7 @@ from engine.transfer.handoff import (
     Reservation,
 )
 from engine.transfer.reservations import ReservationBook
+from engine.wire import GenerationInput
 
 EPOCH = 0xABC
 

@@ -6,9 +6,9 @@ import pytest
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
-from engine.core.outputs import GenerationInput
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.wire import GenerationInput
 from tests.fakes import FakeRunner, add, expected_output, make_engine, run_to_completion
 
 

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
-from engine.core.outputs import GenerationInput
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason
 from engine.sampling_params import SamplingParams
+from engine.wire import GenerationInput
 from tests.fakes import FakeRunner, assert_engine_empty, expected_output
 
 ops = st.lists(

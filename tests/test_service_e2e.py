@@ -1,19 +1,28 @@
 """End to end: `pdserve serve` (router + 1 prefill + 1 decode Ray actor, gloo hand-off) over
-real gRPC on loopback, against the colocated engine and transformers."""
+real gRPC on loopback, against the colocated engine and transformers; as an operator
+watches it: every request traced to an OTLP receiver in this process, and a real
+Prometheus (Debian package `prometheus`) scraping it and evaluating the dashboard's
+queries and the alerting rules."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from bench.harness import ServiceProcess, StartService
+from bench.harness import REPO, ServiceProcess, StartService, wait_until
 from bench.harness.metrics import scrape
 from bench.harness.metrics import value as metric_value
+from bench.harness.otlp import OTLPSink, ReceivedSpan
 from bench.harness.pools import assert_pools_empty
+from bench.harness.prometheus import PrometheusServer, find_binary
 from bench.harness.streams import StreamResult, generate
 from engine.frontend.prompt import encode_prompt
 from engine.llm import LLM, CompletionOutput
@@ -21,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.client import build_request, stream_generate
+from router.tracing import GENERATE_SPAN
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +63,15 @@ MAX_TOKENS = [12, 20, 8, 16, 10, 24, 14, 6, 18, 9, 11, 7, 22, 13, 5, 15]
 
 
 @pytest.fixture(scope="module")
-def service(start_service: StartService, ray_session: str) -> ServiceProcess:
+def trace_sink() -> Iterator[OTLPSink]:
+    """The collector the service sends its traces to."""
+    with OTLPSink() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def service(trace_sink: OTLPSink, start_service: StartService, ray_session: str) -> ServiceProcess:
+    # `trace_sink` first: it outlives the service, which sends its last spans as it stops.
     return start_service(
         [
             "--ray-address",
@@ -75,8 +93,12 @@ def service(start_service: StartService, ray_session: str) -> ServiceProcess:
             # Short, so that a burst's prefill queue outlasts it (renewal keeps them).
             "--reservation-lease-s",
             str(LEASE_S),
+            "--otlp-traces-endpoint",
+            trace_sink.endpoint,
         ],
         name="svc",
+        # The SDK's standard knob, passed on to the workers: spans leave within 0.2 s.
+        env={"OTEL_BSP_SCHEDULE_DELAY": "200"},
     )
 
 
@@ -318,6 +340,14 @@ def test_metrics_endpoint_shows_requests_and_every_worker(service: ServiceProces
     assert delta("pdserve_request_prefill_time_seconds_count") == 3
     assert delta("pdserve_kv_transfer_seconds_count") == 3  # one hand-off per request
     assert delta("pdserve_prefix_cache_queries_total", pool="prefill") > 0
+    # Where the time went, per worker: each request's phases, once each.
+    prefill_0, decode_0 = {"pool": "prefill", "worker": "0"}, {"pool": "decode", "worker": "0"}
+    assert delta("pdserve_phase_queue_seconds_count", **prefill_0) == 3
+    assert delta("pdserve_phase_prefill_seconds_count", **prefill_0) == 3
+    for phase in ("kv_transfer", "decode_admission", "first_decode_step"):
+        assert delta(f"pdserve_phase_{phase}_seconds_count", **decode_0) == 3, phase
+    assert delta("pdserve_kv_wire_bytes_total", **decode_0) > 0
+    assert 0 < delta("pdserve_kv_wire_seconds_total", **decode_0) < 10
     for pool in ("prefill", "decode"):
         ratio = metric_value(after, "pdserve_kv_cache_usage_ratio", pool=pool, worker="0")
         assert 0 <= ratio <= 1
@@ -351,3 +381,150 @@ def test_a_burst_whose_prefill_queue_outlasts_the_lease_completes_in_full(
     slowest = max(_final(r).timings.time_to_first_token_seconds for r in results)
     assert slowest > LEASE_S, f"the burst's queue ({slowest:.2f} s) did not outlast the lease"
     asyncio.run(assert_pools_empty(service.address, pools=BOTH_POOLS))
+
+
+# ---------------------------------------------------------------- observability
+CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN_ID = "00f067aa0ba902b7"
+TRACED_PROMPT = "Write a short poem about the sea, the wind and the stars over the harbour."
+# One traced 1P1D request: the router's spans, the prefill worker's, the decode worker's.
+ROUTER_SPANS = {GENERATE_SPAN, "router.admission", "router.attempt", "router.route"}
+ROUTER_SPANS |= {"router.prefill", "router.stream"}
+PREFILL_SPANS = {"prefill.queue", "prefill.compute", "kv.send"}
+DECODE_SPANS = {"kv.transfer", "kv.receive", "decode.admission", "decode.first_step"}
+
+
+def _generate(address: str, **kwargs: object) -> StreamResult:
+    return asyncio.run(
+        generate(address, prompt=TRACED_PROMPT, max_tokens=4, temperature=0, **kwargs)
+    )
+
+
+def _spans_of(sink: OTLPSink, trace_id: str, names: set[str]) -> dict[str, ReceivedSpan]:
+    """The trace's spans by name once every name has arrived (one span each)."""
+
+    def complete() -> dict[str, ReceivedSpan] | None:
+        spans = {s.name: s for s in sink.trace(trace_id)}
+        return spans if names <= set(spans) else None
+
+    try:
+        return wait_until(complete, 30, what=f"spans of trace {trace_id}")
+    except TimeoutError:
+        got = sorted(s.name for s in sink.trace(trace_id))
+        raise AssertionError(f"trace {trace_id}: missing {names - set(got)}, got {got}") from None
+
+
+def test_a_traced_request_is_one_trace_across_the_router_and_both_workers(
+    service: ServiceProcess, trace_sink: OTLPSink
+) -> None:
+    traceparent = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"
+    result = _generate(
+        service.address, metadata=[("traceparent", traceparent)], include_trace_id=True
+    )
+    assert result.outcome == "final:FINISH_REASON_LENGTH", result.details
+    assert result.final is not None and result.final.timings.trace_id == CLIENT_TRACE_ID
+
+    spans = _spans_of(trace_sink, CLIENT_TRACE_ID, ROUTER_SPANS | PREFILL_SPANS | DECODE_SPANS)
+    trace = trace_sink.trace(CLIENT_TRACE_ID)
+    assert len(trace) == len(spans), sorted(s.name for s in trace)  # one of each, no strays
+    root = spans[GENERATE_SPAN]
+    attempt = spans["router.attempt"]
+    assert root.parent_span_id == CLIENT_SPAN_ID  # the client's span is the parent
+    # Every other span hangs off a span of this trace: parent links intact.
+    ids = {s.span_id for s in trace}
+    assert all(s.parent_span_id in ids for s in trace if s is not root)
+    for name in ROUTER_SPANS - {GENERATE_SPAN}:
+        expected_parent = attempt if name in ("router.route", "router.prefill") else root
+        assert spans[name].parent_span_id == expected_parent.span_id, name
+    for name in PREFILL_SPANS | DECODE_SPANS - {"kv.receive"}:
+        assert spans[name].parent_span_id == attempt.span_id, name  # across Ray calls
+    assert spans["kv.receive"].parent_span_id == spans["kv.transfer"].span_id
+    # Each process reports as itself.
+    assert {spans[n].service for n in ROUTER_SPANS} == {"pdserve-router"}
+    assert {spans[n].service for n in PREFILL_SPANS} == {"pdserve-prefill"}
+    assert {spans[n].service for n in DECODE_SPANS} == {"pdserve-decode"}
+
+    route = spans["router.route"].attributes
+    assert route["pdserve.route.decode_worker"] == "decode-0"
+    assert route["pdserve.route.prefill_worker"] == "prefill-0"
+    assert (route["pdserve.route.path"], route["pdserve.route.reason"]) == (
+        "remote",
+        "local_prefill_off",
+    )
+    compute = spans["prefill.compute"].attributes
+    assert compute["pdserve.worker"] == "prefill-0"
+    assert compute["pdserve.prompt_tokens"] == root.attributes["pdserve.prompt_tokens"]
+    assert compute["pdserve.cached_tokens"] == result.final.usage.cached_prompt_tokens
+    sent, moved = spans["kv.send"].attributes, spans["kv.transfer"].attributes
+    assert sent["pdserve.kv.pair"] == moved["pdserve.kv.pair"] == "prefill-0->decode-0"
+    assert moved["pdserve.kv.bytes"] == sent["pdserve.kv.bytes"] > 0
+    assert sent["pdserve.kv.outcome"] == "success"
+    for key in ("pdserve.kv.src_epoch", "pdserve.kv.dst_epoch", "pdserve.kv.seq_no"):
+        assert sent[key] == moved[key], key
+    assert moved["pdserve.kv.src_epoch"] != moved["pdserve.kv.dst_epoch"]
+    assert 0 < moved["pdserve.kv.wire_s"] <= moved["pdserve.kv.handoff_s"]
+    assert spans["decode.first_step"].attributes["pdserve.worker"] == "decode-0"
+    assert root.attributes["pdserve.finish_reason"] == "length"
+    assert root.attributes["pdserve.completion_tokens"] == 4
+    # The phases follow each other: queue, compute, then the KV lands and decoding starts.
+    assert spans["prefill.queue"].end_ns <= spans["prefill.compute"].start_ns + 1000
+    assert spans["kv.transfer"].end_ns <= spans["decode.admission"].start_ns + 1000
+    assert spans["decode.admission"].end_ns <= spans["decode.first_step"].start_ns + 1000
+    assert f"trace={CLIENT_TRACE_ID}" in service.log_path.read_text()  # the router's log line
+
+
+def test_a_request_without_a_traceparent_starts_a_trace_of_its_own(
+    service: ServiceProcess, trace_sink: OTLPSink
+) -> None:
+    asked = _generate(service.address, include_trace_id=True)
+    assert asked.final is not None
+    trace_id = asked.final.timings.trace_id
+    assert len(trace_id) == 32 and trace_id != CLIENT_TRACE_ID
+    root = _spans_of(trace_sink, trace_id, {GENERATE_SPAN})[GENERATE_SPAN]
+    assert root.parent_span_id == ""
+    not_asked = _generate(service.address)
+    assert not_asked.final is not None and not_asked.final.timings.trace_id == ""
+
+
+def _dashboard_queries() -> list[str]:
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "pdserve.json").read_text())
+    return [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+
+
+@pytest.mark.skipif(
+    find_binary("prometheus") is None or find_binary("promtool") is None,
+    reason="prometheus/promtool not installed (Debian package `prometheus`; .ci/run installs it)",
+)
+def test_prometheus_scrapes_the_service_and_every_dashboard_query_has_data(
+    service: ServiceProcess, tmp_path: Path
+) -> None:
+    with PrometheusServer(tmp_path, f"127.0.0.1:{service.metrics_port}") as prom:
+        wait_until(prom.targets_up, 30, what="pdserve scraped")
+
+        async def traffic() -> list[StreamResult]:
+            calls = [
+                generate(service.address, prompt=TRACED_PROMPT, max_tokens=4) for _ in range(3)
+            ]
+            calls.append(generate(service.address, prompt=""))  # INVALID_ARGUMENT
+            return await asyncio.gather(*calls)
+
+        results = asyncio.run(traffic())
+        assert [r.code for r in results] == [grpc.StatusCode.OK] * 3 + [
+            grpc.StatusCode.INVALID_ARGUMENT
+        ]
+        # Grafana's $__rate_interval: a window that holds the traffic and scrapes around it.
+        queries = [q.replace("$__rate_interval", "5m") for q in _dashboard_queries()]
+        for query in queries:
+            wait_until(lambda q=query: prom.numbers(q), 30, what=f"data for {query}")
+        for rule in prom.rules():
+            assert rule["health"] == "ok", rule
+            if rule["name"] in ("PdserveNotServing", "PdservePoolBelowSize", "PdserveDown"):
+                assert rule["state"] == "inactive", rule  # a healthy service
+        assert prom.numbers("pdserve_serving") == [1.0]
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics") as resp:
+        exposition = resp.read()
+    lint = subprocess.run(
+        [str(find_binary("promtool")), "check", "metrics"], input=exposition, capture_output=True
+    )
+    assert lint.returncode == 0, lint.stdout.decode() + lint.stderr.decode()

@@ -5,23 +5,30 @@ sender's plan. No process group, no model: a plain tensor stands in for the cach
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
-from engine.core.outputs import GenerationInput
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
 from engine.transfer.fake import FakeChannel
-from engine.transfer.handoff import HandoffHeader, HandoffTarget, HeaderKind, Reservation
-from engine.transfer.receiver import ChannelReceiver
+from engine.transfer.handoff import (
+    NO_TOKEN,
+    HandoffHeader,
+    HandoffTarget,
+    HeaderKind,
+    Reservation,
+)
+from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import ReservationBook
 from engine.transfer.sender import Message, ReadyKV, plan_messages
+from engine.transfer.streaming import StepStream, layers_per_part, open_stream
+from engine.wire import GenerationInput
 
 EPOCH = 0x77
 BLOCK = 4  # tokens a block
-ROW = (2, BLOCK, 3)  # one block of the fake cache: K/V, tokens, width
+LAYERS = 3
+ROW = (LAYERS, 2, BLOCK, 3)  # one block of the fake cache: layers, K/V, tokens, width
 
 
 class Worker:
@@ -36,6 +43,8 @@ class Worker:
         self.errors: dict[str, str] = {}
         self.arrivals: list[str] = []
         self.buried: set[str] = set()
+        # Set once the receiver found no reservation for an entry and asked about it.
+        self.asked_if_buried = threading.Event()
 
     def reserve(self, req_id: str, num_tokens: int) -> Reservation:
         ids = [self.free.pop(0) for _ in range(-(-num_tokens // BLOCK))]
@@ -54,20 +63,31 @@ class Worker:
     def block_bytes(self) -> int:
         return self.cache[0].numel() * self.cache.element_size()
 
-    def staging(self, num_blocks: int) -> torch.Tensor:
-        return torch.empty((num_blocks, *ROW))
+    @property
+    def num_layers(self) -> int:
+        return LAYERS
 
-    def scatter(self, block_ids: list[int], rows: torch.Tensor, row_ids: list[int] | None) -> None:
+    def staging(self, num_blocks: int, layers: tuple[int, int]) -> torch.Tensor:
+        return torch.empty((num_blocks, layers[1] - layers[0], *ROW[1:]))
+
+    def scatter(
+        self,
+        block_ids: list[int],
+        rows: torch.Tensor,
+        row_ids: list[int] | None,
+        layers: tuple[int, int],
+    ) -> None:
         if row_ids is not None:
             rows = rows[row_ids]
-        self.cache[block_ids] = rows
+        self.cache[block_ids, layers[0] : layers[1]] = rows
 
     def admit(self, inp: GenerationInput, first_token: int) -> None:
         self.admitted[inp.req_id] = first_token
 
-    def arrived(self, req_id: str, wire_s: float, handoff_s: float) -> None:
-        assert handoff_s >= wire_s >= 0
-        self.arrivals.append(req_id)
+    def arrived(self, arrival: KVArrival) -> None:
+        assert arrival.handoff_s >= 0 and arrival.wire_s >= 0
+        assert 0 < arrival.num_bytes <= arrival.header.num_bytes
+        self.arrivals.append(arrival.inp.req_id)
 
     def release(self, req_id: str) -> None:
         self.free += self.held.pop(req_id, [])
@@ -76,6 +96,7 @@ class Worker:
         self.errors[req_id] = error
 
     def is_buried(self, req_id: str) -> bool:
+        self.asked_if_buried.set()
         return req_id in self.buried
 
 
@@ -264,7 +285,7 @@ def test_kv_that_overtakes_its_reservation_waits_for_it() -> None:
     worker = Worker()
     thread = _run_receiver(recv, worker)
     _send(send, [("late", 4, 7)], _blocks(3))  # the reservation is still on its way
-    time.sleep(0.05)
+    assert worker.asked_if_buried.wait(5), "the receiver never waited for the reservation"
     res = worker.reserve("late", 4)
     send.close(notify_peer=True)
     thread.join(5)
@@ -283,3 +304,140 @@ def test_kv_for_an_aborted_request_is_dropped_without_waiting_out_the_grace() ->
     send.close(notify_peer=True)
     thread.join(5)
     assert not thread.is_alive() and worker.admitted == {} and worker.errors == {}
+
+
+# ---------------------------------------------------------------- layer-wise streaming
+class SenderCache:
+    """The sending worker's cache and the gather a streamed message's parts use."""
+
+    def __init__(self, *values: float) -> None:
+        self.cache = _blocks(*values)
+        self.gathered: list[tuple[int, int]] = []
+
+    def gather(self, block_ids: list[int], layers: tuple[int, int]) -> tuple[torch.Tensor, None]:
+        self.gathered.append(layers)
+        return self.cache[block_ids, layers[0] : layers[1]].clone(), None
+
+
+def _message(*items: tuple[str, int, tuple[int, ...]]) -> Message:
+    """items: (req_id, num_tokens, sender block ids)."""
+    target = HandoffTarget("decode-0", EPOCH)
+    return Message(target, tuple(ReadyKV(r, target, ids, n, NO_TOKEN) for r, n, ids in items))
+
+
+def _open(send: FakeChannel, sender: SenderCache, message: Message, part_bytes: int) -> StepStream:
+    return open_stream(
+        [(message, send)],
+        src_epoch=1,
+        num_layers=LAYERS,
+        block_bytes=sender.cache[0].numel() * 4,
+        gather=sender.gather,
+        min_part_bytes=part_bytes,
+    )
+
+
+def test_a_streamed_message_lands_part_by_part_and_its_trailer_admits() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    a, b = worker.reserve("a", 8), worker.reserve("b", 4)
+    thread = _run_receiver(recv, worker)
+    sender = SenderCache(1, 2, 3)
+    stream = _open(send, sender, _message(("a", 8, (0, 1)), ("b", 4, (2,))), part_bytes=1)
+    for layer in range(LAYERS):  # the forward pass writes the layers in order
+        stream.layer_written(layer)
+        assert sender.gathered[-1] == (layer, layer + 1)  # each part leaves at once
+    # "b"'s first token ended it: no token for it in the trailer.
+    handles = stream.close({"a": 11})
+    assert handles["a"].wait(1) is KVPoll.SUCCESS and handles["b"] is handles["a"]
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert worker.admitted == {"a": 11} and worker.errors == {}
+    assert torch.equal(worker.cache[list(a.block_ids)], _blocks(1, 2))
+    assert worker.held.keys() == {"a"} and len(worker.book) == 0  # b's blocks came back
+    assert b.block_ids[0] in worker.free
+
+
+def test_parts_merge_layers_below_the_part_size_and_missed_ones_go_at_close() -> None:
+    assert layers_per_part(message_bytes=300, num_layers=3, min_part_bytes=150) == 2
+    assert layers_per_part(message_bytes=300, num_layers=3, min_part_bytes=10**9) == 3
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    res = worker.reserve("a", 4)
+    thread = _run_receiver(recv, worker)
+    sender = SenderCache(7)
+    block_bytes = sender.cache[0].numel() * 4
+    stream = _open(send, sender, _message(("a", 4, (0,))), part_bytes=2 * block_bytes // LAYERS)
+    stream.layer_written(0)
+    assert sender.gathered == []  # layers 0-1 are one part: not complete yet
+    stream.layer_written(1)
+    assert sender.gathered == [(0, 2)]
+    stream.close({"a": 5})  # layer 2's part was never announced: sent at close
+    assert sender.gathered == [(0, 2), (2, 3)]
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert worker.admitted == {"a": 5}
+    assert torch.equal(worker.cache[list(res.block_ids)], _blocks(7))
+
+
+def test_an_aborted_pass_frees_every_reservation_and_keeps_the_channel_in_step() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    worker.reserve("a", 4)
+    thread = _run_receiver(recv, worker)
+    stream = _open(send, SenderCache(1), _message(("a", 4, (0,))), part_bytes=1)
+    stream.layer_written(0)
+    stream.abort()  # the pass raised
+    stream.abort()  # idempotent
+    res = worker.reserve("next", 4)
+    _send(send, [("next", 4, 3)], _blocks(9))
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert worker.admitted == {"next": 3} and worker.errors == {}
+    assert worker.held.keys() == {"next"} and len(worker.book) == 0
+    assert torch.equal(worker.cache[list(res.block_ids)], _blocks(9))
+
+
+def test_a_sender_that_dies_mid_stream_fails_its_requests_and_frees_their_blocks() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    worker.reserve("a", 4)
+    thread = _run_receiver(recv, worker)
+    receiving = threading.Event()
+    staging = worker.staging
+
+    def staging_then_signal(num_blocks: int, layers: tuple[int, int]) -> torch.Tensor:
+        receiving.set()  # the entry is claimed: its parts are being received
+        return staging(num_blocks, layers)
+
+    worker.staging = staging_then_signal  # type: ignore[method-assign]
+    stream = _open(send, SenderCache(1), _message(("a", 4, (0,))), part_bytes=1)
+    stream.layer_written(0)
+    assert receiving.wait(5)
+    send.break_()  # the prefill worker died during its pass
+    thread.join(5)
+    assert not thread.is_alive() and recv.closed
+    assert "broke off" in worker.errors["a"]
+    assert worker.blocks_in_use == 0 and len(worker.book) == 0
+
+
+def test_a_trailer_out_of_step_closes_the_channel_and_fails_the_message() -> None:
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    worker.reserve("a", 4)
+    thread = _run_receiver(recv, worker)
+    sender = SenderCache(1)
+    header = HandoffHeader(
+        HeaderKind.STREAM,
+        send.next_seq(),
+        EPOCH,
+        1,
+        _message(("a", 4, (0,))).entries,
+        num_bytes=sender.cache[0].numel() * 4,
+        layers_per_part=LAYERS,
+    )
+    send.send(header, None)
+    send.send(None, sender.cache[[0]])
+    send.send(HandoffHeader(HeaderKind.TRAILER, header.seq_no + 1, entries=header.entries), None)
+    thread.join(5)
+    assert recv.closed and "broke off" in worker.errors["a"]
+    assert worker.blocks_in_use == 0 and len(worker.book) == 0

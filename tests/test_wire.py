@@ -4,7 +4,7 @@ request; nothing is merged past a finish or across an error."""
 from __future__ import annotations
 
 from engine.core.request import FinishReason
-from engine.wire import TokenUpdate, coalesce
+from engine.wire import PhaseReport, TokenUpdate, coalesce
 
 
 def test_each_requests_steps_become_one_update_in_first_arrival_order() -> None:
@@ -36,3 +36,22 @@ def test_an_error_or_a_finish_ends_a_run() -> None:
         ((2,), None),
     ]
     assert merged[1].error == "refused"
+
+
+def test_phases_of_merged_steps_are_all_kept() -> None:
+    arrival = PhaseReport(transfer_s=0.002, wire_bytes=4096, wire_s=0.001)
+    first = PhaseReport(admission_s=0.01, first_step_s=0.02)
+    updates = [
+        TokenUpdate("a", kv_wire_s=0.001, kv_handoff_s=0.002, phases=arrival),
+        TokenUpdate("a", (10,), phases=first),
+        TokenUpdate("a", (11,)),
+    ]
+    (merged,) = coalesce(updates)
+    assert merged.phases == PhaseReport(
+        transfer_s=0.002,
+        wire_bytes=4096,
+        wire_s=0.001,
+        admission_s=0.01,
+        first_step_s=0.02,
+    )
+    assert coalesce([TokenUpdate("b", (1,)), TokenUpdate("b", (2,))])[0].phases is None

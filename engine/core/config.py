@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
 
-Policy = Literal["fcfs", "priority"]
+from engine.core.waiting_queue import QUEUE_POLICIES, QueuePolicy
 
 # Tokens per step when none is given, by device type. On a GPU a step of 2048 tokens
 # leaves the prompt GEMMs short and pays each step's fixed cost (the running decodes, the
@@ -26,10 +25,10 @@ class SchedulerConfig:
     # step's remaining token budget; > 0 caps every prompt chunk at this many tokens.
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
-    policy: Policy = "fcfs"
+    policy: QueuePolicy = "fcfs"
     prioritize_prefill: bool = False
     # Priority policy: a waiting request gains one priority level per this many seconds
-    # it has waited (0 = no aging). See engine/core/priority.py.
+    # it has waited (0 = no aging). See engine/core/waiting_queue.py.
     priority_aging_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -44,7 +43,7 @@ class SchedulerConfig:
                 "long_prefill_token_threshold must be >= 0 (0 = chunked prefill off), "
                 f"got {self.long_prefill_token_threshold}"
             )
-        if self.policy not in ("fcfs", "priority"):
+        if self.policy not in QUEUE_POLICIES:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.priority_aging_s < 0:
             raise ValueError(

@@ -17,13 +17,12 @@ from typing import Protocol
 from engine.core.batch import Batch
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.kv_events import KVEvents
-from engine.core.outputs import EngineStats, GenerationInput
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
-from engine.core.scheduler import RequestUpdate, Scheduler
+from engine.core.scheduler import Scheduler
 from engine.core.validation import validate_prompt
 from engine.sampling_params import MAX_SEED
-from engine.wire import DetachedRequest
+from engine.wire import DetachedRequest, GenerationInput, TokenUpdate, WorkerStats
 
 
 class Runner(Protocol):
@@ -64,11 +63,14 @@ class EngineCore:
         vocab_size: int,
         eos_token_ids: frozenset[int] = frozenset(),
         role: EngineRole = EngineRole.COLOCATED,
+        index: int = 0,
         async_scheduling: bool = False,
     ) -> None:
         if async_scheduling and not callable(getattr(runner, "launch", None)):
             raise ValueError("async scheduling needs a runner that can launch a step (launch)")
         self.runner = runner
+        self.role = role
+        self.index = index  # which engine of its pool this is, as its stats name it
         self.async_scheduling = async_scheduling
         # Async scheduling: the step launched last, whose results are not applied yet.
         self._in_flight: tuple[Batch, PendingTokens] | None = None
@@ -100,7 +102,8 @@ class EngineCore:
             seed = self._rng.randint(0, MAX_SEED)
         return Request(
             req_id=inp.req_id,
-            prompt_token_ids=list(inp.prompt_token_ids),
+            all_token_ids=list(inp.prompt_token_ids),
+            num_prompt_tokens=len(inp.prompt_token_ids),
             sampling=inp.sampling,
             seed=seed,
             eos_token_ids=self.eos_token_ids,
@@ -154,10 +157,13 @@ class EngineCore:
         self.scheduler.finish_request(req_id, None, hand_off=True)
         return DetachedRequest(tuple(req.all_token_ids), req.num_computed_tokens)
 
-    def stats(self) -> EngineStats:
-        """Occupancy and counters of this engine's cache and queues."""
+    def stats(self) -> WorkerStats:
+        """Occupancy and counters of this engine's cache and queues, as its worker
+        reports them (named by the engine's pool and index)."""
         sched = self.scheduler
-        return EngineStats(
+        return WorkerStats(
+            pool=self.role.value,
+            index=self.index,
             num_blocks_total=sched.kv.pool.num_blocks,
             num_blocks_in_use=sched.kv.num_blocks_in_use,
             num_running=sched.num_running,
@@ -179,7 +185,7 @@ class EngineCore:
         """Prefix-cache changes since the last call, for a cache-aware router."""
         return self.scheduler.kv.take_kv_events()
 
-    def step(self) -> list[RequestUpdate]:
+    def step(self) -> list[TokenUpdate]:
         """Run one iteration; returns the new tokens and finishes it produced (with async
         scheduling: those of the step before, while this one runs on the device)."""
         batch = self.scheduler.schedule()

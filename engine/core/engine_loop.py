@@ -15,12 +15,12 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from engine.core.engine_core import EngineCore
-from engine.core.scheduler import RequestUpdate
+from engine.wire import TokenUpdate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-UpdateSink = Callable[[list[RequestUpdate]], None]
+UpdateSink = Callable[[list[TokenUpdate]], None]
 
 
 class EngineLoop:

@@ -6,15 +6,6 @@ from dataclasses import dataclass, field
 
 from engine.core.request import FinishReason
 
-# Cross-process types live in engine.wire; the engine's callers also find them here.
-from engine.wire import (  # noqa: F401
-    GenerationInput,
-    PoolName,
-    TokenBatch,
-    TokenUpdate,
-    WorkerStats,
-)
-
 
 @dataclass(frozen=True)
 class TextChunk:
@@ -52,16 +43,4 @@ class FinalResult:
     usage: Usage
     timings: PhaseTimings = field(default_factory=PhaseTimings)
     error: str = ""  # set when finish_reason is ERROR
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Occupancy of one engine's KV cache and scheduler, and its counters since start."""
-
-    num_blocks_total: int
-    num_blocks_in_use: int
-    num_running: int
-    num_waiting: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    num_preemptions: int = 0
+    trace_id: str = ""  # the request's trace (32 hex digits), when it was traced

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 from engine.sampling_params import SamplingParams
 
@@ -27,6 +30,51 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # failed inside the system
 
 
+class TokenView(Sequence[int]):
+    """A read-only window on a request's one token list: its prompt, or its outputs so
+    far (a window without an end grows with the list). Slicing one gives a list."""
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: list[int], start: int, stop: int | None = None) -> None:
+        self._tokens = tokens
+        self._start = start
+        self._stop = stop
+
+    def _end(self) -> int:
+        return len(self._tokens) if self._stop is None else self._stop
+
+    def __len__(self) -> int:
+        return self._end() - self._start
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return self._tokens[self._start : self._end()][index]
+        size = len(self)
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError("token index out of range")
+        return self._tokens[self._start + index]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, self._end())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # a live view: equal now, not forever
+
+    def __repr__(self) -> str:
+        return f"TokenView({list(self)!r})"
+
+
 @dataclass
 class Request:
     """Mutable per-request state owned by one scheduler.
@@ -36,16 +84,17 @@ class Request:
     """
 
     req_id: str
-    prompt_token_ids: list[int]
+    # The prompt followed by every token sampled so far (PLACEHOLDER_TOKEN for one a
+    # launched step is still sampling): the request's one token list, growing by one
+    # token a step. `prompt_token_ids` and `output_token_ids` are views of it.
+    all_token_ids: list[int]
+    num_prompt_tokens: int
     sampling: SamplingParams
     seed: int  # resolved seed: the sampler's randomness is a function of (seed, position)
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower value runs first under the priority policy
     arrival_time: float = field(default_factory=time.monotonic)
     max_model_len: int | None = None
-    # Decode pool: the prompt arrives with its KV already computed; the first
-    # sampled token travels with it (sampling state moves with the request).
-    output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV a finished step wrote
     # Tokens of launched steps whose results the scheduler has not applied yet: the
     # next step starts after them (scheduling one step ahead).
@@ -54,38 +103,49 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # Prompt followed by every token sampled so far: one list that grows by one token
-    # a step (the scheduler slices it every step; rebuilding it would cost O(length)).
-    all_token_ids: list[int] = field(init=False, repr=False)
+    # time.monotonic() when a step first scheduled it (0: not yet): the end of its wait
+    # in this engine's queue, for the worker's phase timings.
+    scheduled_at: float = 0.0
     # Chain hashes of the first full blocks of all_token_ids (tokens only ever append,
     # so they stay valid), filled by prefix-cache lookups: a request that waits for
     # blocks is not re-hashed every step.
     block_hashes: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        if not 0 <= self.num_prompt_tokens <= len(self.all_token_ids):
+            raise ValueError(
+                f"request {self.req_id!r}: {self.num_prompt_tokens} prompt tokens of "
+                f"{len(self.all_token_ids)}"
+            )
+
+    @property
+    def prompt_token_ids(self) -> TokenView:
+        return TokenView(self.all_token_ids, 0, self.num_prompt_tokens)
+
+    @property
+    def output_token_ids(self) -> TokenView:
+        return TokenView(self.all_token_ids, self.num_prompt_tokens)
+
+    def start_running(self) -> None:
+        """Admitted to a step (again, after a preemption: the first time is kept)."""
+        self.status = RequestStatus.RUNNING
+        self.scheduled_at = self.scheduled_at or time.monotonic()
 
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token, or PLACEHOLDER_TOKEN for one a launched step is
         still sampling (`set_output_token` fills it in)."""
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
     def set_output_token(self, position: int, token_id: int) -> None:
         """Fill in the placeholder at `position` (of all_token_ids) with the sampled token."""
         self.all_token_ids[position] = token_id
-        self.output_token_ids[position - len(self.prompt_token_ids)] = token_id
 
     def drop_placeholders(self) -> None:
         """Forget tokens still being sampled (preemption: the recompute samples them again,
         and the sampler's randomness depends only on seed and position)."""
-        while self.output_token_ids and self.output_token_ids[-1] == PLACEHOLDER_TOKEN:
-            self.output_token_ids.pop()
-            self.all_token_ids.pop()
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        tokens = self.all_token_ids
+        while len(tokens) > self.num_prompt_tokens and tokens[-1] == PLACEHOLDER_TOKEN:
+            tokens.pop()
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +153,12 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_output_token(self) -> int | None:
+        """The newest output token (PLACEHOLDER_TOKEN while it is being sampled)."""
+        return self.all_token_ids[-1] if self.num_output_tokens else None
 
     @property
     def is_finished(self) -> bool:
@@ -104,7 +169,8 @@ class Request:
         still be placeholders when scheduling runs ahead)."""
         if num_outputs <= 0:
             return None
-        last, sampling = self.output_token_ids[num_outputs - 1], self.sampling
+        last = self.all_token_ids[self.num_prompt_tokens + num_outputs - 1]
+        sampling = self.sampling
         if (not sampling.ignore_eos and last in self.eos_token_ids) or (
             last in sampling.stop_token_ids
         ):
@@ -116,6 +182,6 @@ class Request:
         if num_outputs >= self.sampling.max_tokens:
             return FinishReason.LENGTH
         max_len = self.max_model_len
-        if max_len is not None and len(self.prompt_token_ids) + num_outputs >= max_len:
+        if max_len is not None and self.num_prompt_tokens + num_outputs >= max_len:
             return FinishReason.LENGTH
         return None

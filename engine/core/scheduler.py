@@ -18,27 +18,14 @@ Every waiting request, imported ones included, is admitted only under `max_num_s
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.priority import PriorityAging
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
-
-
-class RequestUpdate(NamedTuple):
-    """What one step did for one request: new tokens and, at the end, why it finished.
-    (A NamedTuple: one is built per request per step.)"""
-
-    req_id: str
-    new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-    num_cached_tokens: int = 0
-    # The request left this engine with its blocks still allocated (prefill pool: they
-    # hold the KV to hand off); whoever handles the update must release() them.
-    hand_off: bool = False
+from engine.core.waiting_queue import WaitingQueue
+from engine.wire import TokenUpdate
 
 
 class Scheduler:
@@ -61,13 +48,12 @@ class Scheduler:
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching)
         self.role = role
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []
+        self.waiting: WaitingQueue[Request] = WaitingQueue(config.policy, config.priority_aging_s)
         # Waiting requests whose KV was imported (decode pool): they hold their blocks
         # while they wait for a slot and rank ahead of prompts of the same priority
         # (their prompt costs no compute; holding blocks idle helps nobody).
         self._imported: set[str] = set()
         self.running: list[Request] = []
-        self.aging = PriorityAging(config.priority_aging_s if config.policy == "priority" else 0)
         self.num_preemptions = 0  # since start, for metrics
         # Batches handed out and not yet updated, with the requests they were built for
         # (an id may be aborted and reused while its old step is still running).
@@ -89,21 +75,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _queue_key(self, req: Request) -> tuple[float, ...]:
-        prompt_first = 0 if req.req_id in self._imported else 1
-        if self.config.policy == "priority":
-            return (self.aging.effective_priority(req), prompt_first, req.arrival_time)
-        return (prompt_first, req.arrival_time)
-
     def _enqueue_waiting(self, req: Request) -> None:
-        # Sorted insert keeps the queue in policy order; a preempted request keeps
-        # its original arrival time, so under FCFS it resumes ahead of newcomers.
-        self.aging.start_waiting(req.req_id)
-        key = self._queue_key(req)
-        idx = len(self.waiting)
-        while idx > 0 and self._queue_key(self.waiting[idx - 1]) > key:
-            idx -= 1
-        self.waiting.insert(idx, req)
+        # Imported requests go ahead of prompts of the same priority.
+        self.waiting.push(req, tier=0 if req.req_id in self._imported else 1)
 
     def add_request(self, req: Request) -> None:
         """Queue a new request (one whose KV is already here: see add_imported)."""
@@ -156,7 +130,7 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
             self._imported.discard(req_id)
-        self.aging.forget(req_id)
+        self.waiting.forget(req_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if not hand_off:
@@ -173,7 +147,8 @@ class Scheduler:
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         # Lowest priority (largest value) first, then the latest arrival.
-        return max(candidates, key=lambda r: (self.aging.effective_priority(r), r.arrival_time))
+        urgency = self.waiting.effective_priority
+        return max(candidates, key=lambda r: (urgency(r), r.arrival_time))
 
     def _preempt_for(self, req: Request, chunks: dict[str, int]) -> int | None:
         """Priority policy: make room for `req` by preempting the least urgent running
@@ -182,7 +157,7 @@ class Scheduler:
         if self.config.policy != "priority" or not self.running:
             return None
         victim = self._pick_victim(self.running)
-        if self.aging.effective_priority(victim) <= self.aging.effective_priority(req):
+        if self.waiting.effective_priority(victim) <= self.waiting.effective_priority(req):
             return None
         freed = chunks.pop(victim.req_id, 0)
         self._preempt(victim)
@@ -228,13 +203,10 @@ class Scheduler:
             done = req.num_computed_tokens
             if req.num_inflight_tokens:
                 done += req.num_inflight_tokens
-                outputs = req.output_token_ids
                 # A token still being sampled that will end the request (its length, or
                 # the hand-off after a prefill): no step past it.
-                if (
-                    outputs
-                    and outputs[-1] == PLACEHOLDER_TOKEN
-                    and (handoff or req.length_stop(len(outputs)) is not None)
+                if req.last_output_token == PLACEHOLDER_TOKEN and (
+                    handoff or req.length_stop(req.num_output_tokens) is not None
                 ):
                     continue
             # _chunk(), inlined: this loop visits every running request every step.
@@ -258,10 +230,9 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, chunks: dict[str, int], budget: int) -> int:
-        if self.aging.enabled:
-            self.waiting.sort(key=self._queue_key)  # waiting time reorders the queue
+        self.waiting.reorder()  # waiting time reorders the queue
         while self.waiting and budget > 0:
-            req = self.waiting[0]
+            req = self.waiting.first()
             if req.req_id in self._preempted_now:
                 break  # back next step, once its in-flight step's results are applied
             if len(self.running) >= self.config.max_num_seqs:
@@ -293,10 +264,9 @@ class Scheduler:
             if is_new:
                 req.num_cached_tokens = num_hit
                 self.kv.record_prefix_query(req.num_prompt_tokens, num_hit)
-            self.waiting.pop(0)
+            self.waiting.pop_first()
             self._imported.discard(req.req_id)
-            self.aging.stop_waiting(req.req_id)
-            req.status = RequestStatus.RUNNING
+            req.start_running()
             self.running.append(req)
             chunks[req.req_id] = num_new
             budget -= num_new
@@ -317,7 +287,6 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.aging.stop_waiting(victim.req_id)
         self._enqueue_waiting(victim)
         return True
 
@@ -372,9 +341,9 @@ class Scheduler:
         return tuple(self.requests.get(s.req_id) for s in batch.seqs)
 
     # ---------------------------------------------------------------- update
-    def update(self, batch: Batch, sampled: dict[str, int]) -> list[RequestUpdate]:
+    def update(self, batch: Batch, sampled: dict[str, int]) -> list[TokenUpdate]:
         """Apply a step's results: progress, new tokens, stop checks, finishing."""
-        updates: list[RequestUpdate] = []
+        updates: list[TokenUpdate] = []
         running_status = RequestStatus.RUNNING
         cache_full_blocks = self.kv.cache_full_blocks
         handoff = self.role.hands_off_after_first_token
@@ -391,9 +360,12 @@ class Scheduler:
             token = sampled[req_id]
             position = seq.end_position
             req.set_output_token(position, token)
-            reason = req.check_stop(position + 1 - len(req.prompt_token_ids))
+            reason = req.check_stop(position + 1 - req.num_prompt_tokens)
             hand_off = reason is None and handoff
             if reason is not None or hand_off:
                 self.finish_request(req_id, reason, hand_off=hand_off)
-            updates.append(RequestUpdate(req_id, (token,), reason, req.num_cached_tokens, hand_off))
+            cached, scheduled_at = req.num_cached_tokens, req.scheduled_at
+            updates.append(
+                TokenUpdate(req_id, (token,), reason, cached, hand_off, scheduled_at=scheduled_at)
+            )
         return updates

@@ -1,9 +1,8 @@
-"""Frontend side of a request: token updates in, text chunks and stop-string finishes out."""
+"""Frontend side of one request: token updates in, text chunks and stop-string finishes out."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from engine.core.outputs import TextChunk
@@ -11,42 +10,30 @@ from engine.core.request import FinishReason
 from engine.frontend.detokenizer import IncrementalDetokenizer
 
 
-@dataclass(frozen=True)
-class ProcessedOutput:
-    """A chunk for the client (None when nothing new is printable) and, at the end,
-    the finish reason. `stopped_by_string` tells the caller to abort the engine side."""
-
-    chunk: TextChunk | None
-    finish_reason: FinishReason | None
-    stopped_by_string: bool = False
-
-
 class OutputProcessor:
-    """Detokenizes each request's tokens and applies stop strings."""
+    """Detokenizes one request's tokens and applies its stop strings.
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._detoks: dict[str, IncrementalDetokenizer] = {}
+    One per request, held by whoever streams it (the router across all its attempts),
+    so it needs no key: the text state belongs to what the client has seen.
+    """
 
-    def add(self, req_id: str, prompt_token_ids: Sequence[int], stop: Sequence[str]) -> None:
-        self._detoks[req_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop)
-
-    def remove(self, req_id: str) -> None:
-        self._detoks.pop(req_id, None)
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str]
+    ) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, stop)
 
     def process(
-        self, req_id: str, new_token_ids: Sequence[int], finish_reason: FinishReason | None
-    ) -> ProcessedOutput:
-        """Turn one engine update into client output; removes the request when it ends."""
-        detok = self._detoks[req_id]
+        self, new_token_ids: Sequence[int], finish_reason: FinishReason | None
+    ) -> tuple[TextChunk | None, FinishReason | None]:
+        """Turn one engine update into client output: a chunk (None when nothing new is
+        printable) and, at the end, the finish reason. A finish where the engine gave
+        none is a stop string's: the caller aborts the engine side."""
+        detok = self._detok
         text = detok.add(new_token_ids)
-        stopped = detok.stopped
-        if stopped:
+        if detok.stopped:
             finish_reason = FinishReason.STOP
             new_token_ids = new_token_ids[: detok.num_read]  # none past the stop string
         elif finish_reason is not None:
             text += detok.flush()
-        if finish_reason is not None:
-            self.remove(req_id)
         chunk = TextChunk(text, tuple(new_token_ids)) if (text or new_token_ids) else None
-        return ProcessedOutput(chunk, finish_reason, stopped and finish_reason is not None)
+        return chunk, finish_reason

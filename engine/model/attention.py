@@ -7,9 +7,8 @@ values (`kv_cache.view(-1, KVH * D)`): one token's K (or V) of one layer is one 
 row-wise `index_select` / `index_copy_` move whole rows (5x faster on an H200 than
 advanced indexing with a (block, offset) index pair).
 
-All index tensors are built once per step (`PagedAttentionMetadata.build`) with tensor
-ops on the target device and shared by every layer; the forward pass has no per-request
-Python loop and no host sync.
+All index tensors are built once per step (`engine.model.attention_metadata`) and
+shared by every layer; the forward pass has no per-request Python loop and no host sync.
 
 * On CUDA (with Triton) the kernels read K/V through the block tables themselves, so
   nothing is gathered or padded: a pure-decode step runs the split-K decode kernel of
@@ -25,333 +24,27 @@ Python loop and no host sync.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.core.batch import Batch
-from engine.model.staging import to_device
+from engine.model.attention_metadata import (
+    AttentionGroup,
+    PagedAttentionMetadata,
+    VarlenGroup,
+)
 from engine.model.triton_attention import (
     num_splits_for,
     paged_decode_attention,
-    triton_available,
     use_triton_for,
     write_kv_rows,
 )
 from engine.model.triton_prefill import paged_varlen_attention
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
-
-
-@dataclass(frozen=True)
-class AttentionGroup:
-    """Padded index tensors for `n` sequences attending as one batch.
-
-    A group with `kv_rows`/`mask` runs as one batched SDPA over gathered rows; one
-    without (`paged` True: decode groups on CUDA) runs the Triton paged kernel.
-    """
-
-    q_index: torch.Tensor  # [n, max_q] packed-token index; padding repeats a valid token
-    kv_rows: torch.Tensor | None  # [n, max_kv, 2] cache rows of layer 0's K, V per kv position
-    block_table: torch.Tensor  # [n, max_blocks] for kernels that walk blocks themselves
-    context_lens: torch.Tensor  # [n] tokens in the cache after this step's writes
-    mask: torch.Tensor | None  # [n, 1, max_q, max_kv] bool, True = attend
-    out_rows: torch.Tensor  # [m] rows of the flattened [n * max_q] output that are real
-    out_tokens: torch.Tensor  # [m] packed-token index each real row belongs to
-    max_context: int = 0  # a bound on context_lens (sizes the paged kernel's split count)
-    identity: bool = False  # token i is sequence i, all real: no gather/scatter needed
-
-    @property
-    def paged(self) -> bool:
-        """True when the Triton kernel walks the block tables (no gathered rows)."""
-        return self.kv_rows is None
-
-
-@dataclass(frozen=True)
-class VarlenGroup:
-    """Every sequence of a step for the Triton varlen kernel: packed, unpadded, one launch."""
-
-    block_table: torch.Tensor  # [n, max_blocks]
-    q_starts: torch.Tensor  # [n] packed index of each sequence's first token
-    q_lens: torch.Tensor  # [n] tokens each sequence runs this step
-    positions: torch.Tensor  # [n] position of that first token
-    max_q: int  # the longest chunk (sizes the launch grid)
-
-    paged = True  # the kernel walks the block tables
-
-
-@dataclass(frozen=True)
-class PagedAttentionMetadata:
-    """Per-step attention inputs shared by all layers."""
-
-    positions: torch.Tensor  # [T] position of every packed token (the model's position_ids)
-    slot_rows: torch.Tensor  # [T] cache row of layer 0's K for each new token
-    rows_per_layer: int  # add layer * rows_per_layer to reach a layer's K rows (V: + block_size)
-    block_size: int
-    # Decode groups first, then prefill; empty ones left out (one VarlenGroup alone when
-    # the Triton kernels run a step with prompt chunks).
-    groups: tuple[AttentionGroup | VarlenGroup, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.slot_rows.shape[0])
-
-    @classmethod
-    def build(
-        cls,
-        batch: Batch,
-        num_layers: int,
-        device: torch.device | str,
-        bucket_shapes: bool | None = None,
-        paged_decode: bool | None = None,
-    ) -> PagedAttentionMetadata:
-        """Index tensors for one step of `batch` (sequences packed in batch order).
-
-        `paged_decode` (None: on CUDA when Triton imports) runs attention in the Triton
-        kernels instead of SDPA.
-        """
-        for s in batch.seqs:
-            if s.num_tokens < 1:
-                raise ValueError(f"request {s.req_id}: a scheduled chunk needs >= 1 token")
-            if len(s.block_table) * batch.block_size < s.end_position:
-                raise ValueError(
-                    f"request {s.req_id}: {len(s.block_table)} blocks of {batch.block_size} "
-                    f"cannot hold {s.end_position} tokens"
-                )
-        device = torch.device(device)
-        return build_metadata(
-            [s.num_tokens for s in batch.seqs],
-            [s.start_position for s in batch.seqs],
-            [s.block_table for s in batch.seqs],
-            batch.block_size,
-            num_layers,
-            device,
-            bucket_shapes=device.type == "cuda" if bucket_shapes is None else bucket_shapes,
-            paged_decode=(
-                device.type == "cuda" and triton_available()
-                if paged_decode is None
-                else paged_decode
-            ),
-        )
-
-
-def bucket_size(n: int, granule: int) -> int:
-    """Round n up to a power of two below `granule`, else to a multiple of `granule`."""
-    if n <= granule:
-        return 1 << max(n - 1, 0).bit_length()
-    return -(-n // granule) * granule
-
-
-# cuDNN's SDPA (what torch picks on CUDA for a masked GQA call) builds an execution
-# graph for every new shape, ~40 ms of host time on an H200, then caches it. Group
-# shapes change every step (contexts grow by one), so on CUDA they are rounded up
-# to buckets: few distinct graphs, each built once.
-_SEQ_GRANULE = 8
-_LEN_GRANULE = 256
-
-
-@dataclass(frozen=True)
-class _SeqTensors:
-    """Per-sequence facts of one step, on the device."""
-
-    num_q: torch.Tensor  # [n]
-    q_start: torch.Tensor  # [n] index of the sequence's first token in the packed batch
-    start: torch.Tensor  # [n] position of that token
-    table: torch.Tensor  # [n, max_blocks] block tables, zero-padded
-
-
-def build_metadata(
-    num_q: Sequence[int],
-    start_positions: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    block_size: int,
-    num_layers: int,
-    device: torch.device,
-    bucket_shapes: bool = False,
-    paged_decode: bool = False,
-) -> PagedAttentionMetadata:
-    """Metadata from plain lists: per-sequence query counts, start positions and block tables."""
-    n = len(num_q)
-    num_tokens = sum(num_q)
-    q_start = [0] * n
-    for i in range(1, n):
-        q_start[i] = q_start[i - 1] + num_q[i - 1]
-    max_blocks = max((len(t) for t in block_tables), default=1)
-    # Small per-sequence tensors travel to the device; everything per token is
-    # derived there, so the host does O(num_seqs + num_blocks) work per step.
-    table = torch.zeros((n, max_blocks), dtype=torch.long)
-    for i, t in enumerate(block_tables):
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-    seqs = _SeqTensors(
-        num_q=to_device(num_q, torch.long, device),
-        q_start=to_device(q_start, torch.long, device),
-        start=to_device(start_positions, torch.long, device),
-        table=to_device(table, torch.long, device),
-    )
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(n, device=device), seqs.num_q, output_size=num_tokens
-    )
-    within = torch.arange(num_tokens, device=device) - seqs.q_start[seq_of_token]
-    positions = seqs.start[seq_of_token] + within
-    slot_block = seqs.table[seq_of_token, positions // block_size]
-    # Row of (block b, layer l, k/v c, offset o) in the [-1, KVH*D] view of the cache.
-    rows_per_block = num_layers * 2 * block_size
-    slot_rows = slot_block * rows_per_block + positions % block_size
-
-    max_q = max(num_q, default=0)
-    if paged_decode and max_q > 1:
-        varlen = VarlenGroup(
-            block_table=seqs.table,
-            q_starts=seqs.q_start,
-            q_lens=seqs.num_q,
-            positions=seqs.start,
-            max_q=max_q,
-        )
-        return PagedAttentionMetadata(
-            positions=positions,
-            slot_rows=slot_rows,
-            rows_per_layer=2 * block_size,
-            block_size=block_size,
-            groups=(varlen,),
-        )
-
-    groups = []
-    decode_ids = [i for i in range(n) if num_q[i] == 1]
-    prefill_ids = [i for i in range(n) if num_q[i] > 1]
-    id_groups = [prefill_ids]
-    if paged_decode or bucket_shapes:
-        id_groups.insert(0, decode_ids)
-    else:
-        id_groups[:0] = _split_by_context(decode_ids, start_positions)
-    for ids in id_groups:
-        if not ids:
-            continue
-        paged = paged_decode and ids is decode_ids
-        identity = len(ids) == n and ids == decode_ids and ids == list(range(n))
-        max_q = max(num_q[i] for i in ids)
-        max_kv = max(start_positions[i] + num_q[i] for i in ids)
-        num_rows = sum(num_q[i] for i in ids)
-        num_seqs = len(ids)
-        if bucket_shapes:
-            num_seqs = bucket_size(num_seqs, _SEQ_GRANULE)
-            max_q = bucket_size(max_q, _LEN_GRANULE) if max_q > 1 else 1
-            max_kv = bucket_size(max_kv, _LEN_GRANULE)
-        # Padding sequences repeat the group's first one: real, finite data whose
-        # outputs are never read back.
-        num_real = len(ids)
-        ids = ids + [ids[0]] * (num_seqs - num_real)
-        groups.append(
-            _build_group(
-                ids,
-                num_real,
-                seqs,
-                max_q,
-                max_kv,
-                num_rows,
-                block_size,
-                rows_per_block,
-                paged,
-                identity=identity and num_seqs == num_real,
-            )
-        )
-    return PagedAttentionMetadata(
-        positions=positions,
-        slot_rows=slot_rows,
-        rows_per_layer=2 * block_size,
-        block_size=block_size,
-        groups=tuple(groups),
-    )
-
-
-def _split_by_context(ids: list[int], start_positions: Sequence[int]) -> list[list[int]]:
-    """Decode sequences as one group, or two when that cuts the padded K/V area by > 1/4.
-
-    A padded group gathers and attends over n x (longest context) positions; with
-    ragged contexts (continuous batching) most of that can be padding.
-    """
-    if len(ids) < 2:
-        return [ids]
-    order = sorted(ids, key=lambda i: start_positions[i])
-    ctx = [start_positions[i] + 1 for i in order]
-    one = len(order) * ctx[-1]
-    best, cut = one, 0
-    for k in range(1, len(order)):
-        area = k * ctx[k - 1] + (len(order) - k) * ctx[-1]
-        if area < best:
-            best, cut = area, k
-    if best > 0.75 * one:
-        return [ids]
-    return [order[:cut], order[cut:]]
-
-
-def _build_group(
-    ids: list[int],
-    num_real: int,
-    seqs: _SeqTensors,
-    max_q: int,
-    max_kv: int,
-    num_rows: int,
-    block_size: int,
-    rows_per_block: int,
-    paged: bool = False,
-    identity: bool = False,
-) -> AttentionGroup:
-    """Padded index tensors for the sequences `ids` (the first `num_real` are real).
-
-    `paged`: for the Triton kernel, which needs no gathered rows and no mask.
-    """
-    device = seqs.table.device
-    sel = to_device(ids, torch.long, device)
-    g_num_q, g_q_start, g_start = seqs.num_q[sel], seqs.q_start[sel], seqs.start[sel]
-    context_len = g_start + g_num_q
-
-    j = torch.arange(max_q, device=device)
-    q_valid = j[None, :] < g_num_q[:, None]  # [n, max_q]
-    q_index = torch.where(q_valid, g_q_start[:, None] + j[None, :], g_q_start[:, None])
-    # Padded query rows get position 0: they see kv 0 only, so their softmax has
-    # one finite entry (no NaN); their outputs are dropped.
-    q_pos = torch.where(q_valid, g_start[:, None] + j[None, :], 0)
-
-    row_seq = torch.repeat_interleave(
-        torch.arange(num_real, device=device), g_num_q[:num_real], output_size=num_rows
-    )
-    row_start = torch.cumsum(g_num_q[:num_real], 0) - g_num_q[:num_real]
-    row_within = torch.arange(num_rows, device=device) - row_start[row_seq]
-    g_table = seqs.table[sel]
-    if paged:
-        return AttentionGroup(
-            q_index=q_index,
-            kv_rows=None,
-            block_table=g_table,
-            context_lens=context_len,
-            mask=None,
-            out_rows=row_seq * max_q + row_within,
-            out_tokens=g_q_start[row_seq] + row_within,
-            max_context=max_kv,
-            identity=identity,
-        )
-    kv_pos = torch.arange(max_kv, device=device)
-    kv_valid = kv_pos[None, :] < context_len[:, None]  # [n, max_kv]
-    # Padding reads position 0 of the same sequence, a slot it always owns and has
-    # written: never a foreign or uninitialised slot (which could hold NaN/inf).
-    kv_pos_safe = torch.where(kv_valid, kv_pos[None, :], 0)
-    kv_block = g_table[torch.arange(len(ids), device=device)[:, None], kv_pos_safe // block_size]
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
-    k_rows = kv_block * rows_per_block + kv_pos_safe % block_size
-    return AttentionGroup(
-        q_index=q_index,
-        kv_rows=torch.stack((k_rows, k_rows + block_size), dim=-1),
-        block_table=g_table,
-        context_lens=context_len,
-        mask=mask[:, None, :, :],
-        out_rows=row_seq * max_q + row_within,
-        out_tokens=g_q_start[row_seq] + row_within,
-        max_context=max_kv,
-        identity=identity,
-    )
 
 
 def write_kv(
@@ -461,6 +154,9 @@ class PagedStep:
 
     metadata: PagedAttentionMetadata
     kv_cache: torch.Tensor
+    # Called with each layer's index once its K/V are written (queued on the device):
+    # layer-wise KV streaming posts that layer's part from here.
+    on_layer_written: Callable[[int], None] | None = None
 
 
 # The step being run by this thread. A thread-local, not a model keyword, so that a
@@ -470,10 +166,14 @@ _current = threading.local()
 
 
 @contextmanager
-def paged_step(metadata: PagedAttentionMetadata, kv_cache: torch.Tensor) -> Iterator[None]:
+def paged_step(
+    metadata: PagedAttentionMetadata,
+    kv_cache: torch.Tensor,
+    on_layer_written: Callable[[int], None] | None = None,
+) -> Iterator[None]:
     """Run the model's forward inside this block: its attention layers use this step."""
     previous = getattr(_current, "step", None)
-    _current.step = PagedStep(metadata, kv_cache)
+    _current.step = PagedStep(metadata, kv_cache, on_layer_written)
     try:
         yield
     finally:
@@ -496,6 +196,20 @@ def paged_attention(
     """Write this step's K/V into layer `layer_idx` and attend: [T, H, D] from query
     [T, H, D] and key/value [T, KVH, D], over the current `paged_step`."""
     step = _current_step()
+    out = _write_and_attend(step, query, key, value, layer_idx, scale)
+    if step.on_layer_written is not None:
+        step.on_layer_written(layer_idx)
+    return out
+
+
+def _write_and_attend(
+    step: PagedStep,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+) -> torch.Tensor:
     meta, kv_cache = step.metadata, step.kv_cache
     groups = meta.groups
     first = groups[0]

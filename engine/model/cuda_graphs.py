@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
-from engine.model.attention import AttentionGroup, PagedAttentionMetadata, paged_step
+from engine.model.attention import paged_step
+from engine.model.attention_metadata import AttentionGroup, PagedAttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,12 @@ import torch
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.request import PLACEHOLDER_TOKEN
-from engine.model.attention import PagedAttentionMetadata, paged_step, register_paged_attention
+from engine.model.attention import paged_step, register_paged_attention
+from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from engine.model.model_loader import DTYPES, LoadFormat, load_model, resolve_dtype
+from engine.model.kv_blocks import KVBlocks, LayerStream
+from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
 from engine.model.sampler import SamplingBatch, is_greedy, sample
 from engine.model.staging import to_device
@@ -29,10 +31,6 @@ from engine.model.triton_gemv import use_gemv
 from engine.sampling_params import GREEDY
 
 log = logging.getLogger(__name__)
-
-
-def _as_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    return DTYPES[dtype] if isinstance(dtype, str) else dtype
 
 
 class PendingTokens:
@@ -55,7 +53,7 @@ class PendingTokens:
         return dict(zip(self._req_ids, tokens, strict=True))
 
 
-class ModelRunner:
+class ModelRunner(KVBlocks):
     """Owns the model and the KV cache of one worker; turns a Batch into sampled tokens."""
 
     def __init__(
@@ -113,11 +111,9 @@ class ModelRunner:
                 # Measured now that the weights are resident (a GPU budget must see them).
                 kv_cache_bytes = kv_cache_bytes()
             # With graphs the budget also holds the scratch block (below).
-            num_blocks = self.num_blocks_for_bytes(
-                self.spec, self.dtype, block_size, kv_cache_bytes
-            ) - int(use_graphs)
+            per_block = self.spec.kv_block_bytes(block_size)
+            num_blocks = kv_cache_bytes // per_block - int(use_graphs)
             if num_blocks < 1:
-                per_block = self.bytes_per_block(self.spec, self.dtype, block_size)
                 raise ValueError(
                     f"a KV cache budget of {kv_cache_bytes} bytes holds no block of "
                     f"{per_block} bytes; raise the budget or lower block_size"
@@ -144,6 +140,9 @@ class ModelRunner:
         # Recorded after each launched step: KV imports wait for it before writing blocks
         # the host may have freed while that step was still writing them.
         self._last_step_done: torch.cuda.Event | None = None
+        # Told of every eager step before it runs; may return a stream that hears of each
+        # layer whose KV the step has written (layer-wise KV streaming).
+        self.step_observer: Callable[[Batch], LayerStream | None] | None = None
         self.cuda_graphs: DecodeGraphs | None = None
         if is_compiled(self.model):
             # The same first shapes in every engine, whether it captures graphs or not:
@@ -197,43 +196,10 @@ class ModelRunner:
         """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
         return (num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
 
-    @staticmethod
-    def bytes_per_block(spec: ModelSpec, dtype: str | torch.dtype, block_size: int) -> int:
-        """Bytes one KV block takes (all layers, K and V)."""
-        itemsize = _as_torch_dtype(dtype).itemsize
-        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
-
-    @staticmethod
-    def num_blocks_for_bytes(
-        spec: ModelSpec, dtype: str | torch.dtype, block_size: int, nbytes: int
-    ) -> int:
-        """How many KV blocks fit in `nbytes`."""
-        return nbytes // ModelRunner.bytes_per_block(spec, dtype, block_size)
-
-    def _block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
-        if bad:
-            raise ValueError(f"block ids {bad} outside [0, {self.num_blocks})")
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-
-    def gather_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A contiguous copy of these blocks' KV, [len(block_ids), *kv_cache.shape[1:]]."""
-        # Block-major layout: one index_select, ready to send as one message.
-        return self.kv_cache.index_select(0, self._block_index(block_ids))
-
-    def scatter_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        """Write `data` (as from `gather_blocks`) into these blocks of the cache, on the
-        caller's stream, after every step launched so far (a launched step may still be
-        writing blocks the host has since freed and handed to this import)."""
-        expected = (len(block_ids), *self.kv_cache.shape[1:])
-        if tuple(data.shape) != expected:
-            raise ValueError(f"KV data of shape {tuple(data.shape)}, expected {expected}")
-        if data.dtype != self.kv_cache.dtype:
-            raise ValueError(f"KV data in {data.dtype}, cache in {self.kv_cache.dtype}")
-        step_done = self._last_step_done
-        if step_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(step_done)
-        self.kv_cache.index_copy_(0, self._block_index(block_ids), data.to(self.device))
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of KV, every layer (the unit a hand-off moves)."""
+        return self.spec.kv_block_bytes(self.block_size)
 
     def execute(
         self, batch: Batch, *, use_cuda_graphs: bool = True, paged_decode: bool | None = None
@@ -336,13 +302,23 @@ class ModelRunner:
         if where:
             index = to_device(where + rows, torch.long, self.device).view(2, -1)
             input_ids[index[0]] = self._last_tokens[index[1]]
-        with paged_step(meta, self._kv_storage):
-            return self.model(
-                input_ids=input_ids[None],
-                position_ids=meta.positions[None],
-                use_cache=False,
-                logits_to_keep=to_device(last_token_idx, torch.long, self.device),
-            ).logits[0]
+        stream = None if self.step_observer is None else self.step_observer(batch)
+        try:
+            on_layer = None if stream is None else stream.layer_written
+            with paged_step(meta, self._kv_storage, on_layer):
+                return self.model(
+                    input_ids=input_ids[None],
+                    position_ids=meta.positions[None],
+                    use_cache=False,
+                    logits_to_keep=to_device(last_token_idx, torch.long, self.device),
+                ).logits[0]
+        except BaseException:
+            if stream is not None:
+                try:
+                    stream.abort()  # the receivers are told there is nothing to continue
+                except Exception:  # noqa: BLE001 - the pass's own error is the one to raise
+                    log.exception("closing the streamed KV of a failed pass")
+            raise
 
     def _sample(
         self, logits: torch.Tensor | None, sampled_seqs: list[ScheduledSeq]

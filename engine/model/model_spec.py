@@ -143,11 +143,23 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_SIZES[self.dtype]
+        """Bytes of K and V for one token over all layers, in this spec's dtype."""
+        return kv_bytes_per_token(
+            self.num_layers, self.num_kv_heads, self.head_dim, DTYPE_SIZES[self.dtype]
+        )
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one KV block (all layers, K and V): the unit a hand-off moves."""
+        return block_size * self.kv_bytes_per_token
 
 
-_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of K and V of one token over all layers: the one formula every size of the
+    KV cache (a block, a hand-off, a budget, a benchmark's memory floor) comes from."""
+    return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
 
 def read_generation_eos(path: str | Path) -> tuple[int, ...]:

@@ -17,12 +17,10 @@ import functools
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+from engine.model.triton_paged import tl, triton
+
+if triton is not None:
+    from engine.model.triton_paged import attend_tile, kv_row
 
 # Context tokens per tile. On an H200 (one 8B layer, context 2048) 64 beat 32 and 16 at
 # batch 1, 32 and 128: 3.6 TB/s of K/V at batch 128 (bench/decode_step.py).
@@ -135,36 +133,31 @@ if triton is not None:
             valid = pos < end
             if WRITE_NEW:
                 valid = valid & (pos != last)
-            block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            row = (
-                block * stride_kv_block
-                + kv_layer_offset
-                + (pos % BLOCK_SIZE) * stride_kv_tok
-                + kv_head * stride_kv_head
+            # WRITE_NEW: a first tile of only the skipped position must keep exp2 finite.
+            m_i, l_i, acc = attend_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                kv_ptr,
+                table_row,
+                pos,
+                valid,
+                pos,  # one query token, after every position: no causal mask
+                offs_d,
+                d_mask,
+                kv_layer_offset,
+                kv_head,
+                stride_kv_block,
+                stride_kv_kv,
+                stride_kv_tok,
+                stride_kv_head,
+                qk_scale,
+                BLOCK_SIZE,
+                IEEE,
+                False,
+                WRITE_NEW,
             )
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_exp = m_new
-            if WRITE_NEW:  # a first tile of only the skipped position: keep exp2 finite
-                m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_exp)
-            p = tl.math.exp2(qk - m_exp[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
-            )
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
 
         if WRITE_NEW:  # noqa: SIM102 (a constexpr branch around a run-time one)
             if has_new:
@@ -178,10 +171,16 @@ if triton is not None:
                 block = tl.load(table_row + last // BLOCK_SIZE).to(tl.int64)
                 dst = (
                     kv_ptr
-                    + block * stride_kv_block
-                    + kv_layer_offset
-                    + (last % BLOCK_SIZE) * stride_kv_tok
-                    + kv_head * stride_kv_head
+                    + kv_row(
+                        block,
+                        last,
+                        kv_layer_offset,
+                        kv_head,
+                        stride_kv_block,
+                        stride_kv_tok,
+                        stride_kv_head,
+                        BLOCK_SIZE,
+                    )
                     + offs_d
                 )
                 tl.store(dst, new_k.to(kv_ptr.dtype.element_ty), mask=d_mask)

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.triton_attention import tl, triton
+from engine.model.triton_paged import tl, triton
+
+if triton is not None:
+    from engine.model.triton_paged import attend_tile
 
 _BLOCK_M = 64  # query rows (tokens x heads of one kv head) per program
 _BLOCK_N = 64  # context tokens per inner tile
@@ -87,34 +90,30 @@ if triton is not None:
             for kv0 in range(0, end, BLOCK_N):
                 pos = kv0 + tl.arange(0, BLOCK_N)
                 valid = pos < end
-                block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-                row = (
-                    block * stride_kv_block
-                    + kv_layer_offset
-                    + (pos % BLOCK_SIZE) * stride_kv_tok
-                    + kv_head * stride_kv_head
+                m_i, l_i, acc = attend_tile(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    kv_ptr,
+                    table_row,
+                    pos,
+                    valid,
+                    q_pos,
+                    offs_d,
+                    d_mask,
+                    kv_layer_offset,
+                    kv_head,
+                    stride_kv_block,
+                    stride_kv_kv,
+                    stride_kv_tok,
+                    stride_kv_head,
+                    qk_scale,
+                    BLOCK_SIZE,
+                    IEEE,
+                    True,
+                    False,
                 )
-                kv_mask = valid[:, None] & d_mask[None, :]
-                k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-                if IEEE:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
-                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    qk = tl.dot(q, tl.trans(k))
-                causal = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-                qk = tl.where(causal, qk * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                alpha = tl.math.exp2(m_i - m_new)
-                p = tl.math.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    kv_ptr + stride_kv_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
-                )
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
             out = acc / l_i[:, None]
             tl.store(
                 out_ptr

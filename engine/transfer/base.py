@@ -70,9 +70,10 @@ class KVSender(Protocol):
         """The sequence number of the next header posted on this end."""
         ...
 
-    def send(self, header: HandoffHeader, payload: Any, ready: Any = None) -> TransferHandle:
+    def send(self, header: HandoffHeader | None, payload: Any, ready: Any = None) -> TransferHandle:
         """Post header then payload (a tensor, or None); `ready` is a device event the
-        payload's producer recorded: the send waits on it, not the producer."""
+        payload's producer recorded: the send waits on it, not the producer. A None
+        header posts the next part of the streamed message in progress."""
         ...
 
     def close(self, notify_peer: bool) -> None: ...
@@ -92,8 +93,9 @@ class KVReceiver(Protocol):
         ...
 
     def recv_into(self, buffer: Any, then: Callable[[], None] | None = None) -> None:
-        """Receive the payload that follows a header into `buffer`; `then` (the scatter
-        into the cache) runs right after it on the same stream, before the one wait."""
+        """Receive the payload (or the next part of a streamed one) that follows a header
+        into `buffer`; `then` (the scatter into the cache) runs right after it on the
+        same stream, before the one wait."""
         ...
 
     def close(self, notify_peer: bool) -> None: ...

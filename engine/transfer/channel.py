@@ -137,23 +137,25 @@ class KVChannel:
 
     def send(
         self,
-        header: HandoffHeader,
+        header: HandoffHeader | None,
         payload: torch.Tensor | None,
         ready: torch.cuda.Event | None = None,
     ) -> FutureHandle:
-        """Post header then payload on this channel's lane (one thread: order is kept).
+        """Post header then payload on this channel's lane (one thread: order is kept);
+        a None header posts the next part of a streamed message.
 
         `ready` is recorded after the payload was gathered on the engine's stream; the
         send waits for it on this channel's stream instead of stalling the engine.
         """
-        encoded = header.encode()
+        encoded = None if header is None else header.encode()
         handle = FutureHandle()
 
         def run() -> None:
             try:
                 pg = self._group()
                 handle.started()
-                self._ctrl.send([encoded], self.peer, 0).wait()
+                if encoded is not None:
+                    self._ctrl.send([encoded], self.peer, 0).wait()
                 if self._stream is None:
                     if payload is not None:
                         pg.send([payload], self.peer, 0).wait()

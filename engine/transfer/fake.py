@@ -25,7 +25,7 @@ class _Link:
 
     def __init__(self) -> None:
         self.messages: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.held: list[tuple[HandoffHeader, Any, FutureHandle]] = []
+        self.held: list[tuple[HandoffHeader | None, Any, FutureHandle]] = []
         self.holding = False
         self.fail_next: str | None = None
         self.broken = False
@@ -42,7 +42,6 @@ class FakeChannel:
         self._sending = sending
         self._seq = 0
         self._closed = threading.Event()
-        self._pending_payload: Any = None
 
     @classmethod
     def pair(cls, sender_id: str, receiver_id: str) -> tuple[FakeChannel, FakeChannel]:
@@ -89,7 +88,7 @@ class FakeChannel:
         seq, self._seq = self._seq, self._seq + 1
         return seq
 
-    def send(self, header: HandoffHeader, payload: Any, ready: Any = None) -> FutureHandle:
+    def send(self, header: HandoffHeader | None, payload: Any, ready: Any = None) -> FutureHandle:
         handle = FutureHandle()
         if self.closed or self._link.broken:
             handle.finish("channel is closed")
@@ -107,10 +106,15 @@ class FakeChannel:
         self._deliver(header, data, handle)
         return handle
 
-    def _deliver(self, header: HandoffHeader, payload: Any, handle: FutureHandle) -> None:
+    def _deliver(self, header: HandoffHeader | None, payload: Any, handle: FutureHandle) -> None:
+        # Header and payload travel as two items, as on the channel's two groups; a
+        # streamed message's parts are payload items of their own.
         handle.started()
-        self._link.messages.put((header, payload))
-        self._link.num_sent += 1
+        if header is not None:
+            self._link.messages.put((header, None))
+            self._link.num_sent += 1
+        if payload is not None:
+            self._link.messages.put((None, payload))
         handle.finish()
 
     # ---------------------------------------------------------------- receiving
@@ -120,17 +124,21 @@ class FakeChannel:
         item = self._link.messages.get()
         if item is _BROKEN or self._link.broken:
             raise ConnectionResetError(f"{self._peer_id} is gone")
-        header, self._pending_payload = item
+        header, _ = item
+        if header is None:
+            raise ValueError("a payload where a header was expected: out of step")
         if header.kind is HeaderKind.CLOSE:
             raise ChannelClosed(f"{self._peer_id} closed the channel")
         return header
 
     def recv_into(self, buffer: Any, then: Callable[[], None] | None = None) -> None:
-        if self._link.broken:
+        item = None if self._link.broken else self._link.messages.get()
+        if item is None or item is _BROKEN or self._link.broken:
             raise ConnectionResetError(f"{self._peer_id} is gone")
-        payload, self._pending_payload = self._pending_payload, None
-        if payload is not None:
-            buffer.copy_(payload.reshape(buffer.shape))
+        header, payload = item
+        if header is not None:
+            raise ValueError("a header where a payload was expected: out of step")
+        buffer.copy_(payload.reshape(buffer.shape))
         if then is not None:
             then()
 

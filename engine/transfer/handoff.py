@@ -8,6 +8,12 @@ one small message per request. Each entry names the request, how many tokens of 
 brings and the token that follows them; the payload holds the entries' blocks one
 after the other, in entry order. The receiver checks every entry against its
 reservation (epoch, request, token count, byte count) before a byte lands in the cache.
+
+A streamed message (`HeaderKind.STREAM`) is posted before the forward pass that completes
+its prompts: its payload follows in parts of `layers_per_part` layers each, every part
+sent as soon as the pass has written those layers, and a `TRAILER` with the same
+sequence number closes it with the token sampled after each prompt (`NO_TOKEN` where
+the request does not continue: its first token ended it, or it was aborted).
 """
 
 from __future__ import annotations
@@ -19,17 +25,20 @@ import torch
 
 from engine.wire import HandoffTarget, Reservation  # noqa: F401 - the hand-off's address
 
-MAGIC = 0x5044_534B_5632  # "PDSKV2": a header that does not start with this is not one
+MAGIC = 0x5044_534B_5633  # "PDSKV3": a header that does not start with this is not one
 MAX_REQ_ID_BYTES = 64
 MAX_ENTRIES = 64  # requests one message may carry; a larger step sends several
 _ID_WORDS = MAX_REQ_ID_BYTES // 8
-_FIXED = 8  # int64 fields before the entries
+_FIXED = 9  # int64 fields before the entries
+NO_TOKEN = -1  # a streamed entry whose request does not continue
 _ENTRY = 4 + _ID_WORDS  # num_tokens, num_blocks, first_token, id length, id bytes
 
 
 class HeaderKind(enum.IntEnum):
     HANDOFF = 1
     CLOSE = 2  # the sender is leaving: the receiver stops listening on this channel
+    STREAM = 3  # entries now, payload in layer parts as the forward pass writes them
+    TRAILER = 4  # ends a STREAM message: each entry's first token (or NO_TOKEN)
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,7 @@ class HandoffHeader:
     entries: tuple[HandoffEntry, ...] = ()
     num_bytes: int = 0  # the whole payload
     posted_at_us: int = 0  # sender's wall clock when the KV was ready (for timings)
+    layers_per_part: int = 0  # STREAM: layers in each payload part (the last may hold fewer)
 
     def __post_init__(self) -> None:
         if len(self.entries) > MAX_ENTRIES:
@@ -65,6 +75,13 @@ class HandoffHeader:
     @property
     def num_blocks(self) -> int:
         return sum(e.num_blocks for e in self.entries)
+
+    def parts(self, num_layers: int) -> list[tuple[int, int]]:
+        """The payload's parts as layer ranges [start, stop): one part of every layer
+        unless the message is streamed."""
+        step = self.layers_per_part if self.kind is HeaderKind.STREAM else 0
+        step = step if 0 < step < num_layers else num_layers
+        return [(start, min(start + step, num_layers)) for start in range(0, num_layers, step)]
 
     @staticmethod
     def size() -> int:
@@ -82,6 +99,7 @@ class HandoffHeader:
             len(self.entries),
             self.num_bytes,
             self.posted_at_us,
+            self.layers_per_part,
         ]
         for e in self.entries:
             raw = e.req_id.encode()
@@ -124,4 +142,5 @@ class HandoffHeader:
             entries=tuple(entries),
             num_bytes=values[6],
             posted_at_us=values[7],
+            layers_per_part=values[8],
         )

@@ -3,7 +3,9 @@
 An entry's life here, as named states of the reservation book:
 * reserved: the worker allocated its blocks under a lease;
 * importing: its header arrived and matched the reservation (epoch, request, tokens,
-  blocks); its rows land in a staging buffer, then in the reserved blocks;
+  blocks); its rows land in a staging buffer, then in the reserved blocks (a streamed
+  message: part by part, a few layers each, while the sender's forward pass runs; its
+  trailer brings the first tokens);
 * admitted: handed to the engine at its next step boundary;
 * refused/broken: its rows are drained (the channel stays in step) and dropped, its
   blocks released, and the request ends with an error its router reads as a token
@@ -18,18 +20,44 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from engine.core.outputs import GenerationInput
 from engine.transfer.base import ChannelClosed, KVReceiver
-from engine.transfer.handoff import HandoffEntry, HandoffHeader
+from engine.transfer.handoff import NO_TOKEN, HandoffEntry, HandoffHeader, HeaderKind
 from engine.transfer.reservations import NO_RESERVATION, HeldReservation, ReservationBook
+from engine.wire import GenerationInput
 
 log = logging.getLogger(__name__)
 # A sender may post a request's KV as soon as its prompt ran, while the router's
 # reservation call, sent at the same time, is still on its way here: an entry with no
 # reservation waits this long for it (or for the request's abort) before it is refused.
 RESERVATION_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class KVArrival:
+    """One request's KV in place on the receiver, and how it came (for its timings,
+    the phase metrics and its trace)."""
+
+    inp: GenerationInput  # as reserved: it carries the request's trace context
+    peer_id: str
+    header: HandoffHeader  # the message that carried it (epochs, sequence, entries)
+    num_bytes: int  # this request's share of the payload
+    wire_s: float  # the message's receive, header read to rows scattered
+    handoff_s: float  # from the KV ready on the sender to in place here
+    received_at: float  # time.monotonic() here when it was in place
+
+    @property
+    def streamed(self) -> bool:
+        """Sent in parts while the sender's pass ran: its receive time includes waiting
+        for that pass, so it says nothing of the channel's speed."""
+        return self.header.kind is HeaderKind.STREAM
+
+    @property
+    def active_s(self) -> float:
+        """Its share, by bytes, of the time the channel spent receiving the message."""
+        return self.wire_s * self.num_bytes / max(1, self.header.num_bytes)
 
 
 class ImportTarget(Protocol):
@@ -40,12 +68,23 @@ class ImportTarget(Protocol):
         """Bytes of one block of KV (all layers)."""
         ...
 
-    def staging(self, num_blocks: int) -> Any:
-        """A buffer for num_blocks blocks, where the payload lands first."""
+    @property
+    def num_layers(self) -> int: ...
+
+    def staging(self, num_blocks: int, layers: tuple[int, int]) -> Any:
+        """A buffer for layers [start, stop) of num_blocks blocks, where a payload (or
+        one part of a streamed one) lands first."""
         ...
 
-    def scatter(self, block_ids: list[int], rows: Any, row_ids: list[int] | None) -> None:
-        """Write staging rows (all, or `row_ids` of them) into these blocks."""
+    def scatter(
+        self,
+        block_ids: list[int],
+        rows: Any,
+        row_ids: list[int] | None,
+        layers: tuple[int, int],
+    ) -> None:
+        """Write staging rows (all, or `row_ids` of them) into layers [start, stop) of
+        these blocks."""
         ...
 
     def admit(self, inp: GenerationInput, first_token: int) -> None:
@@ -53,7 +92,7 @@ class ImportTarget(Protocol):
         so an abort issued later is ordered after it; must not block)."""
         ...
 
-    def arrived(self, req_id: str, wire_s: float, handoff_s: float) -> None:
+    def arrived(self, arrival: KVArrival) -> None:
         """Tell the router the KV is in place (with the receive time)."""
         ...
 
@@ -136,17 +175,13 @@ class ChannelReceiver:
                 block_ids += held.reservation.block_ids
                 row_ids += range(row, row + entry.num_blocks)
             row += entry.num_blocks
-        staging = self.target.staging(header.num_blocks)
         posted = time.perf_counter()
         try:
             # Drained even when refused (the channel stays in step); scattered into the
-            # reserved blocks right behind the receive when accepted.
-            def scatter() -> None:
-                if block_ids:
-                    rows = None if len(row_ids) == header.num_blocks else row_ids
-                    self.target.scatter(block_ids, staging, rows)
-
-            self.channel.recv_into(staging, scatter)
+            # reserved blocks right behind each receive when accepted.
+            for layers in header.parts(self.target.num_layers):
+                self._receive_part(header.num_blocks, layers, block_ids, row_ids)
+            first_tokens, posted_at_us = self._first_tokens(header)
         except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
             for entry, held, _ in claims:
                 if held is not None:
@@ -155,15 +190,67 @@ class ChannelReceiver:
                     self.target.fail(entry.req_id, f"KV hand-off broke off: {exc}")
             return False
         wire_s = time.perf_counter() - posted
+        received_at = time.monotonic()
         # Sender's clock to ours: exact on one node, as good as the clocks across nodes.
-        handoff_s = max(wire_s, time.time() - header.posted_at_us / 1e6)
-        for entry, held, problem in claims:
+        # A streamed message's KV was mostly here before its first token was sampled:
+        # what counts is how long after that the rest arrived.
+        since_ready = time.time() - posted_at_us / 1e6
+        streamed = header.kind is HeaderKind.STREAM
+        handoff_s = max(0.0, since_ready) if streamed else max(wire_s, since_ready)
+        for (entry, held, problem), first_token in zip(claims, first_tokens, strict=True):
             if held is None:
                 log.warning("refused hand-off of %s: %s", entry.req_id, problem)
                 self._refuse(entry, problem or "refused")
-                continue
-            self._admit(held, entry, wire_s, handoff_s)
+            elif first_token == NO_TOKEN:  # its first token ended it: nothing to decode
+                self.book.fail(entry.req_id)
+                self.target.release(entry.req_id)
+            else:
+                num_bytes = entry.num_blocks * self.target.block_bytes
+                arrival = KVArrival(
+                    held.inp,
+                    self.channel.peer_id,
+                    header,
+                    num_bytes,
+                    wire_s,
+                    handoff_s,
+                    received_at,
+                )
+                self._admit(held, replace(entry, first_token=first_token), arrival)
         return True
+
+    def _receive_part(
+        self,
+        num_blocks: int,
+        layers: tuple[int, int],
+        block_ids: list[int],
+        row_ids: list[int],
+    ) -> None:
+        staging = self.target.staging(num_blocks, layers)
+
+        def scatter() -> None:
+            if block_ids:
+                rows = None if len(row_ids) == num_blocks else row_ids
+                self.target.scatter(block_ids, staging, rows, layers)
+
+        self.channel.recv_into(staging, scatter)
+
+    def _first_tokens(self, header: HandoffHeader) -> tuple[list[int], int]:
+        """Each entry's first token and when the sender had the KV ready: from the
+        header, or for a streamed message from its trailer (checked against it)."""
+        if header.kind is not HeaderKind.STREAM:
+            return [e.first_token for e in header.entries], header.posted_at_us
+        trailer = self.channel.recv_header()
+        ids = [e.req_id for e in trailer.entries]
+        if (
+            trailer.kind is not HeaderKind.TRAILER
+            or trailer.seq_no != header.seq_no
+            or ids != [e.req_id for e in header.entries]
+        ):
+            raise ValueError(
+                f"streamed message {header.seq_no} ended by {trailer.kind.name} "
+                f"{trailer.seq_no} for {len(ids)} entries: out of step"
+            )
+        return [e.first_token for e in trailer.entries], trailer.posted_at_us
 
     def _claim(
         self, entry: HandoffEntry, dst_epoch: int, deadline: float
@@ -182,13 +269,11 @@ class ChannelReceiver:
         if not self.target.is_buried(entry.req_id):
             self.target.fail(entry.req_id, f"KV hand-off refused: {problem}")
 
-    def _admit(
-        self, held: HeldReservation, entry: HandoffEntry, wire_s: float, handoff_s: float
-    ) -> None:
+    def _admit(self, held: HeldReservation, entry: HandoffEntry, arrival: KVArrival) -> None:
         def admit() -> None:
             self.target.admit(held.inp, entry.first_token)
 
         if self.book.complete(entry.req_id, admit):
-            self.target.arrived(entry.req_id, wire_s, handoff_s)
+            self.target.arrived(arrival)
         else:  # aborted while its bytes were on the wire
             self.target.release(entry.req_id)

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.core.outputs import GenerationInput
 from engine.transfer.handoff import HandoffEntry, Reservation
+from engine.wire import GenerationInput
 
 
 @dataclass

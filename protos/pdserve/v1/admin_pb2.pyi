@@ -47,7 +47,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers", "targets", "num_restarts")
+    __slots__ = ("workers", "targets", "num_restarts", "planner")
     class TargetsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,10 +58,44 @@ class ListWorkersResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    PLANNER_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerDescription]
     targets: _containers.ScalarMap[str, int]
     num_restarts: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerDescription, _Mapping]]] = ..., targets: _Optional[_Mapping[str, int]] = ..., num_restarts: _Optional[int] = ...) -> None: ...
+    planner: PlannerStatus
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerDescription, _Mapping]]] = ..., targets: _Optional[_Mapping[str, int]] = ..., num_restarts: _Optional[int] = ..., planner: _Optional[_Union[PlannerStatus, _Mapping]] = ...) -> None: ...
+
+class PlannerPoolDecision(_message.Message):
+    __slots__ = ("pool", "current", "target", "action", "reason", "load_workers", "detail")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LOAD_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    current: int
+    target: int
+    action: str
+    reason: str
+    load_workers: float
+    detail: str
+    def __init__(self, pool: _Optional[str] = ..., current: _Optional[int] = ..., target: _Optional[int] = ..., action: _Optional[str] = ..., reason: _Optional[str] = ..., load_workers: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class PlannerStatus(_message.Message):
+    __slots__ = ("max_workers", "interval_seconds", "seconds_since_decision", "traffic", "pools")
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_DECISION_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    max_workers: int
+    interval_seconds: float
+    seconds_since_decision: float
+    traffic: str
+    pools: _containers.RepeatedCompositeFieldContainer[PlannerPoolDecision]
+    def __init__(self, max_workers: _Optional[int] = ..., interval_seconds: _Optional[float] = ..., seconds_since_decision: _Optional[float] = ..., traffic: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PlannerPoolDecision, _Mapping]]] = ...) -> None: ...
 
 class ScalePoolRequest(_message.Message):
     __slots__ = ("pool", "size")

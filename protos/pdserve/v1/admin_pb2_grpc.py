@@ -60,7 +60,8 @@ class AdminServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def ListWorkers(self, request, context):
-        """Every worker of every pool, with its state and epoch.
+        """Every worker of every pool, with its state and epoch, and the planner's last
+        decision when it runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,7 +70,8 @@ class AdminServiceServicer:
     def ScalePool(self, request, context):
         """Grow or shrink a pool. Growing starts workers and pairs them with the
         other pool; shrinking drains the highest-numbered workers first (no new
-        work, in-flight requests finish, then they exit). Returns when done.
+        work, in-flight requests finish, then they exit). Returns when done. Refused
+        with FAILED_PRECONDITION while the planner sizes the pools.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
