@@ -12,6 +12,7 @@ import torch
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.core.role import EngineRole
+from engine.core.spec_config import SpeculativeConfig
 from engine.model.model_spec import ModelSpec
 from engine.transfer.layout import KVLayout
 
@@ -53,6 +54,8 @@ class EngineArgs:
     # Prefill workers: hand-offs of prompts this long stream their KV layer by layer
     # during the forward pass (engine.transfer.streaming); shorter ones go in one message.
     kv_stream_min_tokens: int = DEFAULT_KV_STREAM_MIN_TOKENS
+    # Speculative decoding (decode and colocated engines; a prefill engine ignores it).
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -99,6 +102,29 @@ def _kv_budget_bytes(args: EngineArgs, device: torch.device) -> int:
     return int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
 
 
+def _load_draft(
+    args: EngineArgs, target_path: Path, device: torch.device
+) -> tuple[tuple[torch.nn.Module, ModelSpec], float]:
+    """The draft model, loaded, and the target's share of the KV budget (by bytes per
+    block); ValueError for a draft the target cannot verify."""
+    from engine.model.draft_model import check_draft_vocabulary
+    from engine.model.model_loader import load_model
+
+    assert args.speculative is not None and args.speculative.model is not None
+    draft_path = Path(args.speculative.model)
+    if not (draft_path / "config.json").is_file():
+        raise ValueError(f"draft model {draft_path}: no config.json in that folder")
+    target = ModelSpec.from_pretrained_dir(target_path)
+    check_draft_vocabulary(target, ModelSpec.from_pretrained_dir(draft_path))
+    model, draft_spec = load_model(draft_path, args.dtype, device, args.load_format)
+    # Both caches run in the loaded dtype.
+    per_block = [
+        ModelSpec.from_pretrained_dir(p, dtype=draft_spec.dtype).kv_block_bytes(args.block_size)
+        for p in (target_path, draft_path)
+    ]
+    return (model, draft_spec), per_block[0] / sum(per_block)
+
+
 def build_engine(
     args: EngineArgs, *, role: EngineRole = EngineRole.COLOCATED, index: int = 0
 ) -> BuiltEngine:
@@ -109,20 +135,44 @@ def build_engine(
 
     path = args.resolve_model_path()
     device = args.resolve_device()
-    runner = ModelRunner(
-        str(path),
+    speculative = args.speculative if role.decodes else None
+    # A draft model is loaded first, so that a GPU budget sees its weights, and its
+    # cache takes its share of the budget: the same blocks at its bytes per block.
+    draft = _load_draft(args, path, device) if speculative and speculative.model else None
+    share = 1.0 if draft is None else draft[1]
+    runner_kw: dict[str, Any] = dict(
         dtype=args.dtype,
         device=str(device),
         load_format=args.load_format,
-        num_blocks=args.num_blocks,
         block_size=args.block_size,
-        kv_cache_bytes=None if args.num_blocks else (lambda: _kv_budget_bytes(args, device)),
         # A prefill engine never runs a decode step: graphs of one would only cost
         # start-up time and memory there.
         enforce_eager=args.enforce_eager or not role.decodes,
         max_num_seqs=args.scheduler.max_num_seqs,
         compile_model=None if args.compile_model else False,
     )
+    if speculative is not None:
+        # Verifying steps (and a draft model's first pass) replay graphs of their own,
+        # for the batch sizes that speculate.
+        runner_kw["verify_graph_tokens"] = 1 + speculative.num_speculative_tokens
+        runner_kw["verify_graph_max_seqs"] = speculative.disable_by_batch_size or 0
+    runner = ModelRunner(
+        str(path),
+        num_blocks=args.num_blocks,
+        kv_cache_bytes=(
+            None if args.num_blocks else (lambda: int(_kv_budget_bytes(args, device) * share))
+        ),
+        **runner_kw,
+    )
+    if draft is not None:
+        from engine.model.draft_model import DraftModel
+
+        assert speculative is not None and speculative.model is not None
+        runner.drafter = DraftModel(
+            ModelRunner(
+                speculative.model, num_blocks=runner.num_blocks, preloaded=draft[0], **runner_kw
+            )
+        )
     spec: ModelSpec = runner.spec
     tokenizer = load_tokenizer(str(path)) if has_tokenizer(path) else None
     core = EngineCore(
@@ -141,6 +191,7 @@ def build_engine(
             if args.async_scheduling is None
             else args.async_scheduling
         ),
+        speculative=args.speculative if role.decodes else None,
     )
     layout = KVLayout(
         model=spec.name,

@@ -164,10 +164,23 @@ class WorkerStats:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     num_preemptions: int = 0  # since this worker started
+    # Speculative decoding since this worker started: proposals verified, accepted, and
+    # verifications (one per request per verifying step).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
 
     @property
     def num_blocks_free(self) -> int:
         return self.num_blocks_total - self.num_blocks_in_use
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verifying step gave a request on average: its accepted proposals
+        plus the one the target sampled after them (0 before any verification)."""
+        if not self.spec_verifications:
+            return 0.0
+        return 1.0 + self.spec_accepted_tokens / self.spec_verifications
 
 
 @dataclass(frozen=True)

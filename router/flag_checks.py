@@ -34,23 +34,53 @@ def option_strings(adders: Iterable[Callable[[argparse.ArgumentParser], object]]
     return {opt for action in probe._actions for opt in action.option_strings}
 
 
-def check_model_folder(model: str | None) -> None:
-    """--model must be a folder with a config.json of an architecture pdserve runs."""
+def check_model_folder(model: str | None, flag: str = "--model") -> None:
+    """--model (or `flag`) must be a folder with a config.json of an architecture
+    pdserve runs."""
     if model is None:
         return
     config_path = Path(model) / "config.json"
     if not config_path.is_file():
-        raise ValueError(f"--model {model}: no config.json in that folder")
+        raise ValueError(f"{flag} {model}: no config.json in that folder")
     try:
         config = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--model {model}: config.json is unreadable: {exc}") from None
+        raise ValueError(f"{flag} {model}: config.json is unreadable: {exc}") from None
     architectures = config.get("architectures") if isinstance(config, dict) else None
     if architectures:  # without it the engine maps model_type, and says so if it cannot
         try:
             check_architecture(str(architectures[0]))
         except ValueError as exc:
-            raise ValueError(f"--model {model}: {exc}") from None
+            raise ValueError(f"{flag} {model}: {exc}") from None
+
+
+def _config_json(folder: Path) -> dict[str, object] | None:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def check_speculative_config(ns: argparse.Namespace) -> None:
+    """A draft model must be a model pdserve runs, with the target's vocabulary (compared
+    here when both configs can be read; the engine checks again as it loads)."""
+    spec = ns.speculative_config
+    if spec is None or spec.model is None:
+        return
+    check_model_folder(spec.model, "--speculative-config: draft model")
+    from engine.model.embedded import EMBEDDED_MODEL_NAME, default_cache_dir
+
+    target = Path(ns.model) if ns.model else default_cache_dir() / EMBEDDED_MODEL_NAME
+    draft_config, target_config = _config_json(Path(spec.model)), _config_json(target)
+    if draft_config is None or target_config is None:
+        return
+    vocab, target_vocab = draft_config.get("vocab_size"), target_config.get("vocab_size")
+    if vocab != target_vocab:
+        raise ValueError(
+            f"--speculative-config: draft model {spec.model} has a vocabulary of {vocab} "
+            f"tokens, the target {target_vocab}: a draft must share the target's tokenizer"
+        )
 
 
 def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
@@ -86,6 +116,7 @@ def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
     if ns.metrics_port and ns.metrics_port == ns.port:
         raise ValueError(f"--port and --metrics-port are both {ns.port}")
     check_model_folder(ns.model)
+    check_speculative_config(ns)
 
 
 PLANNER_ONLY = (
@@ -146,6 +177,7 @@ def check_generate_flags(ns: argparse.Namespace, given: set[str]) -> None:
             f"{', '.join(wrong)}: only with --server (offline generation is in-process)"
         )
     check_model_folder(ns.model)
+    check_speculative_config(ns)
 
 
 def check_scale_flags(ns: argparse.Namespace) -> None:

@@ -9,6 +9,8 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
+from engine.core.spec_config import SpeculativeConfig
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -117,6 +119,14 @@ def resources(text: str) -> dict[str, float]:
     ):
         raise argparse.ArgumentTypeError('expected an object of amounts, e.g. {"prefill_node": 1}')
     return {k: float(v) for k, v in value.items()}
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """argparse type of --speculative-config: vLLM's JSON object, checked."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:

@@ -24,6 +24,7 @@ from router.flag_types import (
     number_in,
     port,
     resources,
+    speculative_config,
 )
 from router.planner.flags import add_planner_args
 from router.prefill_policy import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
@@ -74,6 +75,17 @@ def add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "(by default decode and colocated engines run one step ahead)",
         ),
         g.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block"),
+        g.add_argument(
+            "--speculative-config",
+            type=speculative_config,
+            metavar="JSON",
+            help="speculative decoding in decode and colocated engines (and offline), as "
+            'vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", '
+            '"model": PATH, "num_speculative_tokens": 4}, optionally with '
+            '"disable_by_batch_size": N (no speculation in steps of more than N requests) '
+            "(default: off)",
+        ),
     ]
 
 
@@ -241,6 +253,8 @@ def engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
         compile_model=ns.compile_model,
         # True: the engine's own default (one step ahead where it pays), not a forced on.
         async_scheduling=None if ns.async_scheduling else False,
+        # The prefill pool stops at the first token: nothing to speculate.
+        speculative=None if prefix == "prefill" else ns.speculative_config,
         num_blocks=get("num_blocks"),  # type: ignore[arg-type]
         kv_cache_gib=get("kv_cache_gib"),  # type: ignore[arg-type]
         gpu_memory_utilization=get("gpu_memory_utilization"),  # type: ignore[arg-type]

@@ -146,8 +146,8 @@ class GrpcServer:
         self._port: int | None = None
         self._stop_task: asyncio.Task[None] | None = None
         self._stop_now = asyncio.Event()
-        self._stop_now_reason: str | None = None
         self._serving = False
+        self._stop_now_reason: str | None = None
 
     @property
     def port(self) -> int:

@@ -31,6 +31,16 @@ _POOL_COUNTERS = (
         "prefix_hit_tokens",
     ),
     ("pdserve_preemptions", "Requests preempted to free KV blocks, by pool.", "num_preemptions"),
+    (
+        "pdserve_spec_decode_draft_tokens",
+        "Proposals verified by speculative decoding, by pool.",
+        "spec_draft_tokens",
+    ),
+    (
+        "pdserve_spec_decode_accepted_tokens",
+        "Proposals of speculative decoding the target accepted, by pool.",
+        "spec_accepted_tokens",
+    ),
 )
 
 

@@ -60,7 +60,7 @@ class MigrationLimitError(RuntimeError):
 
 
 def migrate(
-    user_id: str,
+    request_id: str,
     *,
     worker_id: str,
     pool: str,
@@ -84,7 +84,7 @@ def migrate(
     migrations_counter().labels(pool=pool, reason=reason).inc()
     log.warning(
         "request %s migrates off %s after %d tokens (%s): migration %d of at most %d",
-        user_id,
+        request_id,
         worker_id,
         num_streamed,
         cause,
@@ -93,7 +93,7 @@ def migrate(
     )
 
 
-def migrates(user_id: str, lost: WorkerLost, progress: Progress, max_migrations: int) -> bool:
+def migrates(request_id: str, lost: WorkerLost, progress: Progress, max_migrations: int) -> bool:
     """True when the lost attempt's next one is a migration: its token-producing worker
     is gone after the client saw tokens (recorded in `progress`, logged, counted).
     MigrationLimitError (the request's terminal error) when it may not move again."""
@@ -101,7 +101,7 @@ def migrates(user_id: str, lost: WorkerLost, progress: Progress, max_migrations:
     if worker is None or worker.pool not in MIGRATION_POOLS or not progress.num_out:
         return False
     migrate(
-        user_id,
+        request_id,
         worker_id=worker.worker_id,
         pool=worker.pool,
         reason=lost.why,

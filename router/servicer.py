@@ -210,6 +210,9 @@ def pool_stats_response(stats: PoolStats) -> pb.GetPoolStatsResponse:
                 num_waiting=w.num_waiting,
                 prefix_hit_tokens=w.prefix_hit_tokens,
                 prefix_query_tokens=w.prefix_query_tokens,
+                spec_decode_draft_tokens=w.spec_draft_tokens,
+                spec_decode_accepted_tokens=w.spec_accepted_tokens,
+                spec_decode_mean_accepted_length=w.spec_mean_accepted_length,
             )
             for w in stats.workers
         ],

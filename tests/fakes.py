@@ -3,11 +3,15 @@ millisecond scheduler tests (with the engine's leak check, `assert_engine_empty`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
-from engine.core.engine_core import EngineCore
+from engine.core.engine_core import EngineCore, StepTokens
 from engine.core.request import PLACEHOLDER_TOKEN
 from engine.core.role import EngineRole
+from engine.core.spec_config import SpeculativeConfig
+from engine.core.speculation import PROPOSAL_TOKEN, accepted_prefix
 from engine.sampling_params import SamplingParams
 from engine.wire import GenerationInput
 
@@ -18,25 +22,57 @@ def next_token(last_token: int, position: int) -> int:
 
 
 class FakeRunner:
-    """Returns next_token(last scheduled token, position) for every sampled sequence."""
+    """Returns model(last scheduled token, position) for every sampled sequence
+    (`next_token` unless given another model).
 
-    def __init__(self) -> None:
+    Proposal slots (PROPOSAL_TOKEN) are filled like a draft model would: with the
+    model's own token, except at positions where `draft_misses(position)` is true."""
+
+    def __init__(
+        self,
+        model: Callable[[int, int], int] = next_token,
+        draft_misses: Callable[[int], bool] = lambda position: False,
+    ) -> None:
+        self.model = model
+        self.draft_misses = draft_misses
         self.batches: list[Batch] = []
         self._last_sampled: dict[str, int] = {}  # the tokens of the step launched last
 
-    def execute(self, batch: Batch) -> dict[str, int]:
+    def execute(self, batch: Batch) -> StepTokens:
         return self.launch(batch).result()
 
     def launch(self, batch: Batch) -> Done:
-        """Like the real runner: a placeholder input is the token it sampled last step."""
+        """Like the real runner: a placeholder input is the token it sampled last step;
+        a sequence with proposals gets the model's token after each input from the
+        newest known one on."""
+        batch = Batch(tuple(self._fill_proposals(s) for s in batch.seqs), batch.block_size)
         self.batches.append(batch)
-        sampled = {
-            s.req_id: next_token(self._last_token(s), s.end_position)
-            for s in batch.seqs
-            if s.sample
-        }
-        self._last_sampled = sampled
+        sampled: dict[str, int | tuple[int, ...]] = {}
+        for s in batch.seqs:
+            if not s.sample:
+                continue
+            if s.num_draft_tokens:
+                first = len(s.token_ids) - s.num_draft_tokens - 1
+                after_each = [
+                    self.model(s.token_ids[i], s.start_position + i + 1)
+                    for i in range(first, len(s.token_ids))
+                ]
+                proposals = s.token_ids[first + 1 :]
+                sampled[s.req_id] = accepted_prefix(proposals, after_each)
+            else:
+                sampled[s.req_id] = self.model(self._last_token(s), s.end_position)
+        self._last_sampled = {k: v for k, v in sampled.items() if isinstance(v, int)}
         return Done(sampled)
+
+    def _fill_proposals(self, seq: ScheduledSeq) -> ScheduledSeq:
+        if PROPOSAL_TOKEN not in seq.token_ids:
+            return seq
+        tokens = list(seq.token_ids)
+        for i in range(len(tokens) - seq.num_draft_tokens, len(tokens)):
+            position = seq.start_position + i
+            token = self.model(tokens[i - 1], position)
+            tokens[i] = token + 1 if self.draft_misses(position) else token
+        return seq._replace(token_ids=tuple(tokens))
 
     def _last_token(self, seq: ScheduledSeq) -> int:
         token = seq.token_ids[-1]
@@ -48,10 +84,10 @@ class FakeRunner:
 class Done:
     """Tokens already known (what launch returns on a runner without a device queue)."""
 
-    def __init__(self, tokens: dict[str, int]) -> None:
+    def __init__(self, tokens: StepTokens) -> None:
         self.tokens = tokens
 
-    def result(self) -> dict[str, int]:
+    def result(self) -> StepTokens:
         return self.tokens
 
 
@@ -73,10 +109,12 @@ def make_engine(
     eos: frozenset[int] = frozenset(),
     handoff: bool = False,
     async_scheduling: bool = False,
+    speculative: SpeculativeConfig | None = None,
+    runner: FakeRunner | None = None,
     **sched: object,
 ) -> tuple[EngineCore, FakeRunner]:
     """An engine core on the fake runner: `sched` are SchedulerConfig fields."""
-    runner = FakeRunner()
+    runner = runner or FakeRunner()
     core = EngineCore(
         runner,
         SchedulerConfig(**sched),  # type: ignore[arg-type]
@@ -86,6 +124,7 @@ def make_engine(
         eos_token_ids=eos,
         role=EngineRole.PREFILL if handoff else EngineRole.COLOCATED,
         async_scheduling=async_scheduling,
+        speculative=speculative,
     )
     return core, runner
 

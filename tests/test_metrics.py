@@ -47,6 +47,8 @@ COUNTERS = {
     "pdserve_kv_transfer_failures": set(),
     "pdserve_preemptions": {"pool"},
     "pdserve_worker_restarts": {"pool"},
+    "pdserve_spec_decode_draft_tokens": {"pool"},
+    "pdserve_spec_decode_accepted_tokens": {"pool"},
 }
 GAUGES = {
     "pdserve_num_requests_running": {"pool", "worker"},
@@ -61,6 +63,8 @@ PLANNER_SERIES = {
     "pdserve_planner_target_workers",
     "pdserve_planner_load_workers",
 }
+# Registered by the serving core (router/migrations.py) on the same registry.
+MIGRATION_SERIES = {"pdserve_request_migrations_total"}
 
 # Requests moved off lost or drained workers (router/migrations.py, same registry).
 MIGRATION_SERIES = {"pdserve_request_migrations_total"}
@@ -87,7 +91,8 @@ def test_metrics_count_what_clients_sent(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("tok\n")
     metrics = RouterMetrics()
-    stats = [PoolStats((worker("prefill", 0), worker("decode", 0, num_preemptions=3)), 1, 2)]
+    decode = worker("decode", 0, num_preemptions=3, spec_draft_tokens=40, spec_accepted_tokens=25)
+    stats = [PoolStats((worker("prefill", 0), decode), 1, 2)]
     metrics.pools.set_source(lambda: stats[0])
     port = free_port()
     stop_http = metrics.serve("127.0.0.1", port)
@@ -148,6 +153,8 @@ def test_metrics_count_what_clients_sent(tmp_path: Path) -> None:
         assert value(samples, "pdserve_prefix_cache_hits_total", pool="prefill") == 32
         assert value(samples, "pdserve_prefix_cache_queries_total", pool="decode") == 64
         assert value(samples, "pdserve_preemptions_total", pool="decode") == 3
+        assert value(samples, "pdserve_spec_decode_draft_tokens_total", pool="decode") == 40
+        assert value(samples, "pdserve_spec_decode_accepted_tokens_total", pool="decode") == 25
 
         # A restarted worker counts from zero again; the pool's counter does not go back.
         stats[0] = PoolStats(

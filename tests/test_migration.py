@@ -218,13 +218,14 @@ def test_a_continuation_gives_the_undisturbed_text_and_stop(
     before = reference_llm.tokenizer.decode(tokens[:k])
     full = reference_llm.tokenizer.decode(tokens)
     stop = full[len(before) - 2 : len(before) + 2]
-    output = OutputProcessor(reference_llm.tokenizer, tuple(prompt_ids), (stop,))
+    outputs = OutputProcessor(reference_llm.tokenizer, tuple(prompt_ids), (stop,))
     text = ""
     reason = None
     for token in tokens:
-        chunk, reason = output.process((token,), None)
+        chunk, finish_reason = outputs.process((token,), None)
         text += chunk.text if chunk else ""
-        if reason is not None:
+        if finish_reason is not None:
+            reason = finish_reason
             break
     assert reason is FinishReason.STOP
     assert text == full[: full.index(stop)]

@@ -103,3 +103,24 @@ def test_the_full_exposition_passes_promtool_lint() -> None:
     PhaseMetrics(metrics.registry).observe("prefill", 0, PhaseReport(queue_s=0.1, compute_s=1))
     metrics.registry.register(FleetCollector())
     promtool("check", "metrics", stdin=generate_latest(metrics.registry))
+
+
+def test_the_alerts_inputs_say_not_serving_until_told_and_count_each_pool() -> None:
+    fleet = FleetCollector()
+
+    def read() -> dict[tuple[str, str], float]:
+        return {
+            (sample.name, sample.labels.get("pool", "")): sample.value
+            for family in fleet.collect()
+            for sample in family.samples
+        }
+
+    before = read()  # a router whose pools are not up yet
+    assert before[("pdserve_serving", "")] == 0
+    assert before[("pdserve_pool_live_workers", "decode")] == 0
+    fleet.set_source(lambda: FleetState(True, {"prefill": 1, "decode": 2}, {"decode": 1}))
+    after = read()
+    assert after[("pdserve_serving", "")] == 1
+    assert after[("pdserve_pool_target_workers", "decode")] == 2
+    assert after[("pdserve_pool_live_workers", "decode")] == 1  # PdservePoolBelowSize's case
+    assert after[("pdserve_pool_live_workers", "prefill")] == 0

@@ -90,11 +90,18 @@ def service(trace_sink: OTLPSink, start_service: StartService, ray_session: str)
             "64",
             "--drain-grace-s",
             "20",
+            "--otlp-traces-endpoint",
+            trace_sink.endpoint,
             # Short, so that a burst's prefill queue outlasts it (renewal keeps them).
             "--reservation-lease-s",
             str(LEASE_S),
-            "--otlp-traces-endpoint",
-            trace_sink.endpoint,
+            # The planner, boxed in at one worker a pool (so it never resizes them here),
+            # for the series of its dashboard panels.
+            "--planner",
+            "--max-gpus",
+            "2",
+            "--planner-interval-s",
+            "1",
         ],
         name="svc",
         # The SDK's standard knob, passed on to the workers: spans leave within 0.2 s.

@@ -24,6 +24,14 @@ class ScheduledSeq(NamedTuple):
     seed: (
         int  # randomness of the token at position `end_position` derives from (seed, end_position)
     )
+    # Speculative decoding: the last this many of token_ids are proposals to verify. The
+    # step samples a token after each input token from the one before them on (its
+    # positions end_position - num_draft_tokens .. end_position), and keeps the proposals
+    # the sampler agrees with (engine.core.speculation). PROPOSAL_TOKEN marks a proposal
+    # the runner's draft model fills in first.
+    num_draft_tokens: int = 0
+    # Draft model: the tokens just before token_ids whose draft KV is not cached yet.
+    draft_context_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -34,6 +42,11 @@ class ScheduledSeq(NamedTuple):
         """Position of the token this step samples (one past the last computed)."""
         return self.start_position + len(self.token_ids)
 
+    @property
+    def num_sampled(self) -> int:
+        """Tokens this step samples for the sequence: one, or one per verified position."""
+        return self.num_draft_tokens + 1 if self.sample else 0
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -41,6 +54,7 @@ class Batch:
 
     seqs: tuple[ScheduledSeq, ...]
     block_size: int
+    num_draft_tokens: int = 0  # proposals in the whole batch (0: nothing to verify)
 
     @property
     def num_tokens(self) -> int:

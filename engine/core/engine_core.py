@@ -7,11 +7,16 @@ instead of adding to it. A decode of step N+1 whose input is step N's token gets
 the device (the runner keeps it); the scheduler holds a placeholder until it is known.
 A request that stops at step N has a step N+1 computed for nothing, which is dropped;
 a length stop is known in advance and never costs one.
+
+A step that speculates (engine.core.speculation) runs with every token known: the loop
+first applies the step in flight, and the verifying step itself is finished before the
+next is scheduled (where the next starts depends on how many proposals it keeps).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Protocol
 
 from engine.core.batch import Batch
@@ -20,21 +25,28 @@ from engine.core.kv_events import KVEvents
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
 from engine.core.scheduler import Scheduler
+from engine.core.spec_config import SpeculativeConfig
+from engine.core.speculation import spec_stats
 from engine.core.validation import validate_prompt
 from engine.sampling_params import MAX_SEED
 from engine.wire import DetachedRequest, GenerationInput, TokenUpdate, WorkerStats
+
+# A step's sampled tokens by request: one token, or for a sequence with proposals
+# (ScheduledSeq.num_draft_tokens) the tokens verification kept: the proposals the
+# sampler agreed with, then the sampler's own next token (speculation.accepted_prefix).
+StepTokens = Mapping[str, int | tuple[int, ...]]
 
 
 class Runner(Protocol):
     """What the engine needs from a model runner (the real one or a test double)."""
 
-    def execute(self, batch: Batch) -> dict[str, int]: ...
+    def execute(self, batch: Batch) -> StepTokens: ...
 
 
 class PendingTokens(Protocol):
     """A launched step's sampled tokens; `result()` waits for them."""
 
-    def result(self) -> dict[str, int]: ...
+    def result(self) -> StepTokens: ...
 
 
 class AsyncRunner(Runner, Protocol):
@@ -65,6 +77,7 @@ class EngineCore:
         role: EngineRole = EngineRole.COLOCATED,
         index: int = 0,
         async_scheduling: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         if async_scheduling and not callable(getattr(runner, "launch", None)):
             raise ValueError("async scheduling needs a runner that can launch a step (launch)")
@@ -79,6 +92,7 @@ class EngineCore:
             cache_config,
             role=role,
             async_scheduling=async_scheduling,
+            speculative=speculative,
         )
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -171,6 +185,7 @@ class EngineCore:
             prefix_hit_tokens=sched.kv.stats.hit_tokens,
             prefix_query_tokens=sched.kv.stats.query_tokens,
             num_preemptions=sched.num_preemptions,
+            **spec_stats(sched.speculator),
         )
 
     def abort(self, req_id: str) -> None:
@@ -188,12 +203,18 @@ class EngineCore:
     def step(self) -> list[TokenUpdate]:
         """Run one iteration; returns the new tokens and finishes it produced (with async
         scheduling: those of the step before, while this one runs on the device)."""
+        if self._in_flight is not None and self.scheduler.wants_speculation:
+            # Proposals come from known tokens: settle the step in flight first.
+            settled, self._in_flight = self._in_flight, None
+            return self.scheduler.update(settled[0], settled[1].result())
         batch = self.scheduler.schedule()
         if not self.async_scheduling:
             if batch.is_empty:
                 return []
             return self.scheduler.update(batch, self.runner.execute(batch))
         runner: AsyncRunner = self.runner  # type: ignore[assignment]  # checked in __init__
+        if batch.num_draft_tokens:
+            return self.scheduler.update(batch, runner.launch(batch).result())
         launched = None if batch.is_empty else (batch, runner.launch(batch))
         previous, self._in_flight = self._in_flight, launched
         if previous is None:

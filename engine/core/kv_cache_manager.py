@@ -141,6 +141,18 @@ class KVCacheManager:
             hashes.append(block_hash)
             self.pool.cache(table[i], block_hash, chunk)
 
+    def free_tail(self, req_id: str, num_tokens: int) -> None:
+        """Return the blocks past the first `num_tokens` tokens (slots a verifying step
+        took for proposals it rejected). Never cached: only computed blocks are."""
+        table = self._tables.get(req_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        tail = table[keep:]
+        del table[keep:]
+        self._block_tables[req_id] = tuple(b.block_id for b in table)
+        self.pool.free(reversed(tail))
+
     def free(self, req_id: str) -> None:
         """Return the request's blocks; idempotent. Tail blocks go first into the
         eviction queue so a shared prefix outlives the suffixes that extend it."""

@@ -7,9 +7,12 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core.speculation import SpecState
 
 # Stands for a token that a launched step is sampling and the host has not seen yet
 # (scheduling one step ahead). The runner feeds the real id on the device.
@@ -110,6 +113,8 @@ class Request:
     # so they stay valid), filled by prefix-cache lookups: a request that waits for
     # blocks is not re-hashed every step.
     block_hashes: list[int] = field(default_factory=list, init=False, repr=False)
+    # Speculative decoding's per-request state (engine.core.speculation), when it speculates.
+    spec_state: SpecState | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_prompt_tokens <= len(self.all_token_ids):

@@ -17,13 +17,17 @@ Every waiting request, imported ones included, is admitted only under `max_num_s
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Mapping
+from typing import cast
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.inflight import InflightBatches
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
+from engine.core.spec_config import SpeculativeConfig
+from engine.core.speculation import Speculator
 from engine.core.waiting_queue import WaitingQueue
 from engine.wire import TokenUpdate
 
@@ -38,12 +42,15 @@ class Scheduler:
         *,
         role: EngineRole = EngineRole.COLOCATED,
         async_scheduling: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
-        # How many handed-out batches may await their update() when schedule() runs: one
-        # when the engine schedules a step ahead. Older ones were abandoned by the caller
-        # (a batch scheduled only to look at it) and are rolled back.
-        self.max_batches_in_flight = 1 if async_scheduling else 0
+        # Only engines that decode speculate (a prefill engine stops at the first token).
+        self.speculator = Speculator(speculative) if speculative and role.decodes else None
+        self._proposals: dict[str, tuple[int, ...]] = {}  # this step's, by request
+        # Batches handed out and not yet updated: one may await its update() when the
+        # engine schedules a step ahead.
+        self.inflight = InflightBatches(1 if async_scheduling else 0)
         self.block_size = cache.block_size
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching)
         self.role = role
@@ -55,9 +62,6 @@ class Scheduler:
         self._imported: set[str] = set()
         self.running: list[Request] = []
         self.num_preemptions = 0  # since start, for metrics
-        # Batches handed out and not yet updated, with the requests they were built for
-        # (an id may be aborted and reused while its old step is still running).
-        self._inflight: deque[tuple[Batch, tuple[Request, ...]]] = deque()
         # Requests preempted during the current schedule() call: they are not admitted
         # again until the results of the steps they were in have been applied.
         self._preempted_now: set[str] = set()
@@ -74,6 +78,12 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def wants_speculation(self) -> bool:
+        """The next step would speculate: it needs every running token on the host."""
+        spec = self.speculator
+        return spec is not None and bool(self.running) and spec.speculates_at(len(self.running))
 
     def _enqueue_waiting(self, req: Request) -> None:
         # Imported requests go ahead of prompts of the same priority.
@@ -177,11 +187,11 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         """Pick this step's work under the token budget, the seq limit and free blocks."""
-        while len(self._inflight) > self.max_batches_in_flight:
-            self._roll_back(*self._inflight.popleft())
+        self.inflight.roll_back_abandoned()
         budget = self.config.step_tokens
         chunks: dict[str, int] = {}
         self._preempted_now.clear()
+        self._proposals.clear()
         if self.config.prioritize_prefill:
             budget = self._schedule_waiting(chunks, budget)
             budget = self._schedule_running(chunks, budget)
@@ -195,6 +205,7 @@ class Scheduler:
         allocate_slots = self.kv.allocate_slots
         threshold = self.config.long_prefill_token_threshold
         handoff = self.role.hands_off_after_first_token
+        spec = self.speculator if self.wants_speculation else None
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -217,6 +228,11 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0:
                 continue
+            if spec is not None and len(req.all_token_ids) - done == 1:
+                proposals = spec.plan(req, done, budget, allocate_slots)
+                if proposals:  # their slots are allocated
+                    self._proposals[req.req_id] = proposals
+                    num_new += len(proposals)
             while allocate_slots(req.req_id, done, num_new) is None:
                 victim = self._pick_victim(self.running)
                 if victim.req_id in chunks:
@@ -294,6 +310,8 @@ class Scheduler:
         seqs = []
         reqs = []
         block_table = self.kv.block_table
+        proposals, spec = self._proposals, self.speculator
+        num_drafts = 0
         for req in self.running:
             num_new = chunks.get(req.req_id)
             if not num_new:
@@ -301,63 +319,60 @@ class Scheduler:
             tokens = req.all_token_ids
             start = req.num_computed_tokens + req.num_inflight_tokens
             end = start + num_new
-            sample = end == len(tokens)
-            # Positional: this runs for every request every step.
-            seqs.append(
-                ScheduledSeq(
-                    req.req_id,
-                    (tokens[start],) if num_new == 1 else tuple(tokens[start:end]),
-                    start,
-                    block_table(req.req_id),
-                    sample,
-                    req.sampling,
-                    req.seed,
+            sample = end >= len(tokens)  # past the end: proposals to verify, then sampled
+            if proposals and spec is not None and req.req_id in proposals:
+                seqs.append(spec.verify_seq(req, start, proposals[req.req_id], block_table))
+                num_drafts += num_new - 1
+            else:  # positional: this runs for every request every step
+                seqs.append(
+                    ScheduledSeq(
+                        req.req_id,
+                        (tokens[start],) if num_new == 1 else tuple(tokens[start:end]),
+                        start,
+                        block_table(req.req_id),
+                        sample,
+                        req.sampling,
+                        req.seed,
+                    )
                 )
-            )
             reqs.append(req)
             req.num_inflight_tokens += num_new
             if sample:
                 req.append_output_token(PLACEHOLDER_TOKEN)
-        batch = Batch(seqs=tuple(seqs), block_size=self.block_size)
+        batch = Batch(seqs=tuple(seqs), block_size=self.block_size, num_draft_tokens=num_drafts)
         if seqs:
-            self._inflight.append((batch, tuple(reqs)))
+            self.inflight.add(batch, tuple(reqs))
         return batch
 
-    def _roll_back(self, batch: Batch, reqs: tuple[Request, ...]) -> None:
-        """Forget a batch that will never be updated: its tokens are scheduled again."""
-        for seq, req in zip(batch.seqs, reqs, strict=True):
-            if req.status is RequestStatus.RUNNING:
-                req.num_inflight_tokens -= len(seq.token_ids)
-                if seq.sample:
-                    req.drop_placeholders()
-
-    def _requests_of(self, batch: Batch) -> tuple[Request | None, ...]:
-        """The requests `batch` was built for (oldest in-flight batch first)."""
-        while self._inflight:
-            scheduled, reqs = self._inflight.popleft()
-            if scheduled is batch:
-                return reqs
-        # Not one of ours (built by hand): look the ids up.
-        return tuple(self.requests.get(s.req_id) for s in batch.seqs)
-
     # ---------------------------------------------------------------- update
-    def update(self, batch: Batch, sampled: dict[str, int]) -> list[TokenUpdate]:
+    def update(
+        self, batch: Batch, sampled: Mapping[str, int | tuple[int, ...]]
+    ) -> list[TokenUpdate]:
         """Apply a step's results: progress, new tokens, stop checks, finishing."""
         updates: list[TokenUpdate] = []
         running_status = RequestStatus.RUNNING
         cache_full_blocks = self.kv.cache_full_blocks
         handoff = self.role.hands_off_after_first_token
-        for seq, req in zip(batch.seqs, self._requests_of(batch), strict=True):
+        spec = self.speculator
+        reqs = self.inflight.requests_of(batch, self.requests.get)
+        for seq, req in zip(batch.seqs, reqs, strict=True):
             req_id = seq.req_id
             if req is None or req.status is not running_status:
                 continue  # aborted or preempted while the step ran
+            if seq.num_draft_tokens and spec is not None:
+                kept, reason = spec.keep_verified(seq, req, sampled[req_id], self.kv)
+                if reason is not None:
+                    self.finish_request(req_id, reason)
+                cached, scheduled_at = req.num_cached_tokens, req.scheduled_at
+                updates.append(TokenUpdate(req_id, kept, reason, cached, scheduled_at=scheduled_at))
+                continue
             num_new = len(seq.token_ids)
             req.num_computed_tokens += num_new
             req.num_inflight_tokens -= num_new
             cache_full_blocks(req_id, req.all_token_ids, req.num_computed_tokens)
             if not seq.sample:
                 continue
-            token = sampled[req_id]
+            token = cast(int, sampled[req_id])
             position = seq.end_position
             req.set_output_token(position, token)
             reason = req.check_stop(position + 1 - req.num_prompt_tokens)

@@ -1,8 +1,9 @@
 """Runs one scheduled Batch as one packed forward pass over the paged KV cache.
 
 On CUDA the decoder is compiled by torch.compile (engine.model.compiled), and pure-decode
-steps replay captured CUDA graphs of it (engine.model.cuda_graphs) unless `enforce_eager`;
-every other step (prefill chunks, mixed steps) runs the compiled decoder without a graph.
+steps replay captured CUDA graphs of it (engine.model.cuda_graphs) unless `enforce_eager`,
+as do speculative decoding's verifying steps (engine.model.verify_graphs); every other
+step (prefill chunks, mixed steps) runs the compiled decoder without a graph.
 """
 
 from __future__ import annotations
@@ -20,37 +21,20 @@ from engine.model.attention import paged_step, register_paged_attention
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine.model.draft_model import Proposer, fill_proposals
 from engine.model.kv_blocks import KVBlocks, LayerStream
 from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
-from engine.model.sampler import SamplingBatch, is_greedy, sample
 from engine.model.staging import to_device
 from engine.model.startup_log import startup_phase
+from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
 from engine.model.triton_attention import triton_available
 from engine.model.triton_gemv import use_gemv
+from engine.model.verify_graphs import VerifyGraphs, capture_verify_graphs
+from engine.model.verify_graphs import logits_rows as verify_logits_rows
 from engine.sampling_params import GREEDY
 
 log = logging.getLogger(__name__)
-
-
-class PendingTokens:
-    """The sampled tokens of a launched step, on their way to the host."""
-
-    __slots__ = ("_req_ids", "_host", "_ready")
-
-    def __init__(
-        self, req_ids: list[str], host: torch.Tensor, ready: torch.cuda.Event | None
-    ) -> None:
-        self._req_ids = req_ids
-        self._host = host
-        self._ready = ready
-
-    def result(self) -> dict[str, int]:
-        """req_id → sampled token; waits for the step (and only for it)."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        tokens = self._host[: len(self._req_ids)].tolist()
-        return dict(zip(self._req_ids, tokens, strict=True))
 
 
 class ModelRunner(KVBlocks):
@@ -73,6 +57,9 @@ class ModelRunner(KVBlocks):
         paged_decode: bool | None = None,
         compile_model: bool | None = None,
         small_batch_gemv: bool | None = None,
+        preloaded: tuple[torch.nn.Module, ModelSpec] | None = None,
+        verify_graph_tokens: int = 0,
+        verify_graph_max_seqs: int = 0,
     ) -> None:
         """`enforce_eager` turns CUDA graphs off; they are captured here (CUDA only) for
         decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`).
@@ -82,7 +69,11 @@ class ModelRunner(KVBlocks):
         Triton imports); it compiles here, at start-up, not on the first request.
         `small_batch_gemv` runs one-row products of 16-bit weights (batch-1 decode steps,
         a lone sequence's logits) with the Triton GEMV (engine.model.triton_gemv; None:
-        on CUDA when Triton imports)."""
+        on CUDA when Triton imports). `preloaded`: the model and its spec, already
+        loaded from `model_path` (a draft model whose weights must count before the
+        target sizes its cache). `verify_graph_tokens` q >= 2 (speculative decoding: 1 +
+        proposals) also captures graphs of steps of up to q tokens per sequence, for up to
+        `verify_graph_max_seqs` sequences (engine.model.verify_graphs)."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         if block_size < 1:
@@ -93,7 +84,9 @@ class ModelRunner(KVBlocks):
         self.bucket_shapes = bucket_shapes
         self.paged_decode = paged_decode
         with startup_phase("weights", f"{model_path}, {load_format}"):
-            self.model, self.spec = load_model(model_path, dtype, self.device, load_format)
+            self.model, self.spec = preloaded or load_model(
+                model_path, dtype, self.device, load_format
+            )
         # nn.Module's __getattr__ types every attribute as Tensor | Module.
         self.model.set_attn_implementation(register_paged_attention())  # type: ignore[operator]
         use_graphs = self.device.type == "cuda" and not enforce_eager
@@ -144,6 +137,9 @@ class ModelRunner(KVBlocks):
         # layer whose KV the step has written (layer-wise KV streaming).
         self.step_observer: Callable[[Batch], LayerStream | None] | None = None
         self.cuda_graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
+        # Fills proposal slots before a verifying step (speculative decoding's draft model).
+        self.drafter: Proposer | None = None
         if is_compiled(self.model):
             # The same first shapes in every engine, whether it captures graphs or not:
             # the compiler's choices may follow the shapes it first sees.
@@ -154,6 +150,15 @@ class ModelRunner(KVBlocks):
             max_blocks = min(-(-self.spec.max_model_len // block_size), num_blocks)
             with startup_phase("cuda_graphs", f"batch sizes {list(sizes)}"):
                 self.capture_cuda_graphs(sizes, max_blocks)
+            if verify_graph_tokens >= 2 and self.cuda_graphs is not None:
+                limit = min(verify_graph_max_seqs or max_num_seqs, max_num_seqs)
+                self.verify_graphs = capture_verify_graphs(
+                    self.model,
+                    self._kv_storage,
+                    graph_batch_sizes(limit),
+                    max_blocks,
+                    verify_graph_tokens,
+                )
 
     def capture_cuda_graphs(self, batch_sizes: Sequence[int], max_blocks_per_seq: int) -> None:
         """Capture decode graphs now (start-up), or stay eager with a warning if that fails."""
@@ -203,8 +208,9 @@ class ModelRunner(KVBlocks):
 
     def execute(
         self, batch: Batch, *, use_cuda_graphs: bool = True, paged_decode: bool | None = None
-    ) -> dict[str, int]:
-        """One packed forward pass for every scheduled token; req_id → sampled token.
+    ) -> StepTokens:
+        """One packed forward pass for every scheduled token; req_id → sampled token (or,
+        for a sequence with proposals, the tokens its verification kept).
 
         The keywords pick a slower path for one call (benchmarks compare them):
         `use_cuda_graphs` False runs a decode step eagerly, `paged_decode` overrides
@@ -226,6 +232,8 @@ class ModelRunner(KVBlocks):
         """
         if batch.block_size != self.block_size:
             raise ValueError(f"batch block_size {batch.block_size} != cache's {self.block_size}")
+        if batch.num_draft_tokens:
+            batch = fill_proposals(batch, self.drafter)
         sources = self._placeholder_sources(batch)
         sampled_seqs = [s for s in batch.seqs if s.sample]
         graphs = self.cuda_graphs if use_cuda_graphs else None
@@ -236,6 +244,15 @@ class ModelRunner(KVBlocks):
             if len(sampled_seqs) < len(batch.seqs):
                 rows = [i for i, s in enumerate(batch.seqs) if s.sample]
                 logits = logits[to_device(rows, torch.long, self.device)]
+        elif (
+            use_cuda_graphs
+            and sources is None
+            and (verify := self.verify_graphs) is not None
+            and verify.can_run(batch)
+        ):
+            self._check_block_ids(batch)
+            rows = verify_logits_rows(batch.seqs, verify.q)
+            logits = verify.run(batch)[to_device(rows, torch.long, self.device)]
         else:
             self._check_block_ids(batch)
             logits = self._forward_eager(batch, sources, paged_decode)
@@ -287,15 +304,13 @@ class ModelRunner(KVBlocks):
             torch.long,
             self.device,
         )
-        # Only the last token of each sampling sequence needs the (vocab-wide) lm_head.
-        last_token_idx = []
+        # Only the rows a step samples need the (vocab-wide) lm_head.
+        last_token_idx = logits_rows(batch.seqs)
         where: list[int] = []  # tokens still being sampled: their index in input_ids ...
         rows: list[int] = []  # ... and their row in _last_tokens
         end = 0
         for i, s in enumerate(batch.seqs):
             end += s.num_tokens
-            if s.sample:
-                last_token_idx.append(end - 1)
             if sources is not None and sources[i] >= 0:
                 where.append(end - 1)
                 rows.append(sources[i])
@@ -329,21 +344,18 @@ class ModelRunner(KVBlocks):
             self._last_rows = {}
             done = None if logits is None else self._record_step_done()
             return PendingTokens([], torch.empty(0, dtype=torch.long), done)
-        if all(is_greedy(s.sampling) for s in sampled_seqs):
-            # sample()'s greedy result without building per-row parameter tensors.
-            tokens = logits.argmax(dim=-1)
-        else:
-            params = SamplingBatch.build(
-                [s.sampling for s in sampled_seqs],
-                [s.seed for s in sampled_seqs],
-                [s.end_position for s in sampled_seqs],
-                vocab_size=logits.shape[-1],
-                device=self.device,
-            )
-            tokens = sample(logits, params)
-        n = len(sampled_seqs)
+        tokens = sample_rows(logits, sampled_seqs)
+        n = tokens.shape[0]
         req_ids = [s.req_id for s in sampled_seqs]
-        if n <= self._max_sampled:
+        verifying = n > len(sampled_seqs)
+        proposals = (
+            [s.token_ids[-s.num_draft_tokens :] if s.num_draft_tokens else () for s in sampled_seqs]
+            if verifying
+            else None
+        )
+        if verifying:
+            self._last_rows = {}  # the next step waits for this one: no placeholders
+        elif n <= self._max_sampled:
             self._last_tokens[:n].copy_(tokens)
             self._last_rows = {req_id: i for i, req_id in enumerate(req_ids)}
         else:  # more rows than the scheduler ever runs (a benchmark's batch): not kept
@@ -353,7 +365,7 @@ class ModelRunner(KVBlocks):
         on_cuda = self.device.type == "cuda"
         host = torch.empty(n, dtype=torch.long, pin_memory=on_cuda)
         host.copy_(tokens, non_blocking=on_cuda)
-        return PendingTokens(req_ids, host, self._record_step_done())
+        return PendingTokens(req_ids, host, self._record_step_done(), proposals)
 
     def _record_step_done(self) -> torch.cuda.Event | None:
         """Mark the end of the step just queued (CUDA; on CPU every step is done here)."""

@@ -166,7 +166,7 @@ class GetPoolStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("pool", "index", "num_blocks_total", "num_blocks_in_use", "num_running", "num_waiting", "prefix_hit_tokens", "prefix_query_tokens")
+    __slots__ = ("pool", "index", "num_blocks_total", "num_blocks_in_use", "num_running", "num_waiting", "prefix_hit_tokens", "prefix_query_tokens", "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_mean_accepted_length")
     POOL_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,9 @@ class WorkerStats(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     pool: Pool
     index: int
     num_blocks_total: int
@@ -183,7 +186,10 @@ class WorkerStats(_message.Message):
     num_waiting: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
-    def __init__(self, pool: _Optional[_Union[Pool, str]] = ..., index: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ...) -> None: ...
+    spec_decode_draft_tokens: int
+    spec_decode_accepted_tokens: int
+    spec_decode_mean_accepted_length: float
+    def __init__(self, pool: _Optional[_Union[Pool, str]] = ..., index: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., spec_decode_draft_tokens: _Optional[int] = ..., spec_decode_accepted_tokens: _Optional[int] = ..., spec_decode_mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class GetPoolStatsResponse(_message.Message):
     __slots__ = ("workers", "num_in_flight", "num_queued")

@@ -1,0 +1,255 @@
+"""CUDA graphs of speculative decoding's verifying step: up to q tokens per sequence.
+
+A verifying step is a short chunk per request (its newest token and its proposals)
+attending to its cache. Eagerly, at small batches, the launches of that step cost more
+than its GPU work, as a plain decode step's do (engine.model.cuda_graphs). Each graph
+here replays the whole forward for n sequences of up to q = 1 + num_speculative_tokens
+tokens each, laid out at a fixed stride of q: sequence i's tokens are rows
+i*q .. i*q + len - 1. The varlen Triton kernel (engine.model.triton_prefill) takes each
+sequence's real token count from a device tensor and its grid from (n, q), so one graph
+serves every mix of proposal counts, plain decodes (one token) included.
+
+Rows past a sequence's tokens, and padding sequences up to the graph's size, write
+their K/V into a scratch block no request owns; the kernel computes no output for them
+and their logits are never read. The LM head runs on every row; `logits_rows` says
+which rows a step samples.
+
+`pack_inputs` (plain numpy, tested on CPU) lays a batch out; the class copies it to the
+static buffers with one host-to-device copy and replays.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.core.batch import Batch, ScheduledSeq
+from engine.model.attention import paged_step
+from engine.model.attention_metadata import PagedAttentionMetadata, VarlenGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PackedVerify:
+    """A batch laid out for a graph of `size` sequences of `q` token slots."""
+
+    tokens: np.ndarray  # [3, size * q]: token id, position, cache row of layer 0's K
+    seqs: np.ndarray  # [3, size]: first packed row, token count, position of the first
+    table: np.ndarray  # [size, width] block tables (padding: the scratch block)
+
+
+def pack_inputs(
+    seqs: Sequence[ScheduledSeq],
+    size: int,
+    q: int,
+    *,
+    block_size: int,
+    rows_per_block: int,
+    scratch_block: int,
+) -> PackedVerify:
+    """The graph inputs of `seqs` (each with 1..q tokens) padded to `size` sequences."""
+    n = len(seqs)
+    lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)
+    starts = np.fromiter((s.start_position for s in seqs), dtype=np.int64, count=n)
+    width = max((len(s.block_table) for s in seqs), default=1)
+    table = np.full((size, width), scratch_block, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        table[i, : len(s.block_table)] = s.block_table
+    offsets = np.arange(q, dtype=np.int64)
+    positions = np.zeros((size, q), dtype=np.int64)
+    positions[:n] = starts[:, None] + offsets[None, :]
+    positions[n:] = offsets[None, :]
+    valid = np.zeros((size, q), dtype=bool)
+    valid[:n] = offsets[None, :] < lens[:, None]
+    ids = np.zeros((size, q), dtype=np.int64)
+    ids[valid] = np.fromiter(
+        (t for s in seqs for t in s.token_ids), dtype=np.int64, count=int(lens.sum())
+    )
+    # Real tokens: their slot; the rest: the scratch block's first row.
+    block_index = np.where(valid, positions // block_size, 0)
+    blocks = np.take_along_axis(table, block_index, axis=1)
+    rows = np.where(
+        valid, blocks * rows_per_block + positions % block_size, scratch_block * rows_per_block
+    )
+    seq_info = np.zeros((3, size), dtype=np.int64)
+    seq_info[0] = np.arange(size) * q
+    seq_info[1, :n] = lens
+    seq_info[1, n:] = 1
+    seq_info[2, :n] = starts
+    tokens = np.stack((ids.reshape(-1), positions.reshape(-1), rows.reshape(-1)))
+    return PackedVerify(tokens, seq_info, table)
+
+
+def logits_rows(seqs: Sequence[ScheduledSeq], q: int) -> list[int]:
+    """The rows of the graph's logits a step samples, in the order the sampler takes them
+    (engine.model.step_tokens.logits_rows, at a stride of q)."""
+    rows: list[int] = []
+    for i, s in enumerate(seqs):
+        if s.sample:
+            end = i * q + len(s.token_ids)
+            rows.extend(range(end - 1 - s.num_draft_tokens, end))
+    return rows
+
+
+class VerifyGraphs:
+    """Captured forwards of batches of up to `q` tokens per sequence; `run` replays one."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_storage: torch.Tensor,
+        scratch_block: int,
+        block_size: int,
+        max_blocks_per_seq: int,
+        batch_sizes: Sequence[int],
+        q: int,
+    ) -> None:
+        if not kv_storage.is_cuda:
+            raise ValueError("CUDA graphs need a CUDA KV cache")
+        if q < 2:
+            raise ValueError(f"a verifying step has at least 2 tokens per sequence, got {q}")
+        self.model = model
+        self.kv_storage = kv_storage
+        self.scratch_block = scratch_block
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.max_batch_size = self.batch_sizes[-1]
+        self.q = q
+        self._rows_per_block = kv_storage.shape[1] * 2 * block_size
+        device = kv_storage.device
+        max_n, width = self.max_batch_size, max_blocks_per_seq
+        self._tokens = torch.zeros((3, max_n * q), dtype=torch.long, device=device)
+        self._seqs = torch.zeros((3, max_n), dtype=torch.long, device=device)
+        self._table = torch.zeros((max_n, width), dtype=torch.long, device=device)
+        count = 3 * max_n * q + 3 * max_n + max_n * width
+        self._host = torch.empty(count, dtype=torch.long).pin_memory()
+        self._staging = torch.empty(count, dtype=torch.long, device=device)
+        self._host_free = torch.cuda.Event()
+        self._host_free.record()
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_replays = 0
+
+    def _metadata(self, n: int) -> PagedAttentionMetadata:
+        group = VarlenGroup(
+            block_table=self._table[:n],
+            q_starts=self._seqs[0, :n],
+            q_lens=self._seqs[1, :n],
+            positions=self._seqs[2, :n],
+            max_q=self.q,
+        )
+        return PagedAttentionMetadata(
+            positions=self._tokens[1, : n * self.q],
+            slot_rows=self._tokens[2, : n * self.q],
+            rows_per_layer=2 * self.block_size,
+            block_size=self.block_size,
+            groups=(group,),
+        )
+
+    def _forward(self, n: int, meta: PagedAttentionMetadata) -> torch.Tensor:
+        with paged_step(meta, self.kv_storage):
+            return self.model(
+                input_ids=self._tokens[0, : n * self.q][None],
+                position_ids=self._tokens[1, : n * self.q][None],
+                use_cache=False,
+            ).logits[0]
+
+    def _stage(self, packed: PackedVerify) -> None:
+        """Copy packed inputs into the static buffers (one host-to-device copy)."""
+        size = packed.seqs.shape[1]
+        width = packed.table.shape[1]
+        parts = (packed.tokens.reshape(-1), packed.seqs.reshape(-1), packed.table.reshape(-1))
+        count = sum(p.size for p in parts)
+        self._host_free.synchronize()
+        np.concatenate(parts, out=self._host.numpy()[:count])
+        staging = self._staging[:count]
+        staging.copy_(self._host[:count], non_blocking=True)
+        self._host_free.record()
+        a, b = parts[0].size, parts[0].size + parts[1].size
+        self._tokens[:, : size * self.q].copy_(staging[:a].view(3, -1))
+        self._seqs[:, :size].copy_(staging[a:b].view(3, -1))
+        self._table[:size, :width].copy_(staging[b:count].view(size, width))
+
+    def _pack(self, seqs: Sequence[ScheduledSeq], size: int) -> PackedVerify:
+        return pack_inputs(
+            seqs,
+            size,
+            self.q,
+            block_size=self.block_size,
+            rows_per_block=self._rows_per_block,
+            scratch_block=self.scratch_block,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and capture every batch size, largest first (they share one pool)."""
+        self._stage(self._pack((), self.max_batch_size))
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.kv_storage.device)
+        for n in reversed(self.batch_sizes):
+            meta = self._metadata(n)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(n, meta)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                logits = self._forward(n, meta)
+            self._graphs[n] = (graph, logits)
+        torch.cuda.synchronize(self.kv_storage.device)
+        log.info(
+            "captured verify CUDA graphs (%d tokens a sequence) for %s", self.q, self.batch_sizes
+        )
+
+    def can_run(self, batch: Batch) -> bool:
+        """True when the batch fits a captured size and every sequence has 1..q tokens."""
+        if not self._graphs or len(batch.seqs) > self.max_batch_size:
+            return False
+        return all(
+            len(s.token_ids) <= self.q and len(s.block_table) <= self.max_blocks_per_seq
+            for s in batch.seqs
+        )
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Replay the graph for this batch; logits [size * q, V] (a view; rows per
+        `logits_rows`). The caller has checked the block ids (the eager path's check)."""
+        size = next(s for s in self.batch_sizes if s >= len(batch.seqs))
+        self._stage(self._pack(batch.seqs, size))
+        graph, logits = self._graphs[size]
+        graph.replay()
+        self.num_replays += 1
+        return logits
+
+
+def capture_verify_graphs(
+    model: torch.nn.Module,
+    kv_storage: torch.Tensor,
+    batch_sizes: Sequence[int],
+    max_blocks_per_seq: int,
+    q: int,
+) -> VerifyGraphs | None:
+    """Graphs of verifying steps, captured now (start-up) over a cache whose last block is
+    the scratch block; None, with a warning, when capture fails (they then run eagerly)."""
+    graphs = VerifyGraphs(
+        model,
+        kv_storage,
+        scratch_block=kv_storage.shape[0] - 1,
+        block_size=kv_storage.shape[3],
+        max_blocks_per_seq=max_blocks_per_seq,
+        batch_sizes=batch_sizes,
+        q=q,
+    )
+    try:
+        graphs.capture()
+    except Exception:
+        log.warning(
+            "capturing verify CUDA graphs failed; verifying steps run eagerly", exc_info=True
+        )
+        return None
+    return graphs
