@@ -79,7 +79,10 @@ class KVExporter:
         def post() -> tuple[Any, int]:
             # Engine thread: the gather is ordered after every step that wrote this KV,
             # and the blocks go back right behind it.
-            block_ids = self.core.block_ids(req_id)
+            # Only the blocks that hold its KV: a step launched ahead, or speculation, may
+            # have allocated the next one already.
+            num_blocks = -(-detached.num_kv_tokens // self.core.cache_config.block_size)
+            block_ids = self.core.block_ids(req_id)[:num_blocks]
             payload = self.runner.gather_blocks(block_ids)
             ready = None
             if payload.is_cuda:

@@ -87,9 +87,11 @@ class LiveMigrator:
             planned[id(target)] += 1
             targets.append(target)
         started = time.perf_counter()
-        moved = await asyncio.gather(
-            *(self.move(a, source, t) for a, t in zip(on_it, targets, strict=True))
-        )
+        moves = (self.move(a, source, t) for a, t in zip(on_it, targets, strict=True))
+        results = await asyncio.gather(*moves, return_exceptions=True)
+        for failed in (r for r in results if isinstance(r, BaseException)):
+            log.error("moving a request off %s failed: %r", source.worker_id, failed)
+        moved = [r is True for r in results]
         log.info(
             "%s: %d of %d requests moved with their KV in %.3f s",
             source.worker_id,

@@ -21,7 +21,6 @@ import itertools
 import logging
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -41,6 +40,7 @@ from router.delivery import TokenDelivery
 from router.errors import NotReadyError, QueueFullError
 from router.inbox import Moved, UpdateInbox
 from router.kv_index import PrefixIndex
+from router.lease_renewal import LeaseRenewer
 from router.live_migration import LiveMigrator
 from router.migrations import migrates, migrations_counter
 from router.paths import ServingPaths
@@ -75,9 +75,8 @@ class DisaggregatedGenerator(ServingPaths):
         self.signals = ServingSignals()
         self._attempts: dict[str, Attempt] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        # Reservations whose requests are still queued or prefilling, by decode worker.
-        self._renewing: dict[WorkerRef, set[str]] = defaultdict(set)
-        self._renewer: asyncio.Task[None] | None = None
+        self.leases = LeaseRenewer(pools, self.config.lease_s, self._spawn)
+        self._renewing = self.leases.renewing  # reservations kept while their requests wait
         self._ready = False
         self._shutting_down = False
         info = pools.reference
@@ -104,12 +103,11 @@ class DisaggregatedGenerator(ServingPaths):
         self._ready = True
         self.delivery.ensure_pollers()
         if not self.colocated_mode:
-            self._renewer = asyncio.ensure_future(self._renew_leases())
+            self.leases.start()
 
     async def stop(self) -> None:
         self._ready = False
-        if self._renewer is not None:
-            self._renewer.cancel()
+        self.leases.stop()
         await self.delivery.stop()
 
     def begin_shutdown(self) -> None:
@@ -167,23 +165,6 @@ class DisaggregatedGenerator(ServingPaths):
             return
         try:
             await ref.client.abort(req_id)
-        except WorkerDied as exc:
-            self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
-
-    async def _renew_leases(self) -> None:
-        """Keep reservations alive while their requests wait for a prefill worker."""
-        period = max(self.config.lease_s / 3, 0.05)
-        while True:
-            await asyncio.sleep(period)
-            for ref, req_ids in list(self._renewing.items()):
-                if ref.state in ("dead", "gone"):
-                    del self._renewing[ref]  # its reservations went with it
-                elif req_ids:
-                    self._spawn(self._renew(ref, list(req_ids)))
-
-    async def _renew(self, ref: WorkerRef, req_ids: list[str]) -> None:
-        try:
-            await ref.client.renew(req_ids, self.config.lease_s)
         except WorkerDied as exc:
             self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
 
@@ -279,13 +260,9 @@ class DisaggregatedGenerator(ServingPaths):
                         if self._shutting_down:
                             finished = True
                             log.info("request %s ends with the service: %s", request_id, exc)
+                            why = f"server shutting down: {exc}"
                             yield final_result(
-                                request_id,
-                                base,
-                                progress,
-                                FinishReason.ABORT,
-                                f"server shutting down: {exc}",
-                                trace,
+                                request_id, base, progress, FinishReason.ABORT, why, trace
                             )
                             return
                         run_locally = exc.run_locally
@@ -400,11 +377,8 @@ class DisaggregatedGenerator(ServingPaths):
             if isinstance(item, Moved):
                 # It moved with its KV (router/live_migration.py): stream what the client
                 # has not seen of the old attempt's tokens; the new attempt's follow.
-                tokens, reason, local = (
-                    item.outputs[progress.num_out - item.first_index :],
-                    None,
-                    None,
-                )
+                tokens = item.outputs[progress.num_out - item.first_index :]
+                reason, local = None, None
                 progress.num_moved += 1
                 continue
             if item.kv_wire_s and not attempt.resumes_after:

@@ -232,17 +232,15 @@ class Pools:
         return ref
 
     def channel_spec(self, sender: WorkerRef, receiver: WorkerRef) -> ChannelSpec:
-        """The rendezvous of a channel from `sender` to `receiver` (either pool)."""
-        return self._spec(sender, receiver)
-
-    def _spec(self, prefill: WorkerRef, decode: WorkerRef) -> ChannelSpec:
+        """The rendezvous of a channel from `sender` (a prefill worker, or a decode worker
+        handing requests over) to `receiver`."""
         return ChannelSpec(
             store_host=self.cluster.store_host,
             store_port=self.cluster.store_port,
-            prefill_id=prefill.worker_id,
-            prefill_epoch=prefill.info.epoch,
-            decode_id=decode.worker_id,
-            decode_epoch=decode.info.epoch,
+            prefill_id=sender.worker_id,
+            prefill_epoch=sender.info.epoch,
+            decode_id=receiver.worker_id,
+            decode_epoch=receiver.info.epoch,
         )
 
     async def _pair_with_peers(self, ref: WorkerRef) -> None:
@@ -254,7 +252,7 @@ class Pools:
 
     async def _connect(self, a: WorkerRef, b: WorkerRef) -> None:
         prefill, decode = (a, b) if a.pool == "prefill" else (b, a)
-        spec = self._spec(prefill, decode)
+        spec = self.channel_spec(prefill, decode)
         try:
             await asyncio.wait_for(
                 asyncio.gather(
@@ -370,10 +368,7 @@ class Pools:
                 self.targets[ref.pool] = self._count(ref.pool)
         log.info("%s draining", worker_id)
         for hook in self.drain_hooks:
-            try:
-                await hook(ref)
-            except Exception as exc:  # noqa: BLE001 - its requests then finish here
-                log.error("moving the requests off %s failed: %s", worker_id, exc)
+            await hook(ref)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while ref.state == "draining" and loop.time() < deadline:

@@ -49,10 +49,14 @@ def workers(
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     async def start() -> tuple[DecodeWorker, DecodeWorker]:
-        source, target = DecodeWorker(ARGS, 0), DecodeWorker(ARGS, 1)
+        # The source schedules one step ahead, as decode engines do on GPUs: it is
+        # detached with a step in flight (whose next block is already allocated).
+        source = DecodeWorker(replace(ARGS, async_scheduling=True), 0)
+        target = DecodeWorker(ARGS, 1)
         # One after the other: importing transformers from two threads at once races.
         await source.start()
         await target.start()
+        assert source.core.async_scheduling and not target.core.async_scheduling
         spec = ChannelSpec(
             "127.0.0.1", store.port, "decode-0", source.epoch, "decode-1", target.epoch
         )

@@ -66,6 +66,9 @@ PLANNER_SERIES = {
 # Registered by the serving core (router/migrations.py) on the same registry.
 MIGRATION_SERIES = {"pdserve_request_migrations_total"}
 
+# Requests moved off lost or drained workers (router/migrations.py, same registry).
+MIGRATION_SERIES = {"pdserve_request_migrations_total"}
+
 PHASE_AND_FLEET_SERIES = {
     f"pdserve_phase_{phase}_seconds_{part}"
     for phase in ("queue", "prefill", "kv_transfer", "decode_admission", "first_decode_step")

@@ -18,6 +18,7 @@ from bench.harness.prometheus import DEPLOY, find_binary
 from engine.wire import PhaseReport, WorkerStats
 from router.fleet_metrics import FleetCollector, FleetState
 from router.metrics import RouterMetrics
+from router.migrations import migrations_counter
 from router.phase_metrics import PhaseMetrics
 from router.planner.metrics import planner_metrics
 from router.protocol import PoolStats
@@ -67,6 +68,7 @@ def _exported_series() -> set[str]:
     metrics = RouterMetrics()
     phases = PhaseMetrics(metrics.registry)
     planner_metrics(metrics.registry)  # with --planner
+    migrations_counter(metrics.registry)  # the serving core registers it at start
     fleet = FleetCollector()
     metrics.registry.register(fleet)
     stats = WorkerStats("decode", 0, 100, 25, 2, 1, 32, 64, 0)
