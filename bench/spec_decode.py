@@ -211,6 +211,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--step-timing", action="store_true")
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="CUDA: no torch.compile (CUDA graphs stay; a faster start for large shapes)",
+    )
     p.add_argument("--context", type=int, default=2048, help="--step-timing's context")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -233,6 +238,7 @@ def build(ns: argparse.Namespace, speculative: Any) -> Any:
             kv_cache_gib=kv_cache_gib,
             scheduler=SchedulerConfig(max_num_seqs=ns.max_num_seqs),
             speculative=speculative,
+            compile_model=not ns.no_compile,
         )
     )
     llm._bench_steps = count_target_steps(llm)  # type: ignore[attr-defined]

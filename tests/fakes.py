@@ -53,9 +53,10 @@ class FakeRunner:
                 continue
             if s.num_draft_tokens:
                 first = len(s.token_ids) - s.num_draft_tokens - 1
+                inputs = (self._last_token(s), *s.token_ids[first + 1 :])
                 after_each = [
-                    self.model(s.token_ids[i], s.start_position + i + 1)
-                    for i in range(first, len(s.token_ids))
+                    self.model(token, s.start_position + first + i + 1)
+                    for i, token in enumerate(inputs)
                 ]
                 proposals = s.token_ids[first + 1 :]
                 sampled[s.req_id] = accepted_prefix(proposals, after_each)
@@ -75,7 +76,8 @@ class FakeRunner:
         return seq._replace(token_ids=tuple(tokens))
 
     def _last_token(self, seq: ScheduledSeq) -> int:
-        token = seq.token_ids[-1]
+        """The sequence's newest token (`newest_token_index`), filled in if a placeholder."""
+        token = seq.token_ids[seq.newest_token_index]
         if token == PLACEHOLDER_TOKEN:
             return self._last_sampled[seq.req_id]  # KeyError: the engine broke the contract
         return token

@@ -142,3 +142,29 @@ def test_a_draft_that_is_often_wrong_still_gives_plain_output(
         0.1 * stats.spec_draft_tokens < stats.spec_accepted_tokens < 0.9 * stats.spec_draft_tokens
     )
     assert_engine_empty(spec_llm.core)
+
+
+def test_ngram_proposes_while_the_step_before_still_runs(reference_llm: LLM) -> None:
+    """With async scheduling, n-gram proposals are made from the tokens before the one
+    still being sampled (the step before runs meanwhile); outputs stay those of plain
+    decoding, greedy and seeded, and such proposals are really verified and kept."""
+    from engine.core.request import PLACEHOLDER_TOKEN
+
+    llm = LLM(EngineArgs(kv_cache_gib=0.25, speculative=NGRAM, async_scheduling=True))
+    assert llm.core.async_scheduling
+    ahead = [0]
+    launch = llm.runner.launch
+
+    def spy(batch, **kwargs):  # type: ignore[no-untyped-def]
+        ahead[0] += sum(
+            1 for s in batch.seqs if s.num_draft_tokens and s.token_ids[0] == PLACEHOLDER_TOKEN
+        )
+        return launch(batch, **kwargs)
+
+    llm.runner.launch = spy  # type: ignore[method-assign]
+    prompts = COPY_PROMPTS[:4]
+    params = _mixed_params(4, 24)
+    assert _outputs(llm, prompts, params) == _outputs(reference_llm, prompts, params)
+    stats = llm.core.stats()
+    assert ahead[0] > 0
+    assert stats.spec_accepted_tokens > stats.spec_verifications

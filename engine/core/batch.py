@@ -43,6 +43,13 @@ class ScheduledSeq(NamedTuple):
         return self.start_position + len(self.token_ids)
 
     @property
+    def newest_token_index(self) -> int:
+        """Index in token_ids of the request's newest token, the one an async step may
+        still be sampling: the last, or the first of a verifying sequence (proposals
+        follow it)."""
+        return 0 if self.num_draft_tokens else len(self.token_ids) - 1
+
+    @property
     def num_sampled(self) -> int:
         """Tokens this step samples for the sequence: one, or one per verified position."""
         return self.num_draft_tokens + 1 if self.sample else 0

@@ -203,20 +203,33 @@ class EngineCore:
     def step(self) -> list[TokenUpdate]:
         """Run one iteration; returns the new tokens and finishes it produced (with async
         scheduling: those of the step before, while this one runs on the device)."""
-        if self._in_flight is not None and self.scheduler.wants_speculation:
-            # Proposals come from known tokens: settle the step in flight first.
+        sched = self.scheduler
+        if (
+            self._in_flight is not None
+            and sched.wants_speculation
+            and not sched.speculator.proposes_ahead  # type: ignore[union-attr]
+        ):
+            # A draft model proposes from the newest token: settle the step in flight.
             settled, self._in_flight = self._in_flight, None
-            return self.scheduler.update(settled[0], settled[1].result())
-        batch = self.scheduler.schedule()
+            return sched.update(settled[0], settled[1].result())
+        batch = sched.schedule()
         if not self.async_scheduling:
             if batch.is_empty:
                 return []
-            return self.scheduler.update(batch, self.runner.execute(batch))
+            return sched.update(batch, self.runner.execute(batch))
         runner: AsyncRunner = self.runner  # type: ignore[assignment]  # checked in __init__
         if batch.num_draft_tokens:
-            return self.scheduler.update(batch, runner.launch(batch).result())
+            # How many proposals survive decides the next step's input: a verifying step
+            # is settled before anything else is scheduled. It is launched first, reading
+            # its newest tokens on the device from the step in flight (if any).
+            verifying = runner.launch(batch)
+            updates: list[TokenUpdate] = []
+            if self._in_flight is not None:
+                settled, self._in_flight = self._in_flight, None
+                updates = sched.update(settled[0], settled[1].result())
+            return updates + sched.update(batch, verifying.result())
         launched = None if batch.is_empty else (batch, runner.launch(batch))
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
             return []
-        return self.scheduler.update(previous[0], previous[1].result())
+        return sched.update(previous[0], previous[1].result())

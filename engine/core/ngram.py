@@ -27,20 +27,22 @@ class NgramIndex:
         # indexed, so the list's own suffix never matches itself.
         self._next = [0] * (max_n - min_n + 1)
 
-    def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
-        """Up to k proposals after `tokens` (a list that only ever grows); () when none."""
+    def propose(self, tokens: Sequence[int], k: int, length: int | None = None) -> tuple[int, ...]:
+        """Up to k proposals after the first `length` tokens (default: all) of `tokens`
+        (a list that only ever grows); () when none. The proposals may run into tokens
+        past `length`: the caller cuts them where they are not known yet."""
         if k < 1:
             return ()
-        self._extend(tokens)
-        length = len(tokens)
+        if length is None:
+            length = len(tokens)
+        self._extend(tokens, length)
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
-            start = self._firsts[n - self.min_n].get(tuple(tokens[length - n :]))
+            start = self._firsts[n - self.min_n].get(tuple(tokens[length - n : length]))
             if start is not None:
                 return tuple(tokens[start + n : start + n + k])
         return ()
 
-    def _extend(self, tokens: Sequence[int]) -> None:
-        length = len(tokens)
+    def _extend(self, tokens: Sequence[int], length: int) -> None:
         for i, firsts in enumerate(self._firsts):
             n = self.min_n + i
             stop = length - n  # starts below this have a following token

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from engine.core.batch import ScheduledSeq
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.ngram import NgramIndex
-from engine.core.request import FinishReason, Request
+from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request
 from engine.core.spec_config import SpeculativeConfig
 
 # A proposal slot the runner's draft model fills in before the target verifies it.
@@ -79,6 +79,12 @@ class Speculator:
     def speculates_at(self, num_running: int) -> bool:
         return self.config.speculates_at(num_running)
 
+    @property
+    def proposes_ahead(self) -> bool:
+        """Proposals can be made while the newest token is still being sampled (n-gram:
+        from the tokens before it), so steps need not wait for one another."""
+        return not self.config.uses_draft_model
+
     def proposals(self, req: Request, max_proposals: int) -> tuple[int, ...]:
         """Proposals to verify after the request's newest token (its only work this
         step); () when it has none or no room for any."""
@@ -92,13 +98,27 @@ class Speculator:
         if limit < 1:
             return ()
         state = self._state(req)
+        tokens = req.all_token_ids
+        newest_known = tokens[-1] != PLACEHOLDER_TOKEN
         if self.config.uses_draft_model:
-            return (PROPOSAL_TOKEN,) * limit
+            # The draft model runs on the newest token: it must be known.
+            return (PROPOSAL_TOKEN,) * limit if newest_known else ()
         if state.ngram is None:
             low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
             assert low is not None and high is not None  # filled in by the config
             state.ngram = NgramIndex(low, high)
-        return state.ngram.propose(req.all_token_ids, limit)
+        if newest_known:
+            return state.ngram.propose(tokens, limit)
+        # The newest token is still being sampled (the step before runs on the device):
+        # look up the known tokens, whose continuation guesses that token first and then
+        # proposes what follows it. A wrong guess costs only the proposals: each is kept
+        # only if it equals the sampler's token after the tokens really before it.
+        known = len(tokens) - 1
+        guess = state.ngram.propose(tokens, limit + 1, known)
+        proposals = guess[1:]
+        if PLACEHOLDER_TOKEN in proposals:  # the continuation ran into the unknown token
+            proposals = proposals[: proposals.index(PLACEHOLDER_TOKEN)]
+        return proposals
 
     def draft_context(self, req: Request, start: int) -> tuple[int, ...]:
         """Draft model: the tokens before position `start` whose draft KV is missing

@@ -245,14 +245,12 @@ class ModelRunner(KVBlocks):
                 rows = [i for i, s in enumerate(batch.seqs) if s.sample]
                 logits = logits[to_device(rows, torch.long, self.device)]
         elif (
-            use_cuda_graphs
-            and sources is None
-            and (verify := self.verify_graphs) is not None
-            and verify.can_run(batch)
+            use_cuda_graphs and (verify := self.verify_graphs) is not None and verify.can_run(batch)
         ):
             self._check_block_ids(batch)
             rows = verify_logits_rows(batch.seqs, verify.q)
-            logits = verify.run(batch)[to_device(rows, torch.long, self.device)]
+            logits = verify.run(batch, sources, self._last_tokens)
+            logits = logits[to_device(rows, torch.long, self.device)]
         else:
             self._check_block_ids(batch)
             logits = self._forward_eager(batch, sources, paged_decode)
@@ -264,10 +262,11 @@ class ModelRunner(KVBlocks):
         sources = None
         last_rows = self._last_rows
         for i, s in enumerate(batch.seqs):
-            if s.token_ids[-1] != PLACEHOLDER_TOKEN:
+            at = s.newest_token_index
+            if s.token_ids[at] != PLACEHOLDER_TOKEN:
                 continue
             row = last_rows.get(s.req_id)
-            if row is None or PLACEHOLDER_TOKEN in s.token_ids[:-1]:
+            if row is None or s.token_ids.count(PLACEHOLDER_TOKEN) > 1:
                 raise ValueError(
                     f"request {s.req_id}: its input token is still being sampled, but the "
                     "step launched last did not sample it"
@@ -308,12 +307,12 @@ class ModelRunner(KVBlocks):
         last_token_idx = logits_rows(batch.seqs)
         where: list[int] = []  # tokens still being sampled: their index in input_ids ...
         rows: list[int] = []  # ... and their row in _last_tokens
-        end = 0
+        start = 0
         for i, s in enumerate(batch.seqs):
-            end += s.num_tokens
             if sources is not None and sources[i] >= 0:
-                where.append(end - 1)
+                where.append(start + s.newest_token_index)
                 rows.append(sources[i])
+            start += s.num_tokens
         if where:
             index = to_device(where + rows, torch.long, self.device).view(2, -1)
             input_ids[index[0]] = self._last_tokens[index[1]]

@@ -30,6 +30,7 @@ import torch
 from engine.core.batch import Batch, ScheduledSeq
 from engine.model.attention import paged_step
 from engine.model.attention_metadata import PagedAttentionMetadata, VarlenGroup
+from engine.model.staging import to_device
 
 log = logging.getLogger(__name__)
 
@@ -216,11 +217,26 @@ class VerifyGraphs:
             for s in batch.seqs
         )
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(
+        self,
+        batch: Batch,
+        sources: Sequence[int] | None = None,
+        last_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Replay the graph for this batch; logits [size * q, V] (a view; rows per
-        `logits_rows`). The caller has checked the block ids (the eager path's check)."""
+        `logits_rows`). The caller has checked the block ids (the eager path's check).
+        `sources[i]` >= 0: sequence i's first token is still being sampled by the step
+        before; it is read on the device from that row of `last_tokens`."""
         size = next(s for s in self.batch_sizes if s >= len(batch.seqs))
         self._stage(self._pack(batch.seqs, size))
+        if sources is not None and last_tokens is not None:
+            seqs = batch.seqs
+            where = [
+                i * self.q + seqs[i].newest_token_index for i, r in enumerate(sources) if r >= 0
+            ]
+            rows = [r for r in sources if r >= 0]
+            index = to_device(where + rows, torch.long, self._tokens.device).view(2, -1)
+            self._tokens[0, index[0]] = last_tokens[index[1]]
         graph, logits = self._graphs[size]
         graph.replay()
         self.num_replays += 1
