@@ -1,8 +1,9 @@
 """`pdserve`: serve (the disaggregated service) and generate (offline, or against a server).
 
-The entry point only: flags live in `router.flags` (their types in `router.flag_types`,
-checks across them in `router.flag_checks`), what each command does in `router.commands`
-(and `router.admin_client` for scale and workers).
+The entry point only: flags live in `router.flags` (one engine's in
+`router.engine_flags`, their types in `router.flag_types`, checks across them in
+`router.flag_checks`), what each command does in `router.commands` (and
+`router.admin_client` for scale and workers).
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
 from router.config import keep_ray_on_loopback
+from router.engine_flags import engine_args
 from router.flag_checks import port_problem
-from router.flags import engine_args, pool_resources, router_config
+from router.flags import pool_resources, router_config
 from router.planner.flags import planner_config
 
 if TYPE_CHECKING:

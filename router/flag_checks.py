@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from engine.model.model_spec import check_architecture
-from router.flags import POOLS, add_engine_args, add_model_args
+from engine.wire import POOLS
+from router.engine_flags import add_engine_args, add_model_args
 
 
 def given_flags(argv: Sequence[str]) -> set[str]:

@@ -20,7 +20,7 @@ from bench.harness import REPO, service_env
 from engine.core.request import FinishReason
 from router.cli import build_parser, main
 from router.commands import sampling_params
-from router.flags import engine_args
+from router.engine_flags import engine_args
 from router.grpc_server import GrpcServer
 from tests.fake_core import FakeCore, run_with_server
 

@@ -9,7 +9,7 @@ import pytest
 
 from engine.core.spec_config import SpeculativeConfig
 from router.cli import build_parser, main
-from router.flags import engine_args
+from router.engine_flags import engine_args
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

@@ -1,5 +1,5 @@
 """`pdserve serve`'s planner flags, and the PlannerConfig they become (kept here, beside
-the planner, so that `router.flags` stays one module of the other flags)."""
+the planner, rather than in `router.flags`)."""
 
 from __future__ import annotations
 
