@@ -17,6 +17,7 @@ from engine.core.request import FinishReason
 from engine.transfer.channel import ChannelSpec
 from engine.transfer.layout import KVLayout
 from engine.wire import (
+    DetachedMove,
     DetachedRequest,
     GenerationInput,
     HandoffTarget,
@@ -146,17 +147,16 @@ class FakeWorker:
         self.detached[req_id] = detached
         return detached
 
-    async def send_detached(
-        self, req_id: str, as_req_id: str, target: HandoffTarget, detached: DetachedRequest
-    ) -> int:
+    async def send_detached(self, target: HandoffTarget, moves: list[DetachedMove]) -> int:
         self._check()
-        self.calls.append(("send_detached", req_id))
-        self.detached.pop(req_id, None)
+        self.calls.append(("send_detached", ",".join(m.req_id for m in moves)))
         receiver = self.peers[target.worker_id]
-        asyncio.get_running_loop().call_later(
-            self.kv_delay_s, receiver.receive_kv, as_req_id, detached.next_token
-        )
-        return 4096
+        for move in moves:
+            self.detached.pop(move.req_id, None)
+            asyncio.get_running_loop().call_later(
+                self.kv_delay_s, receiver.receive_kv, move.as_req_id, move.detached.next_token
+            )
+        return 4096 * len(moves)
 
     # ---------------------------------------------------------------- decode verbs
     async def reserve(

@@ -3,8 +3,9 @@ worker (live migration, when this worker drains).
 
 A request's life here, once the router moves it: running → detached (taken off the
 schedule at a step boundary; its blocks kept, its tokens so far returned to the router)
-→ sent (its blocks gathered into one buffer, released at once, and posted with one
-header on this worker's channel to the peer, exactly like a prefill hand-off: the peer
+→ sent (its blocks gathered, with those of the other requests moving to the same peer,
+released at once, and posted on this worker's channel to the peer in as few messages as
+`plan_messages` allows, exactly like a prefill hand-off: the peer
 checks the entry against the reservation the router made there, and the request goes on
 from the last sampled token) or released (the router gave up on moving it; it then
 continues by recompute). The channels are made lazily, one per (this, peer) pair, with
@@ -15,14 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.transfer.base import KVPoll
 from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
-from engine.wire import DetachedRequest, HandoffTarget
+from engine.transfer.handoff import HandoffHeader, HeaderKind
+from engine.transfer.sender import ReadyKV, plan_messages
+from engine.wire import DetachedMove, DetachedRequest, HandoffTarget
 
 
 class KVExporter:
@@ -66,50 +69,72 @@ class KVExporter:
         detached: DetachedRequest | None = await self.on_engine(lambda: self.core.detach(req_id))
         return detached
 
-    async def send_detached(
-        self, req_id: str, as_req_id: str, target: HandoffTarget, detached: DetachedRequest
-    ) -> int:
-        """Send a detached request's KV to `target` (which reserved blocks for `as_req_id`)
-        and free it here; the bytes sent. RuntimeError when the transfer failed."""
+    async def send_detached(self, target: HandoffTarget, moves: Sequence[DetachedMove]) -> int:
+        """Send detached requests' KV to `target` (which reserved blocks for each
+        `as_req_id`) and free them here; the bytes sent. All of them travel together:
+        one gather and one message per `plan_messages` group, so a drain moving many
+        requests pays the per-message costs once, not per request. RuntimeError when
+        the transfer failed."""
         channel = self.send_channels.get(target.worker_id)
         if channel is None or channel.closed:
-            await self.on_engine(lambda: self.core.release(req_id))
+
+            def release_all() -> None:
+                for move in moves:
+                    self.core.release(move.req_id)
+
+            await self.on_engine(release_all)
             raise RuntimeError(f"no channel from {self.worker_id} to {target.worker_id}")
 
-        def post() -> tuple[Any, int]:
-            # Engine thread: the gather is ordered after every step that wrote this KV,
-            # and the blocks go back right behind it.
-            # Only the blocks that hold its KV: a step launched ahead, or speculation, may
-            # have allocated the next one already.
-            num_blocks = -(-detached.num_kv_tokens // self.core.cache_config.block_size)
-            block_ids = self.core.block_ids(req_id)[:num_blocks]
-            payload = self.runner.gather_blocks(block_ids)
-            ready = None
-            if payload.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-            self.core.release(req_id)
-            entry = HandoffEntry(
-                as_req_id, detached.num_kv_tokens, len(block_ids), detached.next_token
-            )
-            header = HandoffHeader(
-                kind=HeaderKind.HANDOFF,
-                seq_no=channel.next_seq(),
-                dst_epoch=target.epoch,
-                src_epoch=self.epoch,
-                entries=(entry,),
-                num_bytes=int(payload.numel() * payload.element_size()),
-                posted_at_us=int(time.time() * 1e6),
-            )
-            return channel.send(header, payload, ready), header.num_bytes
+        def post() -> tuple[list[Any], int]:
+            # Engine thread: the gathers are ordered after every step that wrote this KV,
+            # and the blocks go back right behind them.
+            block_size = self.core.cache_config.block_size
+            ready = []
+            for move in moves:
+                # Only the blocks that hold its KV: a step launched ahead, or
+                # speculation, may have allocated the next one already.
+                num_kv = move.detached.num_kv_tokens
+                block_ids = self.core.block_ids(move.req_id)[: -(-num_kv // block_size)]
+                ready.append(
+                    ReadyKV(
+                        move.as_req_id, target, tuple(block_ids), num_kv, move.detached.next_token
+                    )
+                )
+            handles, total = [], 0
+            for message in plan_messages(ready, self.block_bytes):
+                payload = self.runner.gather_blocks(message.block_ids)
+                done = None
+                if payload.is_cuda:
+                    done = torch.cuda.Event()
+                    done.record()
+                header = HandoffHeader(
+                    kind=HeaderKind.HANDOFF,
+                    seq_no=channel.next_seq(),
+                    dst_epoch=target.epoch,
+                    src_epoch=self.epoch,
+                    entries=message.entries,
+                    num_bytes=int(payload.numel() * payload.element_size()),
+                    posted_at_us=int(time.time() * 1e6),
+                )
+                handles.append(channel.send(header, payload, done))
+                total += header.num_bytes
+            for move in moves:
+                self.core.release(move.req_id)
+            return handles, total
 
-        handle, num_bytes = await self.on_engine(post)
-        done: asyncio.Future[KVPoll] = asyncio.get_running_loop().create_future()
+        handles, num_bytes = await self.on_engine(post)
         loop = asyncio.get_running_loop()
-        handle.add_done_callback(lambda state: loop.call_soon_threadsafe(_set, done, state))
-        if await done is not KVPoll.SUCCESS:
-            raise RuntimeError(f"KV to {target.worker_id} failed: {handle.failure}")
+        for handle, done in [(h, _finished(h, loop)) for h in handles]:
+            if await done is not KVPoll.SUCCESS:
+                raise RuntimeError(f"KV to {target.worker_id} failed: {handle.failure}")
         return int(num_bytes)
+
+
+def _finished(handle: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Future[KVPoll]:
+    """A future of the loop that a send handle's final state completes."""
+    done: asyncio.Future[KVPoll] = loop.create_future()
+    handle.add_done_callback(lambda state: loop.call_soon_threadsafe(_set, done, state))
+    return done
 
 
 def _set(future: asyncio.Future[KVPoll], state: KVPoll) -> None:

@@ -106,6 +106,16 @@ class DetachedRequest:
 
 
 @dataclass(frozen=True)
+class DetachedMove:
+    """A detached request on its way to a peer: its id on the source, the id the target
+    reserved blocks under, and what `detach` returned."""
+
+    req_id: str
+    as_req_id: str
+    detached: DetachedRequest
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     """A prefill worker's answer: the first token, and how the request goes on."""
 

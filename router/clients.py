@@ -16,6 +16,7 @@ from ray.exceptions import RayActorError
 
 from engine.transfer.channel import ChannelSpec
 from engine.wire import (
+    DetachedMove,
     DetachedRequest,
     GenerationInput,
     HandoffTarget,
@@ -51,9 +52,7 @@ class DecodeClient(Protocol):
     async def connect(self, spec: ChannelSpec) -> None: ...
     async def disconnect(self, peer_id: str, notify_peer: bool) -> None: ...
     async def detach(self, req_id: str) -> DetachedRequest | None: ...
-    async def send_detached(
-        self, req_id: str, as_req_id: str, target: HandoffTarget, detached: DetachedRequest
-    ) -> int: ...
+    async def send_detached(self, target: HandoffTarget, moves: list[DetachedMove]) -> int: ...
 
 
 class WorkerClient(PrefillClient, DecodeClient, Protocol):
@@ -105,7 +104,5 @@ class RayWorkerClient:
     async def detach(self, req_id: str) -> DetachedRequest | None:
         return await _call(self.handle.detach.remote(req_id))
 
-    async def send_detached(
-        self, req_id: str, as_req_id: str, target: HandoffTarget, detached: DetachedRequest
-    ) -> int:
-        return await _call(self.handle.send_detached.remote(req_id, as_req_id, target, detached))
+    async def send_detached(self, target: HandoffTarget, moves: list[DetachedMove]) -> int:
+        return await _call(self.handle.send_detached.remote(target, moves))

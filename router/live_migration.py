@@ -1,24 +1,26 @@
 """Live migration: a draining decode worker hands its running requests, KV and all, to
 peer decode workers while their streams go on.
 
-When a decode worker starts draining (`pdserve scale --decode N-1`, `DrainWorker`), each
-request running on it moves, one at a time per request and all requests at once:
+When a decode worker starts draining (`pdserve scale --decode N-1`, `DrainWorker`), the
+requests running on it are spread over the other decode workers and move together:
 
-1. the pair's channel, source → target, is made if it is not there yet (lazily, once
-   per pair and incarnation; the same transfer interface and header/epoch checks as a
-   prefill hand-off, with the source as the sending end);
-2. `detach` on the source takes the request off its schedule at a step boundary,
+1. the channels source → target are made, all at once, where they are not there yet
+   (lazily, once per pair and incarnation; the same transfer interface and header/epoch
+   checks as a prefill hand-off, with the source as the sending end);
+2. `detach` on the source takes each request off its schedule at a step boundary,
    keeping its blocks, and returns its tokens so far;
-3. the stream switches to a new attempt id on the target (an inbox marker, `Moved`,
+3. each stream switches to a new attempt id on its target (an inbox marker, `Moved`,
    carries the tokens the client may not have seen yet, so none is lost or repeated);
 4. `reserve` on the target holds blocks for the KV of all but the last token, under a
    lease, for the new id;
-5. `send_detached` on the source gathers the blocks, frees them and posts them on the
-   channel; the target checks the entry against its reservation and continues the
-   request from its last sampled token, with the same seed (sampling depends on seed
-   and absolute position, so the text is the one it would have been).
+5. one `send_detached` per target gathers the blocks of all its requests, frees them
+   and posts them on the channel in as few messages as the size cap allows; the target
+   checks each entry against its reservation and continues each request from its last
+   sampled token, with the same seed (sampling depends on seed and absolute position,
+   so the text is the one it would have been).
 
-The request is paused from step 2 to the target's first step: one round. Where a step
+A request is paused from step 2 to the target's first step: one round, whose transfer
+is shared by every request going to that target. Where a step
 fails (no channel, no room, a worker lost), the request moves by recompute instead
 (router/migrations.py, reason `drained`). The drain then returns once every request has
 left. Counted in `pdserve_request_migrations_total{pool="decode", reason="drained_kv"}`.
@@ -31,10 +33,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.wire import DetachedRequest, GenerationInput, HandoffTarget
+from engine.wire import DetachedMove, DetachedRequest, GenerationInput, HandoffTarget
 from router.attempts import Attempt, WorkerLost
 from router.clients import WorkerDied
 from router.config import RouterConfig
@@ -46,6 +48,16 @@ log = logging.getLogger("pdserve.router")
 
 LINK_TIMEOUT_S = 60.0
 _Link = tuple[WorkerRef, WorkerRef, "asyncio.Future[None]"]  # sender, receiver, made
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A request detached from the draining worker and reserved for on its target."""
+
+    attempt: Attempt
+    target: WorkerRef
+    move: DetachedMove
+    paused: float  # perf_counter when it left the source's schedule
 
 
 class LiveMigrator:
@@ -87,58 +99,106 @@ class LiveMigrator:
             planned[id(target)] += 1
             targets.append(target)
         started = time.perf_counter()
-        moves = (self.move(a, source, t) for a, t in zip(on_it, targets, strict=True))
-        results = await asyncio.gather(*moves, return_exceptions=True)
-        for failed in (r for r in results if isinstance(r, BaseException)):
-            log.error("moving a request off %s failed: %r", source.worker_id, failed)
-        moved = [r is True for r in results]
+        # Channels to every target at once (each made once per pair of incarnations).
+        links = {id(t): asyncio.ensure_future(self._link(source, t)) for t in targets}
+        prepared = await asyncio.gather(
+            *(
+                self._prepare(a, source, t, links[id(t)])
+                for a, t in zip(on_it, targets, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        by_target: dict[int, list[_Prepared]] = {}
+        for item in prepared:
+            if isinstance(item, BaseException):
+                log.error("moving a request off %s failed: %r", source.worker_id, item)
+            elif item is not None:
+                by_target.setdefault(id(item.target), []).append(item)
+        # One transfer per target for all its requests: the per-message costs once.
+        sent = await asyncio.gather(
+            *(self._send(source, group) for group in by_target.values()),
+            return_exceptions=True,
+        )
+        for failed in (r for r in sent if isinstance(r, BaseException)):
+            log.error("moving requests off %s failed: %r", source.worker_id, failed)
+        moved = sum(r for r in sent if isinstance(r, int))
         log.info(
             "%s: %d of %d requests moved with their KV in %.3f s",
             source.worker_id,
-            sum(moved),
+            moved,
             len(on_it),
             time.perf_counter() - started,
         )
 
-    async def move(self, attempt: Attempt, source: WorkerRef, target: WorkerRef) -> bool:
-        """Move one request with its KV; False when it moved by recompute (or ended)."""
+    async def _prepare(
+        self,
+        attempt: Attempt,
+        source: WorkerRef,
+        target: WorkerRef,
+        link: asyncio.Future[None],
+    ) -> _Prepared | None:
+        """Detach one request, switch its stream to the target and reserve its blocks
+        there; None when it moves by recompute instead (or ended meanwhile)."""
         try:
-            await self._link(source, target)
+            await asyncio.shield(link)
         except Exception as exc:  # noqa: BLE001 - then by recompute
-            return self._recompute(attempt, source, f"no channel to {target.worker_id}: {exc}")
+            self._recompute(attempt, source, f"no channel to {target.worker_id}: {exc}")
+            return None
         old_id = attempt.req_id
         try:
             detached = await source.client.detach(old_id)
         except WorkerDied as exc:
-            return self._recompute(attempt, source, f"{source.worker_id} died: {exc}")
+            self._recompute(attempt, source, f"{source.worker_id} died: {exc}")
+            return None
         if self.attempts.get(old_id) is not attempt:  # it ended meanwhile
             self.spawn(self._abort(source, old_id))
-            return False
+            return None
         if detached is None:  # queued, mid-recompute or finishing there
-            return self._recompute(attempt, source, "it was not running")
+            self._recompute(attempt, source, "it was not running")
+            return None
         paused = time.perf_counter()
         inp = self._switch(attempt, target, detached)
         try:
             reservation = await target.client.reserve(inp, self.config.lease_s, source.worker_id)
-            if reservation is None:
-                raise RuntimeError(f"no room on {target.worker_id}")
+        except Exception as exc:  # noqa: BLE001 - then by recompute
+            reservation, why = None, f"reserving on {target.worker_id} failed: {exc}"
+        else:
+            why = f"no room on {target.worker_id}"
+        if reservation is None:
+            self.spawn(self._abort(source, old_id))
+            self._recompute(attempt, source, why)
+            return None
+        return _Prepared(attempt, target, DetachedMove(old_id, inp.req_id, detached), paused)
+
+    async def _send(self, source: WorkerRef, group: list[_Prepared]) -> int:
+        """Send one target's requests in one transfer; how many moved with their KV (on a
+        failure none did: each continues by recompute)."""
+        target = group[0].target
+        moves = [p.move for p in group]
+        try:
             num_bytes = await source.client.send_detached(
-                old_id, inp.req_id, HandoffTarget(target.worker_id, target.info.epoch), detached
+                HandoffTarget(target.worker_id, target.info.epoch), moves
             )
         except Exception as exc:  # noqa: BLE001 - then by recompute
-            self.spawn(self._abort(source, old_id))
-            return self._recompute(attempt, source, f"moving its KV failed: {exc}")
-        migrations_counter().labels(pool="decode", reason="drained_kv").inc()
-        log.info(
-            "request %s moved from %s to %s with its KV (%d tokens, %d bytes, %.1f ms)",
-            old_id,
-            source.worker_id,
-            target.worker_id,
-            detached.num_kv_tokens,
-            num_bytes,
-            1e3 * (time.perf_counter() - paused),
-        )
-        return True
+            for p in group:
+                self.spawn(self._abort(source, p.move.req_id))
+                self._recompute(p.attempt, source, f"moving its KV failed: {exc}")
+            return 0
+        sent_at = time.perf_counter()
+        migrations_counter().labels(pool="decode", reason="drained_kv").inc(len(group))
+        for p in group:
+            log.info(
+                "request %s moved from %s to %s with its KV (%d tokens, %.1f ms paused; "
+                "%d bytes for the %d requests sent together)",
+                p.move.req_id,
+                source.worker_id,
+                target.worker_id,
+                p.move.detached.num_kv_tokens,
+                1e3 * (sent_at - p.paused),
+                num_bytes,
+                len(group),
+            )
+        return len(group)
 
     def _switch(
         self, attempt: Attempt, target: WorkerRef, detached: DetachedRequest

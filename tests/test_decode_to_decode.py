@@ -21,7 +21,7 @@ from decode_worker.worker import DecodeWorker
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
 from engine.transfer.channel import ChannelSpec
-from engine.wire import GenerationInput, HandoffTarget
+from engine.wire import DetachedMove, GenerationInput, HandoffTarget
 
 ARGS = EngineArgs(kv_cache_gib=0.05)
 MAX_TOKENS = 400  # long enough to be running still when the test detaches it
@@ -99,29 +99,34 @@ def test_a_running_request_moves_with_its_kv_and_goes_on_unchanged(
         for kind, sampling in SAMPLING.items():
             await source.submit(GenerationInput(kind, PROMPT, sampling))
         streamed = await _tokens(source, dict.fromkeys(SAMPLING, 4))
+        moves, outputs, totals = [], {}, {}
         for kind, sampling in SAMPLING.items():
             detached = await source.detach(kind)
             assert detached is not None, kind
-            outputs = list(detached.token_ids[len(PROMPT) :])
+            outputs[kind] = list(detached.token_ids[len(PROMPT) :])
             # Whatever the source sampled by then, the stream so far is a prefix of it.
-            assert outputs[: len(streamed[kind])] == streamed[kind]
-            total = len(outputs) + MORE  # the request now ends MORE tokens on
+            assert outputs[kind][: len(streamed[kind])] == streamed[kind]
+            totals[kind] = len(outputs[kind]) + MORE  # the request now ends MORE tokens on
             moved = GenerationInput(
                 f"{kind}-k1",
                 detached.token_ids[: detached.num_kv_tokens],
-                replace(sampling, max_tokens=total - len(outputs) + 1),
+                replace(sampling, max_tokens=MORE + 1),
             )
             assert await target.reserve(moved, 30.0, "decode-0") is not None
-            target_id = HandoffTarget("decode-1", target.epoch)
-            num_bytes = await source.send_detached(kind, moved.req_id, target_id, detached)
-            assert num_bytes == -(-detached.num_kv_tokens // 16) * source.block_bytes
-            rest = await _tokens(target, {moved.req_id: MORE})
+            moves.append(DetachedMove(kind, moved.req_id, detached))
+        # Both in one transfer (one message: one gather, one header with two entries).
+        num_bytes = await source.send_detached(HandoffTarget("decode-1", target.epoch), moves)
+        assert num_bytes == sum(
+            -(-m.detached.num_kv_tokens // 16) * source.block_bytes for m in moves
+        )
+        rest = await _tokens(target, {f"{kind}-k1": MORE for kind in SAMPLING})
+        for kind, sampling in SAMPLING.items():
             # The same request undisturbed, on the target itself.
             await target.submit(
-                GenerationInput(f"ref-{kind}", PROMPT, replace(sampling, max_tokens=total))
+                GenerationInput(f"ref-{kind}", PROMPT, replace(sampling, max_tokens=totals[kind]))
             )
-            reference = await _tokens(target, {f"ref-{kind}": total})
-            assert outputs + rest[moved.req_id] == reference[f"ref-{kind}"], kind
+            reference = await _tokens(target, {f"ref-{kind}": totals[kind]})
+            assert outputs[kind] + rest[f"{kind}-k1"] == reference[f"ref-{kind}"], kind
         assert await source.detach("greedy") is None  # gone from the source
         loop_ = asyncio.get_running_loop()
         deadline = loop_.time() + 10
