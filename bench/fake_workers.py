@@ -273,6 +273,7 @@ class FakePools:
         self.cluster = type("Cluster", (), {"use_gpus": False})()
         self.on_death: list[Any] = []
         self.on_removed: list[Any] = []
+        self.on_live: list[Any] = []
         self.drain_hooks: list[Any] = []
         self.fakes: dict[str, FakeWorker] = {}
         self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in sizes}
@@ -314,6 +315,12 @@ class FakePools:
 
     def channel_spec(self, sender: WorkerRef, receiver: WorkerRef) -> ChannelSpec:
         return ChannelSpec("127.0.0.1", 0, sender.worker_id, EPOCH, receiver.worker_id, EPOCH)
+
+    def announce_live(self, worker_id: str) -> None:
+        """As router.pools.Pools does once a worker is live and paired: the hooks."""
+        ref = next(w for w in self.all() if w.worker_id == worker_id)
+        for callback in self.on_live:
+            callback(ref)
 
     async def drain(self, worker_id: str) -> None:
         """As router.pools.Pools.drain: no new work, the hooks, then wait until empty."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.core.waiting_queue import QueuePolicy
 from router.prefill_policy import (
@@ -31,6 +32,9 @@ class RouterConfig:
     # Moves of one request off a decode or colocated worker lost after tokens were
     # streamed (router/migrations.py); 0: such a request ends with an error.
     max_migrations: int = 3
+    # Channels between decode workers (live migration on drain): made at the first drain
+    # ("lazy") or as soon as a decode worker is live ("eager": a drain pays no set-up).
+    decode_peer_channels: Literal["lazy", "eager"] = "lazy"
     retry_delay_s: float = 0.5  # times the attempt number
     # How long a request waits for a worker when a whole pool is down (being replaced).
     worker_wait_s: float = 60.0
@@ -52,6 +56,8 @@ class RouterConfig:
         self.prefill_policy  # noqa: B018 - validates the three fields it is made of
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0 (0 = a lost worker fails its requests)")
+        if self.decode_peer_channels not in ("lazy", "eager"):
+            raise ValueError("decode_peer_channels must be 'lazy' or 'eager'")
         if self.priority_aging_s < 0:
             raise ValueError("priority_aging_s must be >= 0 (0 = no aging)")
 

@@ -67,6 +67,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "streamed tokens, with the same text. 0 = such a request ends with an error",
     )
     g.add_argument(
+        "--decode-peer-channels",
+        choices=("lazy", "eager"),
+        default=RouterConfig.decode_peer_channels,
+        help="KV channels between decode workers, for live migration on drain: made at "
+        "the first drain (lazy) or as soon as a decode worker is live (eager: a drain "
+        "then pays no channel set-up, at the cost of one channel per ordered pair)",
+    )
+    g.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
         default="prefix-aware",
@@ -103,6 +111,7 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
         max_queue=ns.max_queue,
         lease_s=ns.reservation_lease_s,
         max_migrations=ns.max_migrations,
+        decode_peer_channels=ns.decode_peer_channels,
         routing=RoutingConfig(policy=ns.routing),
         local_prefill_max_tokens=ns.local_prefill_max_tokens,
         slo_ttft_ms=ns.slo_ttft_ms,

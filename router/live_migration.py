@@ -79,6 +79,8 @@ class LiveMigrator:
         self._num_moves = 0
         pools.drain_hooks.append(self.drain)
         pools.on_removed.append(self._forget)
+        if config.decode_peer_channels == "eager":
+            pools.on_live.append(self._link_ahead)
 
     async def drain(self, source: WorkerRef) -> None:
         """Move every request running on `source` to the other decode workers."""
@@ -256,6 +258,24 @@ class LiveMigrator:
             link = (sender, receiver, made)
             self._links[key] = link
         await asyncio.shield(link[2])
+
+    def _link_ahead(self, ref: WorkerRef) -> None:
+        """A decode worker is live: make its channels with every live peer, both ways,
+        now, so that a drain pays no set-up (`--decode-peer-channels eager`)."""
+        if ref.pool != "decode":
+            return
+        for peer in self.pools.routable("decode"):
+            if peer is not ref:
+                self.spawn(self._link_quietly(ref, peer))
+                self.spawn(self._link_quietly(peer, ref))
+
+    async def _link_quietly(self, sender: WorkerRef, receiver: WorkerRef) -> None:
+        try:
+            await self._link(sender, receiver)
+        except Exception as exc:  # noqa: BLE001 - a drain tries again
+            log.warning(
+                "channel %s → %s not made ahead: %s", sender.worker_id, receiver.worker_id, exc
+            )
 
     def _forget(self, ref: WorkerRef) -> None:
         """A worker left: the channels it had with peers go, and a live peer drops its

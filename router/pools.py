@@ -95,8 +95,8 @@ class Pools:
         self.targets = dict(cluster.config.initial_sizes)
         self.on_death: list[Callable[[WorkerRef, str], None]] = []
         self.on_removed: list[Callable[[WorkerRef], None]] = []  # dead, drained or stopped
-        # Run when a worker starts draining, before the wait for its requests to end
-        # (live migration moves them off it).
+        self.on_live: list[Callable[[WorkerRef], None]] = []  # started, restarted: paired
+        # Run as a worker starts draining, before waiting for its requests (live migration).
         self.drain_hooks: list[Callable[[WorkerRef], Awaitable[None]]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._starting: dict[str, set[int]] = {pool: set() for pool in POOLS}
@@ -105,7 +105,7 @@ class Pools:
         # Seconds from asking for a worker to its being live: placement (which may wait
         # for a cluster autoscaler), model load, pairing.
         self.startup_times: dict[str, deque[float]] = {
-            pool: deque(maxlen=STARTUPS_KEPT) for pool in POOLS
+            p: deque(maxlen=STARTUPS_KEPT) for p in POOLS
         }
 
     # ---------------------------------------------------------------- views
@@ -229,6 +229,8 @@ class Pools:
             ref.state = "live"
             self.startup_times[pool].append(time.monotonic() - asked)
             log.info("%s live (epoch %x, %s)", ref.worker_id, ref.info.epoch, ref.info.device)
+            for callback in self.on_live:
+                callback(ref)
         return ref
 
     def channel_spec(self, sender: WorkerRef, receiver: WorkerRef) -> ChannelSpec:

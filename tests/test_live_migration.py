@@ -123,3 +123,42 @@ def test_no_room_on_the_peer_falls_back_to_recompute_and_frees_the_source() -> N
         await gen.stop()
 
     _run(body())
+
+
+def _connects(pools: FakePools) -> dict[str, int]:
+    return {
+        worker_id: [verb for verb, _ in fake.calls].count("connect")
+        for worker_id, fake in pools.fakes.items()
+        if worker_id.startswith("decode")
+    }
+
+
+def test_eager_peer_channels_are_up_before_a_drain_which_then_makes_none() -> None:
+    async def body() -> None:
+        lazy_pools = FakePools(1, 2, step_s=0.005)
+        lazy = _generator(lazy_pools)
+        lazy_pools.announce_live("decode-1")
+        await asyncio.sleep(0.05)
+        assert _connects(lazy_pools) == {"decode-0": 0, "decode-1": 0}  # made at a drain
+        await lazy.stop()
+
+        pools = FakePools(1, 2, step_s=0.005)
+        gen = _generator(pools, decode_peer_channels="eager")
+        pools.announce_live("decode-1")
+        # Both directions: each worker is the sender of one channel, the receiver of one.
+        await wait_until_async(lambda: _connects(pools) == {"decode-0": 2, "decode-1": 2}, 5)
+        other = pools.workers["decode"][1]
+        other.state = "starting"  # the requests all go to decode-0
+        tasks = [asyncio.ensure_future(_stream(gen, _call(max_tokens=60))) for _ in range(3)]
+        await wait_until_async(lambda: len(pools.fakes["decode-0"].running) == 3, 5)
+        other.state = "live"
+        before = _moves("drained_kv")
+        await asyncio.wait_for(pools.drain("decode-0"), 1.0)
+        assert _connects(pools) == {"decode-0": 2, "decode-1": 2}  # none made by the drain
+        assert _moves("drained_kv") == before + 3
+        for tokens, _, final in await asyncio.gather(*tasks):
+            assert final.finish_reason is FinishReason.LENGTH, final.error
+            assert tokens == [_token(k) for k in range(60)]
+        await gen.stop()
+
+    _run(body())
