@@ -67,6 +67,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "streamed tokens, with the same text. 0 = such a request ends with an error",
     )
     g.add_argument(
+        "--stream-interval",
+        type=at_least(1),
+        default=RouterConfig.stream_interval,
+        help="tokens each stream message waits for after the first (the final message "
+        "flushes the rest): fewer, larger messages where many streams of a small model "
+        "make the router the limit, for up to N - 1 decode steps of delay. 1 = every "
+        "chunk at once",
+    )
+    g.add_argument(
         "--decode-peer-channels",
         choices=("lazy", "eager"),
         default=RouterConfig.decode_peer_channels,
@@ -112,6 +121,7 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
         lease_s=ns.reservation_lease_s,
         max_migrations=ns.max_migrations,
         decode_peer_channels=ns.decode_peer_channels,
+        stream_interval=ns.stream_interval,
         routing=RoutingConfig(policy=ns.routing),
         local_prefill_max_tokens=ns.local_prefill_max_tokens,
         slo_ttft_ms=ns.slo_ttft_ms,

@@ -128,6 +128,7 @@ class GrpcServer:
         metrics: RouterMetrics | None = None,
         admin: AdminServicer | None = None,
         on_drain: Callable[[], None] | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self._generator = generator
         self._on_drain = on_drain  # told first when a drain starts
@@ -140,7 +141,7 @@ class GrpcServer:
         # Time between NOT_SERVING and refusing new calls, so load balancers and
         # readiness probes stop routing here first (set to the probe period in k8s).
         self.drain_notice_s = drain_notice_s
-        self._servicer = GenerationServicer(generator)
+        self._servicer = GenerationServicer(generator, stream_interval)
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._port: int | None = None
@@ -333,6 +334,7 @@ async def serve(
     metrics: RouterMetrics | None = None,
     admin: AdminServicer | None = None,
     on_drain: Callable[[], None] | None = None,
+    stream_interval: int = 1,
 ) -> None:
     """Run until SIGTERM/SIGINT has drained the server; the caller then stops the workers.
 
@@ -349,6 +351,7 @@ async def serve(
         metrics=metrics,
         admin=admin,
         on_drain=on_drain,
+        stream_interval=stream_interval,
     )
     try:
         await server.start()

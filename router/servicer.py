@@ -18,6 +18,7 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.errors import InvalidRequestError, NotReadyError, QueueFullError
 from router.protocol import ChatMessage, GenerateCall, Generator, PoolStats, ServerInfo
+from router.streams import CoalescedStream, close_stream
 from router.tracing import trace_parent
 
 logger = logging.getLogger(__name__)
@@ -233,23 +234,12 @@ def _failure_status(exc: Exception, what: str) -> _Status:
     return grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
 
 
-async def _aclose(stream: AsyncIterator[object], request_id: str) -> None:
-    # Closing runs the core's `finally`, which aborts the request and frees its blocks.
-    aclose = getattr(stream, "aclose", None)
-    if aclose is None:
-        return
-    try:
-        await aclose()
-    except Exception:
-        # The client's status is already decided; a failed cleanup is the core's bug to log.
-        logger.exception("request %s: closing the core stream failed", request_id)
-
-
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     """Edge of the router: proto in, GenerateCall to the core, proto stream out."""
 
-    def __init__(self, generator: Generator) -> None:
+    def __init__(self, generator: Generator, stream_interval: int = 1) -> None:
         self._generator = generator
+        self._stream_interval = stream_interval  # tokens a message waits for (1: none)
         self._draining = False
         self._num_in_flight = 0
         self._idle = asyncio.Event()
@@ -332,7 +322,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         num_sent = [0]  # completion tokens the client already has, for an ABORT's usage
         try:
             async with timeout:
-                return await self._forward(stream, call, context, num_sent)
+                interval = self._stream_interval
+                chunks = CoalescedStream(stream, interval) if interval > 1 else stream
+                return await self._forward(chunks, call, context, num_sent)
         except asyncio.CancelledError:
             if self._abort_reason is None:
                 raise  # the client cancelled or went away: nobody to tell
@@ -352,7 +344,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             return _failure_status(exc, call.request_id)
         finally:
             # Also runs when grpc cancels this task (client cancelled or went away).
-            await _aclose(stream, call.request_id)
+            await close_stream(stream, call.request_id)
 
     async def _forward(
         self,
