@@ -8,6 +8,7 @@ tokens per second a GPU delivers: where the router's ceiling is near it, the rou
 not the GPU, sets the service's throughput.
 
     python -m bench.router_load --concurrency 128 --requests 512 --profile out.prof
+    python -m bench.router_load --stream-intervals 1,4      # each in turn, one table
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from bench.report import percentile, provenance
 from bench.suite_common import free_port
 
 
-def _serve(port: int, args: argparse.Namespace, ready: Any, done: Any) -> None:
+def _serve(port: int, args: argparse.Namespace, interval: int, ready: Any, done: Any) -> None:
     from router.config import RouterConfig
     from router.grpc_server import serve
     from router.metrics import get_metrics
@@ -55,6 +56,7 @@ def _serve(port: int, args: argparse.Namespace, ready: Any, done: Any) -> None:
             drain_grace_s=1.0,
             on_started=lambda _server: ready.set(),
             metrics=get_metrics(),
+            stream_interval=interval,
         )
 
     profiler = cProfile.Profile() if args.profile else None
@@ -77,19 +79,58 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-ms", type=float, default=2.0, help="fake decode step")
     p.add_argument("--profile", help="write the router's cProfile stats here")
     p.add_argument("--out", help="JSON results")
+    p.add_argument(
+        "--stream-intervals",
+        default="1",
+        help="comma-separated --stream-interval values, each run in turn (e.g. 1,4)",
+    )
     args = p.parse_args(argv)
+    intervals = [int(v) for v in args.stream_intervals.split(",")]
+    runs = [_run(args, interval) for interval in intervals]
+    if any(r is None for r in runs):
+        return 1
+    result = {
+        "provenance": provenance("bench.router_load", sys.argv[1:] if argv is None else argv),
+        "concurrency": args.concurrency,
+        "requests": args.requests,
+        "step_ms": args.step_ms,
+        "offered_tok_s": round(args.concurrency / (args.step_ms / 1000), 1),
+        "runs": runs,
+    }
+    base = runs[0]["tok_s"]  # type: ignore[index]
+    print(
+        f"router over fake workers, {args.concurrency} streams "
+        f"(workers offer {result['offered_tok_s']} tok/s)"
+    )
+    print(
+        f"{'interval':>8} {'tok/s':>9} {'ratio':>6} {'msgs/req':>8} {'TTFT p50 ms':>11} {'ok':>9}"
+    )
+    for r in runs:
+        assert r is not None
+        print(
+            f"{r['stream_interval']:>8} {r['tok_s']:>9} {r['tok_s'] / base:>6.2f} "
+            f"{r['messages_per_request']:>8} {r['ttft_ms_p50']!s:>11} "
+            f"{r['ok']:>4}/{args.requests}"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if all(r is not None and r["ok"] == args.requests for r in runs) else 1
 
+
+def _run(args: argparse.Namespace, interval: int) -> dict[str, Any] | None:
+    """One router process at `interval`, driven by this one's closed loop."""
     from bench.suite_service import drive
 
     port = free_port()
     ctx = mp.get_context("spawn")
     ready, done = ctx.Event(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(port, args, ready, done))
+    server = ctx.Process(target=_serve, args=(port, args, interval, ready, done))
     server.start()
     if not ready.wait(60):
         server.kill()
         print("router did not start", file=sys.stderr)
-        return 1
+        return None
     prompts = [
         [100 + (i * 7 + j) % 1000 for j in range(args.prompt_len)] for i in range(args.requests)
     ]
@@ -103,26 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     ok = [t for t in timings if t.ok]
     tokens = sum(t.num_tokens for t in ok)
     ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
-    result = {
-        "provenance": provenance("bench.router_load", sys.argv[1:] if argv is None else argv),
-        "concurrency": args.concurrency,
-        "requests": args.requests,
+    return {
+        "stream_interval": interval,
         "ok": len(ok),
-        "step_ms": args.step_ms,
-        "offered_tok_s": round(args.concurrency / (args.step_ms / 1000), 1),
         "tok_s": round(tokens / wall, 1),
+        "messages_per_request": round(sum(len(t.gaps_s) + 1 for t in ok) / max(len(ok), 1), 1),
         "ttft_ms_p50": round(1000 * percentile(ttfts, 50), 2) if ttfts else None,
         "wall_s": round(elapsed, 2),
     }
-    print(
-        f"router over fake workers: {result['tok_s']} tok/s streamed "
-        f"(workers offer {result['offered_tok_s']}), TTFT p50 {result['ttft_ms_p50']} ms, "
-        f"{len(ok)}/{args.requests} ok"
-    )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0 if len(ok) == args.requests else 1
 
 
 if __name__ == "__main__":

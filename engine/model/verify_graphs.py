@@ -225,7 +225,7 @@ class VerifyGraphs:
     ) -> torch.Tensor:
         """Replay the graph for this batch; logits [size * q, V] (a view; rows per
         `logits_rows`). The caller has checked the block ids (the eager path's check).
-        `sources[i]` >= 0: sequence i's first token is still being sampled by the step
+        `sources[i]` >= 0: sequence i's newest token is still being sampled by the step
         before; it is read on the device from that row of `last_tokens`."""
         size = next(s for s in self.batch_sizes if s >= len(batch.seqs))
         self._stage(self._pack(batch.seqs, size))
