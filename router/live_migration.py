@@ -81,6 +81,8 @@ class LiveMigrator:
         pools.on_removed.append(self._forget)
         if config.decode_peer_channels == "eager":
             pools.on_live.append(self._link_ahead)
+            for ref in pools.routable("decode"):  # the pools started before the router
+                self._link_ahead(ref)
 
     async def drain(self, source: WorkerRef) -> None:
         """Move every request running on `source` to the other decode workers."""

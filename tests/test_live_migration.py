@@ -143,10 +143,10 @@ def test_eager_peer_channels_are_up_before_a_drain_which_then_makes_none() -> No
         await lazy.stop()
 
         pools = FakePools(1, 2, step_s=0.005)
-        gen = _generator(pools, decode_peer_channels="eager")
-        pools.announce_live("decode-1")
+        gen = _generator(pools, decode_peer_channels="eager")  # workers live already
         # Both directions: each worker is the sender of one channel, the receiver of one.
         await wait_until_async(lambda: _connects(pools) == {"decode-0": 2, "decode-1": 2}, 5)
+        pools.announce_live("decode-1")  # announced again: its channels exist, none is made
         other = pools.workers["decode"][1]
         other.state = "starting"  # the requests all go to decode-0
         tasks = [asyncio.ensure_future(_stream(gen, _call(max_tokens=60))) for _ in range(3)]
