@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -81,8 +82,9 @@ class LiveMigrator:
         pools.on_removed.append(self._forget)
         if config.decode_peer_channels == "eager":
             pools.on_live.append(self._link_ahead)
-            for ref in pools.routable("decode"):  # the pools started before the router
-                self._link_ahead(ref)
+            live = pools.routable("decode")  # the pools started before the router
+            for sender, receiver in itertools.permutations(live, 2):
+                spawn(self._link_quietly(sender, receiver))
 
     async def drain(self, source: WorkerRef) -> None:
         """Move every request running on `source` to the other decode workers."""
@@ -272,12 +274,20 @@ class LiveMigrator:
                 self.spawn(self._link_quietly(peer, ref))
 
     async def _link_quietly(self, sender: WorkerRef, receiver: WorkerRef) -> None:
+        started = time.perf_counter()
         try:
             await self._link(sender, receiver)
         except Exception as exc:  # noqa: BLE001 - a drain tries again
             log.warning(
                 "channel %s → %s not made ahead: %s", sender.worker_id, receiver.worker_id, exc
             )
+            return
+        log.info(
+            "channel %s → %s ready for live migration (%.0f ms)",
+            sender.worker_id,
+            receiver.worker_id,
+            1e3 * (time.perf_counter() - started),
+        )
 
     def _forget(self, ref: WorkerRef) -> None:
         """A worker left: the channels it had with peers go, and a live peer drops its
