@@ -87,40 +87,12 @@ class KVExporter:
 
         def post() -> tuple[list[Any], int]:
             # Engine thread: the gathers are ordered after every step that wrote this KV,
-            # and the blocks go back right behind them.
-            block_size = self.core.cache_config.block_size
-            ready = []
-            for move in moves:
-                # Only the blocks that hold its KV: a step launched ahead, or
-                # speculation, may have allocated the next one already.
-                num_kv = move.detached.num_kv_tokens
-                block_ids = self.core.block_ids(move.req_id)[: -(-num_kv // block_size)]
-                ready.append(
-                    ReadyKV(
-                        move.as_req_id, target, tuple(block_ids), num_kv, move.detached.next_token
-                    )
-                )
-            handles, total = [], 0
-            for message in plan_messages(ready, self.block_bytes):
-                payload = self.runner.gather_blocks(message.block_ids)
-                done = None
-                if payload.is_cuda:
-                    done = torch.cuda.Event()
-                    done.record()
-                header = HandoffHeader(
-                    kind=HeaderKind.HANDOFF,
-                    seq_no=channel.next_seq(),
-                    dst_epoch=target.epoch,
-                    src_epoch=self.epoch,
-                    entries=message.entries,
-                    num_bytes=int(payload.numel() * payload.element_size()),
-                    posted_at_us=int(time.time() * 1e6),
-                )
-                handles.append(channel.send(header, payload, done))
-                total += header.num_bytes
-            for move in moves:
-                self.core.release(move.req_id)
-            return handles, total
+            # and the blocks go back right behind them (whatever happens here).
+            try:
+                return self._post_detached(channel, target, moves)
+            finally:
+                for move in moves:
+                    self.core.release(move.req_id)
 
         handles, num_bytes = await self.on_engine(post)
         loop = asyncio.get_running_loop()
@@ -128,6 +100,41 @@ class KVExporter:
             if await done is not KVPoll.SUCCESS:
                 raise RuntimeError(f"KV to {target.worker_id} failed: {handle.failure}")
         return int(num_bytes)
+
+    def _post_detached(
+        self, channel: KVChannel, target: HandoffTarget, moves: Sequence[DetachedMove]
+    ) -> tuple[list[Any], int]:
+        """Gather the moves' blocks and post them, in as few messages as the caps allow;
+        the send handles and the bytes posted."""
+        block_size = self.core.cache_config.block_size
+        ready = []
+        for move in moves:
+            # Only the blocks that hold its KV: a step launched ahead, or speculation,
+            # may have allocated the next one already.
+            num_kv = move.detached.num_kv_tokens
+            block_ids = self.core.block_ids(move.req_id)[: -(-num_kv // block_size)]
+            ready.append(
+                ReadyKV(move.as_req_id, target, tuple(block_ids), num_kv, move.detached.next_token)
+            )
+        handles, total = [], 0
+        for message in plan_messages(ready, self.block_bytes):
+            payload = self.runner.gather_blocks(message.block_ids)
+            done = None
+            if payload.is_cuda:
+                done = torch.cuda.Event()
+                done.record()
+            header = HandoffHeader(
+                kind=HeaderKind.HANDOFF,
+                seq_no=channel.next_seq(),
+                dst_epoch=target.epoch,
+                src_epoch=self.epoch,
+                entries=message.entries,
+                num_bytes=int(payload.numel() * payload.element_size()),
+                posted_at_us=int(time.time() * 1e6),
+            )
+            handles.append(channel.send(header, payload, done))
+            total += header.num_bytes
+        return handles, total
 
 
 def _finished(handle: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Future[KVPoll]:
