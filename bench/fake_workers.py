@@ -309,6 +309,9 @@ class FakePools:
     def all(self) -> list[WorkerRef]:
         return [w for refs in self.workers.values() for w in refs]
 
+    def find(self, worker_id: str) -> WorkerRef | None:
+        return next((w for w in self.all() if w.worker_id == worker_id), None)
+
     @property
     def reference(self) -> WorkerInfo | None:
         return self.all()[0].info

@@ -1,5 +1,5 @@
-"""AdminService: list, scale and drain workers, set the local-prefill policy, and show
-the planner's last decision, while serving.
+"""AdminService: list, scale and drain workers, move requests between decode workers,
+set the local-prefill policy, and show the planner's last decision, while serving.
 
 Always registered (so reflection shows it), refused with PERMISSION_DENIED unless the
 server was started with --enable-admin. Bearer-token auth, when on, covers it like
@@ -18,6 +18,7 @@ import grpc
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.cluster import POOLS
+from router.live_migration import LiveMigrator
 from router.planner.loop import PlannerLoop
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
@@ -73,9 +74,10 @@ def planner_status(planner: PlannerLoop) -> pb.PlannerStatus:
 
 
 class PolicyHolder(Protocol):
-    """The serving core's side of SetPrefillPolicy."""
+    """The serving core's side of SetPrefillPolicy and MigrateRequests."""
 
     prefill_policy: PrefillPolicyConfig
+    live_migration: LiveMigrator | None  # None: colocated replicas, nothing to move
 
     def set_prefill_policy(self, config: PrefillPolicyConfig) -> None: ...
 
@@ -166,6 +168,39 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
             )
         await pools.drain(request.worker_id)
         return pb.DrainWorkerResponse()
+
+    async def MigrateRequests(
+        self, request: pb.MigrateRequestsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrateRequestsResponse:
+        pools = await self._check(context)
+        ref = pools.find(request.worker_id)
+        if ref is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
+        assert ref is not None
+        if ref.pool != "decode":
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"requests move with their KV between decode workers; {ref.worker_id} is a "
+                f"{ref.pool} worker",
+            )
+        if not ref.alive or not [w for w in pools.routable("decode") if w is not ref]:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{ref.worker_id} is {ref.state}"
+                if not ref.alive
+                else "no other live decode worker to take its requests",
+            )
+        core = self._core()
+        mover = core.live_migration if core is not None else None
+        if mover is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the serving core is starting")
+        assert mover is not None
+        result = await mover.rebalance(ref, request.max_requests or None)
+        return pb.MigrateRequestsResponse(
+            num_candidates=result.num_candidates,
+            moved_with_kv=result.with_kv,
+            moved_by_recompute=result.by_recompute,
+        )
 
     async def SetPrefillPolicy(
         self, request: pb.SetPrefillPolicyRequest, context: grpc.aio.ServicerContext

@@ -54,6 +54,21 @@ async def drain_worker(
         )
 
 
+async def migrate_requests(
+    target: str,
+    worker_id: str,
+    max_requests: int = 0,
+    security: ClientSecurity | None = None,
+) -> pb.MigrateRequestsResponse:
+    security = security or ClientSecurity()
+    async with security.channel(target) as channel:
+        return await pb_grpc.AdminServiceStub(channel).MigrateRequests(
+            pb.MigrateRequestsRequest(worker_id=worker_id, max_requests=max_requests),
+            timeout=SCALE_TIMEOUT_S,
+            metadata=security.metadata(),
+        )
+
+
 async def set_prefill_policy(
     target: str, request: pb.SetPrefillPolicyRequest, security: ClientSecurity | None = None
 ) -> pb.SetPrefillPolicyResponse:
@@ -78,6 +93,18 @@ def add_admin_arguments(
     for pool in POOLS:
         scale.add_argument(f"--{pool}", type=at_least(0), metavar="N", help=f"{pool} pool size")
     scale.add_argument("--drain", metavar="WORKER_ID", help="drain one worker (e.g. decode-1)")
+    scale.add_argument(
+        "--migrate",
+        metavar="WORKER_ID",
+        help="move running requests off one decode worker to the others, with their KV, "
+        "while it stays in service (rebalancing)",
+    )
+    scale.add_argument(
+        "--max-requests",
+        type=at_least(1),
+        metavar="N",
+        help="with --migrate: at most N requests, the largest token budgets first (default: all)",
+    )
     policy.add_argument("--local-prefill-max-tokens", type=at_least(0), metavar="N")
     policy.add_argument("--slo-ttft-ms", type=number_in(0, open_low=True), metavar="MS")
     policy.add_argument("--slo-tpot-ms", type=number_in(0, open_low=True), metavar="MS")
@@ -149,6 +176,14 @@ async def run_admin(ns: argparse.Namespace, security: ClientSecurity | None = No
         if ns.command == "scale":
             sizes = {p: getattr(ns, p) for p in POOLS}
             requested = {p: n for p, n in sizes.items() if n is not None}
+            if ns.migrate:
+                moved = await migrate_requests(
+                    ns.server, ns.migrate, ns.max_requests or 0, security
+                )
+                print(
+                    f"{ns.migrate}: {moved.moved_with_kv} of {moved.num_candidates} requests "
+                    f"moved with their KV, {moved.moved_by_recompute} by recompute"
+                )
             if ns.drain:
                 await drain_worker(ns.server, ns.drain, security)
             for pool, size in requested.items():

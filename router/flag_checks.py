@@ -183,8 +183,10 @@ def check_generate_flags(ns: argparse.Namespace, given: set[str]) -> None:
 
 def check_scale_flags(ns: argparse.Namespace) -> None:
     """`pdserve scale` needs something to do."""
-    if all(getattr(ns, pool) is None for pool in POOLS) and not ns.drain:
-        raise ValueError("give --prefill, --decode, --colocated or --drain")
+    if all(getattr(ns, pool) is None for pool in POOLS) and not (ns.drain or ns.migrate):
+        raise ValueError("give --prefill, --decode, --colocated, --drain or --migrate")
+    if ns.max_requests is not None and not ns.migrate:
+        raise ValueError("--max-requests: only with --migrate")
 
 
 def port_problem(host: str, port: int) -> str | None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 import logging
 import time
@@ -49,6 +50,23 @@ log = logging.getLogger("pdserve.router")
 
 LINK_TIMEOUT_S = 60.0
 _Link = tuple[WorkerRef, WorkerRef, "asyncio.Future[None]"]  # sender, receiver, made
+
+
+class _Outcome(enum.Enum):
+    """What became of a request that did not get ready to move with its KV."""
+
+    RECOMPUTED = "recomputed"  # continues elsewhere from its streamed tokens
+    ENDED = "ended"  # finished or was cancelled meanwhile
+    STAYED = "stayed"  # not running there, or no channel: left where it is (rebalance)
+
+
+@dataclass(frozen=True)
+class MoveResult:
+    """A move's result: requests picked, moved with their KV, moved by recompute."""
+
+    num_candidates: int
+    with_kv: int
+    by_recompute: int
 
 
 @dataclass(frozen=True)
@@ -91,16 +109,32 @@ class LiveMigrator:
         if source.pool != "decode":
             return
         on_it = [a for a in list(self.attempts.values()) if a.decode_ref is source]
-        if not on_it:
-            return
+        if on_it:
+            await self.move_off(source, on_it, stay_if_not_running=False)
+
+    async def rebalance(self, source: WorkerRef, max_requests: int | None) -> MoveResult:
+        """Move up to `max_requests` (None: all) of the requests decoding on `source`,
+        the largest token budgets first (those likely to run longest), to the other
+        decode workers; `source` stays in service. A request not decoding there yet
+        stays (`MigrateRequests`)."""
+        on_it = [a for a in list(self.attempts.values()) if a.decode_ref is source]
+        on_it.sort(key=lambda a: a.inp.sampling.max_tokens, reverse=True)
+        return await self.move_off(source, on_it[:max_requests], stay_if_not_running=True)
+
+    async def move_off(
+        self, source: WorkerRef, attempts: list[Attempt], *, stay_if_not_running: bool
+    ) -> MoveResult:
+        """Move `attempts` off `source` to its live peers, together. A request that is
+        not running there (queued, waiting for its KV, finishing) stays when
+        `stay_if_not_running`, else it continues elsewhere by recompute."""
         peers = [w for w in self.pools.routable("decode") if w is not source]
         if not peers:
-            log.info("%s drains with no peer to take its requests", source.worker_id)
-            return  # they finish there
+            log.info("%s: no peer to take its requests; they stay", source.worker_id)
+            return MoveResult(len(attempts), 0, 0)
         # Spread them: each to the peer with the fewest requests, counting those sent.
         planned = {id(w): w.num_assigned for w in peers}
         targets = []
-        for _ in on_it:
+        for _ in attempts:
             target = min(peers, key=lambda w: planned[id(w)])
             planned[id(target)] += 1
             targets.append(target)
@@ -109,17 +143,20 @@ class LiveMigrator:
         links = {id(t): asyncio.ensure_future(self._link(source, t)) for t in targets}
         prepared = await asyncio.gather(
             *(
-                self._prepare(a, source, t, links[id(t)])
-                for a, t in zip(on_it, targets, strict=True)
+                self._prepare(a, source, t, links[id(t)], stay_if_not_running)
+                for a, t in zip(attempts, targets, strict=True)
             ),
             return_exceptions=True,
         )
         by_target: dict[int, list[_Prepared]] = {}
+        num_recomputed = 0
         for item in prepared:
             if isinstance(item, BaseException):
                 log.error("moving a request off %s failed: %r", source.worker_id, item)
-            elif item is not None:
+            elif isinstance(item, _Prepared):
                 by_target.setdefault(id(item.target), []).append(item)
+            elif item is _Outcome.RECOMPUTED:
+                num_recomputed += 1
         # One transfer per target for all its requests: the per-message costs once.
         sent = await asyncio.gather(
             *(self._send(source, group) for group in by_target.values()),
@@ -128,13 +165,15 @@ class LiveMigrator:
         for failed in (r for r in sent if isinstance(r, BaseException)):
             log.error("moving requests off %s failed: %r", source.worker_id, failed)
         moved = sum(r for r in sent if isinstance(r, int))
+        num_recomputed += sum(len(g) for g in by_target.values()) - moved
         log.info(
             "%s: %d of %d requests moved with their KV in %.3f s",
             source.worker_id,
             moved,
-            len(on_it),
+            len(attempts),
             time.perf_counter() - started,
         )
+        return MoveResult(len(attempts), moved, num_recomputed)
 
     async def _prepare(
         self,
@@ -142,26 +181,28 @@ class LiveMigrator:
         source: WorkerRef,
         target: WorkerRef,
         link: asyncio.Future[None],
-    ) -> _Prepared | None:
+        stay_if_not_running: bool,
+    ) -> _Prepared | _Outcome:
         """Detach one request, switch its stream to the target and reserve its blocks
-        there; None when it moves by recompute instead (or ended meanwhile)."""
+        there; else what became of it."""
         try:
             await asyncio.shield(link)
         except Exception as exc:  # noqa: BLE001 - then by recompute
-            self._recompute(attempt, source, f"no channel to {target.worker_id}: {exc}")
-            return None
+            if stay_if_not_running:  # nothing was done to it: it goes on where it is
+                return _Outcome.STAYED
+            return self._recompute(attempt, source, f"no channel to {target.worker_id}: {exc}")
         old_id = attempt.req_id
         try:
             detached = await source.client.detach(old_id)
         except WorkerDied as exc:
-            self._recompute(attempt, source, f"{source.worker_id} died: {exc}")
-            return None
+            return self._recompute(attempt, source, f"{source.worker_id} died: {exc}")
         if self.attempts.get(old_id) is not attempt:  # it ended meanwhile
             self.spawn(self._abort(source, old_id))
-            return None
-        if detached is None:  # queued, mid-recompute or finishing there
-            self._recompute(attempt, source, "it was not running")
-            return None
+            return _Outcome.ENDED
+        if detached is None:  # queued, waiting for its KV, mid-recompute or finishing
+            if stay_if_not_running:
+                return _Outcome.STAYED
+            return self._recompute(attempt, source, "it was not running")
         paused = time.perf_counter()
         inp = self._switch(attempt, target, detached)
         try:
@@ -172,8 +213,7 @@ class LiveMigrator:
             why = f"no room on {target.worker_id}"
         if reservation is None:
             self.spawn(self._abort(source, old_id))
-            self._recompute(attempt, source, why)
-            return None
+            return self._recompute(attempt, source, why)
         return _Prepared(attempt, target, DetachedMove(old_id, inp.req_id, detached), paused)
 
     async def _send(self, source: WorkerRef, group: list[_Prepared]) -> int:
@@ -235,13 +275,13 @@ class LiveMigrator:
         self.attempts[inp.req_id] = attempt
         return inp
 
-    def _recompute(self, attempt: Attempt, source: WorkerRef, why: str) -> bool:
+    def _recompute(self, attempt: Attempt, source: WorkerRef, why: str) -> _Outcome:
         """Fall back: the request continues elsewhere from its streamed tokens."""
         log.warning("request %s leaves %s by recompute: %s", attempt.req_id, source.worker_id, why)
         attempt.inbox.put(
             WorkerLost(f"{source.worker_id} drained; {why}", worker=source, why="drained")
         )
-        return False
+        return _Outcome.RECOMPUTED
 
     async def _abort(self, ref: WorkerRef, req_id: str) -> None:
         with contextlib.suppress(WorkerDied):  # a dead worker's blocks went with it

@@ -94,8 +94,11 @@ class DisaggregatedGenerator(ServingPaths):
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
         self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of, self.signals)
         migrations_counter()  # on /metrics from the start, at zero
-        if not self.colocated_mode:
-            self.live_migration = LiveMigrator(pools, self._attempts, self.config, self._spawn)
+        self.live_migration = (
+            None
+            if self.colocated_mode
+            else LiveMigrator(pools, self._attempts, self.config, self._spawn)
+        )
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:

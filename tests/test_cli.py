@@ -145,7 +145,14 @@ def test_unsupported_model_folder_fails_before_loading(
         (["serve", "--port", "9400"], "--port and --metrics-port are both 9400"),
         (["serve", "--tls-cert", "x.pem"], "--tls-cert and --tls-key must be given together"),
         (["scale", "--server", "127.0.0.1:1", "--prefill", "-1"], "--prefill: must be >= 0"),
-        (["scale", "--server", "127.0.0.1:1"], "give --prefill, --decode, --colocated or --drain"),
+        (
+            ["scale", "--server", "127.0.0.1:1"],
+            "give --prefill, --decode, --colocated, --drain or --migrate",
+        ),
+        (
+            ["scale", "--server", "127.0.0.1:1", "--decode", "2", "--max-requests", "2"],
+            "--max-requests: only with --migrate",
+        ),
         (["workers", "--server", "127.0.0.1:1", "--auth-token-file", "/no/such"], "no such file"),
     ],
 )

@@ -30,6 +30,13 @@ class ScriptedAdmin(pb_grpc.AdminServiceServicer):
 
     def __init__(self, planner: pb.PlannerStatus | None = None) -> None:
         self.planner = planner
+        self.migrations: list[pb.MigrateRequestsRequest] = []
+
+    async def MigrateRequests(
+        self, request: pb.MigrateRequestsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrateRequestsResponse:
+        self.migrations.append(request)
+        return pb.MigrateRequestsResponse(num_candidates=3, moved_with_kv=2, moved_by_recompute=1)
 
     async def ListWorkers(
         self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
@@ -46,16 +53,21 @@ class ScriptedAdmin(pb_grpc.AdminServiceServicer):
         )
 
 
-def run_workers_cli(planner: pb.PlannerStatus | None = None) -> int:
-    """`pdserve workers` in-process against a ScriptedAdmin; its exit status."""
+def run_workers_cli(
+    planner: pb.PlannerStatus | None = None,
+    command: tuple[str, ...] = ("workers",),
+    admin: ScriptedAdmin | None = None,
+) -> int:
+    """`pdserve workers` (or another admin command) in-process against a ScriptedAdmin;
+    its exit status."""
 
     async def body() -> int:
         server = grpc.aio.server()
-        pb_grpc.add_AdminServiceServicer_to_server(ScriptedAdmin(planner), server)
+        pb_grpc.add_AdminServiceServicer_to_server(admin or ScriptedAdmin(planner), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
-            argv = ["workers", "--server", f"127.0.0.1:{port}"]
+            argv = [command[0], "--server", f"127.0.0.1:{port}", *command[1:]]
             return await asyncio.get_running_loop().run_in_executor(None, main, argv)
         finally:
             await server.stop(0)
@@ -113,3 +125,15 @@ def test_the_planners_last_decision_follows_the_table(capsys: pytest.CaptureFixt
 def test_without_a_planner_only_the_workers_are_listed(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_workers_cli() == 0
     assert "planner" not in capsys.readouterr().out
+
+
+def test_scale_migrate_asks_to_move_requests_and_says_how_many_moved(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    admin = ScriptedAdmin()
+    command = ("scale", "--migrate", "decode-0", "--max-requests", "3")
+    assert run_workers_cli(command=command, admin=admin) == 0
+    assert [(m.worker_id, m.max_requests) for m in admin.migrations] == [("decode-0", 3)]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "decode-0: 2 of 3 requests moved with their KV, 1 by recompute"
+    assert out[1].split() == ["worker", "state", "epoch", "in", "flight", "device", "node", "peers"]

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
+
 from bench.fake_workers import FakePools
 from bench.harness.polling import wait_until_async
 from engine.core.request import FinishReason
+from pdserve.v1 import admin_pb2 as pb
 from router import metrics
+from router.admin import AdminServicer
 from router.migrations import migrations_counter
 from tests.test_migration import _stream, _text, _token
 from tests.test_orchestrator import PROMPT, _call, _generator, _run
@@ -159,6 +164,58 @@ def test_eager_peer_channels_are_up_before_a_drain_which_then_makes_none() -> No
         for tokens, _, final in await asyncio.gather(*tasks):
             assert final.finish_reason is FinishReason.LENGTH, final.error
             assert tokens == [_token(k) for k in range(60)]
+        await gen.stop()
+
+    _run(body())
+
+
+class _Context:
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+def test_migrate_requests_moves_some_with_their_kv_and_the_worker_stays_in_service() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 2, step_s=0.005)
+        gen, tasks = await _under_way(pools, 4, "decode-0", max_tokens=200)
+        admin = AdminServicer(lambda: pools, True, lambda: gen)  # type: ignore[arg-type,return-value]
+        before = _moves("drained_kv")
+        reply = await admin.MigrateRequests(
+            pb.MigrateRequestsRequest(worker_id="decode-0", max_requests=2), _Context()
+        )
+        assert (reply.num_candidates, reply.moved_with_kv, reply.moved_by_recompute) == (2, 2, 0)
+        assert _moves("drained_kv") == before + 2
+        source = pools.workers["decode"][0]
+        assert source.state == "live" and len(pools.fakes["decode-0"].running) == 2
+        for tokens, text, final in await asyncio.gather(*tasks):
+            assert final.finish_reason is FinishReason.LENGTH, final.error
+            assert tokens == [_token(k) for k in range(200)]
+            assert text == _text(tokens)
+        assert all(f.holds_nothing for f in pools.fakes.values())
+        await gen.stop()
+
+    _run(body())
+
+
+def test_migrate_requests_refuses_what_it_cannot_do_with_a_reason() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 2, step_s=0.005)
+        gen = _generator(pools)
+        admin = AdminServicer(lambda: pools, True, lambda: gen)  # type: ignore[arg-type,return-value]
+
+        async def refused(worker_id: str) -> str:
+            with pytest.raises(RuntimeError) as info:
+                await admin.MigrateRequests(
+                    pb.MigrateRequestsRequest(worker_id=worker_id), _Context()
+                )
+            return str(info.value)
+
+        assert (await refused("decode-7")).startswith("NOT_FOUND")
+        assert "decode workers; prefill-0 is a prefill worker" in await refused("prefill-0")
+        pools.workers["decode"][1].state = "starting"
+        assert await refused("decode-0") == (
+            "FAILED_PRECONDITION: no other live decode worker to take its requests"
+        )
         await gen.stop()
 
     _run(body())

@@ -121,6 +121,24 @@ class DrainWorkerResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class MigrateRequestsRequest(_message.Message):
+    __slots__ = ("worker_id", "max_requests")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    max_requests: int
+    def __init__(self, worker_id: _Optional[str] = ..., max_requests: _Optional[int] = ...) -> None: ...
+
+class MigrateRequestsResponse(_message.Message):
+    __slots__ = ("num_candidates", "moved_with_kv", "moved_by_recompute")
+    NUM_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    MOVED_WITH_KV_FIELD_NUMBER: _ClassVar[int]
+    MOVED_BY_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    num_candidates: int
+    moved_with_kv: int
+    moved_by_recompute: int
+    def __init__(self, num_candidates: _Optional[int] = ..., moved_with_kv: _Optional[int] = ..., moved_by_recompute: _Optional[int] = ...) -> None: ...
+
 class PrefillPolicy(_message.Message):
     __slots__ = ("local_prefill_max_tokens", "slo_ttft_ms", "slo_tpot_ms")
     LOCAL_PREFILL_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class AdminServiceStub:
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
+        self.MigrateRequests = channel.unary_unary(
+                '/pdserve.v1.AdminService/MigrateRequests',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.MigrateRequestsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.MigrateRequestsResponse.FromString,
+                _registered_method=True)
         self.SetPrefillPolicy = channel.unary_unary(
                 '/pdserve.v1.AdminService/SetPrefillPolicy',
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.SetPrefillPolicyRequest.SerializeToString,
@@ -84,6 +89,16 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MigrateRequests(self, request, context):
+        """Move running requests off one decode worker to the other decode workers, with
+        their KV, while it stays in service (to rebalance): the mechanism of a drain's live
+        migration. Requests not decoding there yet (waiting for their prompt's KV) stay.
+        Returns when they have moved.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetPrefillPolicy(self, request, context):
         """Change the thresholds by which the router runs a prompt on the decode worker
         instead of the prefill pool; fields left unset keep their value. Returns the
@@ -110,6 +125,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.DrainWorker,
                     request_deserializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'MigrateRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateRequests,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.MigrateRequestsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.MigrateRequestsResponse.SerializeToString,
             ),
             'SetPrefillPolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPrefillPolicy,
@@ -198,6 +218,33 @@ class AdminService:
             '/pdserve.v1.AdminService/DrainWorker',
             pdserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.SerializeToString,
             pdserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.AdminService/MigrateRequests',
+            pdserve_dot_v1_dot_admin__pb2.MigrateRequestsRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.MigrateRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,
