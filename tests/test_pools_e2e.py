@@ -32,7 +32,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2 as admin_pb
 from pdserve.v1 import generation_pb2 as pb
-from router.admin_client import list_workers, scale_pool
+from router.admin_client import list_workers, migrate_requests, scale_pool
 from router.client import get_pool_stats
 
 pytestmark = pytest.mark.e2e
@@ -325,6 +325,52 @@ def test_chaos_kills_cancels_and_deadlines(
         asyncio.run(scenario())
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n--- service log ---\n{service.log_tail(8000)}") from exc
+
+
+def test_migrate_requests_rebalances_with_the_kv_and_the_worker_stays(
+    service: ServiceProcess,
+) -> None:
+    """`MigrateRequests` moves running generations off decode-1 to decode-0 with their KV
+    while decode-1 stays live; each text is the one the undisturbed service gives."""
+    prompts = [f"Note {i}: the orchard gate was painted green." for i in range(4)]
+
+    async def scenario() -> tuple[list[StreamResult], list[StreamResult]]:
+        await _pools_at(service.address, 2, 2)
+        params = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+        reference = await asyncio.gather(
+            *(generate(service.address, prompt=p, **params) for p in prompts)
+        )
+        seen = [0] * len(prompts)
+        streams = [
+            asyncio.ensure_future(
+                generate(
+                    service.address,
+                    prompt=p,
+                    on_tokens=lambda n, i=i: seen.__setitem__(i, n),
+                    **params,
+                )
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+        async def under_way_on_decode_1() -> bool:
+            stats = await get_pool_stats(service.address)
+            running = {w.index: w.num_running for w in stats.workers if w.pool == pb.POOL_DECODE}
+            return min(seen) >= 2 and running.get(1, 0) > 0
+
+        await wait_until_async(under_way_on_decode_1, 60, what="streams running on decode-1")
+        reply = await migrate_requests(service.address, "decode-1")
+        assert reply.moved_with_kv >= 1 and reply.moved_by_recompute == 0, reply
+        states = {w.worker_id: w.state for w in (await list_workers(service.address)).workers}
+        assert states["decode-1"] == admin_pb.WORKER_STATE_LIVE
+        results = await asyncio.gather(*streams)
+        await assert_pools_empty(service.address)
+        return results, reference
+
+    results, reference = asyncio.run(scenario())
+    for result, ref in zip(results, reference, strict=True):
+        assert result.outcome == "final:FINISH_REASON_LENGTH", (result.outcome, result.details)
+        assert result.tokens == ref.tokens
 
 
 def test_a_drained_decode_worker_hands_its_running_generations_over(
