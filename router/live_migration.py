@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from engine.wire import DetachedMove, DetachedRequest, GenerationInput, HandoffTarget
 from router.attempts import Attempt, WorkerLost
@@ -50,6 +50,10 @@ log = logging.getLogger("pdserve.router")
 
 LINK_TIMEOUT_S = 60.0
 _Link = tuple[WorkerRef, WorkerRef, "asyncio.Future[None]"]  # sender, receiver, made
+
+
+# Why requests move: their worker drains, or an operator rebalances (MigrateRequests).
+MoveReason = Literal["drained", "rebalanced"]
 
 
 class _Outcome(enum.Enum):
@@ -110,7 +114,7 @@ class LiveMigrator:
             return
         on_it = [a for a in list(self.attempts.values()) if a.decode_ref is source]
         if on_it:
-            await self.move_off(source, on_it, stay_if_not_running=False)
+            await self.move_off(source, on_it, "drained")
 
     async def rebalance(self, source: WorkerRef, max_requests: int | None) -> MoveResult:
         """Move up to `max_requests` (None: all) of the requests decoding on `source`,
@@ -119,14 +123,15 @@ class LiveMigrator:
         stays (`MigrateRequests`)."""
         on_it = [a for a in list(self.attempts.values()) if a.decode_ref is source]
         on_it.sort(key=lambda a: a.inp.sampling.max_tokens, reverse=True)
-        return await self.move_off(source, on_it[:max_requests], stay_if_not_running=True)
+        return await self.move_off(source, on_it[:max_requests], "rebalanced")
 
     async def move_off(
-        self, source: WorkerRef, attempts: list[Attempt], *, stay_if_not_running: bool
+        self, source: WorkerRef, attempts: list[Attempt], reason: MoveReason
     ) -> MoveResult:
         """Move `attempts` off `source` to its live peers, together. A request that is
-        not running there (queued, waiting for its KV, finishing) stays when
-        `stay_if_not_running`, else it continues elsewhere by recompute."""
+        not running there (queued, waiting for its KV, finishing) continues elsewhere by
+        recompute when `source` drains, and stays when it is only rebalanced. Counted in
+        the migrations metric as `{reason}_kv`, or `reason` for a recompute."""
         peers = [w for w in self.pools.routable("decode") if w is not source]
         if not peers:
             log.info("%s: no peer to take its requests; they stay", source.worker_id)
@@ -143,7 +148,7 @@ class LiveMigrator:
         links = {id(t): asyncio.ensure_future(self._link(source, t)) for t in targets}
         prepared = await asyncio.gather(
             *(
-                self._prepare(a, source, t, links[id(t)], stay_if_not_running)
+                self._prepare(a, source, t, links[id(t)], reason)
                 for a, t in zip(attempts, targets, strict=True)
             ),
             return_exceptions=True,
@@ -159,7 +164,7 @@ class LiveMigrator:
                 num_recomputed += 1
         # One transfer per target for all its requests: the per-message costs once.
         sent = await asyncio.gather(
-            *(self._send(source, group) for group in by_target.values()),
+            *(self._send(source, group, reason) for group in by_target.values()),
             return_exceptions=True,
         )
         for failed in (r for r in sent if isinstance(r, BaseException)):
@@ -181,28 +186,30 @@ class LiveMigrator:
         source: WorkerRef,
         target: WorkerRef,
         link: asyncio.Future[None],
-        stay_if_not_running: bool,
+        reason: MoveReason,
     ) -> _Prepared | _Outcome:
         """Detach one request, switch its stream to the target and reserve its blocks
         there; else what became of it."""
+        stay_if_not_running = reason == "rebalanced"  # the source stays in service
         try:
             await asyncio.shield(link)
         except Exception as exc:  # noqa: BLE001 - then by recompute
             if stay_if_not_running:  # nothing was done to it: it goes on where it is
                 return _Outcome.STAYED
-            return self._recompute(attempt, source, f"no channel to {target.worker_id}: {exc}")
+            why = f"no channel to {target.worker_id}: {exc}"
+            return self._recompute(attempt, source, why, reason)
         old_id = attempt.req_id
         try:
             detached = await source.client.detach(old_id)
         except WorkerDied as exc:
-            return self._recompute(attempt, source, f"{source.worker_id} died: {exc}")
+            return self._recompute(attempt, source, f"{source.worker_id} died: {exc}", reason)
         if self.attempts.get(old_id) is not attempt:  # it ended meanwhile
             self.spawn(self._abort(source, old_id))
             return _Outcome.ENDED
         if detached is None:  # queued, waiting for its KV, mid-recompute or finishing
             if stay_if_not_running:
                 return _Outcome.STAYED
-            return self._recompute(attempt, source, "it was not running")
+            return self._recompute(attempt, source, "it was not running", reason)
         paused = time.perf_counter()
         inp = self._switch(attempt, target, detached)
         try:
@@ -213,10 +220,10 @@ class LiveMigrator:
             why = f"no room on {target.worker_id}"
         if reservation is None:
             self.spawn(self._abort(source, old_id))
-            return self._recompute(attempt, source, why)
+            return self._recompute(attempt, source, why, reason)
         return _Prepared(attempt, target, DetachedMove(old_id, inp.req_id, detached), paused)
 
-    async def _send(self, source: WorkerRef, group: list[_Prepared]) -> int:
+    async def _send(self, source: WorkerRef, group: list[_Prepared], reason: MoveReason) -> int:
         """Send one target's requests in one transfer; how many moved with their KV (on a
         failure none did: each continues by recompute)."""
         target = group[0].target
@@ -228,10 +235,10 @@ class LiveMigrator:
         except Exception as exc:  # noqa: BLE001 - then by recompute
             for p in group:
                 self.spawn(self._abort(source, p.move.req_id))
-                self._recompute(p.attempt, source, f"moving its KV failed: {exc}")
+                self._recompute(p.attempt, source, f"moving its KV failed: {exc}", reason)
             return 0
         sent_at = time.perf_counter()
-        migrations_counter().labels(pool="decode", reason="drained_kv").inc(len(group))
+        migrations_counter().labels(pool="decode", reason=f"{reason}_kv").inc(len(group))
         for p in group:
             log.info(
                 "request %s moved from %s to %s with its KV (%d tokens, %.1f ms paused; "
@@ -275,11 +282,13 @@ class LiveMigrator:
         self.attempts[inp.req_id] = attempt
         return inp
 
-    def _recompute(self, attempt: Attempt, source: WorkerRef, why: str) -> _Outcome:
+    def _recompute(
+        self, attempt: Attempt, source: WorkerRef, why: str, reason: MoveReason
+    ) -> _Outcome:
         """Fall back: the request continues elsewhere from its streamed tokens."""
         log.warning("request %s leaves %s by recompute: %s", attempt.req_id, source.worker_id, why)
         attempt.inbox.put(
-            WorkerLost(f"{source.worker_id} drained; {why}", worker=source, why="drained")
+            WorkerLost(f"{source.worker_id} {reason}; {why}", worker=source, why=reason)
         )
         return _Outcome.RECOMPUTED
 

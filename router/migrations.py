@@ -12,7 +12,8 @@ worker is lost after its first token ends with an error, as before migration exi
 Each migration is logged and counted in `pdserve_request_migrations_total{pool, reason}`
 (reason: `worker_died`; `drained_kv` for a request that moved off a draining decode worker
 with its KV, router/live_migration.py, and `drained` for one that could not and moved by
-recompute).
+recompute; `rebalanced_kv` and `rebalanced` the same for a move an operator asked for,
+`MigrateRequests`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from router.attempts import Progress, WorkerLost
 log = logging.getLogger("pdserve.router")
 
 MIGRATION_POOLS = ("decode", "colocated")
-MIGRATION_REASONS = ("worker_died", "drained", "drained_kv")
+MIGRATION_REASONS = ("worker_died", "drained", "drained_kv", "rebalanced", "rebalanced_kv")
 
 _counters: dict[int, Counter] = {}
 _lock = threading.Lock()

@@ -179,12 +179,12 @@ def test_migrate_requests_moves_some_with_their_kv_and_the_worker_stays_in_servi
         pools = FakePools(1, 2, step_s=0.005)
         gen, tasks = await _under_way(pools, 4, "decode-0", max_tokens=200)
         admin = AdminServicer(lambda: pools, True, lambda: gen)  # type: ignore[arg-type,return-value]
-        before = _moves("drained_kv")
+        before = _moves("rebalanced_kv")
         reply = await admin.MigrateRequests(
             pb.MigrateRequestsRequest(worker_id="decode-0", max_requests=2), _Context()
         )
         assert (reply.num_candidates, reply.moved_with_kv, reply.moved_by_recompute) == (2, 2, 0)
-        assert _moves("drained_kv") == before + 2
+        assert _moves("rebalanced_kv") == before + 2
         source = pools.workers["decode"][0]
         assert source.state == "live" and len(pools.fakes["decode-0"].running) == 2
         for tokens, text, final in await asyncio.gather(*tasks):
