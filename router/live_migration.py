@@ -100,6 +100,9 @@ class LiveMigrator:
         # (sender, receiver) incarnations whose channel is up or being made.
         self._links: dict[tuple[str, int, str, int], _Link] = {}
         self._num_moves = 0
+        # Attempts (by id) a move has picked: a drain and a rebalance of one worker at
+        # once must not both take a request.
+        self._moving: set[int] = set()
         pools.drain_hooks.append(self.drain)
         pools.on_removed.append(self._forget)
         if config.decode_peer_channels == "eager":
@@ -131,7 +134,19 @@ class LiveMigrator:
         """Move `attempts` off `source` to its live peers, together. A request that is
         not running there (queued, waiting for its KV, finishing) continues elsewhere by
         recompute when `source` drains, and stays when it is only rebalanced. Counted in
-        the migrations metric as `{reason}_kv`, or `reason` for a recompute."""
+        the migrations metric as `{reason}_kv`, or `reason` for a recompute. A request
+        another move has picked already is left to it."""
+        attempts = [a for a in attempts if id(a) not in self._moving]
+        picked = {id(a) for a in attempts}
+        self._moving |= picked
+        try:
+            return await self._move_together(source, attempts, reason)
+        finally:
+            self._moving -= picked
+
+    async def _move_together(
+        self, source: WorkerRef, attempts: list[Attempt], reason: MoveReason
+    ) -> MoveResult:
         peers = [w for w in self.pools.routable("decode") if w is not source]
         if not peers:
             log.info("%s: no peer to take its requests; they stay", source.worker_id)

@@ -219,3 +219,24 @@ def test_migrate_requests_refuses_what_it_cannot_do_with_a_reason() -> None:
         await gen.stop()
 
     _run(body())
+
+
+def test_a_drain_during_a_rebalance_of_the_same_worker_moves_each_request_once() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 2, step_s=0.005)
+        gen, tasks = await _under_way(pools, 4, "decode-0", max_tokens=120)
+        before = {r: _moves(r) for r in ("drained", "drained_kv", "rebalanced", "rebalanced_kv")}
+        mover = gen.live_migration
+        assert mover is not None
+        source = pools.workers["decode"][0]
+        result, _ = await asyncio.gather(mover.rebalance(source, None), pools.drain("decode-0"))
+        after = {r: _moves(r) - n for r, n in before.items()}
+        assert result.with_kv == 4
+        assert after == {"drained": 0, "drained_kv": 0, "rebalanced": 0, "rebalanced_kv": 4}
+        for tokens, _, final in await asyncio.gather(*tasks):
+            assert final.finish_reason is FinishReason.LENGTH, final.error
+            assert tokens == [_token(k) for k in range(120)]
+        assert all(f.holds_nothing for f in pools.fakes.values())
+        await gen.stop()
+
+    _run(body())
