@@ -327,6 +327,37 @@ def test_chaos_kills_cancels_and_deadlines(
         raise AssertionError(f"{exc}\n--- service log ---\n{service.log_tail(8000)}") from exc
 
 
+async def _greedy_streams_under_way_on_decode_1(
+    address: str, prompts: list[str], max_tokens: int
+) -> tuple[list[asyncio.Future[StreamResult]], list[StreamResult]]:
+    """Each prompt run once undisturbed (the reference), then all streamed again at once
+    until some run on decode-1 and every stream has its first tokens."""
+    params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    reference = await asyncio.gather(*(generate(address, prompt=p, **params) for p in prompts))
+    seen = [0] * len(prompts)
+    streams = [
+        asyncio.ensure_future(
+            generate(address, prompt=p, on_tokens=lambda n, i=i: seen.__setitem__(i, n), **params)
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+    async def under_way_on_decode_1() -> bool:
+        stats = await get_pool_stats(address)
+        running = {w.index: w.num_running for w in stats.workers if w.pool == pb.POOL_DECODE}
+        return min(seen) >= 2 and running.get(1, 0) > 0
+
+    await wait_until_async(under_way_on_decode_1, 60, what="streams running on decode-1")
+    return streams, list(reference)
+
+
+def _same_texts(results: list[StreamResult], reference: list[StreamResult]) -> None:
+    for result, ref in zip(results, reference, strict=True):
+        assert ref.outcome == "final:FINISH_REASON_LENGTH", ref.outcome
+        assert result.outcome == "final:FINISH_REASON_LENGTH", (result.outcome, result.details)
+        assert result.tokens == ref.tokens
+
+
 def test_migrate_requests_rebalances_with_the_kv_and_the_worker_stays(
     service: ServiceProcess,
 ) -> None:
@@ -336,29 +367,9 @@ def test_migrate_requests_rebalances_with_the_kv_and_the_worker_stays(
 
     async def scenario() -> tuple[list[StreamResult], list[StreamResult]]:
         await _pools_at(service.address, 2, 2)
-        params = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
-        reference = await asyncio.gather(
-            *(generate(service.address, prompt=p, **params) for p in prompts)
+        streams, reference = await _greedy_streams_under_way_on_decode_1(
+            service.address, prompts, 40
         )
-        seen = [0] * len(prompts)
-        streams = [
-            asyncio.ensure_future(
-                generate(
-                    service.address,
-                    prompt=p,
-                    on_tokens=lambda n, i=i: seen.__setitem__(i, n),
-                    **params,
-                )
-            )
-            for i, p in enumerate(prompts)
-        ]
-
-        async def under_way_on_decode_1() -> bool:
-            stats = await get_pool_stats(service.address)
-            running = {w.index: w.num_running for w in stats.workers if w.pool == pb.POOL_DECODE}
-            return min(seen) >= 2 and running.get(1, 0) > 0
-
-        await wait_until_async(under_way_on_decode_1, 60, what="streams running on decode-1")
         reply = await migrate_requests(service.address, "decode-1")
         assert reply.moved_with_kv >= 1 and reply.moved_by_recompute == 0, reply
         states = {w.worker_id: w.state for w in (await list_workers(service.address)).workers}
@@ -367,10 +378,7 @@ def test_migrate_requests_rebalances_with_the_kv_and_the_worker_stays(
         await assert_pools_empty(service.address)
         return results, reference
 
-    results, reference = asyncio.run(scenario())
-    for result, ref in zip(results, reference, strict=True):
-        assert result.outcome == "final:FINISH_REASON_LENGTH", (result.outcome, result.details)
-        assert result.tokens == ref.tokens
+    _same_texts(*asyncio.run(scenario()))
 
 
 def test_a_drained_decode_worker_hands_its_running_generations_over(
@@ -383,34 +391,10 @@ def test_a_drained_decode_worker_hands_its_running_generations_over(
 
     async def scenario() -> tuple[list[StreamResult], list[StreamResult], float]:
         await _pools_at(service.address, 2, 2)
-        reference = await asyncio.gather(
-            *(
-                generate(service.address, prompt=p, max_tokens=48, temperature=0.0, ignore_eos=True)
-                for p in prompts
-            )
-        )
         before = scrape(service.metrics_port)[1]
-        seen = [0] * len(prompts)
-        streams = [
-            asyncio.ensure_future(
-                generate(
-                    service.address,
-                    prompt=p,
-                    max_tokens=48,
-                    temperature=0.0,
-                    ignore_eos=True,
-                    on_tokens=lambda n, i=i: seen.__setitem__(i, n),
-                )
-            )
-            for i, p in enumerate(prompts)
-        ]
-
-        async def under_way_on_both() -> bool:
-            stats = await get_pool_stats(service.address)
-            running = {w.index: w.num_running for w in stats.workers if w.pool == pb.POOL_DECODE}
-            return min(seen) >= 2 and running.get(1, 0) > 0
-
-        await wait_until_async(under_way_on_both, 60, what="streams running on decode-1")
+        streams, reference = await _greedy_streams_under_way_on_decode_1(
+            service.address, prompts, 48
+        )
         started = time.monotonic()
         await scale_pool(service.address, "decode", 1)
         scale_s = time.monotonic() - started
@@ -431,10 +415,7 @@ def test_a_drained_decode_worker_hands_its_running_generations_over(
 
     results, reference, scale_s = asyncio.run(scenario())
     assert scale_s < 10, f"the drain took {scale_s:.1f} s"
-    for result, ref in zip(results, reference, strict=True):
-        assert ref.outcome == "final:FINISH_REASON_LENGTH", ref.outcome
-        assert result.outcome == "final:FINISH_REASON_LENGTH", (result.outcome, result.details)
-        assert result.tokens == ref.tokens
+    _same_texts(results, reference)
 
 
 def test_scale_down_while_streaming(
