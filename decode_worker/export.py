@@ -76,19 +76,13 @@ class KVExporter:
         requests pays the per-message costs once, not per request. RuntimeError when
         the transfer failed."""
         channel = self.send_channels.get(target.worker_id)
-        if channel is None or channel.closed:
-
-            def release_all() -> None:
-                for move in moves:
-                    self.core.release(move.req_id)
-
-            await self.on_engine(release_all)
-            raise RuntimeError(f"no channel from {self.worker_id} to {target.worker_id}")
 
         def post() -> tuple[list[Any], int]:
             # Engine thread: the gathers are ordered after every step that wrote this KV,
             # and the blocks go back right behind them (whatever happens here).
             try:
+                if channel is None or channel.closed:
+                    raise RuntimeError(f"no channel from {self.worker_id} to {target.worker_id}")
                 return self._post_detached(channel, target, moves)
             finally:
                 for move in moves:
