@@ -82,6 +82,15 @@ class PolicyHolder(Protocol):
     def set_prefill_policy(self, config: PrefillPolicyConfig) -> None: ...
 
 
+async def _find(pools: Pools, worker_id: str, context: grpc.aio.ServicerContext) -> WorkerRef:
+    """The worker named, or the call ends with NOT_FOUND."""
+    ref = pools.find(worker_id)
+    if ref is None:
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {worker_id!r}")
+    assert ref is not None
+    return ref
+
+
 class AdminServicer(pb_grpc.AdminServiceServicer):
     def __init__(
         self,
@@ -156,10 +165,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainWorkerResponse:
         pools = await self._check(context)
-        ref = pools.find(request.worker_id)
-        if ref is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
-        assert ref is not None
+        ref = await _find(pools, request.worker_id, context)
         live = [w for w in pools.routable(ref.pool) if w is not ref]
         if ref.alive and not live:
             await context.abort(
@@ -173,10 +179,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         self, request: pb.MigrateRequestsRequest, context: grpc.aio.ServicerContext
     ) -> pb.MigrateRequestsResponse:
         pools = await self._check(context)
-        ref = pools.find(request.worker_id)
-        if ref is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
-        assert ref is not None
+        ref = await _find(pools, request.worker_id, context)
         if ref.pool != "decode":
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
