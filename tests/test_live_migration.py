@@ -6,6 +6,7 @@ where the KV cannot move they continue by recompute."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 import pytest
@@ -27,6 +28,14 @@ def _moves(reason: str) -> float:
         "pdserve_request_migrations_total", {"pool": "decode", "reason": reason}
     )
     return value or 0.0
+
+
+async def _all_complete_unchanged(tasks: list[asyncio.Future[Any]], num_tokens: int) -> None:
+    """Every stream ends at its length with the tokens and text of an undisturbed run."""
+    for tokens, text, final in await asyncio.gather(*tasks):
+        assert final.finish_reason is FinishReason.LENGTH, final.error
+        assert tokens == [_token(k) for k in range(num_tokens)]
+        assert text == _text(tokens)
 
 
 async def _under_way(pools: FakePools, n: int, worker: str, max_tokens: int, **kw: object):  # type: ignore[no-untyped-def]
@@ -105,9 +114,7 @@ def test_where_no_channel_can_be_made_requests_move_by_recompute() -> None:
         gen, tasks = await _under_way(pools, 2, "decode-0", max_tokens=60)
         before = _moves("drained")
         await asyncio.wait_for(pools.drain("decode-0"), 1.0)
-        for tokens, _, final in await asyncio.gather(*tasks):
-            assert final.finish_reason is FinishReason.LENGTH, final.error
-            assert tokens == [_token(k) for k in range(60)]
+        await _all_complete_unchanged(tasks, 60)
         assert _moves("drained") == before + 2
         assert all(f.holds_nothing for f in pools.fakes.values())
         await gen.stop()
@@ -122,9 +129,7 @@ def test_no_room_on_the_peer_falls_back_to_recompute_and_frees_the_source() -> N
         pools.fakes["decode-1"].no_room = True
         await asyncio.wait_for(pools.drain("decode-0"), 1.0)
         assert pools.fakes["decode-0"].holds_nothing  # the detached KV was given back
-        for tokens, _, final in await asyncio.gather(*tasks):
-            assert final.finish_reason is FinishReason.LENGTH, final.error
-            assert tokens == [_token(k) for k in range(60)]
+        await _all_complete_unchanged(tasks, 60)
         await gen.stop()
 
     _run(body())
@@ -161,9 +166,7 @@ def test_eager_peer_channels_are_up_before_a_drain_which_then_makes_none() -> No
         await asyncio.wait_for(pools.drain("decode-0"), 1.0)
         assert _connects(pools) == {"decode-0": 2, "decode-1": 2}  # none made by the drain
         assert _moves("drained_kv") == before + 3
-        for tokens, _, final in await asyncio.gather(*tasks):
-            assert final.finish_reason is FinishReason.LENGTH, final.error
-            assert tokens == [_token(k) for k in range(60)]
+        await _all_complete_unchanged(tasks, 60)
         await gen.stop()
 
     _run(body())
@@ -187,10 +190,7 @@ def test_migrate_requests_moves_some_with_their_kv_and_the_worker_stays_in_servi
         assert _moves("rebalanced_kv") == before + 2
         source = pools.workers["decode"][0]
         assert source.state == "live" and len(pools.fakes["decode-0"].running) == 2
-        for tokens, text, final in await asyncio.gather(*tasks):
-            assert final.finish_reason is FinishReason.LENGTH, final.error
-            assert tokens == [_token(k) for k in range(200)]
-            assert text == _text(tokens)
+        await _all_complete_unchanged(tasks, 200)
         assert all(f.holds_nothing for f in pools.fakes.values())
         await gen.stop()
 
@@ -233,9 +233,7 @@ def test_a_drain_during_a_rebalance_of_the_same_worker_moves_each_request_once()
         after = {r: _moves(r) - n for r, n in before.items()}
         assert result.with_kv == 4
         assert after == {"drained": 0, "drained_kv": 0, "rebalanced": 0, "rebalanced_kv": 4}
-        for tokens, _, final in await asyncio.gather(*tasks):
-            assert final.finish_reason is FinishReason.LENGTH, final.error
-            assert tokens == [_token(k) for k in range(120)]
+        await _all_complete_unchanged(tasks, 120)
         assert all(f.holds_nothing for f in pools.fakes.values())
         await gen.stop()
 
