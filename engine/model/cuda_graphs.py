@@ -14,7 +14,7 @@ and attend to that one slot: finite, and invisible to real sequences.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -36,33 +36,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes += list(range(16, max_num_seqs, 16))
     sizes.append(max_num_seqs)
     return sorted(set(sizes))
-
-
-def capture_graphs(
-    batch_sizes: Sequence[int],
-    device: torch.device,
-    metadata: Callable[[int], PagedAttentionMetadata],
-    forward: Callable[[int, PagedAttentionMetadata], torch.Tensor],
-) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
-    """Warm up and capture `forward(n, metadata(n))` for every batch size n, largest
-    first (they share one memory pool); n -> (graph, its output tensor)."""
-    graphs = {}
-    pool = torch.cuda.graph_pool_handle()
-    stream = torch.cuda.Stream(device)
-    for n in sorted(batch_sizes, reverse=True):
-        meta = metadata(n)
-        # Warm-up on a side stream: Triton compiles, cuBLAS picks its kernels.
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                forward(n, meta)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            output = forward(n, meta)
-        graphs[n] = (graph, output)
-    torch.cuda.synchronize(device)
-    return graphs
 
 
 class DecodeGraphs:
@@ -157,9 +130,21 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Warm up and capture every batch size, largest first (they share one pool)."""
         self._fill_padding(0, self.max_batch_size)
-        self._graphs.update(
-            capture_graphs(self.batch_sizes, self.kv_storage.device, self._metadata, self._forward)
-        )
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.kv_storage.device)
+        for n in reversed(self.batch_sizes):
+            meta = self._metadata(n)
+            # Warm-up on a side stream: Triton compiles, cuBLAS picks its kernels.
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(n, meta)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                logits = self._forward(n, meta)
+            self._graphs[n] = (graph, logits)
+        torch.cuda.synchronize(self.kv_storage.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     def can_run(self, batch: Batch) -> bool:

@@ -30,7 +30,6 @@ import torch
 from engine.core.batch import Batch, ScheduledSeq
 from engine.model.attention import paged_step
 from engine.model.attention_metadata import PagedAttentionMetadata, VarlenGroup
-from engine.model.cuda_graphs import capture_graphs
 from engine.model.staging import to_device
 
 log = logging.getLogger(__name__)
@@ -191,9 +190,20 @@ class VerifyGraphs:
     def capture(self) -> None:
         """Warm up and capture every batch size, largest first (they share one pool)."""
         self._stage(self._pack((), self.max_batch_size))
-        self._graphs.update(
-            capture_graphs(self.batch_sizes, self.kv_storage.device, self._metadata, self._forward)
-        )
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.kv_storage.device)
+        for n in reversed(self.batch_sizes):
+            meta = self._metadata(n)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(n, meta)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                logits = self._forward(n, meta)
+            self._graphs[n] = (graph, logits)
+        torch.cuda.synchronize(self.kv_storage.device)
         log.info(
             "captured verify CUDA graphs (%d tokens a sequence) for %s", self.q, self.batch_sizes
         )
