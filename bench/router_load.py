@@ -39,7 +39,7 @@ def _serve(port: int, args: argparse.Namespace, interval: int, ready: Any, done:
         core = DisaggregatedGenerator(
             pools,  # type: ignore[arg-type]
             None,
-            RouterConfig(max_in_flight=4096, local_prefill_max_tokens=0),
+            RouterConfig(max_in_flight=4096, local_prefill_max_tokens=0, stream_interval=interval),
         )
         core.start()
 

@@ -8,7 +8,10 @@ no token waits for a message of its own. Failures are never merged across: token
 came before a failure are handed out first, then the failure.
 
 A plain deque and at most one waiting future: a put costs an append (and a wake-up when
-the stream sleeps), a take with items ready costs no scheduling at all.
+the stream sleeps), a take with items ready costs no scheduling at all. A take may ask
+for at least N tokens (`--stream-interval N`): puts below that do not wake the stream, so
+its whole chain (detokenize, coalesce, gRPC write) runs once per N tokens rather than
+once per decode step. A finish, a failure or a move wakes it at once.
 """
 
 from __future__ import annotations
@@ -46,28 +49,55 @@ class UpdateInbox:
     def __init__(self) -> None:
         self._ready: deque[Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._num_tokens = 0  # tokens in the plain updates ready (no finish, no failure)
+        self._urgent = False  # something ready that ends the wait whatever the count
+        self._wake_at = 1  # tokens that wake a waiting take
 
     def put(self, item: Item) -> None:
         self._ready.append(item)
+        if _is_plain(item):
+            self._num_tokens += len(item.new_token_ids)  # type: ignore[union-attr]
+            if self._num_tokens < self._wake_at:
+                return
+        else:
+            self._urgent = True
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def take(self, timeout_s: float | None) -> Item:
-        """Everything that has arrived, merged; waits up to timeout_s for the first item
-        (TimeoutError after)."""
-        while not self._ready:
+    async def take(self, timeout_s: float | None, min_tokens: int = 1) -> Item:
+        """Everything that has arrived, merged. Waits until at least `min_tokens` tokens,
+        a finish, a failure or a move have arrived; after timeout_s without one, returns
+        what has arrived, or raises TimeoutError if nothing has."""
+        while not self._ready or (not self._urgent and self._num_tokens < min_tokens):
+            self._wake_at = min_tokens
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 async with asyncio.timeout(timeout_s):
                     await self._waiter
+            except TimeoutError:
+                if not self._ready:
+                    raise
+                break
             finally:
                 self._waiter = None
+                self._wake_at = 1
         first = self._ready.popleft()
         if _is_failure(first):
-            return first
-        assert isinstance(first, TokenUpdate)
-        taken = [first]
-        while self._ready and not _is_failure(self._ready[0]) and taken[-1].finish_reason is None:
-            taken.append(self._ready.popleft())  # type: ignore[arg-type]
-        return merge_updates(taken)
+            taken: Item = first
+        else:
+            assert isinstance(first, TokenUpdate)
+            run = [first]
+            while self._ready and not _is_failure(self._ready[0]) and run[-1].finish_reason is None:
+                run.append(self._ready.popleft())  # type: ignore[arg-type]
+            taken = merge_updates(run)
+        # What is left (a failure behind the tokens just taken, rarely more) is counted
+        # again for the next take.
+        self._num_tokens = sum(len(i.new_token_ids) for i in self._ready if _is_plain(i))  # type: ignore[union-attr]
+        self._urgent = any(not _is_plain(i) for i in self._ready)
+        return taken
+
+
+def _is_plain(item: Item) -> bool:
+    """Tokens that may wait for more: no finish, no failure, not a move."""
+    return isinstance(item, TokenUpdate) and item.finish_reason is None

@@ -10,15 +10,32 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+from bisect import bisect_left
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+from prometheus_client import Histogram
 
 from pdserve.v1 import generation_pb2 as pb
 from router.metrics import RouterMetrics
 
 GENERATE_METHOD = "/pdserve.v1.GenerationService/Generate"
+
+
+def observe_repeated(histogram: Histogram, value: float, count: int) -> None:
+    """`count` observations of one value, as one update of its bucket and sum: a message of
+    N tokens costs one update, not N (prometheus_client's `observe` takes no weight; its
+    Histogram keeps each bucket and the sum as counters, `_buckets` and `_sum`)."""
+    buckets = getattr(histogram, "_buckets", None)
+    bounds = getattr(histogram, "_upper_bounds", None)
+    if buckets is None or bounds is None:  # not a plain child histogram: one at a time
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    if count > 0:
+        histogram._sum.inc(value * count)
+        buckets[bisect_left(bounds, value)].inc(count)  # the first bound >= value, as observe
 
 
 class RequestObserver:
@@ -41,8 +58,7 @@ class RequestObserver:
         else:
             # Tokens sent together share the gap since the previous chunk.
             num_gaps, gap = num_tokens, (now - self._last) / num_tokens
-        for _ in range(num_gaps):
-            self._m.itl.observe(gap)
+        observe_repeated(self._m.itl, gap, num_gaps)
         self._last = now
 
     def on_response(self, response: pb.GenerateResponse) -> None:

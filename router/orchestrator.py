@@ -367,7 +367,8 @@ class DisaggregatedGenerator(ServingPaths):
                 progress.finish_reason = finish
                 return
             try:
-                item = await attempt.inbox.take(self.config.token_stall_timeout_s)
+                wanted = 1 if progress.t_first is None else self.config.stream_interval
+                item = await attempt.inbox.take(self.config.token_stall_timeout_s, wanted)
             except TimeoutError as exc:
                 raise RuntimeError(
                     f"no token for {self.config.token_stall_timeout_s:.0f}s"

@@ -74,3 +74,60 @@ def test_nothing_is_merged_past_the_finish() -> None:
 def test_an_empty_inbox_times_out() -> None:
     with pytest.raises(TimeoutError):
         run(UpdateInbox().take(0.01))
+
+
+def test_a_take_for_several_tokens_sleeps_through_smaller_puts() -> None:
+    async def main() -> tuple[list[int], TokenUpdate]:
+        inbox = UpdateInbox()
+        woken_at: list[int] = []
+
+        async def reader() -> TokenUpdate:
+            update = await inbox.take(1.0, min_tokens=4)
+            woken_at.append(puts)
+            return update
+
+        task = asyncio.ensure_future(reader())
+        puts = 0
+        for puts, token in enumerate(range(6), start=1):
+            await asyncio.sleep(0)  # the reader runs between puts if woken
+            inbox.put(TokenUpdate("r", (token,)))
+            await asyncio.sleep(0)
+            if task.done():
+                break
+        return woken_at, await task
+
+    woken_at, update = run(main())
+    assert woken_at == [4]  # woken by the fourth token, not before
+    assert update.new_token_ids == (0, 1, 2, 3)
+
+
+def test_a_finish_or_failure_wakes_a_take_for_several_tokens_at_once() -> None:
+    async def main() -> list[object]:
+        inbox = UpdateInbox()
+        got: list[object] = []
+
+        async def reader() -> None:
+            got.append(await inbox.take(1.0, min_tokens=8))
+            got.append(await inbox.take(1.0, min_tokens=8))
+
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0)
+        inbox.put(TokenUpdate("r", (1,)))
+        inbox.put(TokenUpdate("r", (2,), FinishReason.STOP))
+        await asyncio.sleep(0)
+        inbox.put(RuntimeError("worker lost"))
+        await asyncio.wait_for(task, 1.0)
+        return got
+
+    done, failure = run(main())
+    assert done.new_token_ids == (1, 2) and done.finish_reason is FinishReason.STOP
+    assert isinstance(failure, RuntimeError)
+
+
+def test_a_take_for_several_tokens_returns_what_came_when_the_wait_runs_out() -> None:
+    async def main() -> TokenUpdate:
+        inbox = UpdateInbox()
+        inbox.put(TokenUpdate("r", (1,)))
+        return await inbox.take(0.02, min_tokens=8)
+
+    assert run(main()).new_token_ids == (1,)

@@ -226,3 +226,31 @@ def test_grafana_dashboard_queries_only_existing_metrics() -> None:
         assert any(topic in t for t in titles), topic
     for topic in ("queues", "bandwidth", "errors"):
         assert any(topic in t for t in titles), topic
+
+
+def test_a_message_of_several_tokens_counts_each_gap_in_the_itl_histogram() -> None:
+    """One update for N equal gaps leaves the histogram as N observations would."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from router.metrics_edge import observe_repeated
+
+    registry = CollectorRegistry()
+    buckets = (0.001, 0.01, 0.1)
+    one_by_one = Histogram("one", "", buckets=buckets, registry=registry)
+    repeated = Histogram("many", "", buckets=buckets, registry=registry)
+    for gap, count in ((0.0005, 3), (0.01, 2), (0.05, 4), (2.0, 1), (0.02, 0)):
+        for _ in range(count):
+            one_by_one.observe(gap)
+        observe_repeated(repeated, gap, count)
+
+    def series(name: str) -> dict[str, float]:
+        return {
+            s.name.removeprefix(name) + str(s.labels.get("le", "")): s.value
+            for metric in registry.collect()
+            if metric.name == name
+            for s in metric.samples
+            if not s.name.endswith("_created")
+        }
+
+    assert series("many") == series("one")
+    assert series("many")["_count"] == 10

@@ -169,6 +169,33 @@ def test_a_decode_worker_that_dies_mid_stream_is_resumed_on_another() -> None:
     _run(body())
 
 
+def test_with_a_stream_interval_the_core_hands_out_tokens_a_message_at_a_time() -> None:
+    """--stream-interval 4: after the first token the core's chunks carry at least 4
+    tokens (the last one excepted), on the remote and the local path, and they are the
+    request's tokens in order."""
+
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        gen = _generator(pools, stream_interval=4)
+        for call in (_call(max_tokens=30), _call(max_tokens=30, prompt=(7, 8, 9))):
+            sizes: list[int] = []
+            tokens: list[int] = []
+            final = None
+            async for item in gen.generate(call):
+                if isinstance(item, TextChunk):
+                    sizes.append(len(item.token_ids))
+                    tokens += item.token_ids
+                else:
+                    final = item
+            assert final is not None and final.finish_reason is FinishReason.LENGTH
+            assert tokens == _expected(call) and sizes[0] == 1, sizes
+            assert all(size >= 4 for size in sizes[1:-1]), sizes
+            assert len(sizes) <= 1 + 29 // 4 + 1, sizes
+        await gen.stop()
+
+    _run(body())
+
+
 def test_a_stop_string_ends_the_request_and_stops_the_decode_worker() -> None:
     async def body() -> None:
         pools = FakePools(1, 1)
