@@ -104,6 +104,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="more `pdserve serve` flags for every service (cc, c, goodput), one string",
     )
     p.add_argument(
+        "--client-processes",
+        type=int,
+        default=4,
+        help="cc, c: client processes sharing each closed loop (one Python client reading "
+        "128 streams of a small model is as busy as the router; 1: the single client of "
+        "runs before this option)",
+    )
+    p.add_argument(
         "--no-compile",
         action="store_true",
         help="b and every service without torch.compile (8B shapes then start in about a "
@@ -233,6 +241,7 @@ def run_service(
             startup_timeout_s=ns.startup_timeout,
             kv_itemsize=kv_itemsize(ns),
             serve_extra=ns.serve_extra,
+            client_processes=ns.client_processes,
         )
     except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run
         return error_record(exc)

@@ -92,13 +92,16 @@ async def drive(
     timeout_s: float = 600.0,
     channels: int = 4,
     give_up: Callable[[list[ReqTiming], float], bool] | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> tuple[list[ReqTiming], float]:
     """Closed loop (`concurrency` in flight) or open loop (Poisson `rate`); returns each
     request's timings and the wall time from the first send to the last answer.
 
     `give_up(timings, now)`, checked every 0.1 s, ends the run early when it returns
     True: nothing more is sent and the calls in flight are cancelled (the router aborts
-    them in every pool); those requests and the unsent ones end not ok."""
+    them in every pool); those requests and the unsent ones end not ok. `ready()` runs
+    once the channels are up, before the first send (several client processes start
+    together through it)."""
     from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
     chans = [grpc.aio.insecure_channel(address) for _ in range(channels)]
@@ -110,6 +113,8 @@ async def drive(
     try:
         for c in chans:
             await asyncio.wait_for(c.channel_ready(), timeout=30)
+        if ready is not None:
+            ready()
 
         async def one(i: int) -> None:
             async with limit or nullcontext():
@@ -157,6 +162,75 @@ async def drive(
         if t.ok and (t.sent_s == 0.0 or t.num_tokens < max_tokens):
             t.ok = False
             t.error = t.error or ("not sent: gave up" if t.sent_s == 0.0 else "cancelled: gave up")
+    return timings, wall
+
+
+def _drive_slice(
+    address: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    barrier: Any,
+    results: Any,
+    slot: int,
+) -> None:
+    """One client process of `drive_processes`: its share of the prompts and of the
+    concurrency, started with the others."""
+    timings, _ = asyncio.run(
+        drive(address, prompts, max_tokens, concurrency=concurrency, ready=barrier.wait)
+    )
+    results.put((slot, timings))
+
+
+def drive_processes(
+    address: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    concurrency: int,
+    processes: int,
+) -> tuple[list[ReqTiming], float]:
+    """`drive`'s closed loop spread over several client processes, for loads one Python
+    client cannot read fast enough (at 128 streams of a small model it would spend as
+    long per message as the router does, and time its own backlog as the service's).
+    Prompts are dealt round robin, the concurrency split as evenly as it goes; every
+    process sends its first request after all are connected. The timings come back in
+    the prompts' order; the wall time runs from the first send to the last token, on the
+    host's monotonic clock that every process shares."""
+    processes = max(1, min(processes, concurrency, len(prompts)))
+    if processes == 1:
+        return asyncio.run(drive(address, prompts, max_tokens, concurrency=concurrency))
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # this process has used grpc: no fork
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    procs = [
+        ctx.Process(
+            target=_drive_slice,
+            args=(address, prompts[i::processes], max_tokens, shares[i], barrier, results, i),
+            daemon=True,
+        )
+        for i in range(processes)
+    ]
+    for proc in procs:
+        proc.start()
+    slices: dict[int, list[ReqTiming]] = {}
+    try:
+        while len(slices) < processes:
+            slot, timings = results.get(timeout=900)
+            slices[slot] = timings
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    timings = [ReqTiming(0.0)] * len(prompts)
+    for slot, part in slices.items():
+        timings[slot::processes] = part
+    sent = [t.sent_s for t in timings if t.sent_s]
+    ends = [t.last_s for t in timings if t.last_s is not None]
+    wall = max(ends) - min(sent) if sent and ends else 0.0
     return timings, wall
 
 
@@ -209,9 +283,11 @@ def run_service_part(
     startup_timeout_s: float,
     kv_itemsize: int = 2,
     serve_extra: Sequence[str] = (),
+    client_processes: int = 1,
 ) -> dict[str, Any]:
     """Part c (1P1D, and the hand-off measurement when `handoff_lens`) or cc (one
-    colocated worker) on its own service: every run of `plan`."""
+    colocated worker) on its own service: every run of `plan`, each closed loop from
+    `client_processes` client processes."""
     system, config, pool_args = SYSTEMS[part]
     geo = KVGeometry.of(model, kv_itemsize)
     max_seqs = max(128, *(spec.concurrency for spec in plan)) if plan else 128
@@ -254,8 +330,12 @@ def run_service_part(
         runs = []
         for spec in plan:
             prompts = prompts_for(shape, spec, geo.vocab_size)
-            timings, wall = asyncio.run(
-                drive(svc.address, prompts, output_len, concurrency=spec.concurrency)
+            timings, wall = drive_processes(
+                svc.address,
+                prompts,
+                output_len,
+                concurrency=spec.concurrency,
+                processes=client_processes,
             )
             transfers = [t.kv_transfer_s for t in timings if t.kv_transfer_s]
             runs.append(

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Where a loaded service spends its time: runs a GPU-suite part in the background and
+# samples the router and every worker with py-spy while the load runs (one collapsed-stack
+# file per process under $OUT, then `python -m bench.stack_report` sums them by function).
+#
+#   PROFILE_AFTER_S=40 PROFILE_FOR_S=10 bash bench/profile_service.sh \
+#       --shapes 1b --parts c --concurrency 128 --rounds 16 --no-compile
+#
+# PROFILE_AFTER_S: seconds after the decode worker's process appears (its start-up) before
+# sampling starts; PROFILE_FOR_S: how long to sample. py-spy comes from .whl/ like the
+# other packages the GPU image lacks.
+set -uo pipefail
+OUT=${OUT:-$PWD/bench/results/profile}
+mkdir -p "$OUT"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+pyspy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+
+OUT=$OUT/suite bash "$(dirname "${BASH_SOURCE[0]}")/run_gpu.sh" suite "$@" >"$OUT/suite.log" 2>&1 &
+suite=$!
+for _ in $(seq 600); do pgrep -f "DecodeWorker" >/dev/null && break; sleep 0.5; done
+sleep "${PROFILE_AFTER_S:-40}"
+for pid in $(pgrep -f "pdserve serve|bin/pdserve|router.cli") $(pgrep -f "ray::(Prefill|Decode|Colocated)Worker"); do
+  name=$(tr '\0' ' ' </proc/"$pid"/cmdline | cut -c1-40 | tr -c 'a-zA-Z0-9\n' '_')
+  "$pyspy" record --pid "$pid" --duration "${PROFILE_FOR_S:-10}" --rate 200 --format raw \
+    --threads --nonblocking --output "$OUT/$pid-$name.txt" >/dev/null 2>&1 &
+done
+wait "$suite"
+wait
+tail -25 "$OUT/suite.log"
