@@ -79,18 +79,19 @@ def test_an_empty_inbox_times_out() -> None:
 def test_a_take_for_several_tokens_sleeps_through_smaller_puts() -> None:
     async def main() -> tuple[list[int], TokenUpdate]:
         inbox = UpdateInbox()
+        num_put = [0]
         woken_at: list[int] = []
 
         async def reader() -> TokenUpdate:
             update = await inbox.take(1.0, min_tokens=4)
-            woken_at.append(puts)
+            woken_at.append(num_put[0])
             return update
 
         task = asyncio.ensure_future(reader())
-        puts = 0
-        for puts, token in enumerate(range(6), start=1):
+        for token in range(6):
             await asyncio.sleep(0)  # the reader runs between puts if woken
             inbox.put(TokenUpdate("r", (token,)))
+            num_put[0] += 1
             await asyncio.sleep(0)
             if task.done():
                 break
