@@ -44,13 +44,12 @@ def prompt_phases(
     if inp.trace_context and tracing.enabled():
         parent = tracing.extract(inp.trace_context)
         where = {"pdserve.pool": pool, "pdserve.worker": worker_id}
-        tracing.record(
-            f"{pool}.queue", parent, tracing.wall_ns(since), tracing.wall_ns(scheduled), where
-        )
+        boundary = tracing.wall_ns(scheduled)  # once: the two spans meet exactly
+        tracing.record(f"{pool}.queue", parent, tracing.wall_ns(since), boundary, where)
         tracing.record(
             f"{pool}.compute",
             parent,
-            tracing.wall_ns(scheduled),
+            boundary,
             tracing.wall_ns(at),
             {
                 **where,
@@ -70,16 +69,9 @@ def decode_start_phases(
     if inp.trace_context and tracing.enabled():
         parent = tracing.extract(inp.trace_context)
         where = {"pdserve.pool": "decode", "pdserve.worker": worker_id}
-        tracing.record(
-            "decode.admission",
-            parent,
-            tracing.wall_ns(waiting.since),
-            tracing.wall_ns(scheduled),
-            where,
-        )
-        tracing.record(
-            "decode.first_step", parent, tracing.wall_ns(scheduled), tracing.wall_ns(at), where
-        )
+        boundary = tracing.wall_ns(scheduled)  # once: the two spans meet exactly
+        tracing.record("decode.admission", parent, tracing.wall_ns(waiting.since), boundary, where)
+        tracing.record("decode.first_step", parent, boundary, tracing.wall_ns(at), where)
     return PhaseReport(
         admission_s=max(0.0, scheduled - waiting.since), first_step_s=max(0.0, at - scheduled)
     )

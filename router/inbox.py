@@ -55,8 +55,8 @@ class UpdateInbox:
 
     def put(self, item: Item) -> None:
         self._ready.append(item)
-        if _is_plain(item):
-            self._num_tokens += len(item.new_token_ids)  # type: ignore[union-attr]
+        if isinstance(item, TokenUpdate) and item.finish_reason is None:
+            self._num_tokens += len(item.new_token_ids)
             if self._num_tokens < self._wake_at:
                 return
         else:
@@ -93,11 +93,10 @@ class UpdateInbox:
             taken = merge_updates(run)
         # What is left (a failure behind the tokens just taken, rarely more) is counted
         # again for the next take.
-        self._num_tokens = sum(len(i.new_token_ids) for i in self._ready if _is_plain(i))  # type: ignore[union-attr]
-        self._urgent = any(not _is_plain(i) for i in self._ready)
+        self._num_tokens, self._urgent = 0, False
+        for item in self._ready:
+            if isinstance(item, TokenUpdate) and item.finish_reason is None:
+                self._num_tokens += len(item.new_token_ids)
+            else:
+                self._urgent = True
         return taken
-
-
-def _is_plain(item: Item) -> bool:
-    """Tokens that may wait for more: no finish, no failure, not a move."""
-    return isinstance(item, TokenUpdate) and item.finish_reason is None
