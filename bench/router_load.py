@@ -8,7 +8,7 @@ tokens per second a GPU delivers: where the router's ceiling is near it, the rou
 not the GPU, sets the service's throughput.
 
     python -m bench.router_load --concurrency 128 --requests 512 --profile out.prof
-    python -m bench.router_load --stream-intervals 1,4      # each in turn, one table
+    python -m bench.router_load --stream-intervals 1,4,auto   # each in turn, one table
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ from typing import Any
 from bench.fake_workers import FakePools
 from bench.report import percentile, provenance
 from bench.suite_common import free_port
+from router.streams import StreamInterval
 
 
-def _serve(port: int, args: argparse.Namespace, interval: int, ready: Any, done: Any) -> None:
+def _serve(
+    port: int, args: argparse.Namespace, interval: StreamInterval, ready: Any, done: Any
+) -> None:
     from router.config import RouterConfig
     from router.grpc_server import serve
     from router.metrics import get_metrics
@@ -82,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--stream-intervals",
         default="1",
-        help="comma-separated --stream-interval values, each run in turn (e.g. 1,4)",
+        help="comma-separated --stream-interval values, each run in turn (e.g. 1,4,auto)",
     )
     args = p.parse_args(argv)
-    intervals = [int(v) for v in args.stream_intervals.split(",")]
+    intervals: list[StreamInterval] = [
+        v if v == "auto" else int(v) for v in args.stream_intervals.split(",")
+    ]
     runs = [_run(args, interval) for interval in intervals]
     if any(r is None for r in runs):
         return 1
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r is not None and r["ok"] == args.requests for r in runs) else 1
 
 
-def _run(args: argparse.Namespace, interval: int) -> dict[str, Any] | None:
+def _run(args: argparse.Namespace, interval: StreamInterval) -> dict[str, Any] | None:
     """One router process at `interval`, driven by this one's closed loop."""
     from bench.suite_service import drive
 

@@ -14,6 +14,7 @@ from router.prefill_policy import (
     PrefillPolicyConfig,
 )
 from router.routing import RoutingConfig
+from router.streams import StreamInterval, check_stream_interval
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,9 @@ class RouterConfig:
     # Channels between decode workers (live migration on drain): made at the first drain
     # ("lazy") or as soon as a decode worker is live ("eager": a drain pays no set-up).
     decode_peer_channels: Literal["lazy", "eager"] = "lazy"
-    # Tokens a stream message waits for (router/streams.py); 1: every chunk at once.
-    stream_interval: int = 1
+    # Tokens a stream message waits for after the first (router/streams.py): a number
+    # (1: every chunk at once), or "auto": chosen from the number of open streams.
+    stream_interval: StreamInterval = "auto"
     retry_delay_s: float = 0.5  # times the attempt number
     # How long a request waits for a worker when a whole pool is down (being replaced).
     worker_wait_s: float = 60.0
@@ -58,8 +60,7 @@ class RouterConfig:
         self.prefill_policy  # noqa: B018 - validates the three fields it is made of
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0 (0 = a lost worker fails its requests)")
-        if self.stream_interval < 1:
-            raise ValueError("stream_interval must be >= 1")
+        check_stream_interval(self.stream_interval)
         if self.decode_peer_channels not in ("lazy", "eager"):
             raise ValueError("decode_peer_channels must be 'lazy' or 'eager'")
         if self.priority_aging_s < 0:

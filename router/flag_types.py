@@ -64,6 +64,11 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def stream_interval(value: str) -> int | str:
+    """argparse type: `auto`, or an integer >= 1."""
+    return "auto" if value == "auto" else at_least(1)(value)
+
+
 def number_in(
     low: float, high: float | None = None, *, open_low: bool = False
 ) -> Callable[[str], float]:

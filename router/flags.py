@@ -25,6 +25,7 @@ from router.flag_types import (
     number_in,
     port,
     resources,
+    stream_interval,
 )
 from router.planner.flags import add_planner_args
 from router.prefill_policy import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
@@ -68,12 +69,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--stream-interval",
-        type=at_least(1),
+        type=stream_interval,
         default=RouterConfig.stream_interval,
         help="tokens each stream message waits for after the first (the final message "
         "flushes the rest): fewer, larger messages where many streams of a small model "
         "make the router the limit, for up to N - 1 decode steps of delay. 1 = every "
-        "chunk at once",
+        "chunk at once; auto = 1 below 32 open streams, then one more per 16 streams "
+        "(8 at 128), up to 16",
     )
     g.add_argument(
         "--decode-peer-channels",

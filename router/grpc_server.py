@@ -24,6 +24,7 @@ from router.metrics_edge import MetricsInterceptor
 from router.protocol import Generator
 from router.security import EdgeSecurity
 from router.servicer import GenerationServicer, is_valid_request_id, request_id_var
+from router.streams import StreamInterval
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class GrpcServer:
         metrics: RouterMetrics | None = None,
         admin: AdminServicer | None = None,
         on_drain: Callable[[], None] | None = None,
-        stream_interval: int = 1,
+        stream_interval: StreamInterval = 1,
     ) -> None:
         self._generator = generator
         self._on_drain = on_drain  # told first when a drain starts
@@ -334,7 +335,7 @@ async def serve(
     metrics: RouterMetrics | None = None,
     admin: AdminServicer | None = None,
     on_drain: Callable[[], None] | None = None,
-    stream_interval: int = 1,
+    stream_interval: StreamInterval = 1,
 ) -> None:
     """Run until SIGTERM/SIGINT has drained the server; the caller then stops the workers.
 

@@ -9,9 +9,9 @@ plus every token already streamed (sampling is a function of seed and position, 
 continuation is the same text). Whatever ends an attempt, it is aborted on every worker
 it touched; aborts are idempotent there.
 
-This file: admission, attempts, streaming, leases renewed. The rest of the serving core:
-`attempts`, `migrations`, `live_migration`, `paths`, `placement`, `delivery`, `clients`
-(docs/architecture.md says what each does).
+This file: admission, attempts, streaming, leases renewed. The rest of the serving core
+(docs/architecture.md): `attempts`, `migrations`, `live_migration`, `paths`, `placement`,
+`delivery`, `clients`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from router.planner.signals import ServingSignals
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
 from router.protocol import GenerateCall, PoolStats, ServerInfo
+from router.streams import tokens_per_message
 from router.tracing import NO_TRACE, RequestTrace, start_request
 from router.worker_load import WorkerLease
 
@@ -366,13 +367,12 @@ class DisaggregatedGenerator(ServingPaths):
                     self._spawn(self._abort_on(attempt.decode_ref, attempt.req_id))
                 progress.finish_reason = finish
                 return
-            try:
-                wanted = 1 if progress.t_first is None else self.config.stream_interval
-                item = await attempt.inbox.take(self.config.token_stall_timeout_s, wanted)
+            wanted = tokens_per_message(self.config.stream_interval, len(self._attempts))
+            stall_s = self.config.token_stall_timeout_s
+            try:  # the first token alone, then a message's worth
+                item = await attempt.inbox.take(stall_s, wanted if progress.t_first else 1)
             except TimeoutError as exc:
-                raise RuntimeError(
-                    f"no token for {self.config.token_stall_timeout_s:.0f}s"
-                ) from exc
+                raise RuntimeError(f"no token for {stall_s:.0f}s") from exc
             if attempt.decode_ref is not None:
                 # The decode worker answered for the request: its reservation is used.
                 self._renewing[attempt.decode_ref].discard(attempt.req_id)

@@ -7,17 +7,46 @@ sets the pace (one message per token per stream), so `--stream-interval N` merge
 stream's chunks until N tokens are waiting, as vLLM's option of that name does. The
 first chunk goes at once (time to first token is unchanged) and the final result
 flushes whatever is left, so only the tokens in between wait, for at most N - 1 decode
-steps.
+steps. `auto` (the default) chooses N from the number of open streams: 1 under light
+load, more as the streams multiply; the serving core then wakes a stream only when its
+N tokens are in (router/inbox.py), so the edge has nothing left to merge.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from engine.core.outputs import FinalResult, TextChunk
 
 logger = logging.getLogger("router.servicer")
+
+# `--stream-interval auto`: one token a message while fewer than AUTO_FROM_STREAMS streams
+# are open (the per-message cost is then small), then one more token a message for every
+# AUTO_STREAMS_PER_TOKEN streams, up to AUTO_MAX_TOKENS: at 128 streams 8 tokens a message,
+# where the router's event loop, not the GPUs, would otherwise set the pace.
+AUTO_FROM_STREAMS = 32
+AUTO_STREAMS_PER_TOKEN = 16
+AUTO_MAX_TOKENS = 16
+
+StreamInterval = int | Literal["auto"]
+
+
+def tokens_per_message(interval: StreamInterval, num_streams: int) -> int:
+    """Tokens a stream message waits for after the first, with `num_streams` streams open."""
+    if interval != "auto":
+        return interval
+    if num_streams < AUTO_FROM_STREAMS:
+        return 1
+    return min(AUTO_MAX_TOKENS, num_streams // AUTO_STREAMS_PER_TOKEN)
+
+
+def check_stream_interval(interval: object) -> StreamInterval:
+    """`interval` if it is "auto" or an integer >= 1; ValueError otherwise."""
+    if interval == "auto" or (isinstance(interval, int) and interval >= 1):
+        return interval  # type: ignore[return-value]
+    raise ValueError(f"stream interval must be 'auto' or an integer >= 1, got {interval!r}")
 
 
 class CoalescedStream:

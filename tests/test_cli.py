@@ -65,6 +65,16 @@ def test_bad_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> N
     assert "--log-level" in _fails(["serve", "--log-level", "loud"], capsys)
 
 
+def test_stream_interval_is_auto_unless_a_number_is_given() -> None:
+    from router.flags import router_config
+
+    parser = build_parser()
+    assert router_config(parser.parse_args(["serve"])).stream_interval == "auto"
+    assert (
+        router_config(parser.parse_args(["serve", "--stream-interval", "4"])).stream_interval == 4
+    )
+
+
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_every_flag_help_gives_its_default(
     command: str, capsys: pytest.CaptureFixture[str]
@@ -141,6 +151,8 @@ def test_unsupported_model_folder_fails_before_loading(
         (["serve", "--prefill-workers", "0"], "argument --prefill-workers: must be >= 1"),
         (["serve", "--decode-max-num-seqs", "x"], "--decode-max-num-seqs: expected an integer"),
         (["serve", "--drain-grace-s", "-2"], "argument --drain-grace-s: must be >= 0"),
+        (["serve", "--stream-interval", "0"], "argument --stream-interval: must be >= 1"),
+        (["serve", "--stream-interval", "fast"], "--stream-interval: expected an integer"),
         (["serve", "--decode-gpu-memory-utilization", "1.5"], "must be > 0 and <= 1, got 1.5"),
         (["serve", "--port", "9400"], "--port and --metrics-port are both 9400"),
         (["serve", "--tls-cert", "x.pem"], "--tls-cert and --tls-key must be given together"),

@@ -196,6 +196,31 @@ def test_with_a_stream_interval_the_core_hands_out_tokens_a_message_at_a_time() 
     _run(body())
 
 
+def test_auto_stream_interval_sends_tokens_one_by_one_alone_and_grouped_among_many() -> None:
+    """One stream: a chunk per token. 40 streams at once (auto: 2 tokens a message from
+    32 open streams on): most chunks after the first carry several tokens."""
+
+    async def sizes_of(gen: DisaggregatedGenerator, call: GenerateCall) -> list[int]:
+        sizes = []
+        async for item in gen.generate(call):
+            if isinstance(item, TextChunk):
+                sizes.append(len(item.token_ids))
+        return sizes
+
+    async def body() -> None:
+        pools = FakePools(1, 1, step_s=0.005)
+        gen = _generator(pools)  # the default: auto
+        alone = await sizes_of(gen, _call(max_tokens=12))
+        assert alone == [1] * 12
+        many = await asyncio.gather(*(sizes_of(gen, _call(max_tokens=24)) for _ in range(40)))
+        assert all(sum(sizes) == 24 for sizes in many)
+        later = [size for sizes in many for size in sizes[1:-1]]
+        assert sum(size >= 2 for size in later) > 0.8 * len(later), later
+        await gen.stop()
+
+    _run(body())
+
+
 def test_a_stop_string_ends_the_request_and_stops_the_decode_worker() -> None:
     async def body() -> None:
         pools = FakePools(1, 1)

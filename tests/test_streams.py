@@ -13,7 +13,7 @@ from engine.core.outputs import FinalResult, TextChunk, Usage
 from engine.core.request import FinishReason
 from pdserve.v1 import generation_pb2 as pb
 from router.grpc_server import GrpcServer
-from router.streams import CoalescedStream
+from router.streams import CoalescedStream, check_stream_interval, tokens_per_message
 from tests.fake_core import FakeCore, collect, run_with_server
 
 FINAL = FinalResult(FinishReason.LENGTH, Usage(3, 10))
@@ -76,3 +76,15 @@ def test_the_server_sends_fewer_messages_with_the_same_tokens_and_final() -> Non
         assert core.num_aclose == 1  # the core's own stream is closed, as without merging
 
     run_with_server(FakeCore(num_chunks=7), body, stream_interval=3)
+
+
+def test_auto_sends_every_token_under_light_load_and_groups_them_as_streams_multiply() -> None:
+    assert [tokens_per_message("auto", n) for n in (1, 16, 31)] == [1, 1, 1]
+    assert [tokens_per_message("auto", n) for n in (32, 64, 128, 256, 1000)] == [2, 4, 8, 16, 16]
+    assert tokens_per_message(4, 1) == tokens_per_message(4, 500) == 4  # a number is fixed
+
+
+@pytest.mark.parametrize("bad", [0, -1, "fast", 2.5, None])
+def test_a_stream_interval_is_auto_or_a_positive_integer(bad: object) -> None:
+    with pytest.raises(ValueError, match="stream interval must be 'auto' or an integer >= 1"):
+        check_stream_interval(bad)
