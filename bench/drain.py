@@ -133,9 +133,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # One token a message: the gaps between messages are then the pauses a drain causes,
+    # not tokens grouped by the router (`--serve-args` may still set another interval).
     serve_args = [
         "--prefill-workers", "1", "--decode-workers", "2", "--enable-admin",
-        "--local-prefill-max-tokens", "0", *shlex.split(args.serve_args),
+        "--local-prefill-max-tokens", "0", "--stream-interval", "1",
+        *shlex.split(args.serve_args),
     ]  # fmt: skip
     log = Path(args.log or tempfile.mkstemp(prefix="drain-", suffix=".log")[1])
     print(f"service log: {log}", flush=True)

@@ -83,6 +83,8 @@ def run_mode(ns: argparse.Namespace, mode: str, model: Path) -> dict[str, Any]:
         "0",
         "--kv-stream-min-tokens",
         MODES[mode],
+        "--stream-interval",  # one token a message: the first gap is the KV's arrival
+        "1",
         "--decode-max-num-seqs",
         str(max(128, ns.burst)),
         "--max-in-flight",
