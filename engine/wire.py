@@ -14,6 +14,7 @@ travels inside its `GenerationInput`, so a worker's spans join the router's trac
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field, fields
 from typing import Literal, NamedTuple
 
@@ -195,12 +196,71 @@ class WorkerStats:
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """Every update of one or more steps, for every request, in one message."""
+    """Every update of one or more steps, for every request, in one message.
+
+    It crosses the process boundary as columns: the plain updates (tokens, a finish, the
+    cached count) as request ids and packed integer arrays, the few that carry more (an
+    error, phases, the KV's arrival) as they are. Pickling one object per request per
+    poll cost the decode worker about 0.8 ms for 128 requests, time its engine thread
+    waited for the interpreter; the columns take a tenth of that.
+    """
 
     updates: tuple[TokenUpdate, ...]
     # The worker's prefix-cache changes since the last batch, in order (for routing).
     kv_events: tuple[KVEvents, ...] = ()
     stats: WorkerStats | None = None  # occupancy when the batch left (for routing)
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return _unpack_batch, (*_pack_updates(self.updates), self.kv_events, self.stats)
+
+
+_FINISH_CODES: tuple[FinishReason | None, ...] = (None, *FinishReason)
+_FINISH_CODE = {reason: code for code, reason in enumerate(_FINISH_CODES)}
+# The fields after the first four at their defaults: such an update travels as columns.
+_PLAIN_REST = tuple(TokenUpdate._field_defaults[name] for name in TokenUpdate._fields[4:])
+
+_Rich = tuple[tuple[int, TokenUpdate], ...]
+_Packed = tuple[tuple[str, ...], "array[int]", "array[int]", bytes, "array[int]", _Rich]
+
+
+def _pack_updates(updates: tuple[TokenUpdate, ...]) -> _Packed:
+    """Request ids, token counts, tokens, finish codes and cached counts of the plain
+    updates; every other update as it is, with its position."""
+    req_ids: list[str] = []
+    counts, tokens, cached = array("q"), array("q"), array("q")
+    finishes = bytearray()
+    rich: list[tuple[int, TokenUpdate]] = []
+    for position, update in enumerate(updates):
+        if update[4:] != _PLAIN_REST:
+            rich.append((position, update))
+            continue
+        req_ids.append(update.req_id)
+        counts.append(len(update.new_token_ids))
+        tokens.extend(update.new_token_ids)
+        finishes.append(_FINISH_CODE[update.finish_reason])
+        cached.append(update.num_cached_tokens)
+    return tuple(req_ids), counts, tokens, bytes(finishes), cached, tuple(rich)
+
+
+def _unpack_batch(
+    req_ids: tuple[str, ...],
+    counts: array[int],
+    tokens: array[int],
+    finishes: bytes,
+    cached: array[int],
+    rich: _Rich,
+    kv_events: tuple[KVEvents, ...],
+    stats: WorkerStats | None,
+) -> TokenBatch:
+    updates: list[TokenUpdate] = []
+    start = 0
+    for req_id, count, finish, num_cached in zip(req_ids, counts, finishes, cached, strict=True):
+        new_tokens = tuple(tokens[start : start + count])
+        updates.append(TokenUpdate(req_id, new_tokens, _FINISH_CODES[finish], num_cached))
+        start += count
+    for position, update in rich:  # in order of position: each lands where it was
+        updates.insert(position, update)
+    return TokenBatch(tuple(updates), kv_events, stats)
 
 
 def merge_updates(taken: list[TokenUpdate]) -> TokenUpdate:

@@ -1,10 +1,17 @@
 """A decode worker sends the steps that piled up between two polls as one update per
-request; nothing is merged past a finish or across an error."""
+request; nothing is merged past a finish or across an error. A batch crosses processes
+as columns and comes back whole."""
 
 from __future__ import annotations
 
+import pickle
+
+import pytest
+import ray.cloudpickle
+
+from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
-from engine.wire import PhaseReport, TokenUpdate, coalesce
+from engine.wire import PhaseReport, TokenBatch, TokenUpdate, WorkerStats, coalesce
 
 
 def test_each_requests_steps_become_one_update_in_first_arrival_order() -> None:
@@ -55,3 +62,24 @@ def test_phases_of_merged_steps_are_all_kept() -> None:
         first_step_s=0.02,
     )
     assert coalesce([TokenUpdate("b", (1,)), TokenUpdate("b", (2,))])[0].phases is None
+
+
+@pytest.mark.parametrize("dumps", [pickle.dumps, ray.cloudpickle.dumps], ids=["pickle", "ray"])
+def test_a_token_batch_arrives_as_it_was_sent(dumps) -> None:  # type: ignore[no-untyped-def]
+    updates = (
+        TokenUpdate("plain", (1, 2, 3), num_cached_tokens=32),
+        TokenUpdate("arrived", (4,), kv_wire_s=0.001, kv_handoff_s=0.003),
+        TokenUpdate("empty"),
+        TokenUpdate("stopped", (5,), FinishReason.STOP),
+        TokenUpdate("failed", finish_reason=FinishReason.ERROR, error="import failed"),
+        TokenUpdate("first", (2**40,), phases=PhaseReport(queue_s=0.5), scheduled_at=12.5),
+        TokenUpdate("long", tuple(range(1000, 1016)), FinishReason.LENGTH),
+        TokenUpdate("handed", (7,), hand_off=True),
+        TokenUpdate("aborted", finish_reason=FinishReason.ABORT),
+    )
+    stats = WorkerStats("decode", 1, 100, 7, 3, 0, 16, 64)
+    batch = TokenBatch(updates, (KVEvents(stored=(11, 12)),), stats)
+    back = pickle.loads(dumps(batch))
+    assert back == batch
+    assert [type(u) for u in back.updates] == [TokenUpdate] * len(updates)
+    assert pickle.loads(dumps(TokenBatch(()))) == TokenBatch(())
