@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -24,12 +25,22 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
 
-# From this prompt length on, streaming the KV during the pass pays: the hand-off after
-# the first token shrinks 3-4x and the first inter-token gap by about a fifth, for ~3 %
-# on the pass. Shorter passes are bound by the host launching kernels, and posting the
-# parts costs them more than the transfer it hides (docs/benchmarks.md, "Layer-wise KV
-# streaming").
-DEFAULT_KV_STREAM_MIN_TOKENS = 2048
+# From this much KV on (2048 tokens of the 8B shape), streaming it during the pass pays:
+# the hand-off after the first token shrinks 3-4x and the first inter-token gap by about
+# a fifth, for ~3 % on the pass. Smaller hand-offs come from passes bound by the host
+# launching kernels (shorter prompts, smaller models), where posting the parts costs more
+# than the transfer it hides (docs/benchmarks.md, "Layer-wise KV streaming").
+# `kv_stream_min_tokens="auto"` turns it into a prompt length for the model being served.
+KV_STREAM_MIN_BYTES = 256 << 20
+DEFAULT_KV_STREAM_MIN_TOKENS: int | Literal["auto"] = "auto"
+
+
+def kv_stream_min_tokens(setting: int | Literal["auto"], kv_bytes_per_token: float) -> int:
+    """The shortest prompt whose hand-off streams: `setting` itself, or for "auto" the
+    length whose KV reaches KV_STREAM_MIN_BYTES (2048 tokens at 8B, 8192 at 1B)."""
+    if setting != "auto":
+        return setting
+    return max(1, math.ceil(KV_STREAM_MIN_BYTES / kv_bytes_per_token))
 
 
 @dataclass(frozen=True)
@@ -53,7 +64,7 @@ class EngineArgs:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Prefill workers: hand-offs of prompts this long stream their KV layer by layer
     # during the forward pass (engine.transfer.streaming); shorter ones go in one message.
-    kv_stream_min_tokens: int = DEFAULT_KV_STREAM_MIN_TOKENS
+    kv_stream_min_tokens: int | Literal["auto"] = DEFAULT_KV_STREAM_MIN_TOKENS
     # Speculative decoding (decode and colocated engines; a prefill engine ignores it).
     speculative: SpeculativeConfig | None = None
 
@@ -66,6 +77,9 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        stream_from = self.kv_stream_min_tokens
+        if stream_from != "auto" and not (isinstance(stream_from, int) and stream_from >= 0):
+            raise ValueError(f"kv_stream_min_tokens must be 'auto' or >= 0, got {stream_from!r}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -8,7 +8,8 @@ pair's channel → the reply to the router carries the first token without waiti
 the bytes: the receiver checks each entry against its reservation and reports arrival,
 refusal or a broken transfer in its own token stream.
 
-Prompts of at least `kv_stream_min_tokens` stream instead (engine.transfer.streaming):
+Prompts of at least `stream_min_tokens` (`--kv-stream-min-tokens`; by default the length
+whose KV reaches 256 MiB) stream instead (engine.transfer.streaming):
 their message opens before the pass that completes them, each group of layers leaves
 as soon as the pass has written it, and the step boundary only adds the trailer with
 the first tokens.
@@ -29,6 +30,7 @@ from engine.core.batch import Batch
 from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
+from engine.factory import kv_stream_min_tokens
 from engine.transfer.base import KVPoll, KVSender, TransferHandle
 from engine.transfer.channel import SENDER_RANK, ChannelSpec
 from engine.transfer.handoff import NO_TOKEN, HandoffHeader, HeaderKind
@@ -69,12 +71,21 @@ class PrefillWorker(WorkerBase):
         self._targets: dict[str, tuple[HandoffTarget, int]] = {}
         self._open_streams: list[StepStream] = []  # engine thread only
         self.num_streamed_messages = 0
+        self.stream_min_tokens = 0  # set at start, from the KV's size per token
 
     def on_started(self) -> None:
+        self.stream_min_tokens = kv_stream_min_tokens(
+            self.args.kv_stream_min_tokens, self.block_bytes / self.args.block_size
+        )
         # A streamed message's trailer needs its step's tokens right after the pass,
         # which an engine scheduling one step ahead does not give.
         if not self.core.async_scheduling:
             self.runner.step_observer = self._stream_step
+            log.info(
+                "%s: hand-offs of %d tokens or more stream layer by layer",
+                self.worker_id,
+                self.stream_min_tokens,
+            )
 
     def _stream_step(self, batch: Batch) -> StepStream | None:
         """Engine thread, before a pass: open streamed messages for the long prompts it
@@ -85,7 +96,7 @@ class PrefillWorker(WorkerBase):
             if destination is None:
                 continue
             target, num_tokens = destination
-            if seq.end_position != num_tokens or num_tokens < self.args.kv_stream_min_tokens:
+            if seq.end_position != num_tokens or num_tokens < self.stream_min_tokens:
                 continue
             num_blocks = -(-num_tokens // batch.block_size)
             ready.append(

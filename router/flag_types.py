@@ -64,9 +64,16 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def stream_interval(value: str) -> int | str:
-    """argparse type: `auto`, or an integer >= 1."""
-    return "auto" if value == "auto" else at_least(1)(value)
+def auto_or_at_least(minimum: int) -> Callable[[str], int | str]:
+    """argparse type: `auto`, or an integer >= minimum."""
+
+    def parse(value: str) -> int | str:
+        return "auto" if value == "auto" else at_least(minimum)(value)
+
+    return parse
+
+
+stream_interval = auto_or_at_least(1)  # --stream-interval
 
 
 def number_in(

@@ -21,6 +21,7 @@ from router.flag_types import (
     HelpFormatter,
     SubcommandParser,
     at_least,
+    auto_or_at_least,
     host_port,
     number_in,
     port,
@@ -213,11 +214,12 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--kv-stream-min-tokens",
-        type=at_least(0),
+        type=auto_or_at_least(0),
         default=DEFAULT_KV_STREAM_MIN_TOKENS,
         help="prompts of at least this many tokens stream their KV to the decode worker "
         "layer by layer while the prefill pass runs; shorter ones send it in one message "
-        "after the pass (0 = stream every hand-off)",
+        "after the pass (0 = stream every hand-off; auto = the length whose KV reaches "
+        "256 MiB: 2048 tokens of an 8B Llama, 8192 of a 1B)",
     )
     serve.add_argument(
         "--enable-admin",

@@ -153,6 +153,7 @@ def test_unsupported_model_folder_fails_before_loading(
         (["serve", "--drain-grace-s", "-2"], "argument --drain-grace-s: must be >= 0"),
         (["serve", "--stream-interval", "0"], "argument --stream-interval: must be >= 1"),
         (["serve", "--stream-interval", "fast"], "--stream-interval: expected an integer"),
+        (["serve", "--kv-stream-min-tokens", "-1"], "--kv-stream-min-tokens: must be >= 0"),
         (["serve", "--decode-gpu-memory-utilization", "1.5"], "must be > 0 and <= 1, got 1.5"),
         (["serve", "--port", "9400"], "--port and --metrics-port are both 9400"),
         (["serve", "--tls-cert", "x.pem"], "--tls-cert and --tls-key must be given together"),

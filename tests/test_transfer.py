@@ -441,3 +441,16 @@ def test_a_trailer_out_of_step_closes_the_channel_and_fails_the_message() -> Non
     thread.join(5)
     assert recv.closed and "broke off" in worker.errors["a"]
     assert worker.blocks_in_use == 0 and len(worker.book) == 0
+
+
+def test_by_default_a_hand_off_streams_from_256_mib_of_kv_whatever_the_model() -> None:
+    from engine.factory import EngineArgs, kv_stream_min_tokens
+
+    llama_8b = 32 * 2 * 8 * 128 * 2  # layers × (K, V) × KV heads × head dim × bf16 bytes
+    llama_1b = 16 * 2 * 8 * 64 * 2
+    assert kv_stream_min_tokens("auto", llama_8b) == 2048  # the crossover measured at 8B
+    assert kv_stream_min_tokens("auto", llama_1b) == 8192
+    assert kv_stream_min_tokens(0, llama_1b) == 0 and kv_stream_min_tokens(512, llama_8b) == 512
+    assert EngineArgs().kv_stream_min_tokens == "auto"
+    with pytest.raises(ValueError, match="kv_stream_min_tokens must be 'auto' or >= 0"):
+        EngineArgs(kv_stream_min_tokens=-1)
