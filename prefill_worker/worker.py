@@ -31,6 +31,7 @@ from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
 from engine.factory import kv_stream_min_tokens
+from engine.model.startup_log import log as startup_log
 from engine.transfer.base import KVPoll, KVSender, TransferHandle
 from engine.transfer.channel import SENDER_RANK, ChannelSpec
 from engine.transfer.handoff import NO_TOKEN, HandoffHeader, HeaderKind
@@ -81,7 +82,7 @@ class PrefillWorker(WorkerBase):
         # which an engine scheduling one step ahead does not give.
         if not self.core.async_scheduling:
             self.runner.step_observer = self._stream_step
-            log.info(
+            startup_log.info(  # a start-up fact: shown where the start-up lines are
                 "%s: hand-offs of %d tokens or more stream layer by layer",
                 self.worker_id,
                 self.stream_min_tokens,
