@@ -15,9 +15,14 @@ mkdir -p "$OUT"
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 pyspy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 
+before=" $(pgrep -f "DecodeWorker" | tr '\n' ' ') "  # a previous run's, still exiting
 OUT=$OUT/suite bash "$(dirname "${BASH_SOURCE[0]}")/run_gpu.sh" suite "$@" >"$OUT/suite.log" 2>&1 &
 suite=$!
-for _ in $(seq 600); do pgrep -f "DecodeWorker" >/dev/null && break; sleep 0.5; done
+new_worker() {
+  for pid in $(pgrep -f "DecodeWorker"); do [[ $before == *" $pid "* ]] || return 0; done
+  return 1
+}
+for _ in $(seq 600); do new_worker && break; sleep 0.5; done
 sleep "${PROFILE_AFTER_S:-40}"
 for pid in $(pgrep -f "pdserve serve|bin/pdserve|router.cli") $(pgrep -f "ray::(Prefill|Decode|Colocated)Worker"); do
   name=$(tr '\0' ' ' </proc/"$pid"/cmdline | cut -c1-40 | tr -c 'a-zA-Z0-9\n' '_')
