@@ -292,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             "the same batch as a, a2); at concurrency 1, `rounds_at_c1` requests in turn",
             "TTFT from submission (a: the batch start; b: queued in the engine; a2: request "
             "creation; cc, c: the client's send) to the first token; "
-            "TPOT = (last - first) / (tokens - 1)",
+            "TPOT = (last - first) / (tokens - 1); acc (accept_ms): cc, c: the client's "
+            "send to the response headers, which the router sends as the call's handler "
+            "starts (the wait to be taken in, before any work on the request)",
             "floor_ms = (weight bytes read + batch * context * KV bytes/token) / copy "
             "bandwidth (read+write bytes / s of a 1 GiB device-to-device copy)",
             "handoff bytes = whole blocks of the prompt * KV bytes/token; hand-off time "

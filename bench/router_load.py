@@ -108,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         f"(workers offer {result['offered_tok_s']} tok/s)"
     )
     print(
-        f"{'interval':>8} {'tok/s':>9} {'ratio':>6} {'msgs/req':>8} {'TTFT p50 ms':>11} {'ok':>9}"
+        f"{'interval':>8} {'tok/s':>9} {'ratio':>6} {'msgs/req':>8} {'TTFT p50 ms':>11} "
+        f"{'accept p50 ms':>13} {'ok':>9}"
     )
     for r in runs:
         assert r is not None
         print(
             f"{r['stream_interval']:>8} {r['tok_s']:>9} {r['tok_s'] / base:>6.2f} "
-            f"{r['messages_per_request']:>8} {r['ttft_ms_p50']!s:>11} "
+            f"{r['messages_per_request']:>8} {r['ttft_ms_p50']!s:>11} {r['accept_ms_p50']!s:>13} "
             f"{r['ok']:>4}/{args.requests}"
         )
     if args.out:
@@ -149,12 +150,14 @@ def _run(args: argparse.Namespace, interval: StreamInterval) -> dict[str, Any] |
     ok = [t for t in timings if t.ok]
     tokens = sum(t.num_tokens for t in ok)
     ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
+    accepts = [t.accepted_s - t.sent_s for t in ok if t.accepted_s is not None]
     return {
         "stream_interval": interval,
         "ok": len(ok),
         "tok_s": round(tokens / wall, 1),
         "messages_per_request": round(sum(len(t.gaps_s) + 1 for t in ok) / max(len(ok), 1), 1),
         "ttft_ms_p50": round(1000 * percentile(ttfts, 50), 2) if ttfts else None,
+        "accept_ms_p50": round(1000 * percentile(accepts, 50), 2) if accepts else None,
         "wall_s": round(elapsed, 2),
     }
 

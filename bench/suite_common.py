@@ -97,6 +97,10 @@ class ReqTiming:
     """One request, times in seconds on one clock."""
 
     sent_s: float
+    # The response's headers arrived: the server started the call's handler (pdserve's
+    # router sends them first). Sent → accepted is the wait to be taken in, before any
+    # work on the request; accepted → first token is the service's own.
+    accepted_s: float | None = None
     first_s: float | None = None
     last_s: float | None = None
     num_tokens: int = 0
@@ -154,6 +158,7 @@ def summarize(
         "wall_s": round(wall_s, 4),
         "output_tok_s": round(tokens / wall_s, 2) if wall_s > 0 else math.nan,
         "ttft_ms": dist_ms([t.ttft_s for t in ok if t.ttft_s is not None]),
+        "accept_ms": dist_ms([t.accepted_s - t.sent_s for t in ok if t.accepted_s is not None]),
         "tpot_ms": dist_ms([t.tpot_s for t in ok if t.tpot_s is not None]),
         "itl_ms": dist_ms([gap for t in ok for gap in t.gaps_s]),
         # Above 1 when the server sent several tokens in one message (it fell behind).

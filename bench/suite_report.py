@@ -75,7 +75,8 @@ def format_tables(result: dict) -> str:
 
 def _throughput(shapes: dict, main_len: int) -> list[str]:
     head = f"{'shape':<6}{'system':<28}{'conc':>5}{'rnds':>5}{'prompt':>7}{'tok/s':>10}"
-    head += f"{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}{'ok':>9}"
+    head += f"{'TTFT p50':>10}{'p99':>9}{'acc p50':>9}{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}"
+    head += f"{'ok':>9}"
     lines = ["", "== throughput and latency (ms) ==", head]
     for shape, rec in shapes.items():
         if rec.get("skipped"):
@@ -87,6 +88,7 @@ def _throughput(shapes: dict, main_len: int) -> list[str]:
                     f"{shape:<6}{r['system']:<28}{conc:>5}{rounds:>5}{plen:>7}"
                     f"{_fmt(r['output_tok_s']):>10}"
                     f"{_fmt(r['ttft_ms']['p50']):>10}{_fmt(r['ttft_ms']['p99']):>9}"
+                    f"{_fmt(r.get('accept_ms', {}).get('p50'), 1):>9}"
                     f"{_fmt(r['tpot_ms']['p50'], 2):>10}{_fmt(r['tpot_ms']['p99'], 2):>8}"
                     f"{_fmt(r.get('itl_ms', {}).get('p50'), 2):>9}"
                     f"{r['num_ok']:>5}/{r['num_requests']:<4}"

@@ -62,7 +62,10 @@ async def _call(
     request.prompt_token_ids.token_ids.extend(prompt)
     t.sent_s = time.perf_counter()
     try:
-        async for resp in stub.Generate(request, timeout=timeout):
+        call = stub.Generate(request, timeout=timeout)
+        await call.initial_metadata()
+        t.accepted_s = time.perf_counter()
+        async for resp in call:
             now = time.perf_counter()
             if resp.token_ids:
                 t.add_tokens(now, len(resp.token_ids))

@@ -161,3 +161,19 @@ def test_prompts_are_fresh_per_run_unless_seeded(
     assert record["provenance"]["command"].startswith("python -m bench.load --target ")
     table = capsys.readouterr().out
     assert "prompts           seed 7 (--seed 7 sends them again); 25.0% of prompt tokens" in table
+
+
+def test_the_suite_splits_time_to_first_token_at_the_call_being_taken_in() -> None:
+    """accept_ms: the client's send to the response headers (the router's handler began);
+    the rest of TTFT is the service working on the request."""
+    from bench.suite_common import ReqTiming, summarize
+
+    timings = []
+    for i in range(5):
+        t = ReqTiming(sent_s=10.0 + i, accepted_s=10.0 + i + 0.1 * (i + 1))
+        t.add_tokens(10.0 + i + 0.5, 1)
+        t.add_tokens(10.0 + i + 0.6, 1)
+        timings.append(t)
+    run = summarize("c", 5, timings, wall_s=5.0)
+    assert abs(run["accept_ms"]["p50"] - 300.0) < 1e-6
+    assert abs(run["ttft_ms"]["p50"] - 500.0) < 1e-6
