@@ -59,7 +59,6 @@ def _serve(
             drain_grace_s=1.0,
             on_started=lambda _server: ready.set(),
             metrics=get_metrics(),
-            stream_interval=interval,
         )
 
     profiler = cProfile.Profile() if args.profile else None

@@ -24,7 +24,6 @@ from router.metrics_edge import MetricsInterceptor
 from router.protocol import Generator
 from router.security import EdgeSecurity
 from router.servicer import GenerationServicer, is_valid_request_id, request_id_var
-from router.streams import StreamInterval
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +128,6 @@ class GrpcServer:
         metrics: RouterMetrics | None = None,
         admin: AdminServicer | None = None,
         on_drain: Callable[[], None] | None = None,
-        stream_interval: StreamInterval = 1,
     ) -> None:
         self._generator = generator
         self._on_drain = on_drain  # told first when a drain starts
@@ -142,7 +140,7 @@ class GrpcServer:
         # Time between NOT_SERVING and refusing new calls, so load balancers and
         # readiness probes stop routing here first (set to the probe period in k8s).
         self.drain_notice_s = drain_notice_s
-        self._servicer = GenerationServicer(generator, stream_interval)
+        self._servicer = GenerationServicer(generator)
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._port: int | None = None
@@ -335,7 +333,6 @@ async def serve(
     metrics: RouterMetrics | None = None,
     admin: AdminServicer | None = None,
     on_drain: Callable[[], None] | None = None,
-    stream_interval: StreamInterval = 1,
 ) -> None:
     """Run until SIGTERM/SIGINT has drained the server; the caller then stops the workers.
 
@@ -352,7 +349,6 @@ async def serve(
         metrics=metrics,
         admin=admin,
         on_drain=on_drain,
-        stream_interval=stream_interval,
     )
     try:
         await server.start()

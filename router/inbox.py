@@ -10,7 +10,7 @@ came before a failure are handed out first, then the failure.
 A plain deque and at most one waiting future: a put costs an append (and a wake-up when
 the stream sleeps), a take with items ready costs no scheduling at all. A take may ask
 for at least N tokens (`--stream-interval N`): puts below that do not wake the stream, so
-its whole chain (detokenize, coalesce, gRPC write) runs once per N tokens rather than
+its whole chain (detokenize, generators, gRPC write) runs once per N tokens rather than
 once per decode step. A finish, a failure or a move wakes it at once.
 """
 

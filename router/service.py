@@ -172,7 +172,6 @@ async def run_service(
                 lambda: planner,
             ),
             on_drain=on_drain,
-            stream_interval=config.router.stream_interval,
         )
     finally:
         if watcher is not None:

@@ -18,7 +18,7 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.errors import InvalidRequestError, NotReadyError, QueueFullError
 from router.protocol import ChatMessage, GenerateCall, Generator, PoolStats, ServerInfo
-from router.streams import CoalescedStream, StreamInterval, close_stream
+from router.streams import close_stream
 from router.tracing import trace_parent
 
 logger = logging.getLogger(__name__)
@@ -237,11 +237,8 @@ def _failure_status(exc: Exception, what: str) -> _Status:
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     """Edge of the router: proto in, GenerateCall to the core, proto stream out."""
 
-    def __init__(self, generator: Generator, stream_interval: StreamInterval = 1) -> None:
+    def __init__(self, generator: Generator) -> None:
         self._generator = generator
-        # Tokens a message waits for (1: none). "auto" is the serving core's to apply: it
-        # hands out chunks of the right size, so the edge merges nothing.
-        self._stream_interval = stream_interval
         self._draining = False
         self._num_in_flight = 0
         self._idle = asyncio.Event()
@@ -324,13 +321,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         num_sent = [0]  # completion tokens the client already has, for an ABORT's usage
         try:
             async with timeout:
-                interval = self._stream_interval
-                chunks = (
-                    CoalescedStream(stream, interval)
-                    if isinstance(interval, int) and interval > 1
-                    else stream
-                )
-                return await self._forward(chunks, call, context, num_sent)
+                return await self._forward(stream, call, context, num_sent)
         except asyncio.CancelledError:
             if self._abort_reason is None:
                 raise  # the client cancelled or went away: nobody to tell

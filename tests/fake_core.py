@@ -126,15 +126,11 @@ class ClosableStream:
 Body = Callable[[GrpcServer, grpc.aio.Channel, FakeCore], Coroutine[Any, Any, None]]
 
 
-def run_with_server(
-    core: FakeCore, body: Body, *, serving: bool = True, stream_interval: int = 1
-) -> None:
+def run_with_server(core: FakeCore, body: Body, *, serving: bool = True) -> None:
     """Start a server on 127.0.0.1:0 around `body`, then stop it (one event loop per test)."""
 
     async def main() -> None:
-        server = GrpcServer(
-            core, host="127.0.0.1", port=0, drain_grace_s=2.0, stream_interval=stream_interval
-        )
+        server = GrpcServer(core, host="127.0.0.1", port=0, drain_grace_s=2.0)
         await server.start()
         if serving:
             await server.set_serving()

@@ -70,9 +70,9 @@ def test_stream_interval_is_auto_unless_a_number_is_given() -> None:
 
     parser = build_parser()
     assert router_config(parser.parse_args(["serve"])).stream_interval == "auto"
-    assert (
-        router_config(parser.parse_args(["serve", "--stream-interval", "4"])).stream_interval == 4
-    )
+    for value, expected in (("4", 4), ("auto", "auto")):
+        ns = parser.parse_args(["serve", "--stream-interval", value])
+        assert router_config(ns).stream_interval == expected
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])

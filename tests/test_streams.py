@@ -1,81 +1,66 @@
-"""`--stream-interval`: a stream's chunks merged into messages of at least N tokens, the
-first at once and the rest flushed by the final result, nothing lost or reordered."""
+"""`--stream-interval`: every message after the first waits for N tokens (or the finish),
+nothing lost or reordered; `auto` picks N from the number of open streams."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
-from engine.core.outputs import FinalResult, TextChunk, Usage
-from engine.core.request import FinishReason
+from bench.fake_workers import FakePools, WordTokenizer, token_at
 from pdserve.v1 import generation_pb2 as pb
+from router.client import stream_generate
+from router.config import RouterConfig
 from router.grpc_server import GrpcServer
-from router.streams import CoalescedStream, check_stream_interval, tokens_per_message
-from tests.fake_core import FakeCore, collect, run_with_server
+from router.orchestrator import DisaggregatedGenerator
+from router.streams import check_stream_interval, tokens_per_message
 
-FINAL = FinalResult(FinishReason.LENGTH, Usage(3, 10))
-
-
-async def _source(items: list[TextChunk | FinalResult]) -> AsyncIterator[TextChunk | FinalResult]:
-    for item in items:
-        yield item
+PROMPT = list(range(100, 164))  # above the short-prompt threshold: prefilled remotely
 
 
-def _merge(items: list[TextChunk | FinalResult], interval: int) -> list[TextChunk | FinalResult]:
-    async def run() -> list[TextChunk | FinalResult]:
-        return [out async for out in CoalescedStream(_source(items), interval)]
-
-    return asyncio.run(run())
-
-
-def _chunks(n: int) -> list[TextChunk | FinalResult]:
-    return [TextChunk(f"w{i} ", (i,)) for i in range(n)]
-
-
-def test_first_chunk_at_once_then_at_least_interval_tokens_then_the_rest_before_final() -> None:
-    out = _merge(_chunks(10) + [FINAL], 4)
-    assert [o.token_ids for o in out[:-1]] == [(0,), (1, 2, 3, 4), (5, 6, 7, 8), (9,)]
-    assert out[-1] is FINAL
-    assert "".join(o.text for o in out[:-1]) == "".join(f"w{i} " for i in range(10))
-
-
-def test_chunks_of_several_tokens_and_empty_ones_keep_every_token_in_order() -> None:
-    items: list[TextChunk | FinalResult] = [
-        TextChunk("", ()),  # nothing yet: not the first chunk
-        TextChunk("ab", (1, 2)),
-        TextChunk("", (3,)),  # text held back for a whole UTF-8 character
-        TextChunk("cde", (4, 5, 6)),
-        TextChunk("f", (7,)),
-        FINAL,
-    ]
-    out = _merge(items, 3)
-    assert [o.token_ids for o in out[:-1]] == [(1, 2), (3, 4, 5, 6), (7,)]
-    assert [o.text for o in out[:-1]] == ["ab", "cde", "f"]
-    assert out[-1] is FINAL
+async def _messages(interval: int | str) -> tuple[list[pb.GenerateResponse], FakePools]:
+    """One 10-token request through the gRPC edge over the serving core and fake pools."""
+    pools = FakePools(1, 1)
+    core = DisaggregatedGenerator(
+        pools,  # type: ignore[arg-type]
+        WordTokenizer(),
+        RouterConfig(retry_delay_s=0.0, stream_interval=interval),  # type: ignore[arg-type]
+    )
+    core.start()
+    server = GrpcServer(core, host="127.0.0.1", port=0, drain_grace_s=2.0)  # type: ignore[arg-type]
+    await server.start()
+    await server.set_serving()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            responses = [
+                r
+                async for r in stream_generate(
+                    channel, prompt_token_ids=PROMPT, max_tokens=10, seed=3, ignore_eos=True
+                )
+            ]
+    finally:
+        await server.stop(0)
+        await core.stop()
+    return responses, pools
 
 
-def test_a_final_right_after_the_first_chunk_and_a_stream_without_one() -> None:
-    assert _merge([TextChunk("a", (1,)), FINAL], 8) == [TextChunk("a", (1,)), FINAL]
-    assert _merge(_chunks(3), 8) == [TextChunk("w0 ", (0,)), TextChunk("w1 w2 ", (1, 2))]
-    with pytest.raises(ValueError, match="stream interval"):
-        CoalescedStream(_source([]), 0)
-
-
-def test_the_server_sends_fewer_messages_with_the_same_tokens_and_final() -> None:
-    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
-        responses = await collect(channel, prompt="Hello", max_tokens=16)
-        chunks, final = responses[:-1], responses[-1]
-        assert [list(r.token_ids) for r in chunks] == [[0], [1, 2, 3], [4, 5, 6]]
-        assert "".join(r.text for r in chunks) == "t0 t1 t2 t3 t4 t5 t6 "
-        assert final.finish_reason == pb.FINISH_REASON_LENGTH
-        assert final.usage.completion_tokens == 7
-
-        assert core.num_aclose == 1  # the core's own stream is closed, as without merging
-
-    run_with_server(FakeCore(num_chunks=7), body, stream_interval=3)
+@pytest.mark.parametrize("interval", [1, 3, 4])
+def test_each_message_after_the_first_waits_for_the_interval_and_the_finish_flushes(
+    interval: int,
+) -> None:
+    responses, pools = asyncio.run(_messages(interval))
+    chunks, final = responses[:-1], responses[-1]
+    sizes = [len(r.token_ids) for r in chunks]
+    assert sizes[0] == 1, sizes  # the first token at once
+    assert all(size >= interval for size in sizes[1:-1]), sizes
+    assert len(sizes) <= 1 + -(-9 // interval), sizes  # never more messages than that
+    tokens = [t for r in chunks for t in r.token_ids]
+    assert tokens == [token_at(3, len(PROMPT) + i) for i in range(10)]
+    assert "".join(r.text for r in chunks) == "".join(f"<{t}>" for t in tokens)
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert final.usage.completion_tokens == 10
+    assert all(fake.holds_nothing for fake in pools.fakes.values())
 
 
 def test_auto_sends_every_token_under_light_load_and_groups_them_as_streams_multiply() -> None:
