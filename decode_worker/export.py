@@ -15,7 +15,6 @@ this worker as the sending end (rank 0).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +22,7 @@ import torch
 
 from engine.transfer.base import KVPoll
 from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import HandoffHeader, HeaderKind
-from engine.transfer.sender import ReadyKV, plan_messages
+from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.wire import DetachedMove, DetachedRequest, HandoffTarget
 
 
@@ -47,6 +45,8 @@ class KVExporter:
         def block_bytes(self) -> int: ...
 
         async def on_engine(self, fn: Any) -> Any: ...
+
+        def post_message(self, channel: KVChannel, message: Message) -> tuple[Any, Any]: ...
 
     async def connect_sender(self, spec: ChannelSpec) -> None:
         """Build this end (the sender) of a channel to a peer decode worker."""
@@ -112,21 +112,8 @@ class KVExporter:
             )
         handles, total = [], 0
         for message in plan_messages(ready, self.block_bytes):
-            payload = self.runner.gather_blocks(message.block_ids)
-            done = None
-            if payload.is_cuda:
-                done = torch.cuda.Event()
-                done.record()
-            header = HandoffHeader(
-                kind=HeaderKind.HANDOFF,
-                seq_no=channel.next_seq(),
-                dst_epoch=target.epoch,
-                src_epoch=self.epoch,
-                entries=message.entries,
-                num_bytes=int(payload.numel() * payload.element_size()),
-                posted_at_us=int(time.time() * 1e6),
-            )
-            handles.append(channel.send(header, payload, done))
+            header, handle = self.post_message(channel, message)
+            handles.append(handle)
             total += header.num_bytes
         return handles, total
 

@@ -27,7 +27,9 @@ from engine.factory import BuiltEngine, EngineArgs, build_engine
 from engine.model.startup_log import show_startup_lines, startup_phase
 from engine.tracing import TracingConfig
 from engine.transfer.channel import ChannelSpec, KVChannel
+from engine.transfer.handoff import HandoffHeader, HeaderKind
 from engine.transfer.layout import KVLayout
+from engine.transfer.sender import Message
 from engine.wire import TokenUpdate, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -227,6 +229,27 @@ class WorkerBase:
     def block_bytes(self) -> int:
         """Bytes of one block of KV, every layer (the unit a hand-off moves)."""
         return int(self.runner.block_bytes)
+
+    def post_message(self, channel: KVChannel, message: Message) -> tuple[HandoffHeader, Any]:
+        """Engine thread: gather a message's blocks (ordered after every step that wrote
+        them) and post header + payload on the channel; the header and the send's handle.
+        The sender waits for the gather on its own stream, not the engine's; the caller
+        may release the blocks right after."""
+        payload = self.runner.gather_blocks(message.block_ids)
+        gathered = None
+        if payload.is_cuda:
+            gathered = torch.cuda.Event()
+            gathered.record()
+        header = HandoffHeader(
+            kind=HeaderKind.HANDOFF,
+            seq_no=channel.next_seq(),  # taken and posted on this thread: in order
+            dst_epoch=message.target.epoch,
+            src_epoch=self.epoch,
+            entries=message.entries,
+            num_bytes=int(payload.numel() * payload.element_size()),
+            posted_at_us=int(time.time() * 1e6),
+        )
+        return header, channel.send(header, payload, gathered)
 
     async def read_blocks(self, block_ids: list[int]) -> Any:
         """A copy of these blocks' KV as a CPU tensor (for hand-off verification)."""

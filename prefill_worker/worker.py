@@ -34,7 +34,7 @@ from engine.factory import kv_stream_min_tokens
 from engine.model.startup_log import log as startup_log
 from engine.transfer.base import KVPoll, KVSender, TransferHandle
 from engine.transfer.channel import SENDER_RANK, ChannelSpec
-from engine.transfer.handoff import NO_TOKEN, HandoffHeader, HeaderKind
+from engine.transfer.handoff import NO_TOKEN, HandoffHeader
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, open_stream
 from engine.wire import GenerationInput, HandoffTarget, PrefillResult, Reservation, TokenUpdate
@@ -193,23 +193,9 @@ class PrefillWorker(WorkerBase):
                         error=f"no channel to {message.target.worker_id}",
                     )
                 continue
-            payload = self.runner.gather_blocks(message.block_ids)
-            event = None
-            if payload.is_cuda:
-                event = torch.cuda.Event()
-                event.record()
+            header, handle = self.post_message(channel, message)
             for item in message.items:
                 self.core.release(item.req_id)
-            header = HandoffHeader(
-                kind=HeaderKind.HANDOFF,
-                seq_no=channel.next_seq(),  # taken and posted on this thread: in order
-                dst_epoch=message.target.epoch,
-                src_epoch=self.epoch,
-                entries=message.entries,
-                num_bytes=int(payload.numel() * payload.element_size()),
-                posted_at_us=int(time.time() * 1e6),
-            )
-            handle = channel.send(header, payload, event)
             for item in message.items:
                 outcome[item.req_id] = _Prefilled(
                     by_id[item.req_id],
