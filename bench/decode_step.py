@@ -147,13 +147,15 @@ def bench_model(
     compile_model: bool = True,
     gemv: str = "on",
     kv_write: str = "fused",
+    compile_scope: str = "layer",
 ) -> list[dict[str, Any]]:
     """Time every (batch, context) of one model shape in each mode, with the decoder
     compiled (the default engine) or as transformers runs it, and one-row products on
     the Triton GEMV (the default: "on", with q/k/v and gate/up packed into one product
     each), on the GEMV with every projection its own product ("unpacked"), or on cuBLAS
     ("off"); a decode step's K/V written by the attention kernel ("fused", the default)
-    or by a kernel of its own first ("separate")."""
+    or by a kernel of its own first ("separate"). `compile_scope`: each decoder layer
+    compiled (the engine's default) or the whole stack (engine.model.compiled)."""
     from unittest import mock
 
     from engine.core.batch import Batch, ScheduledSeq
@@ -191,6 +193,7 @@ def bench_model(
             block_size=BLOCK_SIZE,
             cuda_graph_batch_sizes=batch_sizes,
             compile_model=compile_model,
+            compile_scope=compile_scope,
             small_batch_gemv=gemv != "off",
         )
         load_s = time.perf_counter() - t0
@@ -228,6 +231,7 @@ def bench_model(
                 row: dict[str, Any] = {
                     "model": name,
                     "compiled": compile_model,
+                    "compile_scope": compile_scope if compile_model else None,
                     "gemv": gemv,
                     "kv_write": kv_write,
                     "batch": n,
@@ -319,6 +323,12 @@ def _kernel_row(n: int, context: int, block_n: int) -> dict[str, Any]:
     }
 
 
+def _compile_label(row: dict[str, Any]) -> str:
+    if not row["compiled"]:
+        return "off"
+    return "dec" if row.get("compile_scope") == "decoder" else "on"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
@@ -328,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--compile",
         default="on,off",
-        help="on, off or both (on,off): the decoder compiled, and/or as transformers runs it",
+        help="on (each decoder layer compiled, as the engine does), decoder (the whole "
+        "stack compiled), off (as transformers runs it), or several (on,decoder,off)",
     )
     p.add_argument(
         "--gemv",
@@ -373,16 +384,20 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     profiles = [t.split(":") for t in args.profile.split(",") if t]
     profile_log: list[str] = []
-    compile_modes = [c == "on" for c in args.compile.split(",") if c]
+    compile_modes = [c for c in args.compile.split(",") if c]
+    if not set(compile_modes) <= {"on", "decoder", "off"}:
+        p.error(f"--compile takes on, decoder and off, not {args.compile!r}")
     gemv_modes = [c for c in args.gemv.split(",") if c]
     if not set(gemv_modes) <= {"on", "unpacked", "off"}:
         p.error(f"--gemv takes on, unpacked and off, not {args.gemv!r}")
     kv_writes = [c for c in args.kv_write.split(",") if c]
     if not set(kv_writes) <= {"fused", "separate"}:
         p.error(f"--kv-write takes fused and separate, not {args.kv_write!r}")
-    for name, compile_model, gemv, kv_write in itertools.product(
+    for name, compile_mode, gemv, kv_write in itertools.product(
         args.models.split(","), compile_modes, gemv_modes, kv_writes
     ):
+        compile_model = compile_mode != "off"
+        compile_scope = "decoder" if compile_mode == "decoder" else "layer"
         at = {(int(b), int(c)) for m, b, c in profiles if m == name}
         try:
             result["steps"] += bench_model(
@@ -395,11 +410,12 @@ def main(argv: list[str] | None = None) -> int:
                 compile_model,
                 gemv,
                 kv_write,
+                compile_scope,
             )
         except Exception as exc:
             traceback.print_exc()
             result.setdefault("errors", []).append(
-                f"{name} compiled={compile_model} gemv={gemv} kv_write={kv_write}: {exc!r}"
+                f"{name} compile={compile_mode} gemv={gemv} kv_write={kv_write}: {exc!r}"
             )
         gc.collect()  # the runner of this model goes before the next one loads
         torch.cuda.empty_cache()
@@ -426,13 +442,20 @@ def main(argv: list[str] | None = None) -> int:
             return f"{r[key]['median'] / r['floor_ms']:7.2f}" if key in r else "    err"
 
         print(
-            f"{r['model']:14} {'on' if r['compiled'] else 'off':>4} "
+            f"{r['model']:14} {_compile_label(r):>4} "
             f"{r['gemv']:>8} {r['kv_write']:>8} {r['batch']:5d} "
             f"{r['context']:5d} {r['floor_ms']:7.3f} "
             f"{ms('sdpa_ms')} {ms('triton_ms')} {ms('graphs_ms')} {ms('graph_gpu_ms')} "
             f"{ms('graph_gpu_back_to_back_ms')} {ratio('graph_gpu_ms')} "
             f"{ratio('graph_gpu_back_to_back_ms')}"
         )
+    starts = {
+        (r["model"], _compile_label(r), r["gemv"], r["kv_write"]): r["load_s"]
+        for r in result["steps"]
+    }
+    print("\nrunner start-up (weights, compile, graph capture), s:")
+    for (model, comp, gemv, kv_write), load_s in starts.items():
+        print(f"  {model:14} {comp:>4} {gemv:>8} {kv_write:>8} {load_s:7.1f}")
     print("\nTriton kernel, one 8B layer: batch ctx block_n splits ms GB/s")
     for k in result["kernel"]:
         if "ms" in k:

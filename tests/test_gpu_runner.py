@@ -235,6 +235,26 @@ def test_cuda_graphs_give_eager_tokens_on_tiny_llama(tiny_llama_path: Path) -> N
     assert graphed.cuda_graphs.num_replays == 3 * 12
 
 
+def test_decoder_layers_share_one_compiled_graph(tiny_llama_path: Path) -> None:
+    """Compiled layer by layer, the three layers reuse one layer's graphs (one for a
+    single token, one for any count), and give the whole stack's compiled tokens."""
+    from torch._dynamo.utils import counters
+
+    common = dict(device="cuda", dtype="float32", num_blocks=32, block_size=8)
+    torch._dynamo.reset()  # count this test's compiles alone
+    by_layer = ModelRunner(tiny_llama_path, cuda_graph_batch_sizes=[1, 2], **common)
+    assert counters["stats"]["unique_graphs"] == 2
+    whole = ModelRunner(
+        tiny_llama_path, cuda_graph_batch_sizes=[1, 2], compile_scope="decoder", **common
+    )
+    assert is_compiled(by_layer.model) and is_compiled(whole.model)
+    prompts = [[11, 12, 13, 14, 15], [21, 22]]
+    tables = [(0, 1, 2), (3, 4, 5)]
+    assert _decode_run(by_layer, prompts, tables, steps=6) == _decode_run(
+        whole, prompts, tables, steps=6
+    )
+
+
 def test_cuda_graphs_match_eager_logits_on_llama_1b_shape() -> None:
     runner = ModelRunner(
         CONFIG_1B,

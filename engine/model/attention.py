@@ -246,19 +246,37 @@ def _write_and_attend(
 
 # The same function as an opaque operator for torch.compile: the compiled decoder fuses
 # everything around attention and calls this between its kernels (in CUDA graphs too).
+# The layer comes as a one-element CPU tensor, not an int: the compiler specialises a
+# module's int attributes, so with `layer_idx` every decoder layer would compile its own
+# graph, where with a tensor one compiled layer serves them all (engine.model.compiled).
 @torch.library.custom_op("pdserve::paged_attention", mutates_args=())
 def _paged_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, scale: float
 ) -> torch.Tensor:
     # The compiler lays out later kernels from the fake's (contiguous) strides.
-    return paged_attention(query, key, value, layer_idx, scale).contiguous()
+    return paged_attention(query, key, value, int(layer), scale).contiguous()
 
 
 @_paged_attention_op.register_fake
 def _(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, scale: float
 ) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+# The attribute of an attention module that holds its layer as a tensor (set by
+# `tag_layers`): what the compiled decoder passes to the operator.
+LAYER_TENSOR = "pdserve_layer"
+
+
+def tag_layers(model: torch.nn.Module) -> None:
+    """Give every attention module its layer index as a CPU tensor (see the operator)."""
+    for module in model.modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if isinstance(layer_idx, int) and not hasattr(module, LAYER_TENSOR):
+            # A non-persistent buffer: an input of the compiled graph, not a constant
+            # it guards on, and never in a checkpoint.
+            module.register_buffer(LAYER_TENSOR, torch.tensor(layer_idx), persistent=False)
 
 
 def paged_attention_forward(
@@ -272,14 +290,14 @@ def paged_attention_forward(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention fn: query [1, H, T, D], key/value [1, KVH, T, D] → [1, T, H, D]."""
-    layer_idx: int = module.layer_idx  # type: ignore[assignment]
     scale = scaling if scaling is not None else float(module.scaling)  # type: ignore[arg-type]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if torch.compiler.is_compiling():
         # Contiguous here costs nothing: the compiler writes them so in the rotary kernel.
-        out = _paged_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), layer_idx, scale)
+        layer = getattr(module, LAYER_TENSOR)
+        out = _paged_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), layer, scale)
     else:
-        out = paged_attention(q, k, v, layer_idx, scale)
+        out = paged_attention(q, k, v, module.layer_idx, scale)  # type: ignore[arg-type]
     return out.unsqueeze(0), None
 
 

@@ -56,6 +56,7 @@ class ModelRunner(KVBlocks):
         cuda_graph_batch_sizes: Sequence[int] | None = None,
         paged_decode: bool | None = None,
         compile_model: bool | None = None,
+        compile_scope: str = "layer",
         small_batch_gemv: bool | None = None,
         preloaded: tuple[torch.nn.Module, ModelSpec] | None = None,
         verify_graph_tokens: int = 0,
@@ -66,7 +67,8 @@ class ModelRunner(KVBlocks):
         `paged_decode` False runs attention as padded SDPA even where the Triton
         kernels could (None: Triton on CUDA when it imports). `compile_model` runs the
         decoder compiled by torch.compile (engine.model.compiled; None: on CUDA when
-        Triton imports); it compiles here, at start-up, not on the first request.
+        Triton imports); it compiles here, at start-up, not on the first request, each
+        decoder layer (`compile_scope` "layer") or the whole stack ("decoder").
         `small_batch_gemv` runs one-row products of 16-bit weights (batch-1 decode steps,
         a lone sequence's logits) with the Triton GEMV (engine.model.triton_gemv; None:
         on CUDA when Triton imports). `preloaded`: the model and its spec, already
@@ -97,7 +99,7 @@ class ModelRunner(KVBlocks):
         if use_triton if small_batch_gemv is None else small_batch_gemv:
             use_gemv(self.model)
         if use_triton if compile_model is None else compile_model:
-            compile_decoder(self.model)
+            compile_decoder(self.model, compile_scope)
         if num_blocks is None:
             assert kv_cache_bytes is not None
             if callable(kv_cache_bytes):

@@ -116,8 +116,23 @@ class KVChannel:
             self._pg = dist.ProcessGroupNCCL(
                 dist.PrefixStore("data/", prefixed), self.rank, 2, options
             )
+            self._connect()
         else:
             self._pg = self._ctrl
+
+    def _connect(self) -> None:
+        """Exchange one element over NCCL. NCCL makes the pair's communicator at its first
+        transfer (a few hundred ms, the peers' handshake included); made here, that cost
+        is paid when the channel opens, not by the first hand-off or the first move of
+        a drain. Both ends run it inside `open`, before any header is posted."""
+        assert self._stream is not None
+        probe = torch.zeros(1, device=self.device)
+        with torch.cuda.stream(self._stream):
+            if self.rank == SENDER_RANK:
+                self._pg.send([probe], self.peer, 0).wait()
+            else:
+                self._pg.recv([probe], self.peer, 0).wait()
+        self._stream.synchronize()
 
     def _group(self) -> Any:
         if self._pg is None or self.closed:
