@@ -37,6 +37,8 @@ RECEIVER_RANK = 1
 # the wait for the next header has no practical limit; a peer that dies closes its
 # connection, which ends the wait at once.
 _NEXT_HEADER_WAIT = datetime.timedelta(days=365)
+# CUDA clamps a stream priority to the device's range: this is the highest on any GPU.
+_HIGH_PRIORITY = -10
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,12 @@ class KVChannel:
         )
         if self.is_cuda:
             torch.cuda.set_device(self.device)
-            self._stream = torch.cuda.Stream(self.device)
-            options = dist.ProcessGroupNCCL.Options()
+            # High priority, for this stream (the receiver's scatter into the cache) and
+            # NCCL's own: a hand-off's kernels are small and latency-bound, and without
+            # it they queue for SMs behind the next prefill step's and the running decode
+            # steps' kernels.
+            self._stream = torch.cuda.Stream(self.device, priority=_HIGH_PRIORITY)
+            options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
             options._timeout = timeout
             self._pg = dist.ProcessGroupNCCL(
                 dist.PrefixStore("data/", prefixed), self.rank, 2, options
