@@ -113,9 +113,8 @@ class KVChannel:
         if self.is_cuda:
             torch.cuda.set_device(self.device)
             # High priority, for this stream (the receiver's scatter into the cache) and
-            # NCCL's own: a hand-off's kernels are small and latency-bound, and without
-            # it they queue for SMs behind the next prefill step's and the running decode
-            # steps' kernels.
+            # NCCL's own: a hand-off's kernels are small and on a request's path, and the
+            # GPU then starts their blocks ahead of queued prefill and decode kernels.
             self._stream = torch.cuda.Stream(self.device, priority=_HIGH_PRIORITY)
             options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
             options._timeout = timeout
