@@ -72,14 +72,18 @@ class DecodeWorker(KVExporter, WorkerBase):
         """Hold blocks for the request's prompt KV; None when they don't fit now.
         `source` names the sender, if known: its channel breaking fails the request."""
         num_tokens = len(inp.prompt_token_ids)
-        block_ids = await self.on_engine(lambda: self.core.reserve(inp.req_id, num_tokens))
+        # The engine's last launched step, read with the blocks handed out: the import
+        # waits for it alone (a later step never writes them; see HeldReservation).
+        block_ids, writable_after = await self.on_engine(
+            lambda: (self.core.reserve(inp.req_id, num_tokens), self.runner.last_step_done)
+        )
         if block_ids is None:
             return None
         if self.is_buried(inp.req_id):  # aborted while this call was on its way
             await self.on_engine(lambda: self.core.release(inp.req_id))
             return None
         reservation = Reservation(self.worker_id, self.epoch, tuple(block_ids))
-        self.book.add(inp, reservation, lease_s)
+        self.book.add(inp, reservation, lease_s, writable_after)
         if source is not None:
             self._sources[inp.req_id] = source
         return reservation
@@ -113,10 +117,11 @@ class DecodeWorker(KVExporter, WorkerBase):
         rows: torch.Tensor,
         row_ids: list[int] | None,
         layers: tuple[int, int],
+        after: list[Any],
     ) -> None:
         if row_ids is not None:
             rows = rows.index_select(0, torch.tensor(row_ids, device=rows.device))
-        self.runner.scatter_blocks(block_ids, rows, layers)
+        self.runner.scatter_blocks(block_ids, rows, layers, after=after)
 
     def admit(self, inp: GenerationInput, first_token: int) -> None:
         # Engine commands run in order: any abort issued after this is applied after

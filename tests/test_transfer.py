@@ -45,13 +45,16 @@ class Worker:
         self.buried: set[str] = set()
         # Set once the receiver found no reservation for an entry and asked about it.
         self.asked_if_buried = threading.Event()
+        self.scattered_after: list[list[object]] = []  # each scatter's engine work to wait for
 
-    def reserve(self, req_id: str, num_tokens: int) -> Reservation:
+    def reserve(
+        self, req_id: str, num_tokens: int, writable_after: object | None = None
+    ) -> Reservation:
         ids = [self.free.pop(0) for _ in range(-(-num_tokens // BLOCK))]
         self.held[req_id] = ids
         res = Reservation("decode-0", EPOCH, tuple(ids))
         inp = GenerationInput(req_id, tuple(range(num_tokens)), SamplingParams(max_tokens=4))
-        self.book.add(inp, res, lease_s=30.0)
+        self.book.add(inp, res, lease_s=30.0, writable_after=writable_after)
         return res
 
     @property
@@ -76,7 +79,9 @@ class Worker:
         rows: torch.Tensor,
         row_ids: list[int] | None,
         layers: tuple[int, int],
+        after: list[object],
     ) -> None:
+        self.scattered_after.append(list(after))
         if row_ids is not None:
             rows = rows[row_ids]
         self.cache[block_ids, layers[0] : layers[1]] = rows
@@ -142,6 +147,25 @@ def test_one_message_carries_several_requests_into_their_own_blocks() -> None:
     assert torch.equal(worker.cache[list(a.block_ids)], _blocks(1, 2))
     assert torch.equal(worker.cache[list(b.block_ids)], _blocks(3))
     assert recv.closed  # the CLOSE header ended the receiver
+
+
+def test_an_import_waits_for_the_engine_work_its_reservations_name_and_no_more() -> None:
+    """Each reservation remembers the engine step launched when its blocks were handed
+    out; the scatter waits for those (not for whatever step runs when the KV lands)."""
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    step_a, step_b = object(), object()
+    worker.reserve("a", 8, writable_after=step_a)
+    worker.reserve("b", 3, writable_after=step_b)
+    worker.reserve("c", 3)  # blocks no launched step could still write
+    thread = _run_receiver(recv, worker)
+    assert _send(send, [("a", 8, 11), ("b", 3, 22), ("c", 3, 33)], _blocks(1, 2, 3, 4)) is (
+        KVPoll.SUCCESS
+    )
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert worker.admitted == {"a": 11, "b": 22, "c": 33}
+    assert worker.scattered_after == [[step_a, step_b]]
 
 
 def test_a_refused_entry_is_drained_while_its_neighbours_land() -> None:

@@ -28,6 +28,11 @@ class KVBlocks:
     device: torch.device
     _last_step_done: torch.cuda.Event | None
 
+    @property
+    def last_step_done(self) -> torch.cuda.Event | None:
+        """The end of the step launched last (CUDA; None on CPU or before any step)."""
+        return self._last_step_done
+
     def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Block ids as an index on the device, copied without waiting for the device (a
         gather between two layers of a running pass must not stall the host)."""
@@ -48,19 +53,26 @@ class KVBlocks:
         return cache.index_select(0, block_ids)
 
     def scatter_blocks(
-        self, block_ids: Sequence[int], data: torch.Tensor, layers: tuple[int, int] | None = None
+        self,
+        block_ids: Sequence[int],
+        data: torch.Tensor,
+        layers: tuple[int, int] | None = None,
+        after: Sequence[torch.cuda.Event] | None = None,
     ) -> None:
         """Write `data` (as from `gather_blocks`) into these blocks of the cache (or into
-        layers [start, stop) of them), on the caller's stream, after every step launched
-        so far (a launched step may still be writing blocks the host has since freed and
-        handed to this import)."""
+        layers [start, stop) of them), on the caller's stream, once the events `after`
+        are done: the steps launched before the blocks were handed out (such a step may
+        still be writing blocks the host had freed). None: after every step launched so
+        far."""
         cache = self.kv_cache if layers is None else self.kv_cache[:, layers[0] : layers[1]]
         expected = (len(block_ids), *cache.shape[1:])
         if tuple(data.shape) != expected:
             raise ValueError(f"KV data of shape {tuple(data.shape)}, expected {expected}")
         if data.dtype != cache.dtype:
             raise ValueError(f"KV data in {data.dtype}, cache in {cache.dtype}")
-        step_done = self._last_step_done
-        if step_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(step_done)
+        if after is None:
+            after = [] if self._last_step_done is None else [self._last_step_done]
+        stream = torch.cuda.current_stream(self.device) if after else None
+        for event in after:
+            stream.wait_event(event)  # type: ignore[union-attr]
         cache.index_copy_(0, self.block_index(block_ids), data.to(self.device))

@@ -82,9 +82,11 @@ class ImportTarget(Protocol):
         rows: Any,
         row_ids: list[int] | None,
         layers: tuple[int, int],
+        after: list[Any],
     ) -> None:
         """Write staging rows (all, or `row_ids` of them) into layers [start, stop) of
-        these blocks."""
+        these blocks, once the engine's work in `after` is done (the reservations'
+        `writable_after`)."""
         ...
 
     def admit(self, inp: GenerationInput, first_token: int) -> None:
@@ -169,18 +171,21 @@ class ChannelReceiver:
         ]
         block_ids: list[int] = []
         row_ids: list[int] = []
+        after: list[Any] = []
         row = 0
         for entry, held, _ in claims:
             if held is not None:
                 block_ids += held.reservation.block_ids
                 row_ids += range(row, row + entry.num_blocks)
+                if held.writable_after is not None:
+                    after.append(held.writable_after)
             row += entry.num_blocks
         posted = time.perf_counter()
         try:
             # Drained even when refused (the channel stays in step); scattered into the
             # reserved blocks right behind each receive when accepted.
             for layers in header.parts(self.target.num_layers):
-                self._receive_part(header.num_blocks, layers, block_ids, row_ids)
+                self._receive_part(header.num_blocks, layers, block_ids, row_ids, after)
             first_tokens, posted_at_us = self._first_tokens(header)
         except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
             for entry, held, _ in claims:
@@ -224,13 +229,14 @@ class ChannelReceiver:
         layers: tuple[int, int],
         block_ids: list[int],
         row_ids: list[int],
+        after: list[Any],
     ) -> None:
         staging = self.target.staging(num_blocks, layers)
 
         def scatter() -> None:
             if block_ids:
                 rows = None if len(row_ids) == num_blocks else row_ids
-                self.target.scatter(block_ids, staging, rows, layers)
+                self.target.scatter(block_ids, staging, rows, layers, after)
 
         self.channel.recv_into(staging, scatter)
 

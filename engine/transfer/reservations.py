@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from engine.transfer.handoff import HandoffEntry, Reservation
 from engine.wire import GenerationInput
@@ -25,6 +26,10 @@ class HeldReservation:
     expires_at: float
     importing: bool = False
     aborted: bool = False
+    # What the blocks' KV may be written after: the last step the engine had launched
+    # when it handed them out (a CUDA event; None on CPU). A step launched later never
+    # touches them, so the import waits for that one step, not for whatever runs now.
+    writable_after: Any = None
 
 
 NO_RESERVATION = "no reservation (expired, aborted or never made)"
@@ -41,9 +46,17 @@ class ReservationBook:
         with self._lock:
             return len(self._held)
 
-    def add(self, inp: GenerationInput, reservation: Reservation, lease_s: float) -> None:
+    def add(
+        self,
+        inp: GenerationInput,
+        reservation: Reservation,
+        lease_s: float,
+        writable_after: Any = None,
+    ) -> None:
         with self._lock:
-            self._held[inp.req_id] = HeldReservation(reservation, inp, time.monotonic() + lease_s)
+            self._held[inp.req_id] = HeldReservation(
+                reservation, inp, time.monotonic() + lease_s, writable_after=writable_after
+            )
 
     def claim(
         self, entry: HandoffEntry, dst_epoch: int
