@@ -75,6 +75,11 @@ class FakeWorker:
     prefill_delay_s: float = 0.0
     kv_delay_s: float = 0.001  # prefill: from its reply to the KV landing on decode
     step_s: float = 0.002  # decode: one step of every running request per poll
+    # decode: step by the clock instead, as a real engine runs between polls: a poll
+    # returns every step due since the last one, one update per request (no hold or
+    # death hooks). The router's speed then does not set the tokens' pace.
+    steps_by_clock: bool = False
+    last_poll: float | None = None
     hold_prefill: asyncio.Event | None = None  # prefill waits for it
     no_channel: bool = False  # decode: connect() to a peer fails
     # decode: dies right after a step that sampled the token at this position
@@ -211,6 +216,9 @@ class FakeWorker:
         await asyncio.sleep(self.step_s)
         self._check()
         updates, self.outbox = self.outbox, []
+        if self.steps_by_clock:
+            updates += self._steps_since_last_poll()
+            return TokenBatch(tuple(updates), (), self._stats())
         for req_id, run in list(self.running.items()):
             if run.position - 1 == self.hold_after_position:
                 continue
@@ -225,6 +233,24 @@ class FakeWorker:
             if run.position - 1 == self.die_after_position:
                 self.dead = True  # this batch still goes out; the next poll fails
         return TokenBatch(tuple(updates), (), self._stats())
+
+    def _steps_since_last_poll(self) -> list[TokenUpdate]:
+        now = time.monotonic()
+        last, self.last_poll = self.last_poll, now
+        steps = 1 if last is None else max(1, int((now - last) / self.step_s))
+        updates = []
+        for req_id, run in list(self.running.items()):
+            n = min(steps, run.remaining)
+            seed = run.inp.sampling.seed or 0
+            tokens = tuple(token_at(seed, run.position + i) for i in range(n))
+            run.position += n
+            run.remaining -= n
+            reason = FinishReason.LENGTH if run.remaining <= 0 else None
+            phases = self._first_token_phases(req_id)
+            updates.append(TokenUpdate(req_id, tokens, reason, phases=phases))
+            if reason is not None:
+                del self.running[req_id]
+        return updates
 
     def _remember_context(self, inp: GenerationInput) -> None:
         if inp.trace_context:
@@ -266,7 +292,12 @@ class FakePools:
     """The slice of router.pools.Pools the serving core uses, over fake workers."""
 
     def __init__(
-        self, num_prefill: int, num_decode: int, num_colocated: int = 0, step_s: float = 0.002
+        self,
+        num_prefill: int,
+        num_decode: int,
+        num_colocated: int = 0,
+        step_s: float = 0.002,
+        steps_by_clock: bool = False,
     ) -> None:
         sizes = {"prefill": num_prefill, "decode": num_decode, "colocated": num_colocated}
         self.targets = dict(sizes)
@@ -280,7 +311,7 @@ class FakePools:
         for pool, size in sizes.items():
             for index in range(size):
                 worker_id = f"{pool}-{index}"
-                fake = FakeWorker(worker_id, step_s=step_s)
+                fake = FakeWorker(worker_id, step_s=step_s, steps_by_clock=steps_by_clock)
                 self.fakes[worker_id] = fake
                 info = WorkerInfo(
                     worker_id,

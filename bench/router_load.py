@@ -2,7 +2,9 @@
 
 The router (gRPC edge, serving core, token delivery) runs in this process over fake
 workers (`bench/fake_workers.py`) whose decode step takes `--step-ms` and produces one
-token for every running request, so the only limit is the router's own event loop.
+token for every running request, so the only limit is the router's own event loop. The
+fake decode worker steps by the clock, as a real engine does between the router's
+polls: a slow router gets more tokens per poll, not fewer tokens.
 A client process drives it with the suite's closed loop. Compare the result with the
 tokens per second a GPU delivers: where the router's ceiling is near it, the router,
 not the GPU, sets the service's throughput.
@@ -38,7 +40,7 @@ def _serve(
     from router.orchestrator import DisaggregatedGenerator
 
     async def main() -> None:
-        pools = FakePools(1, 1, step_s=args.step_ms / 1000)
+        pools = FakePools(1, 1, step_s=args.step_ms / 1000, steps_by_clock=True)
         core = DisaggregatedGenerator(
             pools,  # type: ignore[arg-type]
             None,
