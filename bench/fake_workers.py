@@ -22,6 +22,7 @@ from engine.wire import (
     GenerationInput,
     HandoffTarget,
     PhaseReport,
+    Precopy,
     PrefillResult,
     Reservation,
     TokenBatch,
@@ -91,6 +92,10 @@ class FakeWorker:
     expires_at: dict[str, float] = field(default_factory=dict)  # decode: reservation leases
     running: dict[str, _Running] = field(default_factory=dict)
     detached: dict[str, DetachedRequest] = field(default_factory=dict)  # blocks kept
+    # decode, as a move's target: blocks a pre-copy brought, by the move's new id; and
+    # the blocks each move's final message skipped.
+    precopied: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
     outbox: list[TokenUpdate] = field(default_factory=list)
     trace_contexts: dict[str, dict[str, str]] = field(default_factory=dict)  # traced ones
@@ -152,11 +157,24 @@ class FakeWorker:
         self.detached[req_id] = detached
         return detached
 
+    async def precopy(self, target: HandoffTarget, moves: list[Precopy]) -> dict[str, int]:
+        """Each running request's full blocks (one a 16 tokens) go to the target."""
+        self._check()
+        self.calls.append(("precopy", ",".join(m.req_id for m in moves)))
+        receiver = self.peers[target.worker_id]
+        sent = {}
+        for move in moves:
+            run = self.running.get(move.req_id)
+            if run is not None and run.position // 16:
+                sent[move.as_req_id] = receiver.precopied[move.as_req_id] = run.position // 16
+        return sent
+
     async def send_detached(self, target: HandoffTarget, moves: list[DetachedMove]) -> int:
         self._check()
         self.calls.append(("send_detached", ",".join(m.req_id for m in moves)))
         receiver = self.peers[target.worker_id]
         for move in moves:
+            receiver.skipped[move.as_req_id] = move.skip_blocks
             self.detached.pop(move.req_id, None)
             asyncio.get_running_loop().call_later(
                 self.kv_delay_s, receiver.receive_kv, move.as_req_id, move.detached.next_token
@@ -174,7 +192,8 @@ class FakeWorker:
             return None
         self.reserved[inp.req_id] = inp
         self.expires_at[inp.req_id] = time.monotonic() + lease_s
-        return Reservation(self.worker_id, EPOCH, (0,))
+        num_precopied = self.precopied.get(inp.req_id, 0)
+        return Reservation(self.worker_id, EPOCH, tuple(range(num_precopied + 1)), num_precopied)
 
     async def renew(self, req_ids: list[str], lease_s: float) -> int:
         self._check()
@@ -188,6 +207,7 @@ class FakeWorker:
         if self.dead:
             return
         inp = self.reserved.pop(req_id, None)
+        self.precopied.pop(req_id, None)  # adopted, now complete
         expired = self.expires_at.pop(req_id, 0.0) < time.monotonic()
         if inp is None or self.refuse_kv or expired:
             if req_id not in self.aborted:
@@ -268,6 +288,7 @@ class FakeWorker:
         self._check()
         self.calls.append(("abort", req_id))
         self.aborted.add(req_id)
+        self.precopied.pop(req_id, None)
         self.detached.pop(req_id, None)
         self.reserved.pop(req_id, None)
         self.expires_at.pop(req_id, None)
@@ -285,7 +306,7 @@ class FakeWorker:
 
     @property
     def holds_nothing(self) -> bool:
-        return not self.reserved and not self.running and not self.detached
+        return not (self.reserved or self.running or self.detached or self.precopied)
 
 
 class FakePools:

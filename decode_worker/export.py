@@ -1,15 +1,16 @@
 """A decode worker's sending side: hand a running request, KV and all, to a peer decode
 worker (live migration, when this worker drains).
 
-A request's life here, once the router moves it: running → detached (taken off the
-schedule at a step boundary; its blocks kept, its tokens so far returned to the router)
-→ sent (its blocks gathered, with those of the other requests moving to the same peer,
-released at once, and posted on this worker's channel to the peer in as few messages as
-`plan_messages` allows, exactly like a prefill hand-off: the peer
-checks the entry against the reservation the router made there, and the request goes on
-from the last sampled token) or released (the router gave up on moving it; it then
-continues by recompute). The channels are made lazily, one per (this, peer) pair, with
-this worker as the sending end (rank 0).
+A request's life here, once the router moves it: running (its full blocks may go to
+the peer first, while it keeps decoding: `precopy`, the move's first round) → detached
+(taken off the schedule at a step boundary; its blocks kept, its tokens so far returned
+to the router) → sent (its blocks, past any a pre-copy sent, gathered with those of the
+other requests moving to the same peer, released at once, and posted on this worker's
+channel to the peer in as few messages as `plan_messages` allows, exactly like a
+prefill hand-off: the peer checks the entry against the reservation the router made
+there, and the request goes on from the last sampled token) or released (the router
+gave up on moving it; it then continues by recompute). The channels are made lazily,
+one per (this, peer) pair, with this worker as the sending end (rank 0).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch
 
 from engine.transfer.base import KVPoll
 from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
+from engine.transfer.handoff import NO_TOKEN, HeaderKind
 from engine.transfer.sender import Message, ReadyKV, plan_messages
-from engine.wire import DetachedMove, DetachedRequest, HandoffTarget
+from engine.wire import DetachedMove, DetachedRequest, HandoffTarget, Precopy
 
 
 class KVExporter:
@@ -46,7 +48,9 @@ class KVExporter:
 
         async def on_engine(self, fn: Any) -> Any: ...
 
-        def post_message(self, channel: KVChannel, message: Message) -> tuple[Any, Any]: ...
+        def post_message(
+            self, channel: KVChannel, message: Message, kind: HeaderKind = ...
+        ) -> tuple[Any, Any]: ...
 
     async def connect_sender(self, spec: ChannelSpec) -> None:
         """Build this end (the sender) of a channel to a peer decode worker."""
@@ -62,6 +66,36 @@ class KVExporter:
         channel = self.send_channels.pop(peer_id, None)
         if channel is not None:
             await asyncio.get_running_loop().run_in_executor(None, channel.close, notify_peer)
+
+    async def precopy(self, target: HandoffTarget, moves: Sequence[Precopy]) -> dict[str, int]:
+        """A live move's first round: send each running request's full blocks (which no
+        later step writes) to `target` while it keeps decoding here; the target holds
+        them under `as_req_id` until the move's reservation adopts them. Blocks sent per
+        `as_req_id` (a request not running here, or with no full block, is left out).
+        RuntimeError when the transfer failed."""
+        channel = self.send_channels.get(target.worker_id)
+        if channel is None or channel.closed:
+            raise RuntimeError(f"no channel from {self.worker_id} to {target.worker_id}")
+        block_size = self.core.cache_config.block_size
+
+        def post() -> tuple[list[Any], dict[str, int]]:
+            ready = []
+            for move in moves:
+                blocks = self.core.full_kv_blocks(move.req_id)
+                if blocks:
+                    num_tokens = len(blocks) * block_size
+                    ready.append(
+                        ReadyKV(move.as_req_id, target, tuple(blocks), num_tokens, NO_TOKEN)
+                    )
+            handles = [
+                self.post_message(channel, message, HeaderKind.PRECOPY)[1]
+                for message in plan_messages(ready, self.block_bytes)
+            ]
+            return handles, {r.req_id: len(r.block_ids) for r in ready}
+
+        handles, sent = await self.on_engine(post)
+        await self._all_sent(handles, target)
+        return sent
 
     async def detach(self, req_id: str) -> DetachedRequest | None:
         """Take a running request off the schedule at the next step boundary, keeping its
@@ -89,11 +123,14 @@ class KVExporter:
                     self.core.release(move.req_id)
 
         handles, num_bytes = await self.on_engine(post)
+        await self._all_sent(handles, target)
+        return int(num_bytes)
+
+    async def _all_sent(self, handles: list[Any], target: HandoffTarget) -> None:
         loop = asyncio.get_running_loop()
         for handle, done in [(h, _finished(h, loop)) for h in handles]:
             if await done is not KVPoll.SUCCESS:
                 raise RuntimeError(f"KV to {target.worker_id} failed: {handle.failure}")
-        return int(num_bytes)
 
     def _post_detached(
         self, channel: KVChannel, target: HandoffTarget, moves: Sequence[DetachedMove]
@@ -104,9 +141,10 @@ class KVExporter:
         ready = []
         for move in moves:
             # Only the blocks that hold its KV: a step launched ahead, or speculation,
-            # may have allocated the next one already.
+            # may have allocated the next one already; and not those a pre-copy sent.
             num_kv = move.detached.num_kv_tokens
             block_ids = self.core.block_ids(move.req_id)[: -(-num_kv // block_size)]
+            block_ids = block_ids[move.skip_blocks :]
             ready.append(
                 ReadyKV(move.as_req_id, target, tuple(block_ids), num_kv, move.detached.next_token)
             )

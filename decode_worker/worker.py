@@ -70,8 +70,12 @@ class DecodeWorker(KVExporter, WorkerBase):
         self, inp: GenerationInput, lease_s: float = DEFAULT_LEASE_S, source: str | None = None
     ) -> Reservation | None:
         """Hold blocks for the request's prompt KV; None when they don't fit now.
-        `source` names the sender, if known: its channel breaking fails the request."""
+        `source` names the sender, if known: its channel breaking fails the request.
+        Blocks a live move's pre-copy brought for this id are adopted, first, and the
+        reservation says how many (`num_precopied`): the sender skips them."""
         num_tokens = len(inp.prompt_token_ids)
+        if self.book.precopied(inp.req_id) is not None:
+            return await self._adopt_precopy(inp, lease_s, source)
         # The engine's last launched step, read with the blocks handed out: the import
         # waits for it alone (a later step never writes them; see HeldReservation).
         block_ids, writable_after = await self.on_engine(
@@ -87,6 +91,38 @@ class DecodeWorker(KVExporter, WorkerBase):
         if source is not None:
             self._sources[inp.req_id] = source
         return reservation
+
+    async def _adopt_precopy(
+        self, inp: GenerationInput, lease_s: float, source: str | None
+    ) -> Reservation | None:
+        num_precopied = self.book.precopied(inp.req_id) or 0
+        num_tokens = len(inp.prompt_token_ids)
+        block_ids, writable_after = await self.on_engine(
+            lambda: (
+                self.core.resize_reservation(inp.req_id, num_tokens),
+                self.runner.last_step_done,
+            )
+        )
+        if block_ids is None or len(block_ids) < num_precopied:
+            return None  # no room for the rest (the pre-copy expires or is aborted)
+        reservation = Reservation(self.worker_id, self.epoch, tuple(block_ids), num_precopied)
+        if not self.book.adopt(inp, reservation, lease_s, writable_after):
+            return None  # aborted or expired meanwhile: its blocks went with it
+        if source is not None:
+            self._sources[inp.req_id] = source
+        return reservation
+
+    def reserve_precopy(self, req_id: str, num_tokens: int) -> tuple[Reservation, Any] | None:
+        assert self.loop_thread is not None
+        try:
+            block_ids, writable_after = self.loop_thread.submit(
+                lambda: (self.core.reserve(req_id, num_tokens), self.runner.last_step_done)
+            ).result()
+        except ValueError:  # the id holds blocks here already
+            return None
+        if block_ids is None:
+            return None
+        return Reservation(self.worker_id, self.epoch, tuple(block_ids)), writable_after
 
     async def renew(self, req_ids: list[str], lease_s: float = DEFAULT_LEASE_S) -> int:
         """Extend the leases of reservations whose requests still make progress

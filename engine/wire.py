@@ -59,6 +59,9 @@ class Reservation:
     worker_id: str
     epoch: int
     block_ids: tuple[int, ...]
+    # Leading blocks whose KV is there already (a live move's pre-copy): the sender
+    # sends only the blocks after them.
+    num_precopied: int = 0
 
     @property
     def target(self) -> HandoffTarget:
@@ -114,6 +117,16 @@ class DetachedMove:
     req_id: str
     as_req_id: str
     detached: DetachedRequest
+    skip_blocks: int = 0  # leading blocks the target has from a pre-copy: not sent again
+
+
+@dataclass(frozen=True)
+class Precopy:
+    """A running request whose full blocks go to a peer ahead of its move: its id on the
+    source and the id the peer will hold them under (the move's new id)."""
+
+    req_id: str
+    as_req_id: str
 
 
 @dataclass(frozen=True)

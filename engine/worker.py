@@ -230,7 +230,9 @@ class WorkerBase:
         """Bytes of one block of KV, every layer (the unit a hand-off moves)."""
         return int(self.runner.block_bytes)
 
-    def post_message(self, channel: KVChannel, message: Message) -> tuple[HandoffHeader, Any]:
+    def post_message(
+        self, channel: KVChannel, message: Message, kind: HeaderKind = HeaderKind.HANDOFF
+    ) -> tuple[HandoffHeader, Any]:
         """Engine thread: gather a message's blocks (ordered after every step that wrote
         them) and post header + payload on the channel; the header and the send's handle.
         The sender waits for the gather on its own stream, not the engine's; the caller
@@ -241,7 +243,7 @@ class WorkerBase:
             gathered = torch.cuda.Event()
             gathered.record()
         header = HandoffHeader(
-            kind=HeaderKind.HANDOFF,
+            kind=kind,
             seq_no=channel.next_seq(),  # taken and posted on this thread: in order
             dst_epoch=message.target.epoch,
             src_epoch=self.epoch,

@@ -20,6 +20,7 @@ from engine.wire import (
     DetachedRequest,
     GenerationInput,
     HandoffTarget,
+    Precopy,
     PrefillResult,
     Reservation,
     TokenBatch,
@@ -51,6 +52,7 @@ class DecodeClient(Protocol):
     # Live migration (decode_worker/export.py): a channel to a peer, and moving a request.
     async def connect(self, spec: ChannelSpec) -> None: ...
     async def disconnect(self, peer_id: str, notify_peer: bool) -> None: ...
+    async def precopy(self, target: HandoffTarget, moves: list[Precopy]) -> dict[str, int]: ...
     async def detach(self, req_id: str) -> DetachedRequest | None: ...
     async def send_detached(self, target: HandoffTarget, moves: list[DetachedMove]) -> int: ...
 
@@ -100,6 +102,9 @@ class RayWorkerClient:
 
     async def disconnect(self, peer_id: str, notify_peer: bool) -> None:
         await _call(self.handle.disconnect.remote(peer_id, notify_peer))
+
+    async def precopy(self, target: HandoffTarget, moves: list[Precopy]) -> dict[str, int]:
+        return await _call(self.handle.precopy.remote(target, moves))
 
     async def detach(self, req_id: str) -> DetachedRequest | None:
         return await _call(self.handle.detach.remote(req_id))

@@ -34,11 +34,11 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from engine.wire import DetachedMove, DetachedRequest, GenerationInput, HandoffTarget
+from engine.wire import DetachedMove, DetachedRequest, GenerationInput, HandoffTarget, Precopy
 from router.attempts import Attempt, WorkerLost
 from router.clients import WorkerDied
 from router.config import RouterConfig
@@ -161,16 +161,20 @@ class LiveMigrator:
         started = time.perf_counter()
         # Channels to every target at once (each made once per pair of incarnations).
         links = {id(t): asyncio.ensure_future(self._link(source, t)) for t in targets}
+        new_ids = [self._new_id(a) for a in attempts]
+        await self._precopy(source, list(zip(attempts, targets, new_ids, strict=True)), links)
         prepared = await asyncio.gather(
             *(
-                self._prepare(a, source, t, links[id(t)], reason)
-                for a, t in zip(attempts, targets, strict=True)
+                self._prepare(a, source, t, links[id(t)], reason, new_id)
+                for a, t, new_id in zip(attempts, targets, new_ids, strict=True)
             ),
             return_exceptions=True,
         )
         by_target: dict[int, list[_Prepared]] = {}
         num_recomputed = 0
-        for item in prepared:
+        for item, target, new_id in zip(prepared, targets, new_ids, strict=True):
+            if not isinstance(item, _Prepared):  # a pre-copy it had there is not needed
+                self.spawn(self._abort(target, new_id))
             if isinstance(item, BaseException):
                 log.error("moving a request off %s failed: %r", source.worker_id, item)
             elif isinstance(item, _Prepared):
@@ -195,6 +199,38 @@ class LiveMigrator:
         )
         return MoveResult(len(attempts), moved, num_recomputed)
 
+    def _new_id(self, attempt: Attempt) -> str:
+        """The id a request continues under on its target (a new attempt)."""
+        self._num_moves += 1
+        return f"{attempt.inp.req_id.split('-')[0]}-k{self._num_moves}"
+
+    async def _precopy(
+        self,
+        source: WorkerRef,
+        moves: list[tuple[Attempt, WorkerRef, str]],
+        links: Mapping[int, asyncio.Future[None]],
+    ) -> None:
+        """The first round: every request's full blocks go to its target while it keeps
+        decoding on `source`, one transfer per target; the final round then sends only
+        the blocks after them, so a request pauses for a few blocks, not its whole KV.
+        A pre-copy that fails costs nothing but time: its request moves whole."""
+        by_target: dict[int, tuple[WorkerRef, list[Precopy]]] = {}
+        for attempt, target, new_id in moves:
+            by_target.setdefault(id(target), (target, []))[1].append(
+                Precopy(attempt.req_id, new_id)
+            )
+
+        async def one(target: WorkerRef, group: list[Precopy]) -> None:
+            try:
+                await asyncio.shield(links[id(target)])
+                await source.client.precopy(
+                    HandoffTarget(target.worker_id, target.info.epoch), group
+                )
+            except Exception as exc:  # noqa: BLE001 - then each moves whole
+                log.info("pre-copy %s → %s skipped: %s", source.worker_id, target.worker_id, exc)
+
+        await asyncio.gather(*(one(t, group) for t, group in by_target.values()))
+
     async def _prepare(
         self,
         attempt: Attempt,
@@ -202,6 +238,7 @@ class LiveMigrator:
         target: WorkerRef,
         link: asyncio.Future[None],
         reason: MoveReason,
+        new_id: str,
     ) -> _Prepared | _Outcome:
         """Detach one request, switch its stream to the target and reserve its blocks
         there; else what became of it."""
@@ -226,7 +263,7 @@ class LiveMigrator:
                 return _Outcome.STAYED
             return self._recompute(attempt, source, "it was not running", reason)
         paused = time.perf_counter()
-        inp = self._switch(attempt, target, detached)
+        inp = self._switch(attempt, target, detached, new_id)
         try:
             reservation = await target.client.reserve(inp, self.config.lease_s, source.worker_id)
         except Exception as exc:  # noqa: BLE001 - then by recompute
@@ -236,7 +273,8 @@ class LiveMigrator:
         if reservation is None:
             self.spawn(self._abort(source, old_id))
             return self._recompute(attempt, source, why, reason)
-        return _Prepared(attempt, target, DetachedMove(old_id, inp.req_id, detached), paused)
+        move = DetachedMove(old_id, inp.req_id, detached, reservation.num_precopied)
+        return _Prepared(attempt, target, move, paused)
 
     async def _send(self, source: WorkerRef, group: list[_Prepared], reason: MoveReason) -> int:
         """Send one target's requests in one transfer; how many moved with their KV (on a
@@ -269,16 +307,15 @@ class LiveMigrator:
         return len(group)
 
     def _switch(
-        self, attempt: Attempt, target: WorkerRef, detached: DetachedRequest
+        self, attempt: Attempt, target: WorkerRef, detached: DetachedRequest, new_id: str
     ) -> GenerationInput:
         """The stream goes on as a new attempt on `target`, from the tokens detached: the
         request's KV covers all but the last of them, which the target continues from."""
         old = attempt.inp
         num_outputs = len(detached.token_ids) - len(old.prompt_token_ids)
-        self._num_moves += 1
         inp = replace(
             old,
-            req_id=f"{old.req_id.split('-')[0]}-k{self._num_moves}",
+            req_id=new_id,
             prompt_token_ids=detached.token_ids[: detached.num_kv_tokens],
             # The target counts the last token, already sampled, as its first output.
             sampling=replace(old.sampling, max_tokens=old.sampling.max_tokens - num_outputs + 1),

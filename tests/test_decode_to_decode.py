@@ -21,7 +21,7 @@ from decode_worker.worker import DecodeWorker
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
 from engine.transfer.channel import ChannelSpec
-from engine.wire import DetachedMove, GenerationInput, HandoffTarget
+from engine.wire import DetachedMove, GenerationInput, HandoffTarget, Precopy
 
 ARGS = EngineArgs(kv_cache_gib=0.05)
 MAX_TOKENS = 400  # long enough to be running still when the test detaches it
@@ -90,44 +90,60 @@ async def _blocks_in_use(*workers: DecodeWorker) -> list[int]:
     return [(await w.load()).num_blocks_in_use for w in workers]
 
 
+@pytest.mark.parametrize("precopy", [False, True], ids=["one-round", "pre-copied"])
 def test_a_running_request_moves_with_its_kv_and_goes_on_unchanged(
-    loop: asyncio.AbstractEventLoop, workers: tuple[DecodeWorker, DecodeWorker]
+    loop: asyncio.AbstractEventLoop, workers: tuple[DecodeWorker, DecodeWorker], precopy: bool
 ) -> None:
+    """Moved in one round, or in two: its full blocks first while it keeps decoding
+    (`precopy`), then, detached, only the blocks after them."""
     source, target = workers
+    target_ref = HandoffTarget("decode-1", target.epoch)
+
+    # Ids of this run's own: a module's workers may still hold news of an earlier run's.
+    ids = {kind: f"pc-{kind}" if precopy else kind for kind in SAMPLING}
 
     async def body() -> None:
         for kind, sampling in SAMPLING.items():
-            await source.submit(GenerationInput(kind, PROMPT, sampling))
-        streamed = await _tokens(source, dict.fromkeys(SAMPLING, 4))
+            await source.submit(GenerationInput(ids[kind], PROMPT, sampling))
+        streamed = await _tokens(source, dict.fromkeys(ids.values(), 4))
+        sent: dict[str, int] = {}
+        if precopy:
+            sent = await source.precopy(target_ref, [Precopy(i, f"{i}-k1") for i in ids.values()])
+            # 44 or more tokens computed: at least two full blocks of 16 each.
+            assert set(sent) == {f"{i}-k1" for i in ids.values()} and min(sent.values()) >= 2
+            await _tokens(source, dict.fromkeys(ids.values(), 4))  # it decodes on meanwhile
         moves, outputs, totals = [], {}, {}
         for kind, sampling in SAMPLING.items():
-            detached = await source.detach(kind)
+            detached = await source.detach(ids[kind])
             assert detached is not None, kind
             outputs[kind] = list(detached.token_ids[len(PROMPT) :])
             # Whatever the source sampled by then, the stream so far is a prefix of it.
-            assert outputs[kind][: len(streamed[kind])] == streamed[kind]
+            assert outputs[kind][: len(streamed[ids[kind]])] == streamed[ids[kind]]
             totals[kind] = len(outputs[kind]) + MORE  # the request now ends MORE tokens on
             moved = GenerationInput(
-                f"{kind}-k1",
+                f"{ids[kind]}-k1",
                 detached.token_ids[: detached.num_kv_tokens],
                 replace(sampling, max_tokens=MORE + 1),
             )
-            assert await target.reserve(moved, 30.0, "decode-0") is not None
-            moves.append(DetachedMove(kind, moved.req_id, detached))
-        # Both in one transfer (one message: one gather, one header with two entries).
-        num_bytes = await source.send_detached(HandoffTarget("decode-1", target.epoch), moves)
+            reservation = await target.reserve(moved, 30.0, "decode-0")
+            assert reservation is not None
+            assert reservation.num_precopied == sent.get(moved.req_id, 0)
+            moves.append(DetachedMove(ids[kind], moved.req_id, detached, reservation.num_precopied))
+        # Both in one transfer (one message: one gather, one header with two entries),
+        # without the blocks a pre-copy sent.
+        num_bytes = await source.send_detached(target_ref, moves)
         assert num_bytes == sum(
-            -(-m.detached.num_kv_tokens // 16) * source.block_bytes for m in moves
+            (-(-m.detached.num_kv_tokens // 16) - m.skip_blocks) * source.block_bytes for m in moves
         )
-        rest = await _tokens(target, {f"{kind}-k1": MORE for kind in SAMPLING})
+        rest = await _tokens(target, {f"{i}-k1": MORE for i in ids.values()})
         for kind, sampling in SAMPLING.items():
             # The same request undisturbed, on the target itself.
-            await target.submit(
-                GenerationInput(f"ref-{kind}", PROMPT, replace(sampling, max_tokens=totals[kind]))
-            )
-            reference = await _tokens(target, {f"ref-{kind}": totals[kind]})
-            assert outputs[kind] + rest[f"{kind}-k1"] == reference[f"ref-{kind}"], kind
-        assert await source.detach("greedy") is None  # gone from the source
+            ref_id = f"ref-{ids[kind]}"
+            limited = replace(sampling, max_tokens=totals[kind])
+            await target.submit(GenerationInput(ref_id, PROMPT, limited))
+            reference = await _tokens(target, {ref_id: totals[kind]})
+            assert outputs[kind] + rest[f"{ids[kind]}-k1"] == reference[ref_id], kind
+        assert await source.detach(ids["greedy"]) is None  # gone from the source
         loop_ = asyncio.get_running_loop()
         deadline = loop_.time() + 10
         while await _blocks_in_use(source, target) != [0, 0]:

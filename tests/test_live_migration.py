@@ -72,9 +72,14 @@ def test_a_drain_moves_running_requests_with_their_kv_and_returns_at_once() -> N
         # Nothing ran again: one prefill per request, the KV went decode to decode.
         assert len(pools.fakes["prefill-0"].calls) == 4
         assert [v for v, _ in pools.fakes["decode-1"].calls].count("submit") == 0
-        # One transfer carried all four (the per-message costs paid once).
+        # One transfer carried all four (the per-message costs paid once), after one
+        # pre-copy of their full blocks while they ran; the final one skipped those.
+        verbs = [verb for verb, _ in pools.fakes["decode-0"].calls]
+        assert verbs.count("precopy") == 1 and verbs.index("precopy") < verbs.index("detach")
         sends = [who for verb, who in pools.fakes["decode-0"].calls if verb == "send_detached"]
         assert len(sends) == 1 and len(sends[0].split(",")) == 4
+        skipped = pools.fakes["decode-1"].skipped
+        assert len(skipped) == 4 and all(n >= 1 for n in skipped.values())
         assert all(f.holds_nothing for f in pools.fakes.values())
         assert all(ref.num_assigned == 0 for ref in pools.all())
         await gen.stop()

@@ -5,10 +5,12 @@ sender's plan. No process group, no model: a plain tensor stands in for the cach
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
+from bench.harness.polling import wait_until
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
 from engine.transfer.fake import FakeChannel
@@ -20,7 +22,7 @@ from engine.transfer.handoff import (
     Reservation,
 )
 from engine.transfer.receiver import ChannelReceiver, KVArrival
-from engine.transfer.reservations import ReservationBook
+from engine.transfer.reservations import PRECOPY_LEASE_S, ReservationBook
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, layers_per_part, open_stream
 from engine.wire import GenerationInput
@@ -46,6 +48,24 @@ class Worker:
         # Set once the receiver found no reservation for an entry and asked about it.
         self.asked_if_buried = threading.Event()
         self.scattered_after: list[list[object]] = []  # each scatter's engine work to wait for
+
+    def reserve_precopy(self, req_id: str, num_tokens: int) -> tuple[Reservation, None] | None:
+        if len(self.free) < -(-num_tokens // BLOCK):
+            return None
+        ids = [self.free.pop(0) for _ in range(-(-num_tokens // BLOCK))]
+        self.held[req_id] = ids
+        return Reservation("decode-0", EPOCH, tuple(ids)), None
+
+    def adopt(self, req_id: str, num_tokens: int) -> Reservation:
+        """What the decode worker's reserve does with a pre-copy: keep its blocks first,
+        add blocks for the rest, and take the request over."""
+        ids = self.held[req_id]
+        num_precopied = len(ids)
+        ids += [self.free.pop(0) for _ in range(-(-num_tokens // BLOCK) - num_precopied)]
+        res = Reservation("decode-0", EPOCH, tuple(ids), num_precopied)
+        inp = GenerationInput(req_id, tuple(range(num_tokens)), SamplingParams(max_tokens=4))
+        assert self.book.adopt(inp, res, 30.0, None)
+        return res
 
     def reserve(
         self, req_id: str, num_tokens: int, writable_after: object | None = None
@@ -110,15 +130,23 @@ def _blocks(*values: float) -> torch.Tensor:
 
 
 def _send(
-    channel: FakeChannel, entries: list[tuple[str, int, int]], payload: torch.Tensor, **kw: int
+    channel: FakeChannel,
+    entries: list[tuple[str, int, int]],
+    payload: torch.Tensor,
+    kind: HeaderKind = HeaderKind.HANDOFF,
+    skip_blocks: int = 0,
+    **kw: int,
 ) -> KVPoll:
-    """entries: (req_id, num_tokens, first_token)."""
+    """entries: (req_id, num_tokens, first_token); each sends its blocks past the first
+    `skip_blocks`."""
     ready = [
-        ReadyKV(r, HandoffTarget("decode-0", EPOCH), tuple(range(-(-n // BLOCK))), n, t)
+        ReadyKV(
+            r, HandoffTarget("decode-0", EPOCH), tuple(range(-(-n // BLOCK)))[skip_blocks:], n, t
+        )
         for r, n, t in entries
     ]
     header = HandoffHeader(
-        HeaderKind.HANDOFF,
+        kind,
         kw.get("seq", channel.next_seq()),
         kw.get("epoch", EPOCH),
         1,
@@ -166,6 +194,43 @@ def test_an_import_waits_for_the_engine_work_its_reservations_name_and_no_more()
     thread.join(5)
     assert worker.admitted == {"a": 11, "b": 22, "c": 33}
     assert worker.scattered_after == [[step_a, step_b]]
+
+
+def test_a_pre_copy_lands_ahead_and_the_final_message_brings_only_the_rest() -> None:
+    send, recv = FakeChannel.pair("decode-1", "decode-0")
+    worker = Worker()
+    thread = _run_receiver(recv, worker)
+    # The first round: two full blocks, held under the move's id, nothing admitted.
+    pre = _send(send, [("m", 2 * BLOCK, NO_TOKEN)], _blocks(1, 2), HeaderKind.PRECOPY)
+    assert pre is KVPoll.SUCCESS
+    wait_until(lambda: worker.book.precopied("m") == 2, 5)
+    assert worker.admitted == {} and worker.arrivals == []
+    res = worker.adopt("m", 2 * BLOCK + 3)  # the request ran on: one more block's worth
+    # The final round: only the block after the pre-copied ones.
+    assert _send(send, [("m", 2 * BLOCK + 3, 7)], _blocks(3), skip_blocks=2) is KVPoll.SUCCESS
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert worker.admitted == {"m": 7} and worker.arrivals == ["m"]
+    assert torch.equal(worker.cache[list(res.block_ids)], _blocks(1, 2, 3))
+
+
+def test_a_pre_copy_nobody_adopts_expires_and_one_that_finds_no_room_is_drained() -> None:
+    send, recv = FakeChannel.pair("decode-1", "decode-0")
+    worker = Worker(num_blocks=3)
+    thread = _run_receiver(recv, worker)
+    entries = [("a", 2 * BLOCK, NO_TOKEN), ("b", 2 * BLOCK, NO_TOKEN)]  # room for one
+    pre = _send(send, entries, _blocks(1, 2, 3, 4), HeaderKind.PRECOPY)
+    assert pre is KVPoll.SUCCESS
+    wait_until(lambda: worker.book.precopied("a") == 2, 5)
+    assert worker.book.precopied("b") is None and "b" not in worker.held
+    # The channel stayed in step: a hand-off after it lands.
+    worker.reserve("c", 3)
+    assert _send(send, [("c", 3, 9)], _blocks(5)) is KVPoll.SUCCESS
+    send.close(notify_peer=True)
+    thread.join(5)
+    assert worker.admitted == {"c": 9}
+    # Never adopted: it expires like a reservation, and its blocks go back.
+    assert worker.book.expire(now=time.monotonic() + PRECOPY_LEASE_S + 1) == ["a"]
 
 
 def test_a_refused_entry_is_drained_while_its_neighbours_land() -> None:

@@ -25,7 +25,7 @@ from engine.core.kv_events import KVEvents
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
 from engine.core.scheduler import Scheduler
-from engine.core.spec_config import SpeculativeConfig
+from engine.core.spec_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from engine.core.speculation import spec_stats
 from engine.core.validation import validate_prompt
 from engine.sampling_params import MAX_SEED
@@ -95,6 +95,7 @@ class EngineCore:
             speculative=speculative,
         )
         self.cache_config = cache_config
+        self.speculative = speculative
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -135,6 +136,22 @@ class EngineCore:
     def reserve(self, req_id: str, num_tokens: int) -> list[int] | None:
         """Hold blocks for num_tokens of incoming KV; None when they do not fit now."""
         return self.scheduler.reserve(req_id, num_tokens)
+
+    def resize_reservation(self, req_id: str, num_tokens: int) -> list[int] | None:
+        """Make a reservation hold num_tokens of KV, its leading blocks kept; its blocks,
+        or None when it is not held or cannot grow now."""
+        return self.scheduler.resize_reservation(req_id, num_tokens)
+
+    def full_kv_blocks(self, req_id: str) -> list[int]:
+        """The blocks of a running request whose KV is complete: every block full of
+        computed tokens, which later steps never write (none when it is not running)."""
+        req = self.scheduler.requests.get(req_id)
+        if req is None or req.status is not RequestStatus.RUNNING:
+            return []
+        # A verifying step in flight may write proposals' KV that the next step then
+        # rewrites: the tokens it may reach back over count as not computed.
+        settled = req.num_computed_tokens - (1 + MAX_SPECULATIVE_TOKENS if self.speculative else 0)
+        return self.block_ids(req_id)[: max(0, settled) // self.cache_config.block_size]
 
     def release(self, req_id: str) -> None:
         """Free blocks held outside the queues: a reservation, or KV kept for a hand-off."""

@@ -103,6 +103,16 @@ class Scheduler:
             raise ValueError(f"request id {req_id!r} already holds blocks here")
         return self.kv.allocate_slots(req_id, 0, num_tokens)
 
+    def resize_reservation(self, req_id: str, num_tokens: int) -> list[int] | None:
+        """Grow or shrink a reservation to hold num_tokens (its leading blocks stay); its
+        blocks, or None when it is not held here or cannot grow now."""
+        if req_id in self.requests or not self.kv.holds(req_id):
+            return None
+        if self.kv.allocate_slots(req_id, 0, num_tokens) is None:
+            return None
+        self.kv.free_tail(req_id, num_tokens)
+        return self.kv.block_ids(req_id)
+
     def add_imported(self, req: Request) -> None:
         """Decode pool: queue a request whose KV was imported into its reserved blocks.
 

@@ -39,6 +39,11 @@ class HeaderKind(enum.IntEnum):
     CLOSE = 2  # the sender is leaving: the receiver stops listening on this channel
     STREAM = 3  # entries now, payload in layer parts as the forward pass writes them
     TRAILER = 4  # ends a STREAM message: each entry's first token (or NO_TOKEN)
+    # A live move's first round: each entry's full blocks, sent while the request still
+    # runs on the sender. The receiver holds them under the entry's id (blocks reserved
+    # on arrival) until a reservation adopts them; the move's final message, a HANDOFF,
+    # then carries only the blocks after them.
+    PRECOPY = 5
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from engine.transfer.base import ChannelClosed, KVReceiver
 from engine.transfer.handoff import NO_TOKEN, HandoffEntry, HandoffHeader, HeaderKind
 from engine.transfer.reservations import NO_RESERVATION, HeldReservation, ReservationBook
-from engine.wire import GenerationInput
+from engine.wire import GenerationInput, Reservation
 
 log = logging.getLogger(__name__)
 # A sender may post a request's KV as soon as its prompt ran, while the router's
@@ -87,6 +87,12 @@ class ImportTarget(Protocol):
         """Write staging rows (all, or `row_ids` of them) into layers [start, stop) of
         these blocks, once the engine's work in `after` is done (the reservations'
         `writable_after`)."""
+        ...
+
+    def reserve_precopy(self, req_id: str, num_tokens: int) -> tuple[Reservation, Any] | None:
+        """Hold blocks for a pre-copy's KV under `req_id` (blocks and the engine work
+        they must wait for; see HeldReservation.writable_after); None when they do not
+        fit. Called from the receiving thread: it may wait for the engine."""
         ...
 
     def admit(self, inp: GenerationInput, first_token: int) -> None:
@@ -153,6 +159,8 @@ class ChannelReceiver:
 
     def receive(self, header: HandoffHeader) -> bool:
         """One message; False when the channel can no longer be trusted."""
+        if header.kind is HeaderKind.PRECOPY:
+            return self._receive_precopy(header)
         expected_bytes = header.num_blocks * self.target.block_bytes
         if header.num_bytes != expected_bytes:
             log.error(
@@ -175,7 +183,8 @@ class ChannelReceiver:
         row = 0
         for entry, held, _ in claims:
             if held is not None:
-                block_ids += held.reservation.block_ids
+                # After the blocks a pre-copy brought: those are there already.
+                block_ids += held.reservation.block_ids[held.reservation.num_precopied :]
                 row_ids += range(row, row + entry.num_blocks)
                 if held.writable_after is not None:
                     after.append(held.writable_after)
@@ -211,6 +220,7 @@ class ChannelReceiver:
                 self.target.release(entry.req_id)
             else:
                 num_bytes = entry.num_blocks * self.target.block_bytes
+                assert held.inp is not None  # claimed: adopted, not a bare pre-copy
                 arrival = KVArrival(
                     held.inp,
                     self.channel.peer_id,
@@ -221,6 +231,54 @@ class ChannelReceiver:
                     received_at,
                 )
                 self._admit(held, replace(entry, first_token=first_token), arrival)
+        return True
+
+    def _receive_precopy(self, header: HandoffHeader) -> bool:
+        """A live move's first round: hold each entry's blocks under its id, reserved
+        now; nothing is admitted (the move's HANDOFF message follows). An entry that
+        finds no room or an id in use is drained and dropped: the move then sends it
+        whole."""
+        if header.num_bytes != header.num_blocks * self.target.block_bytes:
+            log.error(
+                "pre-copy from %s: byte count does not match the layout", self.channel.peer_id
+            )
+            return False
+        held: list[str] = []
+        block_ids: list[int] = []
+        row_ids: list[int] = []
+        after: list[Any] = []
+        row = 0
+        for entry in header.entries:
+            made = None
+            if header.dst_epoch == self.book.epoch and not self.book.holds(entry.req_id):
+                try:
+                    made = self.target.reserve_precopy(entry.req_id, entry.num_tokens)
+                except Exception as exc:  # noqa: BLE001 - the engine is gone: drain it
+                    log.warning("pre-copy of %s not held: %s", entry.req_id, exc)
+            if made is not None:
+                reservation, writable_after = made
+                if self.book.add_precopy(reservation, entry.req_id, writable_after):
+                    held.append(entry.req_id)
+                    block_ids += reservation.block_ids
+                    row_ids += range(row, row + entry.num_blocks)
+                    if writable_after is not None:
+                        after.append(writable_after)
+                else:
+                    self.target.release(entry.req_id)
+            row += entry.num_blocks
+        try:
+            self._receive_part(
+                header.num_blocks, (0, self.target.num_layers), block_ids, row_ids, after
+            )
+        except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
+            log.warning("pre-copy from %s broke off: %s", self.channel.peer_id, exc)
+            for req_id in held:
+                self.book.fail(req_id)
+                self.target.release(req_id)
+            return False
+        for req_id in held:
+            if not self.book.precopy_landed(req_id):  # aborted while landing
+                self.target.release(req_id)
         return True
 
     def _receive_part(
@@ -277,7 +335,7 @@ class ChannelReceiver:
 
     def _admit(self, held: HeldReservation, entry: HandoffEntry, arrival: KVArrival) -> None:
         def admit() -> None:
-            self.target.admit(held.inp, entry.first_token)
+            self.target.admit(arrival.inp, entry.first_token)
 
         if self.book.complete(entry.req_id, admit):
             self.target.arrived(arrival)

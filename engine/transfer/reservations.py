@@ -22,7 +22,9 @@ from engine.wire import GenerationInput
 @dataclass
 class HeldReservation:
     reservation: Reservation
-    inp: GenerationInput  # the request as the router validated it; decode continues it
+    # The request as the router validated it; decode continues it. None: blocks a live
+    # move's pre-copy brought, not yet adopted by the move's reservation.
+    inp: GenerationInput | None
     expires_at: float
     importing: bool = False
     aborted: bool = False
@@ -33,6 +35,8 @@ class HeldReservation:
 
 
 NO_RESERVATION = "no reservation (expired, aborted or never made)"
+# How long a pre-copy's blocks wait for the move's reservation to adopt them.
+PRECOPY_LEASE_S = 30.0
 
 
 class ReservationBook:
@@ -58,6 +62,58 @@ class ReservationBook:
                 reservation, inp, time.monotonic() + lease_s, writable_after=writable_after
             )
 
+    def add_precopy(self, reservation: Reservation, req_id: str, writable_after: Any) -> bool:
+        """Hold blocks reserved on a pre-copy's arrival, landing now (`importing`);
+        False when the id is held already (the caller releases the blocks)."""
+        with self._lock:
+            if req_id in self._held:
+                return False
+            self._held[req_id] = HeldReservation(
+                reservation,
+                None,
+                time.monotonic() + PRECOPY_LEASE_S,
+                importing=True,
+                writable_after=writable_after,
+            )
+            return True
+
+    def precopy_landed(self, req_id: str) -> bool:
+        """A pre-copy's blocks are in place: they wait for adoption. False when it was
+        aborted meanwhile (dropped: the caller releases the blocks)."""
+        with self._lock:
+            held = self._held.get(req_id)
+            if held is None:
+                return False
+            if held.aborted:
+                del self._held[req_id]
+                return False
+            held.importing = False
+            return True
+
+    def precopied(self, req_id: str) -> int | None:
+        """Blocks a pre-copy brought for this id and nothing adopted yet; else None."""
+        with self._lock:
+            held = self._held.get(req_id)
+            if held is None or held.inp is not None:
+                return None
+            return len(held.reservation.block_ids)
+
+    def adopt(
+        self, inp: GenerationInput, reservation: Reservation, lease_s: float, writable_after: Any
+    ) -> bool:
+        """The move's reservation takes over its pre-copy's blocks: `reservation` lists
+        them first (`num_precopied`), then blocks for the rest. False when the pre-copy
+        is gone (expired or aborted meanwhile)."""
+        with self._lock:
+            held = self._held.get(inp.req_id)
+            if held is None or held.inp is not None or held.aborted:
+                return False
+            held.reservation = reservation
+            held.inp = inp
+            held.expires_at = time.monotonic() + lease_s
+            held.writable_after = writable_after
+            return True
+
     def claim(
         self, entry: HandoffEntry, dst_epoch: int
     ) -> tuple[HeldReservation | None, str | None]:
@@ -69,17 +125,18 @@ class ReservationBook:
                     f"addressed to epoch {dst_epoch:x}, this worker is epoch {self.epoch:x}"
                 )
             held = self._held.get(entry.req_id)
-            if held is None:
+            if held is None or held.inp is None:  # a pre-copy waits for its adoption
                 return None, NO_RESERVATION
             if held.importing:
                 return None, "already importing"
             reserved = held.reservation.block_ids
             needed = -(-entry.num_tokens // self.block_size)
             num_prompt = len(held.inp.prompt_token_ids)
-            if entry.num_blocks != len(reserved) or needed != len(reserved):
+            num_sent = len(reserved) - held.reservation.num_precopied
+            if entry.num_blocks != num_sent or needed != len(reserved):
                 return None, (
                     f"{entry.num_blocks} blocks for {entry.num_tokens} tokens of KV, "
-                    f"{len(reserved)} reserved"
+                    f"{num_sent} of {len(reserved)} reserved expected"
                 )
             if entry.num_tokens != num_prompt:
                 return None, f"{entry.num_tokens} tokens of KV for a prompt of {num_prompt}"
