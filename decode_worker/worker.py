@@ -112,17 +112,27 @@ class DecodeWorker(KVExporter, WorkerBase):
             self._sources[inp.req_id] = source
         return reservation
 
-    def reserve_precopy(self, req_id: str, num_tokens: int) -> tuple[Reservation, Any] | None:
+    def reserve_precopy(
+        self, requests: list[tuple[str, int]]
+    ) -> list[tuple[Reservation, Any] | None]:
         assert self.loop_thread is not None
-        try:
-            block_ids, writable_after = self.loop_thread.submit(
-                lambda: (self.core.reserve(req_id, num_tokens), self.runner.last_step_done)
-            ).result()
-        except ValueError:  # the id holds blocks here already
-            return None
-        if block_ids is None:
-            return None
-        return Reservation(self.worker_id, self.epoch, tuple(block_ids)), writable_after
+
+        def reserve_all() -> tuple[list[list[int] | None], Any]:
+            blocks = []
+            for req_id, num_tokens in requests:
+                try:
+                    blocks.append(self.core.reserve(req_id, num_tokens))
+                except ValueError:  # the id holds blocks here already
+                    blocks.append(None)
+            return blocks, self.runner.last_step_done
+
+        blocks, writable_after = self.loop_thread.submit(reserve_all).result()
+        return [
+            None
+            if ids is None
+            else (Reservation(self.worker_id, self.epoch, tuple(ids)), writable_after)
+            for ids in blocks
+        ]
 
     async def renew(self, req_ids: list[str], lease_s: float = DEFAULT_LEASE_S) -> int:
         """Extend the leases of reservations whose requests still make progress

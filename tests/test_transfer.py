@@ -49,12 +49,18 @@ class Worker:
         self.asked_if_buried = threading.Event()
         self.scattered_after: list[list[object]] = []  # each scatter's engine work to wait for
 
-    def reserve_precopy(self, req_id: str, num_tokens: int) -> tuple[Reservation, None] | None:
-        if len(self.free) < -(-num_tokens // BLOCK):
-            return None
-        ids = [self.free.pop(0) for _ in range(-(-num_tokens // BLOCK))]
-        self.held[req_id] = ids
-        return Reservation("decode-0", EPOCH, tuple(ids)), None
+    def reserve_precopy(
+        self, requests: list[tuple[str, int]]
+    ) -> list[tuple[Reservation, None] | None]:
+        made: list[tuple[Reservation, None] | None] = []
+        for req_id, num_tokens in requests:
+            if len(self.free) < -(-num_tokens // BLOCK):
+                made.append(None)
+                continue
+            ids = [self.free.pop(0) for _ in range(-(-num_tokens // BLOCK))]
+            self.held[req_id] = ids
+            made.append((Reservation("decode-0", EPOCH, tuple(ids)), None))
+        return made
 
     def adopt(self, req_id: str, num_tokens: int) -> Reservation:
         """What the decode worker's reserve does with a pre-copy: keep its blocks first,

@@ -89,10 +89,13 @@ class ImportTarget(Protocol):
         `writable_after`)."""
         ...
 
-    def reserve_precopy(self, req_id: str, num_tokens: int) -> tuple[Reservation, Any] | None:
-        """Hold blocks for a pre-copy's KV under `req_id` (blocks and the engine work
-        they must wait for; see HeldReservation.writable_after); None when they do not
-        fit. Called from the receiving thread: it may wait for the engine."""
+    def reserve_precopy(
+        self, requests: list[tuple[str, int]]
+    ) -> list[tuple[Reservation, Any] | None]:
+        """Hold blocks for pre-copies' KV, (request id, tokens) each, all at one step
+        boundary: per request its blocks and the engine work they must wait for (see
+        HeldReservation.writable_after), or None where they do not fit or the id holds
+        blocks already. Called from the receiving thread: it may wait for the engine."""
         ...
 
     def admit(self, inp: GenerationInput, first_token: int) -> None:
@@ -248,13 +251,20 @@ class ChannelReceiver:
         row_ids: list[int] = []
         after: list[Any] = []
         row = 0
+        wanted = [
+            (e.req_id, e.num_tokens)
+            for e in header.entries
+            if header.dst_epoch == self.book.epoch and not self.book.holds(e.req_id)
+        ]
+        made_for: dict[str, tuple[Reservation, Any] | None] = {}
+        try:
+            made_for = dict(
+                zip((r for r, _ in wanted), self.target.reserve_precopy(wanted), strict=True)
+            )
+        except Exception as exc:  # noqa: BLE001 - the engine is gone: drain it all
+            log.warning("pre-copy from %s not held: %s", self.channel.peer_id, exc)
         for entry in header.entries:
-            made = None
-            if header.dst_epoch == self.book.epoch and not self.book.holds(entry.req_id):
-                try:
-                    made = self.target.reserve_precopy(entry.req_id, entry.num_tokens)
-                except Exception as exc:  # noqa: BLE001 - the engine is gone: drain it
-                    log.warning("pre-copy of %s not held: %s", entry.req_id, exc)
+            made = made_for.get(entry.req_id)
             if made is not None:
                 reservation, writable_after = made
                 if self.book.add_precopy(reservation, entry.req_id, writable_after):
