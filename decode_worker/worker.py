@@ -146,6 +146,9 @@ class DecodeWorker(KVExporter, WorkerBase):
                 log.warning("reservation for %s expired before its KV arrived; freeing", req_id)
                 self.release(req_id)
                 self.fail(req_id, "KV hand-off refused: the reservation expired")
+            for req_id in self.book.expire_precopies():  # no request waits on these
+                log.info("pre-copy for %s not adopted; freeing its blocks", req_id)
+                self.release(req_id)
 
     # ---------------------------------------------------------------- ImportTarget
     @property

@@ -190,12 +190,20 @@ class ReservationBook:
 
     def expire(self, now: float | None = None) -> list[str]:
         """Drop idle reservations past their lease; their blocks must be released."""
+        return self._expire(now, precopies=False)
+
+    def expire_precopies(self, now: float | None = None) -> list[str]:
+        """Drop pre-copies no reservation adopted within their lease (a move given up
+        without an abort reaching here); their blocks must be released."""
+        return self._expire(now, precopies=True)
+
+    def _expire(self, now: float | None, precopies: bool) -> list[str]:
         now = time.monotonic() if now is None else now
         with self._lock:
             expired = [
                 req_id
                 for req_id, held in self._held.items()
-                if not held.importing and held.expires_at <= now
+                if not held.importing and held.expires_at <= now and (held.inp is None) == precopies
             ]
             for req_id in expired:
                 del self._held[req_id]
