@@ -87,10 +87,7 @@ class KVExporter:
                     ready.append(
                         ReadyKV(move.as_req_id, target, tuple(blocks), num_tokens, NO_TOKEN)
                     )
-            handles = [
-                self.post_message(channel, message, HeaderKind.PRECOPY)[1]
-                for message in plan_messages(ready, self.block_bytes)
-            ]
+            handles, _ = self._post_all(channel, ready, HeaderKind.PRECOPY)
             return handles, {r.req_id: len(r.block_ids) for r in ready}
 
         handles, sent = await self.on_engine(post)
@@ -148,9 +145,16 @@ class KVExporter:
             ready.append(
                 ReadyKV(move.as_req_id, target, tuple(block_ids), num_kv, move.detached.next_token)
             )
+        return self._post_all(channel, ready, HeaderKind.HANDOFF)
+
+    def _post_all(
+        self, channel: KVChannel, ready: list[ReadyKV], kind: HeaderKind
+    ) -> tuple[list[Any], int]:
+        """Engine thread: post `ready` in as few messages as the caps allow; the send
+        handles and the bytes posted."""
         handles, total = [], 0
         for message in plan_messages(ready, self.block_bytes):
-            header, handle = self.post_message(channel, message)
+            header, handle = self.post_message(channel, message, kind)
             handles.append(handle)
             total += header.num_bytes
         return handles, total

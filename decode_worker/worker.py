@@ -74,39 +74,23 @@ class DecodeWorker(KVExporter, WorkerBase):
         Blocks a live move's pre-copy brought for this id are adopted, first, and the
         reservation says how many (`num_precopied`): the sender skips them."""
         num_tokens = len(inp.prompt_token_ids)
-        if self.book.precopied(inp.req_id) is not None:
-            return await self._adopt_precopy(inp, lease_s, source)
+        num_precopied = self.book.precopied(inp.req_id)
+        # A pre-copy's blocks stay first and the rest are added to them.
+        hold = self.core.reserve if num_precopied is None else self.core.resize_reservation
         # The engine's last launched step, read with the blocks handed out: the import
         # waits for it alone (a later step never writes them; see HeldReservation).
         block_ids, writable_after = await self.on_engine(
-            lambda: (self.core.reserve(inp.req_id, num_tokens), self.runner.last_step_done)
+            lambda: (hold(inp.req_id, num_tokens), self.runner.last_step_done)
         )
-        if block_ids is None:
-            return None
+        if block_ids is None or len(block_ids) < (num_precopied or 0):
+            return None  # no room (a pre-copy left is aborted by the router, or expires)
         if self.is_buried(inp.req_id):  # aborted while this call was on its way
             await self.on_engine(lambda: self.core.release(inp.req_id))
             return None
-        reservation = Reservation(self.worker_id, self.epoch, tuple(block_ids))
-        self.book.add(inp, reservation, lease_s, writable_after)
-        if source is not None:
-            self._sources[inp.req_id] = source
-        return reservation
-
-    async def _adopt_precopy(
-        self, inp: GenerationInput, lease_s: float, source: str | None
-    ) -> Reservation | None:
-        num_precopied = self.book.precopied(inp.req_id) or 0
-        num_tokens = len(inp.prompt_token_ids)
-        block_ids, writable_after = await self.on_engine(
-            lambda: (
-                self.core.resize_reservation(inp.req_id, num_tokens),
-                self.runner.last_step_done,
-            )
-        )
-        if block_ids is None or len(block_ids) < num_precopied:
-            return None  # no room for the rest (the pre-copy expires or is aborted)
-        reservation = Reservation(self.worker_id, self.epoch, tuple(block_ids), num_precopied)
-        if not self.book.adopt(inp, reservation, lease_s, writable_after):
+        reservation = Reservation(self.worker_id, self.epoch, tuple(block_ids), num_precopied or 0)
+        if num_precopied is None:
+            self.book.add(inp, reservation, lease_s, writable_after)
+        elif not self.book.adopt(inp, reservation, lease_s, writable_after):
             return None  # aborted or expired meanwhile: its blocks went with it
         if source is not None:
             self._sources[inp.req_id] = source

@@ -162,20 +162,22 @@ class ChannelReceiver:
 
     def receive(self, header: HandoffHeader) -> bool:
         """One message; False when the channel can no longer be trusted."""
-        if header.kind is HeaderKind.PRECOPY:
-            return self._receive_precopy(header)
         expected_bytes = header.num_blocks * self.target.block_bytes
         if header.num_bytes != expected_bytes:
             log.error(
-                "hand-off from %s: %d bytes for %d blocks of %d bytes; closing",
+                "%s from %s: %d bytes for %d blocks of %d bytes; closing",
+                header.kind.name,
                 self.channel.peer_id,
                 header.num_bytes,
                 header.num_blocks,
                 self.target.block_bytes,
             )
-            for entry in header.entries:
-                self._refuse(entry, "byte count does not match the layout")
+            if header.kind is not HeaderKind.PRECOPY:  # no request waits on a pre-copy
+                for entry in header.entries:
+                    self._refuse(entry, "byte count does not match the layout")
             return False
+        if header.kind is HeaderKind.PRECOPY:
+            return self._receive_precopy(header)
         deadline = time.monotonic() + self.reservation_grace_s
         claims: list[tuple[HandoffEntry, HeldReservation | None, str | None]] = [
             (entry, *self._claim(entry, header.dst_epoch, deadline)) for entry in header.entries
@@ -241,11 +243,6 @@ class ChannelReceiver:
         now; nothing is admitted (the move's HANDOFF message follows). An entry that
         finds no room or an id in use is drained and dropped: the move then sends it
         whole."""
-        if header.num_bytes != header.num_blocks * self.target.block_bytes:
-            log.error(
-                "pre-copy from %s: byte count does not match the layout", self.channel.peer_id
-            )
-            return False
         held: list[str] = []
         block_ids: list[int] = []
         row_ids: list[int] = []
