@@ -90,60 +90,62 @@ async def _blocks_in_use(*workers: DecodeWorker) -> list[int]:
     return [(await w.load()).num_blocks_in_use for w in workers]
 
 
-@pytest.mark.parametrize("precopy", [False, True], ids=["one-round", "pre-copied"])
-def test_a_running_request_moves_with_its_kv_and_goes_on_unchanged(
-    loop: asyncio.AbstractEventLoop, workers: tuple[DecodeWorker, DecodeWorker], precopy: bool
+def test_running_requests_move_with_their_kv_and_go_on_unchanged(
+    loop: asyncio.AbstractEventLoop, workers: tuple[DecodeWorker, DecodeWorker]
 ) -> None:
-    """Moved in one round, or in two: its full blocks first while it keeps decoding
-    (`precopy`), then, detached, only the blocks after them."""
+    """Greedy and seeded requests move in one message, each either in one round or in
+    two: its full blocks first while it keeps decoding (`precopy`), then, detached, only
+    the blocks after them."""
     source, target = workers
     target_ref = HandoffTarget("decode-1", target.epoch)
-
-    # Ids of this run's own: a module's workers may still hold news of an earlier run's.
-    ids = {kind: f"pc-{kind}" if precopy else kind for kind in SAMPLING}
+    # (id, sampling, pre-copied first)
+    cases = [
+        (f"{kind}-{'pc' if pre else 'whole'}", sampling, pre)
+        for kind, sampling in SAMPLING.items()
+        for pre in (False, True)
+    ]
+    pre_copied = [req_id for req_id, _, pre in cases if pre]
 
     async def body() -> None:
-        for kind, sampling in SAMPLING.items():
-            await source.submit(GenerationInput(ids[kind], PROMPT, sampling))
-        streamed = await _tokens(source, dict.fromkeys(ids.values(), 4))
-        sent: dict[str, int] = {}
-        if precopy:
-            sent = await source.precopy(target_ref, [Precopy(i, f"{i}-k1") for i in ids.values()])
-            # 44 or more tokens computed: at least two full blocks of 16 each.
-            assert set(sent) == {f"{i}-k1" for i in ids.values()} and min(sent.values()) >= 2
-            await _tokens(source, dict.fromkeys(ids.values(), 4))  # it decodes on meanwhile
+        for req_id, sampling, _ in cases:
+            await source.submit(GenerationInput(req_id, PROMPT, sampling))
+        streamed = await _tokens(source, {req_id: 4 for req_id, _, _ in cases})
+        sent = await source.precopy(target_ref, [Precopy(i, f"{i}-k1") for i in pre_copied])
+        # 44 or more tokens computed: at least two full blocks of 16 each.
+        assert set(sent) == {f"{i}-k1" for i in pre_copied} and min(sent.values()) >= 2
+        await _tokens(source, {req_id: 4 for req_id, _, _ in cases})  # they decode on
         moves, outputs, totals = [], {}, {}
-        for kind, sampling in SAMPLING.items():
-            detached = await source.detach(ids[kind])
-            assert detached is not None, kind
-            outputs[kind] = list(detached.token_ids[len(PROMPT) :])
+        for req_id, sampling, _ in cases:
+            detached = await source.detach(req_id)
+            assert detached is not None, req_id
+            outputs[req_id] = list(detached.token_ids[len(PROMPT) :])
             # Whatever the source sampled by then, the stream so far is a prefix of it.
-            assert outputs[kind][: len(streamed[ids[kind]])] == streamed[ids[kind]]
-            totals[kind] = len(outputs[kind]) + MORE  # the request now ends MORE tokens on
+            assert outputs[req_id][: len(streamed[req_id])] == streamed[req_id]
+            totals[req_id] = len(outputs[req_id]) + MORE  # it now ends MORE tokens on
             moved = GenerationInput(
-                f"{ids[kind]}-k1",
+                f"{req_id}-k1",
                 detached.token_ids[: detached.num_kv_tokens],
                 replace(sampling, max_tokens=MORE + 1),
             )
             reservation = await target.reserve(moved, 30.0, "decode-0")
             assert reservation is not None
             assert reservation.num_precopied == sent.get(moved.req_id, 0)
-            moves.append(DetachedMove(ids[kind], moved.req_id, detached, reservation.num_precopied))
-        # Both in one transfer (one message: one gather, one header with two entries),
+            moves.append(DetachedMove(req_id, moved.req_id, detached, reservation.num_precopied))
+        # All in one transfer (one message: one gather, one header with an entry each),
         # without the blocks a pre-copy sent.
         num_bytes = await source.send_detached(target_ref, moves)
         assert num_bytes == sum(
             (-(-m.detached.num_kv_tokens // 16) - m.skip_blocks) * source.block_bytes for m in moves
         )
-        rest = await _tokens(target, {f"{i}-k1": MORE for i in ids.values()})
-        for kind, sampling in SAMPLING.items():
+        rest = await _tokens(target, {f"{req_id}-k1": MORE for req_id, _, _ in cases})
+        for req_id, sampling, _ in cases:
             # The same request undisturbed, on the target itself.
-            ref_id = f"ref-{ids[kind]}"
-            limited = replace(sampling, max_tokens=totals[kind])
+            ref_id = f"ref-{req_id}"
+            limited = replace(sampling, max_tokens=totals[req_id])
             await target.submit(GenerationInput(ref_id, PROMPT, limited))
-            reference = await _tokens(target, {ref_id: totals[kind]})
-            assert outputs[kind] + rest[f"{ids[kind]}-k1"] == reference[ref_id], kind
-        assert await source.detach(ids["greedy"]) is None  # gone from the source
+            reference = await _tokens(target, {ref_id: totals[req_id]})
+            assert outputs[req_id] + rest[f"{req_id}-k1"] == reference[ref_id], req_id
+        assert await source.detach(cases[0][0]) is None  # gone from the source
         loop_ = asyncio.get_running_loop()
         deadline = loop_.time() + 10
         while await _blocks_in_use(source, target) != [0, 0]:
