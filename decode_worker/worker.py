@@ -301,6 +301,5 @@ class DecodeWorker(KVExporter, WorkerBase):
     async def shutdown(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        for peer_id in list(self.send_channels):
-            await self.disconnect_sender(peer_id)
+        await asyncio.gather(*(self.disconnect_sender(p) for p in list(self.send_channels)))
         await super().shutdown()

@@ -123,8 +123,7 @@ class WorkerBase:
 
     async def shutdown(self) -> None:
         """Stop stepping and leave every channel."""
-        for peer_id in list(self.channels):
-            await self.disconnect(peer_id)
+        await asyncio.gather(*(self.disconnect(peer_id) for peer_id in list(self.channels)))
         if self.loop_thread is not None:
             self.loop_thread.stop()
         # Send the spans still buffered (bounded: a collector that is down must not

@@ -3,6 +3,7 @@ the live pools' load accounts and the prefix indexes (no calls to any worker).""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from router.kv_index import PrefixIndex
@@ -74,7 +75,7 @@ def place_prompt(
         else None,
         handoff_s=decode_ref.load.handoff_s.value or 0.0,
         decode_running=stats.num_running if stats is not None else 0,
-        decode_step_s=decode_ref.load.step_s.value,
+        decode_step_s=decode_ref.load.step_s.mean(time.monotonic()),
         decode_queued_tokens=decode_ref.load.queued_tokens,
         decode_free_blocks=stats.num_blocks_free if stats is not None else None,
         num_prompt_blocks=-(-num_prompt // block_size),

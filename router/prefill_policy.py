@@ -23,13 +23,18 @@ the decode worker's running batch, step time, free blocks and its own queued pro
    → local (`prefill_saturated`); else remote (`decode_at_tpot_slo`, or
    `remote_sooner`). TPOT is a request's mean time per output token, so the stall of
    the prompts queued there (this one included) counts spread over an output's length:
-   projected TPOT = step time + queued local prompt time / output tokens.
+   projected TPOT = step time + queued local prompt time / output tokens. The step time
+   is the worker's mean over the last `STEP_WINDOW_S` (local prompts run before
+   included: the pace its running requests get), and the projection must stay within
+   `TPOT_HEADROOM` of the target: the target is met by 90 % of requests, and a mean at
+   the target leaves half of them over it.
 
 Pure functions and small estimators; no Ray, no gRPC.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,6 +43,8 @@ DEFAULT_SLO_TTFT_MS = 1000.0
 DEFAULT_SLO_TPOT_MS = 50.0
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 32
 TTFT_HEADROOM = 0.5  # remote while its estimated TTFT is within this share of the target
+TPOT_HEADROOM = 0.8  # local only while the projected TPOT is within this share of it
+STEP_WINDOW_S = 2.0  # about one request's decode at a chat length (128 tokens, 15 ms)
 REASONS = (
     "no_prefill_worker",
     "local_prefill_off",
@@ -82,7 +89,7 @@ class PathInputs:
     prefill_tokens_per_s: float | None  # its measured rate (None: not measured yet)
     handoff_s: float  # the pair's recent hand-off time
     decode_running: int  # requests decoding there now
-    decode_step_s: float | None  # its recent decode step time
+    decode_step_s: float | None  # its mean decode step time lately (`StepWindow`)
     decode_queued_tokens: int  # prompt tokens queued there to run locally
     decode_free_blocks: int | None  # None: not reported yet
     num_prompt_blocks: int
@@ -122,7 +129,7 @@ def decide(inputs: PathInputs, config: PrefillPolicyConfig) -> PathDecision:
     local_s = (inputs.decode_queued_tokens + inputs.num_uncached_decode) / rate
     ttft_local = local_s + step_s
     tpot_local = step_s + local_s / max(inputs.num_output_tokens, 1)
-    if inputs.decode_running and tpot_local * 1000 > config.slo_tpot_ms:
+    if inputs.decode_running and tpot_local * 1000 > TPOT_HEADROOM * config.slo_tpot_ms:
         return PathDecision("remote", "decode_at_tpot_slo", ttft_remote, ttft_local)
     if ttft_local < ttft_remote:
         return PathDecision("local", "prefill_saturated", ttft_remote, ttft_local)
@@ -141,6 +148,36 @@ class Ewma:
             self.value = sample
         else:
             self.value += self.weight * (sample - self.value)
+
+
+class StepWindow:
+    """A decode worker's mean step time over the last `window_s`: the wall time its
+    token batches covered over the steps they reported, stalls for prompts it ran
+    between steps included. A mean over time, not over batches: a batch after a long
+    stall weighs its length, not one sample."""
+
+    def __init__(self, window_s: float = STEP_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._spans: deque[tuple[float, float, int]] = deque()  # (end, seconds, steps)
+        self._seconds = 0.0
+        self._steps = 0
+
+    def add(self, now: float, seconds: float, num_steps: int) -> None:
+        self._spans.append((now, seconds, num_steps))
+        self._seconds += seconds
+        self._steps += num_steps
+        self._expire(now)
+
+    def mean(self, now: float) -> float | None:
+        """Seconds per step over the window ending now; None when it saw no step."""
+        self._expire(now)
+        return self._seconds / self._steps if self._steps else None
+
+    def _expire(self, now: float) -> None:
+        while self._spans and self._spans[0][0] < now - self.window_s:
+            _, seconds, steps = self._spans.popleft()
+            self._seconds -= seconds
+            self._steps -= steps
 
 
 class PrefillRate:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from engine.wire import WorkerStats
-from router.prefill_policy import Ewma, PrefillRate
+from router.prefill_policy import Ewma, PrefillRate, StepWindow
 
 
 @dataclass
@@ -25,7 +25,7 @@ class WorkerLoad:
     busy_since: float = 0.0  # when num_assigned last went from 0 to 1
     stats: WorkerStats | None = None  # the worker's last report (decode: every batch)
     prefill_rate: PrefillRate = field(default_factory=PrefillRate)
-    step_s: Ewma = field(default_factory=Ewma)  # decode step time
+    step_s: StepWindow = field(default_factory=StepWindow)  # decode step time lately
     handoff_s: Ewma = field(default_factory=Ewma)  # hand-offs into this worker
     last_batch_at: float | None = None
 
@@ -41,9 +41,8 @@ class WorkerLoad:
         busy = stats is None or stats.num_running > 0
         if last is None or num_steps <= 0 or not busy:
             return None
-        step_s = (now - last) / num_steps
-        self.step_s.add(step_s)
-        return step_s
+        self.step_s.add(now, now - last, num_steps)
+        return (now - last) / num_steps
 
 
 class WorkerLease:

@@ -15,7 +15,13 @@ from pdserve.v1 import admin_pb2 as pb
 from router.admin import AdminServicer
 from router.config import RouterConfig
 from router.orchestrator import DisaggregatedGenerator
-from router.prefill_policy import PathInputs, PrefillPolicyConfig, PrefillRate, decide
+from router.prefill_policy import (
+    PathInputs,
+    PrefillPolicyConfig,
+    PrefillRate,
+    StepWindow,
+    decide,
+)
 from router.protocol import GenerateCall
 
 IDLE = PathInputs(
@@ -50,6 +56,9 @@ POLICY = PrefillPolicyConfig(local_prefill_max_tokens=32, slo_ttft_ms=1000, slo_
         ({**SATURATED, "decode_step_s": 0.002}, "local", "prefill_saturated"),
         # The same on a decode worker already at 48 ms a step: 52 ms, over the target.
         ({**SATURATED, "decode_step_s": 0.048}, "remote", "decode_at_tpot_slo"),
+        # At 38 ms a step: 42 ms, under the 50 ms target but not within 80 % of it
+        # (a mean at the target would leave half the requests over it).
+        ({**SATURATED, "decode_step_s": 0.038}, "remote", "decode_at_tpot_slo"),
         # Saturated, but the decode worker's own queue is longer still (4 s).
         (
             {
@@ -98,6 +107,20 @@ def test_prefill_rate_under_load_counts_tokens_over_busy_time() -> None:
     for _ in range(16):
         rate.observe(512, 0.2, now=10.3, busy_since=10.0, was_idle=False)
     assert rate.tokens_per_s.value is not None and rate.tokens_per_s.value > 20_000
+
+
+def test_step_time_is_a_mean_over_time_that_a_long_stall_weighs_by_its_length() -> None:
+    window = StepWindow(window_s=2.0)
+    assert window.mean(0.0) is None
+    for i in range(9):  # nine 10 ms steps, then one stall of 110 ms for a local prompt
+        window.add(0.01 * (i + 1), 0.01, 1)
+    window.add(0.2, 0.11, 1)
+    # 200 ms over 10 steps: 20 ms a step, the pace a running request got.
+    assert window.mean(0.2) == pytest.approx(0.02)
+    # Two seconds on, the nine short steps have left the window; the stall has not.
+    window.add(2.15, 0.01, 1)
+    assert window.mean(2.15) == pytest.approx(0.06)
+    assert window.mean(10.0) is None
 
 
 class _Context:
