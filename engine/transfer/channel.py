@@ -241,8 +241,16 @@ class KVChannel:
                 log.info("channel to %s: close not delivered (%s)", self.peer_id, handle.failure)
         self._closed.set()
         if self._pg is not None and self.is_cuda:
-            try:
-                self._pg.abort()
-            except Exception as exc:  # noqa: BLE001 - best effort on the way out
-                log.info("channel to %s: abort: %s", self.peer_id, exc)
+            # Tearing NCCL's pair down can take a while (a drain spent half a second on
+            # each end), and nothing waits on a closed channel: the peer was told, or is
+            # gone. A worker that stops does not wait for it either; its process ends.
+            threading.Thread(
+                target=self._abort, args=(self._pg,), name=f"kv-abort-{self.peer_id}", daemon=True
+            ).start()
         self._lane.shutdown(wait=False, cancel_futures=True)
+
+    def _abort(self, pg: Any) -> None:
+        try:
+            pg.abort()
+        except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            log.info("channel to %s: abort: %s", self.peer_id, exc)
