@@ -142,9 +142,12 @@ class FakeWorker:
         self._check()
         self.calls.append(("disconnect", peer_id))
 
-    async def detach(self, req_id: str) -> DetachedRequest | None:
+    async def detach(self, req_ids: list[str]) -> list[DetachedRequest | None]:
         self._check()
-        self.calls.append(("detach", req_id))
+        self.calls.append(("detach", ",".join(req_ids)))
+        return [self._detach(req_id) for req_id in req_ids]
+
+    def _detach(self, req_id: str) -> DetachedRequest | None:
         run = self.running.pop(req_id, None)
         if run is None:
             return None
@@ -187,6 +190,9 @@ class FakeWorker:
     ) -> Reservation | None:
         self._check()
         self.calls.append(("reserve", inp.req_id))
+        return self._reserve(inp, lease_s)
+
+    def _reserve(self, inp: GenerationInput, lease_s: float) -> Reservation | None:
         self._remember_context(inp)
         if self.no_room or inp.req_id in self.aborted:
             return None
@@ -194,6 +200,13 @@ class FakeWorker:
         self.expires_at[inp.req_id] = time.monotonic() + lease_s
         num_precopied = self.precopied.get(inp.req_id, 0)
         return Reservation(self.worker_id, EPOCH, tuple(range(num_precopied + 1)), num_precopied)
+
+    async def reserve_many(
+        self, inps: list[GenerationInput], lease_s: float, source: str | None
+    ) -> list[Reservation | None]:
+        self._check()
+        self.calls.append(("reserve_many", ",".join(inp.req_id for inp in inps)))
+        return [self._reserve(inp, lease_s) for inp in inps]
 
     async def renew(self, req_ids: list[str], lease_s: float) -> int:
         self._check()

@@ -94,10 +94,13 @@ class KVExporter:
         await self._all_sent(handles, target)
         return sent
 
-    async def detach(self, req_id: str) -> DetachedRequest | None:
-        """Take a running request off the schedule at the next step boundary, keeping its
-        KV; None when it is not running here (finished, queued, or mid-recompute)."""
-        detached: DetachedRequest | None = await self.on_engine(lambda: self.core.detach(req_id))
+    async def detach(self, req_ids: Sequence[str]) -> list[DetachedRequest | None]:
+        """Take running requests off the schedule at the next step boundary, all at the
+        same one, keeping their KV; for each, None when it is not running here
+        (finished, queued, or mid-recompute)."""
+        detached: list[DetachedRequest | None] = await self.on_engine(
+            lambda: [self.core.detach(req_id) for req_id in req_ids]
+        )
         return detached
 
     async def send_detached(self, target: HandoffTarget, moves: Sequence[DetachedMove]) -> int:

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -73,15 +74,48 @@ class DecodeWorker(KVExporter, WorkerBase):
         `source` names the sender, if known: its channel breaking fails the request.
         Blocks a live move's pre-copy brought for this id are adopted, first, and the
         reservation says how many (`num_precopied`): the sender skips them."""
-        num_tokens = len(inp.prompt_token_ids)
-        num_precopied = self.book.precopied(inp.req_id)
-        # A pre-copy's blocks stay first and the rest are added to them.
-        hold = self.core.reserve if num_precopied is None else self.core.resize_reservation
-        # The engine's last launched step, read with the blocks handed out: the import
-        # waits for it alone (a later step never writes them; see HeldReservation).
-        block_ids, writable_after = await self.on_engine(
-            lambda: (hold(inp.req_id, num_tokens), self.runner.last_step_done)
-        )
+        return (await self.reserve_many([inp], lease_s, source))[0]
+
+    async def reserve_many(
+        self,
+        inps: Sequence[GenerationInput],
+        lease_s: float = DEFAULT_LEASE_S,
+        source: str | None = None,
+    ) -> list[Reservation | None]:
+        """`reserve` for several requests from one sender in one engine command (a live
+        move's requests: each waits for the slowest, so they should not queue behind one
+        another's calls)."""
+        precopied = [self.book.precopied(inp.req_id) for inp in inps]
+
+        def hold_all() -> tuple[list[list[int] | None], Any]:
+            held = []
+            for inp, num_precopied in zip(inps, precopied, strict=True):
+                # A pre-copy's blocks stay first and the rest are added to them.
+                hold = self.core.reserve if num_precopied is None else self.core.resize_reservation
+                held.append(hold(inp.req_id, len(inp.prompt_token_ids)))
+            # The engine's last launched step, read with the blocks handed out: the import
+            # waits for it alone (a later step never writes them; see HeldReservation).
+            return held, self.runner.last_step_done
+
+        held, writable_after = await self.on_engine(hold_all)
+        reservations: list[Reservation | None] = []
+        for inp, num_precopied, block_ids in zip(inps, precopied, held, strict=True):
+            reservations.append(
+                await self._book_reservation(
+                    inp, num_precopied, block_ids, writable_after, lease_s, source
+                )
+            )
+        return reservations
+
+    async def _book_reservation(
+        self,
+        inp: GenerationInput,
+        num_precopied: int | None,
+        block_ids: list[int] | None,
+        writable_after: Any,
+        lease_s: float,
+        source: str | None,
+    ) -> Reservation | None:
         if block_ids is None or len(block_ids) < (num_precopied or 0):
             return None  # no room (a pre-copy left is aborted by the router, or expires)
         if self.is_buried(inp.req_id):  # aborted while this call was on its way

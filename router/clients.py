@@ -44,6 +44,9 @@ class DecodeClient(Protocol):
     async def reserve(
         self, inp: GenerationInput, lease_s: float, source: str | None
     ) -> Reservation | None: ...
+    async def reserve_many(
+        self, inps: list[GenerationInput], lease_s: float, source: str | None
+    ) -> list[Reservation | None]: ...
     async def renew(self, req_ids: list[str], lease_s: float) -> int: ...
     async def submit(self, inp: GenerationInput) -> None: ...
     async def next_tokens(self) -> TokenBatch: ...
@@ -53,7 +56,7 @@ class DecodeClient(Protocol):
     async def connect(self, spec: ChannelSpec) -> None: ...
     async def disconnect(self, peer_id: str, notify_peer: bool) -> None: ...
     async def precopy(self, target: HandoffTarget, moves: list[Precopy]) -> dict[str, int]: ...
-    async def detach(self, req_id: str) -> DetachedRequest | None: ...
+    async def detach(self, req_ids: list[str]) -> list[DetachedRequest | None]: ...
     async def send_detached(self, target: HandoffTarget, moves: list[DetachedMove]) -> int: ...
 
 
@@ -82,6 +85,11 @@ class RayWorkerClient:
     ) -> Reservation | None:
         return await _call(self.handle.reserve.remote(inp, lease_s, source))
 
+    async def reserve_many(
+        self, inps: list[GenerationInput], lease_s: float, source: str | None
+    ) -> list[Reservation | None]:
+        return await _call(self.handle.reserve_many.remote(inps, lease_s, source))
+
     async def renew(self, req_ids: list[str], lease_s: float) -> int:
         return await _call(self.handle.renew.remote(req_ids, lease_s))
 
@@ -106,8 +114,8 @@ class RayWorkerClient:
     async def precopy(self, target: HandoffTarget, moves: list[Precopy]) -> dict[str, int]:
         return await _call(self.handle.precopy.remote(target, moves))
 
-    async def detach(self, req_id: str) -> DetachedRequest | None:
-        return await _call(self.handle.detach.remote(req_id))
+    async def detach(self, req_ids: list[str]) -> list[DetachedRequest | None]:
+        return await _call(self.handle.detach.remote(req_ids))
 
     async def send_detached(self, target: HandoffTarget, moves: list[DetachedMove]) -> int:
         return await _call(self.handle.send_detached.remote(target, moves))

@@ -7,12 +7,12 @@ requests running on it are spread over the other decode workers and move togethe
 1. the channels source → target are made, all at once, where they are not there yet
    (lazily, once per pair and incarnation; the same transfer interface and header/epoch
    checks as a prefill hand-off, with the source as the sending end);
-2. `detach` on the source takes each request off its schedule at a step boundary,
-   keeping its blocks, and returns its tokens so far;
+2. one `detach` call on the source takes them all off its schedule at one step
+   boundary, keeping their blocks, and returns each one's tokens so far;
 3. each stream switches to a new attempt id on its target (an inbox marker, `Moved`,
    carries the tokens the client may not have seen yet, so none is lost or repeated);
-4. `reserve` on the target holds blocks for the KV of all but the last token, under a
-   lease, for the new id;
+4. one `reserve_many` call per target holds blocks for the KV of all but the last token
+   of each, under a lease, for the new ids;
 5. one `send_detached` per target gathers the blocks of all its requests, frees them
    and posts them on the channel in as few messages as the size cap allows; the target
    checks each entry against its reservation and continues each request from its last
@@ -162,14 +162,9 @@ class LiveMigrator:
         # Channels to every target at once (each made once per pair of incarnations).
         links = {id(t): asyncio.ensure_future(self._link(source, t)) for t in targets}
         new_ids = [self._new_id(a) for a in attempts]
-        await self._precopy(source, list(zip(attempts, targets, new_ids, strict=True)), links)
-        prepared = await asyncio.gather(
-            *(
-                self._prepare(a, source, t, links[id(t)], reason, new_id)
-                for a, t, new_id in zip(attempts, targets, new_ids, strict=True)
-            ),
-            return_exceptions=True,
-        )
+        moves = list(zip(attempts, targets, new_ids, strict=True))
+        await self._precopy(source, moves, links)
+        prepared = await self._prepare(source, moves, links, reason)
         by_target: dict[int, list[_Prepared]] = {}
         num_recomputed = 0
         for item, target, new_id in zip(prepared, targets, new_ids, strict=True):
@@ -233,48 +228,79 @@ class LiveMigrator:
 
     async def _prepare(
         self,
-        attempt: Attempt,
         source: WorkerRef,
-        target: WorkerRef,
-        link: asyncio.Future[None],
+        moves: list[tuple[Attempt, WorkerRef, str]],
+        links: Mapping[int, asyncio.Future[None]],
         reason: MoveReason,
-        new_id: str,
-    ) -> _Prepared | _Outcome:
-        """Detach one request, switch its stream to the target and reserve its blocks
-        there; else what became of it."""
+    ) -> list[_Prepared | _Outcome | BaseException]:
+        """Detach the requests (those whose target has a channel) in one call, at one
+        step boundary, switch each stream to its target and reserve its blocks there,
+        one call per target; for each, its move or what became of it. One call each
+        way, not one per request: a request's pause ends with the slowest of its group,
+        so the group's calls should not queue behind one another."""
         stay_if_not_running = reason == "rebalanced"  # the source stays in service
+        targets = {id(t): t for _, t, _ in moves}
+        made = await asyncio.gather(
+            *(asyncio.shield(links[key]) for key in targets), return_exceptions=True
+        )
+        no_channel = {key: m for key, m in zip(targets, made, strict=True) if m is not None}
+        out: list[_Prepared | _Outcome | BaseException] = [_Outcome.STAYED] * len(moves)
+        picked = []
+        for i, (attempt, target, _) in enumerate(moves):
+            if id(target) not in no_channel:
+                picked.append(i)
+            elif not stay_if_not_running:  # nothing was done to it: else it goes on there
+                why = f"no channel to {target.worker_id}: {no_channel[id(target)]}"
+                out[i] = self._recompute(attempt, source, why, reason)
+        if not picked:
+            return out
         try:
-            await asyncio.shield(link)
-        except Exception as exc:  # noqa: BLE001 - then by recompute
-            if stay_if_not_running:  # nothing was done to it: it goes on where it is
-                return _Outcome.STAYED
-            why = f"no channel to {target.worker_id}: {exc}"
-            return self._recompute(attempt, source, why, reason)
-        old_id = attempt.req_id
-        try:
-            detached = await source.client.detach(old_id)
+            detached = await source.client.detach([moves[i][0].req_id for i in picked])
         except WorkerDied as exc:
-            return self._recompute(attempt, source, f"{source.worker_id} died: {exc}", reason)
-        if self.attempts.get(old_id) is not attempt:  # it ended meanwhile
-            self.spawn(self._abort(source, old_id))
-            return _Outcome.ENDED
-        if detached is None:  # queued, waiting for its KV, mid-recompute or finishing
-            if stay_if_not_running:
-                return _Outcome.STAYED
-            return self._recompute(attempt, source, "it was not running", reason)
+            for i in picked:
+                why = f"{source.worker_id} died: {exc}"
+                out[i] = self._recompute(moves[i][0], source, why, reason)
+            return out
+        except Exception as exc:  # noqa: BLE001 - they stay; the caller logs it
+            for i in picked:
+                out[i] = exc
+            return out
         paused = time.perf_counter()
-        inp = self._switch(attempt, target, detached, new_id)
-        try:
-            reservation = await target.client.reserve(inp, self.config.lease_s, source.worker_id)
-        except Exception as exc:  # noqa: BLE001 - then by recompute
-            reservation, why = None, f"reserving on {target.worker_id} failed: {exc}"
-        else:
-            why = f"no room on {target.worker_id}"
-        if reservation is None:
-            self.spawn(self._abort(source, old_id))
-            return self._recompute(attempt, source, why, reason)
-        move = DetachedMove(old_id, inp.req_id, detached, reservation.num_precopied)
-        return _Prepared(attempt, target, move, paused)
+        switched: dict[int, list[tuple[int, GenerationInput, DetachedRequest]]] = {}
+        for i, request in zip(picked, detached, strict=True):
+            attempt, target, new_id = moves[i]
+            if self.attempts.get(attempt.req_id) is not attempt:  # it ended meanwhile
+                self.spawn(self._abort(source, attempt.req_id))
+                out[i] = _Outcome.ENDED
+            elif request is None:  # queued, waiting for its KV, mid-recompute or finishing
+                if not stay_if_not_running:
+                    out[i] = self._recompute(attempt, source, "it was not running", reason)
+            else:
+                old_id = attempt.req_id
+                inp = self._switch(attempt, target, request, new_id)
+                switched.setdefault(id(target), []).append((i, inp, request))
+                out[i] = _Prepared(attempt, target, DetachedMove(old_id, new_id, request), paused)
+
+        async def reserve(target: WorkerRef, group: list[tuple[int, GenerationInput, Any]]) -> None:
+            try:
+                held = await target.client.reserve_many(
+                    [inp for _, inp, _ in group], self.config.lease_s, source.worker_id
+                )
+                why = f"no room on {target.worker_id}"
+            except Exception as exc:  # noqa: BLE001 - then by recompute
+                held, why = [None] * len(group), f"reserving on {target.worker_id} failed: {exc}"
+            for (i, _, _), reservation in zip(group, held, strict=True):
+                ready = out[i]
+                assert isinstance(ready, _Prepared)
+                if reservation is None:
+                    self.spawn(self._abort(source, ready.move.req_id))
+                    out[i] = self._recompute(ready.attempt, source, why, reason)
+                else:
+                    move = replace(ready.move, skip_blocks=reservation.num_precopied)
+                    out[i] = replace(ready, move=move)
+
+        await asyncio.gather(*(reserve(targets[key], group) for key, group in switched.items()))
+        return out
 
     async def _send(self, source: WorkerRef, group: list[_Prepared], reason: MoveReason) -> int:
         """Send one target's requests in one transfer; how many moved with their KV (on a

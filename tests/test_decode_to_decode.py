@@ -114,20 +114,27 @@ def test_running_requests_move_with_their_kv_and_go_on_unchanged(
         # 44 or more tokens computed: at least two full blocks of 16 each.
         assert set(sent) == {f"{i}-k1" for i in pre_copied} and min(sent.values()) >= 2
         await _tokens(source, {req_id: 4 for req_id, _, _ in cases})  # they decode on
-        moves, outputs, totals = [], {}, {}
-        for req_id, sampling, _ in cases:
-            detached = await source.detach(req_id)
+        # All detached at one step boundary, all reserved for in one call, as a drain does.
+        detached_all = await source.detach([req_id for req_id, _, _ in cases])
+        outputs, totals, inputs = {}, {}, []
+        for (req_id, sampling, _), detached in zip(cases, detached_all, strict=True):
             assert detached is not None, req_id
             outputs[req_id] = list(detached.token_ids[len(PROMPT) :])
             # Whatever the source sampled by then, the stream so far is a prefix of it.
             assert outputs[req_id][: len(streamed[req_id])] == streamed[req_id]
             totals[req_id] = len(outputs[req_id]) + MORE  # it now ends MORE tokens on
-            moved = GenerationInput(
-                f"{req_id}-k1",
-                detached.token_ids[: detached.num_kv_tokens],
-                replace(sampling, max_tokens=MORE + 1),
+            inputs.append(
+                GenerationInput(
+                    f"{req_id}-k1",
+                    detached.token_ids[: detached.num_kv_tokens],
+                    replace(sampling, max_tokens=MORE + 1),
+                )
             )
-            reservation = await target.reserve(moved, 30.0, "decode-0")
+        reservations = await target.reserve_many(inputs, 30.0, "decode-0")
+        moves = []
+        for (req_id, _, _), moved, detached, reservation in zip(
+            cases, inputs, detached_all, reservations, strict=True
+        ):
             assert reservation is not None
             assert reservation.num_precopied == sent.get(moved.req_id, 0)
             moves.append(DetachedMove(req_id, moved.req_id, detached, reservation.num_precopied))
@@ -145,7 +152,7 @@ def test_running_requests_move_with_their_kv_and_go_on_unchanged(
             await target.submit(GenerationInput(ref_id, PROMPT, limited))
             reference = await _tokens(target, {ref_id: totals[req_id]})
             assert outputs[req_id] + rest[f"{req_id}-k1"] == reference[ref_id], req_id
-        assert await source.detach(cases[0][0]) is None  # gone from the source
+        assert await source.detach([cases[0][0]]) == [None]  # gone from the source
         loop_ = asyncio.get_running_loop()
         deadline = loop_.time() + 10
         while await _blocks_in_use(source, target) != [0, 0]:
@@ -163,7 +170,7 @@ def test_a_detached_request_that_cannot_move_gives_its_blocks_back(
     async def body() -> None:
         await source.submit(GenerationInput("stays", PROMPT, SAMPLING["greedy"]))
         await _tokens(source, {"stays": 3})
-        assert await source.detach("stays") is not None
+        assert (await source.detach(["stays"]))[0] is not None
         assert (await source.load()).num_blocks_in_use > 0  # kept for the move
         await source.abort("stays")  # the router gave up on moving it
         assert await _blocks_in_use(source) == [0]

@@ -78,6 +78,12 @@ def test_a_drain_moves_running_requests_with_their_kv_and_returns_at_once() -> N
         assert verbs.count("precopy") == 1 and verbs.index("precopy") < verbs.index("detach")
         sends = [who for verb, who in pools.fakes["decode-0"].calls if verb == "send_detached"]
         assert len(sends) == 1 and len(sends[0].split(",")) == 4
+        # They left the source's schedule in one call and were reserved for in one: no
+        # request's pause waits for calls queued behind the others'.
+        detaches = [who for verb, who in pools.fakes["decode-0"].calls if verb == "detach"]
+        assert len(detaches) == 1 and len(detaches[0].split(",")) == 4
+        target_verbs = [verb for verb, _ in pools.fakes["decode-1"].calls]
+        assert target_verbs.count("reserve_many") == 1 and "reserve" not in target_verbs
         skipped = pools.fakes["decode-1"].skipped
         assert len(skipped) == 4 and all(n >= 1 for n in skipped.values())
         assert all(f.holds_nothing for f in pools.fakes.values())
