@@ -178,6 +178,7 @@ PREFILL_PATH_SERIES = (
     ("remote", "local_prefill_off"),
     ("remote", "no_estimate"),
     ("remote", "decode_at_tpot_slo"),
+    ("remote", "decode_past_ttft_slo"),
     ("remote", "decode_kv_pressure"),
     ("remote", "remote_sooner"),
 )

@@ -19,9 +19,13 @@ the decode worker's running batch, step time, free blocks and its own queued pro
    is a typical case) → remote: the decode batch keeps its pace, which is what
    disaggregation is for.
 6. Otherwise the prefill pool is saturated. If running the prompt on the decode worker
-   gives the first token sooner and keeps its running requests within the TPOT target
-   → local (`prefill_saturated`); else remote (`decode_at_tpot_slo`, or
-   `remote_sooner`). TPOT is a request's mean time per output token, so the stall of
+   gives the first token sooner, within the TTFT target, and keeps its running
+   requests within the TPOT target → local (`prefill_saturated`); else remote
+   (`decode_at_tpot_slo`, `decode_past_ttft_slo` or `remote_sooner`). A prompt that
+   misses its TTFT target on either path goes remote: it should not cost the decode
+   batch its pace for a first token that is late anyway (under overload, a decode
+   worker that took every such prompt would queue seconds of prefill between its
+   steps). TPOT is a request's mean time per output token, so the stall of
    the prompts queued there (this one included) counts spread over an output's length:
    projected TPOT = step time + queued local prompt time / output tokens. The step time
    is the worker's mean over the last `STEP_WINDOW_S` (local prompts run before
@@ -54,6 +58,7 @@ REASONS = (
     "prefill_within_slo",
     "prefill_saturated",
     "decode_at_tpot_slo",
+    "decode_past_ttft_slo",
     "remote_sooner",
     "prefill_failed",
 )
@@ -131,6 +136,8 @@ def decide(inputs: PathInputs, config: PrefillPolicyConfig) -> PathDecision:
     tpot_local = step_s + local_s / max(inputs.num_output_tokens, 1)
     if inputs.decode_running and tpot_local * 1000 > TPOT_HEADROOM * config.slo_tpot_ms:
         return PathDecision("remote", "decode_at_tpot_slo", ttft_remote, ttft_local)
+    if inputs.decode_running and ttft_local * 1000 > config.slo_ttft_ms:
+        return PathDecision("remote", "decode_past_ttft_slo", ttft_remote, ttft_local)
     if ttft_local < ttft_remote:
         return PathDecision("local", "prefill_saturated", ttft_remote, ttft_local)
     return PathDecision("remote", "remote_sooner", ttft_remote, ttft_local)

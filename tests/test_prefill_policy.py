@@ -59,16 +59,30 @@ POLICY = PrefillPolicyConfig(local_prefill_max_tokens=32, slo_ttft_ms=1000, slo_
         # At 38 ms a step: 42 ms, under the 50 ms target but not within 80 % of it
         # (a mean at the target would leave half the requests over it).
         ({**SATURATED, "decode_step_s": 0.038}, "remote", "decode_at_tpot_slo"),
-        # Saturated, but the decode worker's own queue is longer still (4 s).
+        # Saturated, but the decode worker's own queue is longer still (0.74 s against
+        # 0.6 s remotely).
         (
             {
                 **SATURATED,
+                "prefill_queued_tokens": 6_000,
                 "decode_step_s": 0.002,
-                "decode_queued_tokens": 40_000,
+                "decode_queued_tokens": 7_000,
                 "num_output_tokens": 1000,
             },
             "remote",
             "remote_sooner",
+        ),
+        # Overloaded: 2 s remotely, 1.6 s of prompts queued on the decode worker. Sooner
+        # there, but past the 1 s target either way: its running requests keep their pace.
+        (
+            {
+                **SATURATED,
+                "decode_step_s": 0.002,
+                "decode_queued_tokens": 16_000,
+                "num_output_tokens": 1000,
+            },
+            "remote",
+            "decode_past_ttft_slo",
         ),
         # Nothing running on decode: its step budget is the only cost.
         ({"prefill_queued_tokens": 20_000, "decode_running": 0}, "local", "prefill_saturated"),
