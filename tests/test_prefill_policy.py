@@ -10,6 +10,7 @@ import pytest
 
 from bench.fake_workers import FakePools, WordTokenizer
 from engine.core.outputs import FinalResult
+from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2 as pb
 from router.admin import AdminServicer
@@ -169,5 +170,59 @@ def test_the_policy_changes_while_serving_and_applies_to_the_next_request() -> N
             await admin.SetPrefillPolicy(pb.SetPrefillPolicyRequest(slo_tpot_ms=-1), _Context())
         assert core.prefill_policy.local_prefill_max_tokens == 100
         await core.stop()
+
+    asyncio.run(body())
+
+
+def test_a_saturated_prefill_pool_sends_prompts_to_an_idle_decode_worker() -> None:
+    """Over fake workers: once the prompts queued on the prefill worker would take more
+    than half the TTFT target, the next ones run on the decode worker; every request
+    completes, and each decision is counted with its reason."""
+    from bench.harness.polling import wait_until_async
+    from router import metrics
+    from tests.test_orchestrator import _collect, _generator
+
+    def counted(path: str, reason: str) -> float:
+        value = metrics.get_metrics().registry.get_sample_value(
+            "pdserve_prefill_path_total", {"path": path, "reason": reason}
+        )
+        return value or 0.0
+
+    def call(i: int) -> GenerateCall:
+        prompt = tuple(range(100 * i, 100 * i + 64))  # no prefix shared between them
+        return GenerateCall("", None, prompt, None, SamplingParams(max_tokens=4, seed=i))
+
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        prefill = pools.fakes["prefill-0"]
+        # 100 ms target: saturated once 50 ms of prompts wait on the prefill worker.
+        gen = _generator(pools, slo_ttft_ms=100.0)
+        prefill.prefill_delay_s = 0.01  # the worker's rate, measured on an idle worker:
+        await _collect(gen.generate(call(0)))  # 64 tokens in 10 ms
+        before = {
+            r: counted(p, r)
+            for p, r in (("remote", "prefill_within_slo"), ("local", "prefill_saturated"))
+        }
+        prefill.hold_prefill = asyncio.Event()  # the prefill worker stops answering
+        tasks = [asyncio.ensure_future(_collect(gen.generate(call(i)))) for i in range(1, 9)]
+
+        def remote() -> float:
+            return counted("remote", "prefill_within_slo") - before["prefill_within_slo"]
+
+        def local() -> float:
+            return counted("local", "prefill_saturated") - before["prefill_saturated"]
+
+        await wait_until_async(lambda: remote() + local() == 8, 5.0)
+        # About five queued (50 ms of work with the next one's own, plus the hand-off's
+        # time): the later ones ran locally, and finish while the prefill worker holds.
+        assert (remote(), local()) in ((5, 3), (4, 4))
+        num_local = int(local())
+        await wait_until_async(lambda: sum(t.done() for t in tasks) == num_local, 5.0)
+        assert all(t.done() for t in tasks[8 - num_local :])
+        assert all(t.result()[1].timings.local_prefill for t in tasks[8 - num_local :])
+        prefill.hold_prefill.set()
+        for _, final in await asyncio.gather(*tasks):
+            assert final.finish_reason is FinishReason.LENGTH, final.error
+        await gen.stop()
 
     asyncio.run(body())
