@@ -21,9 +21,10 @@ main prompt length and each of `--ttft-lens`. Plus:
            GiB/s against raw dist.send of the same bytes (two processes, NCCL, same run)
   goodput  DistServe's measure (bench.suite_goodput): 2048-in / 128-out requests at
            Poisson rates found by a doubling search; the highest rate at which >= 90%
-           meet TTFT <= 1 s and TPOT <= 15, 25 and 50 ms (one sweep, every request's
-           timings kept), for every prefill/decode split of --gpus GPUs and as many
-           colocated replicas behind the router; --goodput-systems picks some
+           meet TTFT <= 1 s and TPOT <= 15, 25 and 50 ms (every request's timings
+           kept), for every prefill/decode split of --gpus GPUs (one sweep per TPOT
+           objective, the router aimed at it; --goodput-aim) and as many colocated
+           replicas behind the router (one sweep); --goodput-systems picks some
 
 One-GPU parts run in a subprocess per shape (bench.suite_offline) so memory is returned
 between them; this process never touches CUDA. Prints tables; writes one JSON to --out

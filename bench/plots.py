@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.suite_goodput import attainment, max_rate_sustained, slo_key
+from bench.suite_goodput import attainment, max_rate_sustained, points_for, slo_key
 from bench.suite_report import merge, run_key, runs_of, sections_of
 
 
@@ -70,7 +70,7 @@ def plot_goodput(section: dict, out_dir: Path) -> list[Path]:
         for ax, tpot in zip(axes[0], tpots, strict=True):
             key = slo_key(tpot)
             for name, rec in systems.items():
-                points = sorted(rec["points"], key=lambda p: p["rate"])
+                points = sorted(points_for(rec["points"], key), key=lambda p: p["rate"])
                 ax.plot(
                     [p["rate"] for p in points],
                     [p["attainment"][key] for p in points],

@@ -3,16 +3,24 @@
 Requests of `prompt_len` tokens asking for `output_len` arrive as a Poisson process. A
 request meets an SLO when its TTFT <= the TTFT objective and its TPOT <= the TPOT
 objective; a rate is sustained at that SLO when >= `attainment` of its requests meet it.
-Each system (every split of N GPUs into prefill and decode workers, and N colocated
-replicas behind the same router as the baseline) runs ONE sweep of rates, and every
-request's TTFT and TPOT is kept, so the highest rate sustained at each TPOT objective
-(15, 25, 50 ms) comes from the same runs.
+The systems: every split of N GPUs into prefill and decode workers, and N colocated
+replicas behind the same router as the baseline. Every request's TTFT and TPOT is kept,
+so one sweep of rates gives the highest rate sustained at each TPOT objective (15, 25,
+50 ms).
 
-The sweep (`RateSearch`) doubles the rate from `--goodput-start-rate` while the loosest
-SLO is sustained, stops at the first rate where it is not, and bisects once between the
-last rate sustained and that one. A rate whose misses at the loosest SLO already exceed
-what the attainment allows is cut short: nothing more is sent, the calls in flight are
-cancelled (the router aborts them), the unsent requests count as misses.
+A split's router aims its local-prefill rule at a TPOT target (`--slo-tpot-ms`), so a
+split is run once per TPOT objective, its router aimed at that one (`--goodput-aim slo`,
+the default; each point records `aimed_tpot_ms`, and an objective's highest rate comes
+from the sweep aimed at it), as an operator would deploy it for that objective;
+colocated replicas have no such rule and run one sweep. `--goodput-aim router-default`
+runs every system once, at the router's default targets.
+
+A sweep (`RateSearch`) doubles the rate from `--goodput-start-rate` while its SLO (the
+one it is aimed at, else the loosest) is sustained, stops at the first rate where it is
+not, and bisects once between the last rate sustained and that one. A rate whose misses
+at that SLO already exceed what the attainment allows is cut short: nothing more is
+sent, the calls in flight are cancelled (the router aborts them), the unsent requests
+count as misses.
 `--goodput-budget` bounds the whole part (a rate that would overrun it is not started);
 `--goodput-systems` runs a subset, so a sweep of 4 GPUs can be split over several
 commands; `python -m bench.suite_report FILE.json...` prints the tables of several runs, merged.
@@ -73,12 +81,18 @@ def attainment(requests: dict[str, list], ttft_slo_ms: float, tpot_slo_ms: float
     return sum(meets(ok, a, b, ttft_slo_ms, tpot_slo_ms) for ok, a, b in rows) / len(rows)
 
 
+def points_for(points: list[dict], key: str) -> list[dict]:
+    """The points that speak for TPOT objective `key`: those of the sweep aimed at it,
+    and those of a sweep aimed at none."""
+    return [p for p in points if p.get("aimed_tpot_ms") in (None, float(key))]
+
+
 def max_rate_sustained(points: list[dict], key: str, target: float) -> tuple[float, bool]:
     """The highest rate sustained at SLO `key` with every lower rate sustained too (0
     when none is), and whether a higher rate was run and missed it (False: the true
     maximum may be higher, only a lower bound)."""
     best = 0.0
-    for pt in sorted(points, key=lambda p: p["rate"]):
+    for pt in sorted(points_for(points, key), key=lambda p: p["rate"]):
         if pt["attainment"][key] < target:
             return best, True
         best = pt["rate"]
@@ -183,6 +197,13 @@ def add_goodput_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ttft-slo", type=float, default=1.0, help="seconds")
     g.add_argument("--tpot-slos", default=DEFAULT_TPOT_SLOS_MS, help="ms per output token")
     g.add_argument("--attainment", type=float, default=0.9)
+    g.add_argument(
+        "--goodput-aim",
+        choices=("slo", "router-default"),
+        default="slo",
+        help="slo: each split once per TPOT objective, its router aimed at it "
+        "(--slo-tpot-ms); router-default: every system once, at the router's defaults",
+    )
 
 
 def resolve_goodput_args(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None:
@@ -236,14 +257,18 @@ async def _settle(address: str, timeout_s: float = 60.0) -> float:
     return round(time.perf_counter() - start, 2)
 
 
-def run_point(address: str, geo: KVGeometry, ns: argparse.Namespace, rate: float) -> dict:
-    """One rate: Poisson arrivals of the same prompts and gaps for every system."""
+def run_point(
+    address: str, geo: KVGeometry, ns: argparse.Namespace, rate: float, tpot_slo_ms: float
+) -> dict:
+    """One rate: Poisson arrivals of the same prompts and gaps for every system; cut
+    short once the misses at `tpot_slo_ms` (the sweep's objective) are past saving."""
     from bench.suite_service import drive
 
     n = max(ns.goodput_min_requests, round(rate * ns.goodput_duration))
     prompts = make_prompts(n, ns.goodput_prompt_len, geo.vocab_size, seed=int(rate * 1000) + 7)
-    loosest_s = max(ns.tpot_slos) / 1000
-    give_up = give_up_when_missed(n, ns.attainment, ns.ttft_slo, loosest_s, ns.goodput_output_len)
+    give_up = give_up_when_missed(
+        n, ns.attainment, ns.ttft_slo, tpot_slo_ms / 1000, ns.goodput_output_len
+    )
     timings, wall = asyncio.run(
         drive(
             address,
@@ -278,6 +303,14 @@ def run_point(address: str, geo: KVGeometry, ns: argparse.Namespace, rate: float
     return point
 
 
+def aims(system: str, ns: argparse.Namespace) -> list[float | None]:
+    """The TPOT targets a system's router is aimed at, one sweep each (None: the
+    router's default)."""
+    if ns.goodput_aim == "router-default" or system.startswith("colocated"):
+        return [None]
+    return list(ns.tpot_slos)
+
+
 def run_system(
     system: str,
     pool_args: list[str],
@@ -286,7 +319,45 @@ def run_system(
     workdir: Path,
     deadline: float,
 ) -> dict[str, Any]:
-    """One service, one sweep of rates."""
+    """One system: a service and a sweep of rates for each of its aims."""
+    out: dict[str, Any] = {"system": system, "gpus": ns.gpus, "points": [], "sweeps": []}
+    started = time.perf_counter()
+    for aim in aims(system, ns):
+        sweep = run_sweep(system, pool_args, model, ns, workdir, deadline, aim)
+        out["points"] += sweep.pop("points")
+        out["sweeps"].append(sweep)
+        if "startup_s" not in sweep:  # it did not start: the next would not either
+            break
+    first = out["sweeps"][0]
+    for key in ("args", "startup_s", "on_gpus", "warm_settle_s", "workers", "log_tail"):
+        if key in first:
+            out[key] = first[key]
+    out["exit_code"] = next((s["exit_code"] for s in out["sweeps"] if s["exit_code"]), 0)
+    stopped = [s["stopped"] for s in out["sweeps"] if s.get("stopped")]
+    if stopped:
+        out["stopped"] = "; ".join(stopped)
+    out["elapsed_s"] = round(time.perf_counter() - started, 1)
+    out["points"].sort(key=lambda p: p["rate"])
+    out["max_rate"], out["max_rate_exact"] = {}, {}
+    for slo in ns.tpot_slos:
+        key = slo_key(slo)
+        out["max_rate"][key], out["max_rate_exact"][key] = max_rate_sustained(
+            out["points"], key, ns.attainment
+        )
+    return out
+
+
+def run_sweep(
+    system: str,
+    pool_args: list[str],
+    model: Path,
+    ns: argparse.Namespace,
+    workdir: Path,
+    deadline: float,
+    aim: float | None,
+) -> dict[str, Any]:
+    """One service, its router aimed at TPOT `aim` (None: its default), one sweep of
+    rates searched at that objective (else the loosest)."""
     from bench.suite_service import Service, check_warm_up, drive, kv_args
 
     kv = ns.goodput_kv_cache_gib
@@ -296,10 +367,13 @@ def run_system(
     args += kv_args(not system.startswith("colocated"), kv)
     args += ["--decode-max-num-seqs", str(ns.goodput_max_num_seqs)]
     args += ["--max-in-flight", "1024", "--max-queue", "4096", "--drain-grace-s", "10"]
+    if aim is not None:
+        args += ["--slo-tpot-ms", f"{aim:g}", "--slo-ttft-ms", f"{1000 * ns.ttft_slo:g}"]
+    suffix = "" if aim is None else f"-{slo_key(aim)}ms"
     started = time.perf_counter()
-    svc = Service([*args, *ns.serve_extra], workdir / f"service-goodput-{system}.log")
-    loosest = slo_key(max(ns.tpot_slos))
-    out: dict[str, Any] = {"system": system, "gpus": ns.gpus, "args": svc.args, "points": []}
+    svc = Service([*args, *ns.serve_extra], workdir / f"service-goodput-{system}{suffix}.log")
+    search_slo = aim if aim is not None else max(ns.tpot_slos)
+    out: dict[str, Any] = {"aimed_tpot_ms": aim, "args": svc.args, "points": []}
     try:
         startup_timeout = min(ns.startup_timeout, deadline - time.perf_counter() - 20)
         out["startup_s"] = round(svc.wait_serving(max(startup_timeout, 1.0)), 2)
@@ -314,16 +388,19 @@ def run_system(
             ns.goodput_start_rate, ns.goodput_max_rate, rates=tuple(ns.goodput_rates)
         )
         results: dict[float, bool] = {}
+        label = system + ("" if aim is None else f" aimed at {aim:g} ms")
         while (rate := search.next_rate(results)) is not None:
             n = max(ns.goodput_min_requests, round(rate * ns.goodput_duration))
-            need = n / rate + ns.ttft_slo + ns.goodput_output_len * max(ns.tpot_slos) / 1000
+            need = n / rate + ns.ttft_slo + ns.goodput_output_len * search_slo / 1000
             if time.perf_counter() + need + 25 > deadline:
                 out["stopped"] = f"time budget: rate {rate} not run"
                 break
-            print(f"  goodput {system}: rate {rate} req/s, {n} requests", flush=True)
-            point = run_point(svc.address, geo, ns, rate)
+            print(f"  goodput {label}: rate {rate} req/s, {n} requests", flush=True)
+            point = run_point(svc.address, geo, ns, rate, search_slo)
+            if aim is not None:
+                point["aimed_tpot_ms"] = aim
             out["points"].append(point)
-            results[rate] = point["attainment"][loosest] >= ns.attainment
+            results[rate] = point["attainment"][slo_key(search_slo)] >= ns.attainment
             failed = [e for e in point["errors"] if not e.endswith("gave up")]
             if failed and point["num_ok"] == 0:
                 out["stopped"] = f"every request failed at rate {rate}: {failed[0]}"
@@ -333,13 +410,6 @@ def run_system(
         out["elapsed_s"] = round(time.perf_counter() - started, 1)  # start to stopped
         if out["exit_code"] != 0 or "startup_s" not in out:
             out["log_tail"] = svc.log_tail()
-    out["points"].sort(key=lambda p: p["rate"])
-    out["max_rate"], out["max_rate_exact"] = {}, {}
-    for slo in ns.tpot_slos:
-        key = slo_key(slo)
-        out["max_rate"][key], out["max_rate_exact"][key] = max_rate_sustained(
-            out["points"], key, ns.attainment
-        )
     return out
 
 

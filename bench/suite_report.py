@@ -296,8 +296,10 @@ def format_goodput(section: dict) -> str:
         for pt in rec.get("points", []):
             met = " ".join(f"{k}ms {pt['attainment'][k]:.2f}" for k in keys)
             ttft, tpot = pt["ttft_ms"], pt["tpot_ms"]
+            aimed = pt.get("aimed_tpot_ms")
+            label = name if aimed is None else f"{name}@{aimed:g}ms"
             lines.append(
-                f"  {name:<12} rate {pt['rate']:>7g}  met {met}  tok/s {pt['output_tok_s']:>8}  "
+                f"  {label:<12} rate {pt['rate']:>7g}  met {met}  tok/s {pt['output_tok_s']:>8}  "
                 f"TTFT p50/p99 {ttft['p50']:.0f}/{ttft['p99']:.0f} ms  "
                 f"TPOT p50/p99 {tpot['p50']:.1f}/{tpot['p99']:.1f} ms  "
                 f"ok {pt['num_ok']}/{pt['num_requests']}"

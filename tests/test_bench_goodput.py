@@ -3,9 +3,17 @@ the highest rate sustained, the rate search, when a rate is given up, the merged
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import suite_goodput
 from bench.suite_common import ReqTiming
 from bench.suite_goodput import (
     RateSearch,
+    aims,
     attainment,
     definitely_missed,
     give_up_when_missed,
@@ -38,6 +46,47 @@ def test_max_rate_stops_at_the_first_rate_that_misses() -> None:
     assert max_rate_sustained(points, "15", 0.9) == (4.0, True)
     assert max_rate_sustained(points, "50", 0.9) == (16.0, False)  # only a lower bound
     assert max_rate_sustained(points[1:], "15", 0.9) == (0.0, True)
+
+
+def test_each_objective_reads_the_sweep_aimed_at_it() -> None:
+    points = [
+        # Aimed at 15 ms: the router kept TPOT low and handed everything off.
+        {"rate": 8.0, "aimed_tpot_ms": 15.0, "attainment": {"15": 0.95, "50": 1.0}},
+        {"rate": 16.0, "aimed_tpot_ms": 15.0, "attainment": {"15": 0.5, "50": 0.6}},
+        # Aimed at 50 ms: local prefill let it go further at 50, not at 15.
+        {"rate": 8.0, "aimed_tpot_ms": 50.0, "attainment": {"15": 0.5, "50": 1.0}},
+        {"rate": 32.0, "aimed_tpot_ms": 50.0, "attainment": {"15": 0.0, "50": 0.93}},
+    ]
+    assert max_rate_sustained(points, "15", 0.9) == (8.0, True)
+    assert max_rate_sustained(points, "50", 0.9) == (32.0, False)
+    assert max_rate_sustained(points, "25", 0.9) == (0.0, False)  # no sweep aimed at it
+
+
+def test_splits_run_once_per_objective_and_colocated_replicas_once() -> None:
+    ns = argparse.Namespace(goodput_aim="slo", tpot_slos=[15.0, 25.0, 50.0])
+    assert aims("3p1d", ns) == [15.0, 25.0, 50.0]
+    assert aims("colocated_x4", ns) == [None]
+    ns.goodput_aim = "router-default"
+    assert aims("3p1d", ns) == [None]
+
+
+def test_a_system_record_merges_its_sweeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[float | None] = []
+
+    def fake_sweep(*args: Any) -> dict[str, Any]:
+        aim = args[-1]
+        started.append(aim)
+        met = {"15": 1.0 if aim == 15.0 else 0.0, "50": 1.0}
+        points = [{"rate": 4.0 * len(started), "aimed_tpot_ms": aim, "attainment": met}]
+        return {"aimed_tpot_ms": aim, "startup_s": 1.0, "exit_code": 0, "points": points}
+
+    monkeypatch.setattr(suite_goodput, "run_sweep", fake_sweep)
+    ns = argparse.Namespace(goodput_aim="slo", tpot_slos=[15.0, 50.0], gpus=2, attainment=0.9)
+    rec = suite_goodput.run_system("1p1d", [], Path("m"), ns, Path("."), 0.0)
+    assert started == [15.0, 50.0]
+    assert [p["rate"] for p in rec["points"]] == [4.0, 8.0]
+    assert [s["aimed_tpot_ms"] for s in rec["sweeps"]] == [15.0, 50.0]
+    assert rec["max_rate"] == {"15": 4.0, "50": 8.0}  # each from its own sweep
 
 
 def sweep(search: RateSearch, capacity: float) -> list[float]:
