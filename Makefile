@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: setup model run test soak style lint protos clean
+.PHONY: setup model run test test-slow soak style lint protos clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ test: model style
 	$(PY) -m pytest -q; tests=$$?; \
 	wait $$mypy; types=$$?; cat $(VENV)/mypy.log; \
 	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
+
+# The longest end-to-end scenarios (marked `slow`: worker kills under traffic, the
+# planner scaling a pool up and down), about 1.5 minutes; CI runs them after `make test`.
+test-slow: model
+	$(PY) -m pytest -q -m slow
 
 # Ten minutes of Poisson load on a 2P2D CPU service while workers are killed and the
 # decode pool grows and shrinks (bench/soak.py); not part of `make test`.

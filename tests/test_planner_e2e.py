@@ -19,7 +19,7 @@ from bench.harness.streams import StreamResult, generate
 from pdserve.v1 import generation_pb2 as pb
 from router.admin_client import list_workers
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PROMPT_TOKENS = 256
 CLIENTS = 6

@@ -237,6 +237,7 @@ def test_seeded_streams_on_a_killed_decode_worker_end_with_the_undisturbed_text(
         assert result.final.usage.completion_tokens == len(result.tokens)
 
 
+@pytest.mark.slow
 def test_chaos_kills_cancels_and_deadlines(
     service: ServiceProcess, expected: dict[int, list[int]]
 ) -> None:
