@@ -11,7 +11,9 @@ its running requests move to decode-0 with their KV. Reports how long the scale-
 took, how many requests moved with their KV and how many by recompute (a prompt run
 again), and, for every stream, the largest gap between two token messages from the
 drain's start to its end plus one second (the moved requests' pause), against the
-largest gap of the same streams before the drain (their ordinary step time). Every
+largest gap of the same streams before the drain (their ordinary step time); from the
+service's log, each moved request's pause as the router saw it, how long the moves
+took, and how long closing the peers' channels and stopping the worker took. Every
 request must then complete. Prints one summary and writes it, with provenance, as JSON.
 """
 
@@ -21,6 +23,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import shlex
 import sys
 import tempfile
@@ -66,6 +69,30 @@ async def run_one(address: str, prompt_ids: list[int], max_tokens: int, out: Str
             out.num_tokens += len(resp.token_ids)
         if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             out.finish = pb.FinishReason.Name(resp.finish_reason)
+
+
+_PAUSED = re.compile(r"moved from \S+ to \S+ with its KV \(\d+ tokens, ([\d.]+) ms paused")
+_MOVED = re.compile(r": (\d+) of (\d+) requests moved with their KV in ([\d.]+) s")
+_STOPPED = re.compile(
+    r"drained and stopped \((\d+) peer channels closed in ([\d.]+) s, stopped in ([\d.]+) s\)"
+)
+
+
+def drain_phases(log_text: str) -> dict[str, Any]:
+    """What the router logged of a drain: each moved request's pause, how long the moves
+    took, closing the peers' channels and stopping the worker (absent where the log
+    has no such line)."""
+    out: dict[str, Any] = {}
+    pauses = [float(m.group(1)) for m in _PAUSED.finditer(log_text)]
+    if pauses:
+        out["paused_ms"] = distribution(pauses)
+        out["paused_ms"]["max"] = max(pauses)
+    if moved := _MOVED.search(log_text):
+        out["moves_s"] = float(moved.group(3))
+    if stopped := _STOPPED.search(log_text):
+        out["close_peer_channels_s"] = float(stopped.group(2))
+        out["stop_worker_s"] = float(stopped.group(3))
+    return out
 
 
 def moves(samples: Any, reason: str) -> float:
@@ -145,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     with service_process(serve_args, log) as svc:
         svc.wait_serving(900)
         summary = asyncio.run(measure(svc.address, svc.metrics_port, args))
+    summary.update(drain_phases(log.read_text(errors="replace")))
     summary["serve_args"] = serve_args
     summary["provenance"] = provenance("bench.drain", sys.argv[1:] if argv is None else argv)
     print(json.dumps({k: v for k, v in summary.items() if k != "provenance"}, indent=1))

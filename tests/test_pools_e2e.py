@@ -22,6 +22,7 @@ import time
 import grpc
 import pytest
 
+from bench.drain import drain_phases
 from bench.harness import ServiceProcess, StartService
 from bench.harness.metrics import scrape
 from bench.harness.metrics import value as metric_value
@@ -417,6 +418,9 @@ def test_a_drained_decode_worker_hands_its_running_generations_over(
     results, reference, scale_s = asyncio.run(scenario())
     assert scale_s < 10, f"the drain took {scale_s:.1f} s"
     _same_texts(results, reference)
+    # The router's account of it is in the log, in the form `bench.drain` reads.
+    phases = drain_phases(service.log_path.read_text(errors="replace"))
+    assert {"paused_ms", "moves_s", "close_peer_channels_s", "stop_worker_s"} <= set(phases)
 
 
 def test_scale_down_while_streaming(
