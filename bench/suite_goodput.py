@@ -9,9 +9,10 @@ so one sweep of rates gives the highest rate sustained at each TPOT objective (1
 50 ms).
 
 A split's router aims its local-prefill rule at a TPOT target (`--slo-tpot-ms`), so a
-split is run once per TPOT objective, its router aimed at that one (`--goodput-aim slo`,
-the default; each point records `aimed_tpot_ms`, and an objective's highest rate comes
-from the sweep aimed at it), as an operator would deploy it for that objective;
+split is swept once per TPOT objective, its router aimed at that one (`--goodput-aim
+slo`, the default; through the admin API between sweeps of one service, with prompts of
+its own each sweep; each point records `aimed_tpot_ms`, and an objective's highest rate
+comes from the sweep aimed at it), as an operator would deploy it for that objective;
 colocated replicas have no such rule and run one sweep. `--goodput-aim router-default`
 runs every system once, at the router's default targets.
 
@@ -258,14 +259,21 @@ async def _settle(address: str, timeout_s: float = 60.0) -> float:
 
 
 def run_point(
-    address: str, geo: KVGeometry, ns: argparse.Namespace, rate: float, tpot_slo_ms: float
+    address: str,
+    geo: KVGeometry,
+    ns: argparse.Namespace,
+    rate: float,
+    tpot_slo_ms: float,
+    sweep: int = 0,
 ) -> dict:
-    """One rate: Poisson arrivals of the same prompts and gaps for every system; cut
+    """One rate: Poisson arrivals of the same prompts and gaps for every system (the
+    `sweep`-th of one service gets prompts of its own: none found in its cache); cut
     short once the misses at `tpot_slo_ms` (the sweep's objective) are past saving."""
     from bench.suite_service import drive
 
     n = max(ns.goodput_min_requests, round(rate * ns.goodput_duration))
-    prompts = make_prompts(n, ns.goodput_prompt_len, geo.vocab_size, seed=int(rate * 1000) + 7)
+    seed = int(rate * 1000) + 7 + 1_000_003 * sweep
+    prompts = make_prompts(n, ns.goodput_prompt_len, geo.vocab_size, seed=seed)
     give_up = give_up_when_missed(
         n, ns.attainment, ns.ttft_slo, tpot_slo_ms / 1000, ns.goodput_output_len
     )
@@ -319,24 +327,46 @@ def run_system(
     workdir: Path,
     deadline: float,
 ) -> dict[str, Any]:
-    """One system: a service and a sweep of rates for each of its aims."""
-    out: dict[str, Any] = {"system": system, "gpus": ns.gpus, "points": [], "sweeps": []}
+    """One service, and a sweep of rates for each of its aims: between sweeps its
+    router is aimed at the next objective through the admin API (`SetPrefillPolicy`),
+    as an operator would, so the service starts once."""
+    from bench.suite_service import Service, check_warm_up, drive, kv_args
+
+    kv = ns.goodput_kv_cache_gib
+    if kv is None and ns.device != "cuda":
+        kv = ns.kv_cache_gib.get(ns.goodput_shape, 0.25)
+    targets = aims(system, ns)
+    args = ["--model", str(model), "--load-format", "dummy", *pool_args]
+    args += kv_args(not system.startswith("colocated"), kv)
+    args += ["--decode-max-num-seqs", str(ns.goodput_max_num_seqs)]
+    args += ["--max-in-flight", "1024", "--max-queue", "4096", "--drain-grace-s", "10"]
+    if targets != [None]:
+        args += ["--enable-admin"]
     started = time.perf_counter()
-    for aim in aims(system, ns):
-        sweep = run_sweep(system, pool_args, model, ns, workdir, deadline, aim)
-        out["points"] += sweep.pop("points")
-        out["sweeps"].append(sweep)
-        if "startup_s" not in sweep:  # it did not start: the next would not either
-            break
-    first = out["sweeps"][0]
-    for key in ("args", "startup_s", "on_gpus", "warm_settle_s", "workers", "log_tail"):
-        if key in first:
-            out[key] = first[key]
-    out["exit_code"] = next((s["exit_code"] for s in out["sweeps"] if s["exit_code"]), 0)
-    stopped = [s["stopped"] for s in out["sweeps"] if s.get("stopped")]
-    if stopped:
-        out["stopped"] = "; ".join(stopped)
-    out["elapsed_s"] = round(time.perf_counter() - started, 1)
+    svc = Service([*args, *ns.serve_extra], workdir / f"service-goodput-{system}.log")
+    out: dict[str, Any] = {"system": system, "gpus": ns.gpus, "args": svc.args, "points": []}
+    try:
+        startup_timeout = min(ns.startup_timeout, deadline - time.perf_counter() - 20)
+        out["startup_s"] = round(svc.wait_serving(max(startup_timeout, 1.0)), 2)
+        out["on_gpus"] = "on GPUs" in svc.log_path.read_text(errors="replace")
+        geo = KVGeometry.of(model)
+        warm = make_prompts(2 * ns.gpus, ns.goodput_prompt_len, geo.vocab_size, seed=96)
+        warm_timings, _ = asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
+        check_warm_up(warm_timings)
+        out["warm_settle_s"] = asyncio.run(_settle(svc.address))
+        out["workers"] = asyncio.run(_blocks(svc.address))
+        for sweep, aim in enumerate(targets):
+            if aim is not None:
+                asyncio.run(_aim(svc.address, aim, ns.ttft_slo))
+            stopped = run_sweep(system, svc.address, geo, ns, deadline, aim, sweep, out["points"])
+            if stopped:
+                out["stopped"] = stopped
+                break
+    finally:
+        out["exit_code"] = svc.stop()
+        out["elapsed_s"] = round(time.perf_counter() - started, 1)  # start to stopped
+        if out["exit_code"] != 0 or "startup_s" not in out:
+            out["log_tail"] = svc.log_tail()
     out["points"].sort(key=lambda p: p["rate"])
     out["max_rate"], out["max_rate_exact"] = {}, {}
     for slo in ns.tpot_slos:
@@ -349,68 +379,44 @@ def run_system(
 
 def run_sweep(
     system: str,
-    pool_args: list[str],
-    model: Path,
+    address: str,
+    geo: KVGeometry,
     ns: argparse.Namespace,
-    workdir: Path,
     deadline: float,
     aim: float | None,
-) -> dict[str, Any]:
-    """One service, its router aimed at TPOT `aim` (None: its default), one sweep of
-    rates searched at that objective (else the loosest)."""
-    from bench.suite_service import Service, check_warm_up, drive, kv_args
-
-    kv = ns.goodput_kv_cache_gib
-    if kv is None and ns.device != "cuda":
-        kv = ns.kv_cache_gib.get(ns.goodput_shape, 0.25)
-    args = ["--model", str(model), "--load-format", "dummy", *pool_args]
-    args += kv_args(not system.startswith("colocated"), kv)
-    args += ["--decode-max-num-seqs", str(ns.goodput_max_num_seqs)]
-    args += ["--max-in-flight", "1024", "--max-queue", "4096", "--drain-grace-s", "10"]
-    if aim is not None:
-        args += ["--slo-tpot-ms", f"{aim:g}", "--slo-ttft-ms", f"{1000 * ns.ttft_slo:g}"]
-    suffix = "" if aim is None else f"-{slo_key(aim)}ms"
-    started = time.perf_counter()
-    svc = Service([*args, *ns.serve_extra], workdir / f"service-goodput-{system}{suffix}.log")
+    sweep: int,
+    points: list[dict],
+) -> str | None:
+    """One sweep of rates, searched at `aim` (None: the loosest objective), its points
+    added to `points`; why it stopped early, if it did."""
     search_slo = aim if aim is not None else max(ns.tpot_slos)
-    out: dict[str, Any] = {"aimed_tpot_ms": aim, "args": svc.args, "points": []}
-    try:
-        startup_timeout = min(ns.startup_timeout, deadline - time.perf_counter() - 20)
-        out["startup_s"] = round(svc.wait_serving(max(startup_timeout, 1.0)), 2)
-        out["on_gpus"] = "on GPUs" in svc.log_path.read_text(errors="replace")
-        geo = KVGeometry.of(model)
-        warm = make_prompts(2 * ns.gpus, ns.goodput_prompt_len, geo.vocab_size, seed=96)
-        warm_timings, _ = asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
-        check_warm_up(warm_timings)
-        out["warm_settle_s"] = asyncio.run(_settle(svc.address))
-        out["workers"] = asyncio.run(_blocks(svc.address))
-        search = RateSearch(
-            ns.goodput_start_rate, ns.goodput_max_rate, rates=tuple(ns.goodput_rates)
-        )
-        results: dict[float, bool] = {}
-        label = system + ("" if aim is None else f" aimed at {aim:g} ms")
-        while (rate := search.next_rate(results)) is not None:
-            n = max(ns.goodput_min_requests, round(rate * ns.goodput_duration))
-            need = n / rate + ns.ttft_slo + ns.goodput_output_len * search_slo / 1000
-            if time.perf_counter() + need + 25 > deadline:
-                out["stopped"] = f"time budget: rate {rate} not run"
-                break
-            print(f"  goodput {label}: rate {rate} req/s, {n} requests", flush=True)
-            point = run_point(svc.address, geo, ns, rate, search_slo)
-            if aim is not None:
-                point["aimed_tpot_ms"] = aim
-            out["points"].append(point)
-            results[rate] = point["attainment"][slo_key(search_slo)] >= ns.attainment
-            failed = [e for e in point["errors"] if not e.endswith("gave up")]
-            if failed and point["num_ok"] == 0:
-                out["stopped"] = f"every request failed at rate {rate}: {failed[0]}"
-                break
-    finally:
-        out["exit_code"] = svc.stop()
-        out["elapsed_s"] = round(time.perf_counter() - started, 1)  # start to stopped
-        if out["exit_code"] != 0 or "startup_s" not in out:
-            out["log_tail"] = svc.log_tail()
-    return out
+    search = RateSearch(ns.goodput_start_rate, ns.goodput_max_rate, rates=tuple(ns.goodput_rates))
+    results: dict[float, bool] = {}
+    label = system + ("" if aim is None else f" aimed at {aim:g} ms")
+    while (rate := search.next_rate(results)) is not None:
+        n = max(ns.goodput_min_requests, round(rate * ns.goodput_duration))
+        need = n / rate + ns.ttft_slo + ns.goodput_output_len * search_slo / 1000
+        if time.perf_counter() + need + 25 > deadline:
+            return f"time budget: {label}, rate {rate} not run"
+        print(f"  goodput {label}: rate {rate} req/s, {n} requests", flush=True)
+        point = run_point(address, geo, ns, rate, search_slo, sweep)
+        if aim is not None:
+            point["aimed_tpot_ms"] = aim
+        points.append(point)
+        results[rate] = point["attainment"][slo_key(search_slo)] >= ns.attainment
+        failed = [e for e in point["errors"] if not e.endswith("gave up")]
+        if failed and point["num_ok"] == 0:
+            return f"every request failed at rate {rate}: {failed[0]}"
+    return None
+
+
+async def _aim(address: str, tpot_ms: float, ttft_s: float) -> None:
+    """The router's local-prefill rule aimed at these targets from now on."""
+    from pdserve.v1 import admin_pb2
+    from router.admin_client import set_prefill_policy
+
+    request = admin_pb2.SetPrefillPolicyRequest(slo_tpot_ms=tpot_ms, slo_ttft_ms=1000 * ttft_s)
+    await set_prefill_policy(address, request)
 
 
 async def _blocks(address: str) -> dict[str, int]:

@@ -4,7 +4,7 @@ the highest rate sustained, the rate search, when a rate is given up, the merged
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import time
 from typing import Any
 
 import pytest
@@ -70,23 +70,40 @@ def test_splits_run_once_per_objective_and_colocated_replicas_once() -> None:
     assert aims("3p1d", ns) == [None]
 
 
-def test_a_system_record_merges_its_sweeps(monkeypatch: pytest.MonkeyPatch) -> None:
-    started: list[float | None] = []
+def test_a_sweep_is_searched_at_its_aim_and_its_points_say_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[float, float, int]] = []
 
-    def fake_sweep(*args: Any) -> dict[str, Any]:
-        aim = args[-1]
-        started.append(aim)
-        met = {"15": 1.0 if aim == 15.0 else 0.0, "50": 1.0}
-        points = [{"rate": 4.0 * len(started), "aimed_tpot_ms": aim, "attainment": met}]
-        return {"aimed_tpot_ms": aim, "startup_s": 1.0, "exit_code": 0, "points": points}
+    def fake_point(address: str, geo: Any, ns: Any, rate: float, slo: float, sweep: int) -> dict:
+        calls.append((rate, slo, sweep))
+        # Met at 15 ms up to 8 req/s, at 50 ms up to 32.
+        met = {"15": 1.0 if rate <= 8 else 0.5, "50": 1.0 if rate <= 32 else 0.5}
+        return {"rate": rate, "attainment": met, "errors": [], "num_ok": 1}
 
-    monkeypatch.setattr(suite_goodput, "run_sweep", fake_sweep)
-    ns = argparse.Namespace(goodput_aim="slo", tpot_slos=[15.0, 50.0], gpus=2, attainment=0.9)
-    rec = suite_goodput.run_system("1p1d", [], Path("m"), ns, Path("."), 0.0)
-    assert started == [15.0, 50.0]
-    assert [p["rate"] for p in rec["points"]] == [4.0, 8.0]
-    assert [s["aimed_tpot_ms"] for s in rec["sweeps"]] == [15.0, 50.0]
-    assert rec["max_rate"] == {"15": 4.0, "50": 8.0}  # each from its own sweep
+    monkeypatch.setattr(suite_goodput, "run_point", fake_point)
+    ns = argparse.Namespace(
+        tpot_slos=[15.0, 50.0],
+        goodput_start_rate=4.0,
+        goodput_max_rate=128.0,
+        goodput_rates=[],
+        goodput_min_requests=1,
+        goodput_duration=1.0,
+        goodput_output_len=8,
+        ttft_slo=1.0,
+        attainment=0.9,
+    )
+    points: list[dict] = []
+    far = time.perf_counter() + 3600
+    assert suite_goodput.run_sweep("1p1d", "addr", None, ns, far, 15.0, 1, points) is None  # type: ignore[arg-type]
+    # Searched at 15 ms: 4, 8 met, 16 missed, 12 (the bisection) missed.
+    assert calls == [(4.0, 15.0, 1), (8.0, 15.0, 1), (16.0, 15.0, 1), (12.0, 15.0, 1)]
+    assert all(p["aimed_tpot_ms"] == 15.0 for p in points)
+    calls.clear()
+    suite_goodput.run_sweep("colocated_x2", "addr", None, ns, far, None, 0, points)  # type: ignore[arg-type]
+    assert [rate for rate, _, _ in calls] == [4.0, 8.0, 16.0, 32.0, 64.0, 48.0]  # at 50 ms
+    assert max_rate_sustained(points, "15", 0.9) == (8.0, True)
+    assert max_rate_sustained(points, "50", 0.9) == (32.0, True)
 
 
 def sweep(search: RateSearch, capacity: float) -> list[float]:
