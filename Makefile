@@ -41,7 +41,7 @@ lint: style
 # second core mostly idle; its verdict counts as `make lint`'s does.
 test: model style
 	$(VENV)/bin/mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
-	$(PY) -m pytest -q; tests=$$?; \
+	$(PY) -m pytest -q -m 'not slow'; tests=$$?; \
 	wait $$mypy; types=$$?; cat $(VENV)/mypy.log; \
 	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
 
