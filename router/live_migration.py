@@ -266,7 +266,8 @@ class LiveMigrator:
                 out[i] = exc
             return out
         paused = time.perf_counter()
-        switched: dict[int, list[tuple[int, GenerationInput, DetachedRequest]]] = {}
+        # By target: (index, request id on the source, its input there, what detach gave).
+        switched: dict[int, list[tuple[int, str, GenerationInput, DetachedRequest]]] = {}
         for i, request in zip(picked, detached, strict=True):
             attempt, target, new_id = moves[i]
             if self.attempts.get(attempt.req_id) is not attempt:  # it ended meanwhile
@@ -278,26 +279,26 @@ class LiveMigrator:
             else:
                 old_id = attempt.req_id
                 inp = self._switch(attempt, target, request, new_id)
-                switched.setdefault(id(target), []).append((i, inp, request))
-                out[i] = _Prepared(attempt, target, DetachedMove(old_id, new_id, request), paused)
+                switched.setdefault(id(target), []).append((i, old_id, inp, request))
 
-        async def reserve(target: WorkerRef, group: list[tuple[int, GenerationInput, Any]]) -> None:
+        async def reserve(
+            target: WorkerRef, group: list[tuple[int, str, GenerationInput, DetachedRequest]]
+        ) -> None:
             try:
                 held = await target.client.reserve_many(
-                    [inp for _, inp, _ in group], self.config.lease_s, source.worker_id
+                    [inp for _, _, inp, _ in group], self.config.lease_s, source.worker_id
                 )
                 why = f"no room on {target.worker_id}"
             except Exception as exc:  # noqa: BLE001 - then by recompute
                 held, why = [None] * len(group), f"reserving on {target.worker_id} failed: {exc}"
-            for (i, _, _), reservation in zip(group, held, strict=True):
-                ready = out[i]
-                assert isinstance(ready, _Prepared)
+            for (i, old_id, inp, request), reservation in zip(group, held, strict=True):
+                attempt = moves[i][0]
                 if reservation is None:
-                    self.spawn(self._abort(source, ready.move.req_id))
-                    out[i] = self._recompute(ready.attempt, source, why, reason)
+                    self.spawn(self._abort(source, old_id))
+                    out[i] = self._recompute(attempt, source, why, reason)
                 else:
-                    move = replace(ready.move, skip_blocks=reservation.num_precopied)
-                    out[i] = replace(ready, move=move)
+                    move = DetachedMove(old_id, inp.req_id, request, reservation.num_precopied)
+                    out[i] = _Prepared(attempt, target, move, paused)
 
         await asyncio.gather(*(reserve(targets[key], group) for key, group in switched.items()))
         return out
