@@ -15,9 +15,11 @@ and `KVReceiver` (rank 1).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +32,20 @@ from engine.transfer.base import ChannelClosed, FutureHandle, KVPoll
 from engine.transfer.handoff import HandoffHeader, HeaderKind
 
 log = logging.getLogger(__name__)
+
+# NCCL groups still being torn down on threads of their own. A process that exits while
+# one is mid-abort takes the CUDA driver down under it and dies by SIGABRT, so exit waits
+# for them, but only so long: an abort that hangs must not keep a stopped worker alive.
+_ABORTS: set[threading.Thread] = set()
+_ABORT_EXIT_WAIT_S = 10.0
+
+
+@atexit.register
+def _wait_for_aborts() -> None:
+    deadline = time.monotonic() + _ABORT_EXIT_WAIT_S
+    for thread in list(_ABORTS):
+        thread.join(max(0.0, deadline - time.monotonic()))
+
 
 SENDER_RANK = 0
 RECEIVER_RANK = 1
@@ -243,10 +259,12 @@ class KVChannel:
         if self._pg is not None and self.is_cuda:
             # Tearing NCCL's pair down can take a while (a drain spent half a second on
             # each end), and nothing waits on a closed channel: the peer was told, or is
-            # gone. A worker that stops does not wait for it either; its process ends.
-            threading.Thread(
+            # gone. A worker that stops waits for it only at exit (`_wait_for_aborts`).
+            thread = threading.Thread(
                 target=self._abort, args=(self._pg,), name=f"kv-abort-{self.peer_id}", daemon=True
-            ).start()
+            )
+            _ABORTS.add(thread)
+            thread.start()
         self._lane.shutdown(wait=False, cancel_futures=True)
 
     def _abort(self, pg: Any) -> None:
@@ -254,3 +272,5 @@ class KVChannel:
             pg.abort()
         except Exception as exc:  # noqa: BLE001 - best effort on the way out
             log.info("channel to %s: abort: %s", self.peer_id, exc)
+        finally:
+            _ABORTS.discard(threading.current_thread())
