@@ -108,6 +108,9 @@ class ReqTiming:
     kv_transfer_s: float | None = None
     kv_wire_s: float | None = None
     prefill_s: float | None = None
+    # The router's own TTFT (from the call reaching its serving core), from the final
+    # message's timings: client TTFT minus this is the edge (gRPC, the handler's entry).
+    router_ttft_s: float | None = None
     error: str = ""
     # Seconds between consecutive arrivals of output (inter-token latency): TPOT is their
     # mean per request, so one long gap (a prefill step between two decodes) lifts a
@@ -159,6 +162,9 @@ def summarize(
         "output_tok_s": round(tokens / wall_s, 2) if wall_s > 0 else math.nan,
         "ttft_ms": dist_ms([t.ttft_s for t in ok if t.ttft_s is not None]),
         "accept_ms": dist_ms([t.accepted_s - t.sent_s for t in ok if t.accepted_s is not None]),
+        "router_ttft_ms": dist_ms([t.router_ttft_s for t in ok if t.router_ttft_s]),
+        # The prefill worker's own time, the call's arrival to its first token (hand-offs).
+        "worker_prefill_ms": dist_ms([t.prefill_s for t in ok if t.prefill_s]),
         "tpot_ms": dist_ms([t.tpot_s for t in ok if t.tpot_s is not None]),
         "itl_ms": dist_ms([gap for t in ok for gap in t.gaps_s]),
         # Above 1 when the server sent several tokens in one message (it fell behind).

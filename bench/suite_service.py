@@ -73,6 +73,7 @@ async def _call(
                 t.kv_transfer_s = resp.timings.kv_transfer_seconds
                 t.kv_wire_s = resp.timings.kv_wire_seconds
                 t.prefill_s = resp.timings.prefill_seconds
+                t.router_ttft_s = resp.timings.time_to_first_token_seconds
                 if resp.finish_reason not in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP):
                     t.ok = False
                     t.error = pb.FinishReason.Name(resp.finish_reason) + ": " + resp.error[:200]

@@ -1,0 +1,154 @@
+"""Where one request's time to first token goes, read from its trace (concurrency 1).
+
+    python -m bench.ttft_trace --out ttft_trace.json                  # CPU, embedded model
+    python -m bench.ttft_trace --system colocated --prompt-tokens 512 --vocab-size 128256 \\
+        --serve-args "--model deploy/model_configs/llama-3.2-1b --load-format dummy"   # GPU
+
+Starts `pdserve serve` (`--system 1p1d`: one prefill and one decode worker, every prompt
+handed off; `colocated`: one colocated worker) with a trace receiver in this process as
+its OTLP collector, sends `--num-requests` requests one after another and lays every
+request's spans on one time line from the router's receipt of the call. For each span
+(router, workers) it reports the median start, end and length over the requests (the
+first `--warmup` left out), next to the client's TTFT, the router's own TTFT and the
+wait to be accepted; the gaps between spans are the hops between processes. Prints the
+table and writes it, with provenance, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness.otlp import OTLPSink, ReceivedSpan
+from bench.harness.service import service_process
+from bench.report import provenance
+from bench.suite_common import make_prompts
+from bench.suite_service import drive
+
+POOL_ARGS = {
+    "1p1d": ["--prefill-workers", "1", "--decode-workers", "1", "--local-prefill-max-tokens", "0"],
+    "colocated": ["--colocated-workers", "1"],
+}
+ROOT = "pdserve.v1.GenerationService/Generate"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--system", choices=sorted(POOL_ARGS), default="1p1d")
+    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=4, help="first requests left out")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=49152, help="of the model served")
+    p.add_argument("--serve-args", default="", help="more `pdserve serve` flags")
+    p.add_argument("--log", help="the service's log (default: a temporary file)")
+    p.add_argument("--out", help="JSON result")
+    return p.parse_args(argv)
+
+
+def timeline(traces: list[list[ReceivedSpan]]) -> list[dict[str, Any]]:
+    """Each span name's median start, end and length (ms) from its trace's root span,
+    over the traces that have it, in order of median start."""
+    by_name: dict[str, list[tuple[float, float]]] = {}
+    for spans in traces:
+        root = next(s for s in spans if s.name == ROOT)
+        for s in spans:
+            key = f"{s.service}: {s.name}"
+            by_name.setdefault(key, []).append(
+                ((s.start_ns - root.start_ns) / 1e6, (s.end_ns - root.start_ns) / 1e6)
+            )
+    rows = [
+        {
+            "span": name,
+            "start_ms": round(statistics.median(a for a, _ in times), 3),
+            "end_ms": round(statistics.median(b for _, b in times), 3),
+            "length_ms": round(statistics.median(b - a for a, b in times), 3),
+            "count": len(times),
+        }
+        for name, times in by_name.items()
+    ]
+    return sorted(rows, key=lambda r: (r["start_ms"], r["end_ms"]))
+
+
+def whole_traces(spans: list[ReceivedSpan]) -> list[list[ReceivedSpan]]:
+    """The traces that have their root span, in order of the root's start."""
+    traces: dict[str, list[ReceivedSpan]] = {}
+    for s in spans:
+        traces.setdefault(s.trace_id, []).append(s)
+    whole = [t for t in traces.values() if any(s.name == ROOT for s in t)]
+    return sorted(whole, key=lambda t: next(s.start_ns for s in t if s.name == ROOT))
+
+
+def median_ms(values: list[float]) -> float:
+    return round(1000 * statistics.median(values), 3) if values else float("nan")
+
+
+def measure(args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    serve_args = [*POOL_ARGS[args.system], "--stream-interval", "1", *shlex.split(args.serve_args)]
+    with OTLPSink() as sink:
+        with service_process(
+            [*serve_args, "--otlp-traces-endpoint", sink.endpoint], log
+        ) as svc:
+            svc.wait_serving(900)
+            prompts = make_prompts(args.num_requests, args.prompt_tokens, args.vocab_size, seed=5)
+            timings, _ = asyncio.run(drive(svc.address, prompts, args.max_tokens, concurrency=1))
+            # Spans are exported in batches: wait until every request's root is in.
+            deadline = time.monotonic() + 30
+            while len(whole_traces(sink.spans)) < len(prompts) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        traces = whole_traces(sink.spans)[args.warmup :]
+    kept = [t for t in timings[args.warmup :] if t.ok]
+    client = median_ms([t.ttft_s for t in kept if t.ttft_s is not None])
+    router = median_ms([t.router_ttft_s for t in kept if t.router_ttft_s])
+    return {
+        "system": args.system,
+        "prompt_tokens": args.prompt_tokens,
+        "requests": len(kept),
+        "traces": len(traces),
+        "client_ttft_ms_p50": client,
+        "accept_ms_p50": median_ms([t.accepted_s - t.sent_s for t in kept if t.accepted_s]),
+        "router_ttft_ms_p50": router,
+        "edge_ms_p50": round(client - router, 3),
+        "errors": sorted({t.error for t in timings if not t.ok})[:5],
+        "spans": timeline(traces),
+        "serve_args": serve_args,
+    }
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    print(
+        f"{result['system']}, {result['prompt_tokens']}-token prompts, {result['traces']} "
+        f"traces: client TTFT p50 {result['client_ttft_ms_p50']} ms, router's own "
+        f"{result['router_ttft_ms_p50']} ms (edge {result['edge_ms_p50']} ms, of it accept "
+        f"{result['accept_ms_p50']} ms)"
+    )
+    print(f"{'span':60s} {'start':>8s} {'end':>8s} {'length':>8s}  (ms from the router's receipt)")
+    for row in result["spans"]:
+        print(
+            f"{row['span'][:60]:60s} {row['start_ms']:8.2f} {row['end_ms']:8.2f} "
+            f"{row['length_ms']:8.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = Path(args.log or tempfile.mkstemp(prefix="ttft-trace-", suffix=".log")[1])
+    print(f"service log: {log}", flush=True)
+    result = measure(args, log)
+    result["provenance"] = provenance("bench.ttft_trace", sys.argv[1:] if argv is None else argv)
+    print_summary(result)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0 if result["requests"] and not result["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
