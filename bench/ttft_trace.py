@@ -94,9 +94,7 @@ def median_ms(values: list[float]) -> float:
 def measure(args: argparse.Namespace, log: Path) -> dict[str, Any]:
     serve_args = [*POOL_ARGS[args.system], "--stream-interval", "1", *shlex.split(args.serve_args)]
     with OTLPSink() as sink:
-        with service_process(
-            [*serve_args, "--otlp-traces-endpoint", sink.endpoint], log
-        ) as svc:
+        with service_process([*serve_args, "--otlp-traces-endpoint", sink.endpoint], log) as svc:
             svc.wait_serving(900)
             prompts = make_prompts(args.num_requests, args.prompt_tokens, args.vocab_size, seed=5)
             timings, _ = asyncio.run(drive(svc.address, prompts, args.max_tokens, concurrency=1))

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine import tracing
+from engine.calls import CallServer, CallSpec, listen_host
 from engine.core.engine_loop import EngineLoop
 from engine.core.kv_events import KVEvents
 from engine.core.role import EngineRole
@@ -54,6 +55,9 @@ class WorkerInfo:
     device: str
     pid: int
     node_ip: str
+    # "host:port" of the worker's call connection (engine/calls.py); "" when the router
+    # calls it through Ray only.
+    call_address: str = ""
 
 
 class WorkerBase:
@@ -78,10 +82,12 @@ class WorkerBase:
         # Ids aborted here, remembered for a while: an abort may overtake the call it
         # cancels (the router aborts on every worker the request might have reached).
         self._tombstones: dict[str, float] = {}
+        self._calls: CallServer | None = None
 
     # ---------------------------------------------------------------- lifecycle
-    async def start(self) -> WorkerInfo:
-        """Load the model, allocate the cache, start stepping."""
+    async def start(self, calls: CallSpec | None = None) -> WorkerInfo:
+        """Load the model, allocate the cache, start stepping; with `calls`, also take
+        the router's calls on a connection of their own (engine/calls.py)."""
         loop = asyncio.get_running_loop()
         self._loop = loop
         tracing.configure(self.tracing_config, f"pdserve-{self.pool}")
@@ -98,6 +104,11 @@ class WorkerBase:
         self.loop_thread = EngineLoop(built.core, self._updates_from_thread, name=self.worker_id)
         self.loop_thread.start()
         self.on_started()
+        node_ip = _node_ip()
+        call_address = ""
+        if calls is not None:
+            self._calls = CallServer(self, calls.token)
+            call_address = await self._calls.start(listen_host(node_ip, calls.router_ip))
         return WorkerInfo(
             worker_id=self.worker_id,
             pool=self.pool,
@@ -110,7 +121,8 @@ class WorkerBase:
             model_name=built.spec.name,
             device=str(built.runner.device),
             pid=os.getpid(),
-            node_ip=_node_ip(),
+            node_ip=node_ip,
+            call_address=call_address,
         )
 
     def on_started(self) -> None:
@@ -124,6 +136,8 @@ class WorkerBase:
     async def shutdown(self) -> None:
         """Stop stepping and leave every channel."""
         await asyncio.gather(*(self.disconnect(peer_id) for peer_id in list(self.channels)))
+        if self._calls is not None:
+            await self._calls.close()
         if self.loop_thread is not None:
             self.loop_thread.stop()
         # Send the spans still buffered (bounded: a collector that is down must not

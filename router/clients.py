@@ -1,6 +1,8 @@
 """Typed clients for the workers: the router's only way to call them.
 
-Each wraps a Ray actor handle and turns Ray's failure into `WorkerDied`, so the serving
+Each carries the calls to one worker, over the worker's own call connection
+(`DirectWorkerClient`, the default; engine/calls.py) or as Ray actor calls
+(`RayWorkerClient`), and turns a lost worker into `WorkerDied`, so the serving
 core speaks in the workers' own verbs and types and a renamed worker method fails at
 type-check time, not in an end-to-end test. Tests give the serving core fakes with the
 same methods (bench/fake_workers.py) and exercise retries, the local path, stop strings
@@ -9,11 +11,11 @@ and aborts in milliseconds.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, cast
 
 from ray.exceptions import RayActorError
 
+from engine.calls import CallClient, CallsLost
 from engine.transfer.channel import ChannelSpec
 from engine.wire import (
     DetachedMove,
@@ -26,8 +28,6 @@ from engine.wire import (
     TokenBatch,
     WorkerStats,
 )
-
-T = TypeVar("T")
 
 
 class WorkerDied(RuntimeError):
@@ -64,58 +64,84 @@ class WorkerClient(PrefillClient, DecodeClient, Protocol):
     """Every verb of a worker; each pool's workers answer their own role's."""
 
 
-async def _call(pending: Awaitable[T]) -> T:
-    try:
-        return await pending
-    except RayActorError as exc:
-        raise WorkerDied(str(exc)) from exc
+class _VerbClient:
+    """Both roles' verbs, each one `_invoke(verb, *args)` (a colocated worker is a decode
+    worker); subclasses carry the calls."""
 
-
-class RayWorkerClient:
-    """Both roles' verbs over one actor handle (a colocated worker is a decode worker)."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
+    async def _invoke(self, verb: str, *args: Any) -> Any:
+        raise NotImplementedError
 
     async def prefill(self, inp: GenerationInput, target: HandoffTarget) -> PrefillResult:
-        return await _call(self.handle.prefill.remote(inp, target))
+        return cast(PrefillResult, await self._invoke("prefill", inp, target))
 
     async def reserve(
         self, inp: GenerationInput, lease_s: float, source: str | None
     ) -> Reservation | None:
-        return await _call(self.handle.reserve.remote(inp, lease_s, source))
+        return cast("Reservation | None", await self._invoke("reserve", inp, lease_s, source))
 
     async def reserve_many(
         self, inps: list[GenerationInput], lease_s: float, source: str | None
     ) -> list[Reservation | None]:
-        return await _call(self.handle.reserve_many.remote(inps, lease_s, source))
+        return cast(
+            "list[Reservation | None]", await self._invoke("reserve_many", inps, lease_s, source)
+        )
 
     async def renew(self, req_ids: list[str], lease_s: float) -> int:
-        return await _call(self.handle.renew.remote(req_ids, lease_s))
+        return cast(int, await self._invoke("renew", req_ids, lease_s))
 
     async def submit(self, inp: GenerationInput) -> None:
-        await _call(self.handle.submit.remote(inp))
+        await self._invoke("submit", inp)
 
     async def next_tokens(self) -> TokenBatch:
-        return await _call(self.handle.next_tokens.remote())
+        return cast(TokenBatch, await self._invoke("next_tokens"))
 
     async def abort(self, req_id: str) -> None:
-        await _call(self.handle.abort.remote(req_id))
+        await self._invoke("abort", req_id)
 
     async def load(self) -> WorkerStats:
-        return await _call(self.handle.load.remote())
+        return cast(WorkerStats, await self._invoke("load"))
 
     async def connect(self, spec: ChannelSpec) -> None:
-        await _call(self.handle.connect.remote(spec))
+        await self._invoke("connect", spec)
 
     async def disconnect(self, peer_id: str, notify_peer: bool) -> None:
-        await _call(self.handle.disconnect.remote(peer_id, notify_peer))
+        await self._invoke("disconnect", peer_id, notify_peer)
 
     async def precopy(self, target: HandoffTarget, moves: list[Precopy]) -> dict[str, int]:
-        return await _call(self.handle.precopy.remote(target, moves))
+        return cast("dict[str, int]", await self._invoke("precopy", target, moves))
 
     async def detach(self, req_ids: list[str]) -> list[DetachedRequest | None]:
-        return await _call(self.handle.detach.remote(req_ids))
+        return cast("list[DetachedRequest | None]", await self._invoke("detach", req_ids))
 
     async def send_detached(self, target: HandoffTarget, moves: list[DetachedMove]) -> int:
-        return await _call(self.handle.send_detached.remote(target, moves))
+        return cast(int, await self._invoke("send_detached", target, moves))
+
+
+class RayWorkerClient(_VerbClient):
+    """Every verb as a Ray actor call on `handle`."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def _invoke(self, verb: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.handle, verb).remote(*args)
+        except RayActorError as exc:
+            raise WorkerDied(str(exc)) from exc
+
+
+class DirectWorkerClient(_VerbClient):
+    """Every verb over the worker's own call connection (engine/calls.py); Ray still
+    starts, watches and stops the worker."""
+
+    def __init__(self, address: str, token: bytes) -> None:
+        self.calls = CallClient(address, token)
+
+    async def _invoke(self, verb: str, *args: Any) -> Any:
+        try:
+            return await self.calls.call(verb, *args)
+        except CallsLost as exc:
+            raise WorkerDied(str(exc)) from exc
+
+    def close(self) -> None:
+        self.calls.close()

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -21,11 +22,13 @@ from torch.distributed import TCPStore
 
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
+from engine.calls import TOKEN_BYTES, CallSpec
 from engine.factory import EngineArgs
 from engine.tracing import TracingConfig
 from engine.wire import POOLS  # noqa: F401 - the pools, named once
 from engine.worker import WorkerInfo
 from prefill_worker.worker import PrefillWorker
+from router.clients import DirectWorkerClient, RayWorkerClient, WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,8 @@ class ClusterConfig:
     # The most workers the pools may grow to (the planner's budget); 0: the initial sizes.
     max_workers: int = 0
     tracing: TracingConfig = field(default_factory=TracingConfig)  # workers' spans (off)
+    # How the router calls a started worker: its own TCP connection, or Ray actor calls.
+    worker_calls: Literal["direct", "ray"] = "direct"
 
     def __post_init__(self) -> None:
         if self.num_colocated_workers < 0:
@@ -71,6 +76,8 @@ class ClusterConfig:
                 raise ValueError(f"pool_resources: unknown pool {pool!r}")
             if any(amount < 0 for amount in resources.values()):
                 raise ValueError(f"pool_resources[{pool!r}]: amounts must be >= 0")
+        if self.worker_calls not in ("direct", "ray"):
+            raise ValueError("worker_calls must be 'direct' or 'ray'")
 
     @property
     def initial_sizes(self) -> dict[str, int]:
@@ -95,6 +102,7 @@ class SpawnedWorker:
     handle: Any
     info: WorkerInfo
     pg: PlacementGroup
+    client: WorkerClient  # its verbs, over its call connection or through Ray
 
 
 class Cluster:
@@ -107,6 +115,8 @@ class Cluster:
         self._store: TCPStore | None = None
         self.store_host = "127.0.0.1"
         self._use_gpus: bool | None = config.use_gpus
+        # What the workers' call connections authenticate the router by (engine/calls.py).
+        self._call_token = secrets.token_bytes(TOKEN_BYTES)
 
     def init_ray(self) -> None:
         """Start or join Ray; call from the main thread (so is shutdown_ray)."""
@@ -188,7 +198,10 @@ class Cluster:
             .remote(cfg.args_for(pool), index, cfg.tracing)
         )
         try:
-            info = await asyncio.wait_for(handle.start.remote(), cfg.startup_timeout_s)
+            calls = None
+            if cfg.worker_calls == "direct":
+                calls = CallSpec(self._call_token, str(ray.util.get_node_ip_address()))
+            info = await asyncio.wait_for(handle.start.remote(calls), cfg.startup_timeout_s)
         except Exception as exc:
             self.remove(handle, pg)
             if isinstance(exc, TimeoutError):
@@ -196,7 +209,12 @@ class Cluster:
                     f"{pool} worker {index} did not start within {cfg.startup_timeout_s:.0f}s"
                 ) from exc
             raise StartupError(f"{pool} worker {index} failed to start: {root_cause(exc)}") from exc
-        return SpawnedWorker(handle, info, pg)
+        client: WorkerClient = (
+            DirectWorkerClient(info.call_address, self._call_token)
+            if info.call_address
+            else RayWorkerClient(handle)
+        )
+        return SpawnedWorker(handle, info, pg, client)
 
     def remove(self, handle: Any, pg: PlacementGroup | None) -> None:
         """Kill a worker's actor and give back its placement group (idempotent)."""

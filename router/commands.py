@@ -85,6 +85,7 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
             ray_address=ns.ray_address,
             pool_resources=pool_resources(ns),
             kv_store_port=ns.kv_store_port,
+            worker_calls=ns.worker_calls,
             placement_timeout_s=ns.placement_timeout_s,
             max_workers=ns.max_gpus if ns.planner else 0,
             tracing=TracingConfig(ns.otlp_traces_endpoint or "", ns.otlp_traces_sample_ratio),

@@ -222,6 +222,14 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "256 MiB: 2048 tokens of an 8B Llama, 8192 of a 1B)",
     )
     serve.add_argument(
+        "--worker-calls",
+        choices=("direct", "ray"),
+        default="direct",
+        help="how the router calls its workers once Ray has started them: over a TCP "
+        "connection of each worker's own (direct; authenticated, loopback on the router's "
+        "node) or as Ray actor calls (ray; about 2 ms a round trip)",
+    )
+    serve.add_argument(
         "--enable-admin",
         action="store_true",
         help="serve AdminService (pdserve scale / workers); refused with PERMISSION_DENIED "

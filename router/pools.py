@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError
 from engine.transfer.channel import ChannelSpec
 from engine.worker import WorkerInfo
 from router import metrics
-from router.clients import RayWorkerClient, WorkerClient
+from router.clients import DirectWorkerClient, RayWorkerClient, WorkerClient, WorkerDied
 from router.cluster import POOLS, Cluster, StartupError, root_cause
 from router.routing import WorkerLoadView
 from router.worker_load import WorkerLoad
@@ -208,7 +208,10 @@ class Pools:
             spawned = await self.cluster.spawn(pool, index)
         finally:
             self._starting[pool].discard(index)
-        ref = WorkerRef(pool, index, spawned.handle, spawned.info, spawned.pg, state="starting")
+        ref = WorkerRef(
+            pool, index, spawned.handle, spawned.info, spawned.pg, "starting",
+            client_impl=spawned.client,
+        )  # fmt: skip
         reference = self.reference
         if reference is not None:
             problem = reference.layout.mismatch(ref.info.layout)
@@ -257,12 +260,10 @@ class Pools:
         spec = self.channel_spec(prefill, decode)
         try:
             await asyncio.wait_for(
-                asyncio.gather(
-                    prefill.handle.connect.remote(spec), decode.handle.connect.remote(spec)
-                ),
+                asyncio.gather(prefill.client.connect(spec), decode.client.connect(spec)),
                 spec.timeout_s,
             )
-        except (RayActorError, TimeoutError) as exc:
+        except (WorkerDied, RayActorError, TimeoutError) as exc:
             # One side died meanwhile: its watcher cleans up; the pair is simply absent.
             log.warning(
                 "pairing %s with %s failed: %s",
@@ -315,8 +316,8 @@ class Pools:
         log.error("giving up on replacing %s-%d", pool, index)
 
     async def _call_quietly(self, ref: WorkerRef, method: str, *args: Any) -> None:
-        with contextlib.suppress(RayActorError, asyncio.CancelledError):
-            await getattr(ref.handle, method).remote(*args)
+        with contextlib.suppress(WorkerDied, RayActorError, asyncio.CancelledError):
+            await getattr(ref.client, method)(*args)
 
     def _remove(self, ref: WorkerRef) -> None:
         if ref in self.workers[ref.pool]:
@@ -325,6 +326,8 @@ class Pools:
                 callback(ref)
         if ref.state != "dead":
             ref.state = "gone"
+        if isinstance(ref.client_impl, DirectWorkerClient):
+            ref.client_impl.close()  # its calls in flight end with WorkerDied
         self.cluster.remove(ref.handle, ref.pg)
 
     def _count(self, pool: str) -> int:

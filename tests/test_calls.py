@@ -1,0 +1,130 @@
+"""The router's call connection to a worker (engine/calls.py): replies matched to their
+calls, calls run side by side, the worker's errors raised at the caller, strangers
+refused, and a lost worker failing every call in flight instead of leaving it hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+
+from engine.calls import VERBS, CallClient, CallServer, CallsLost, listen_host
+from router.clients import DirectWorkerClient, WorkerClient, WorkerDied
+
+TOKEN = b"t" * 32
+
+
+class Target:
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.seen: list[str] = []
+
+    async def load(self) -> str:
+        self.seen.append("load")
+        return "stats"
+
+    async def next_tokens(self) -> str:  # a long poll
+        self.seen.append("next_tokens")
+        await self.release.wait()
+        return "tokens"
+
+    async def abort(self, req_id: str) -> None:
+        self.seen.append(f"abort {req_id}")
+        raise KeyError(req_id)
+
+    def secret(self) -> str:  # not a verb: never callable from outside
+        return "no"
+
+
+async def serve(target: Target) -> tuple[CallServer, str]:
+    server = CallServer(target, TOKEN)
+    return server, await server.start("127.0.0.1")
+
+
+def test_verbs_are_the_clients_verbs() -> None:
+    """A verb added to the router's client and not here would fail only at run time."""
+    protocol = {
+        name
+        for name, fn in inspect.getmembers(WorkerClient, inspect.iscoroutinefunction)
+        if not name.startswith("_")
+    }
+    assert protocol == set(VERBS)
+
+
+def test_a_long_poll_does_not_hold_up_the_calls_behind_it() -> None:
+    async def main() -> None:
+        target = Target()
+        server, address = await serve(target)
+        client = CallClient(address, TOKEN)
+        poll = asyncio.ensure_future(client.call("next_tokens"))
+        assert await asyncio.wait_for(client.call("load"), 5) == "stats"
+        assert not poll.done()
+        target.release.set()
+        assert await asyncio.wait_for(poll, 5) == "tokens"
+        assert target.seen == ["next_tokens", "load"]  # started in the order sent
+        client.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_the_workers_error_is_raised_at_the_caller_and_unknown_verbs_are_refused() -> None:
+    async def main() -> None:
+        target = Target()
+        server, address = await serve(target)
+        client = CallClient(address, TOKEN)
+        with pytest.raises(KeyError, match="r1"):
+            await asyncio.wait_for(client.call("abort", "r1"), 5)
+        with pytest.raises(AttributeError, match="secret"):
+            await asyncio.wait_for(client.call("secret"), 5)
+        assert await asyncio.wait_for(client.call("load"), 5) == "stats"  # still usable
+        client.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_without_the_token_is_closed_unanswered() -> None:
+    async def main() -> None:
+        target = Target()
+        server, address = await serve(target)
+        client = CallClient(address, b"x" * 32)
+        with pytest.raises(CallsLost):
+            await asyncio.wait_for(client.call("load"), 5)
+        assert target.seen == []
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_lost_worker_fails_the_calls_in_flight_and_later_ones_as_worker_died() -> None:
+    async def main() -> None:
+        target = Target()
+        server, address = await serve(target)
+        client = DirectWorkerClient(address, TOKEN)
+        poll = asyncio.ensure_future(client.next_tokens())
+        await asyncio.sleep(0.2)
+        await server.close()  # as when the worker's process ends
+        with pytest.raises(WorkerDied):
+            await asyncio.wait_for(poll, 5)
+        with pytest.raises(WorkerDied):
+            await asyncio.wait_for(client.load(), 5)
+
+    asyncio.run(main())
+
+
+def test_no_worker_listening_is_worker_died() -> None:
+    async def main() -> None:
+        server, address = await serve(Target())
+        await server.close()
+        client = DirectWorkerClient(address, TOKEN)
+        with pytest.raises(WorkerDied):
+            await asyncio.wait_for(client.load(), 5)
+
+    asyncio.run(main())
+
+
+def test_a_worker_listens_on_loopback_on_the_routers_node_only() -> None:
+    assert listen_host("10.0.0.5", "10.0.0.5") == "127.0.0.1"
+    assert listen_host("10.0.0.6", "10.0.0.5") == "10.0.0.6"
