@@ -136,8 +136,8 @@ class WorkerBase:
     async def shutdown(self) -> None:
         """Stop stepping and leave every channel."""
         await asyncio.gather(*(self.disconnect(peer_id) for peer_id in list(self.channels)))
-        if self._calls is not None:
-            await self._calls.close()
+        # The call connection stays open until the process ends: the router's long poll
+        # must not read a stopping worker as a dead one (it drops the worker first).
         if self.loop_thread is not None:
             self.loop_thread.stop()
         # Send the spans still buffered (bounded: a collector that is down must not
