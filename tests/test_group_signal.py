@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from bench.harness import REPO, free_port, service_env, wait_until, wait_until_async
 from bench.harness.streams import StreamResult, generate
 
@@ -35,6 +37,7 @@ def _serving(port: int) -> bool:
 DRAIN_GRACE_S = 30
 
 
+@pytest.mark.slow  # about 40 s: `make test-slow`
 def test_sigterm_to_the_whole_process_group_exits_0_within_seconds(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "serve.log"
