@@ -28,7 +28,7 @@ from engine.tracing import TracingConfig
 from engine.wire import POOLS  # noqa: F401 - the pools, named once
 from engine.worker import WorkerInfo
 from prefill_worker.worker import PrefillWorker
-from router.clients import DirectWorkerClient, RayWorkerClient, WorkerClient
+from router.clients import DirectWorkerClient, WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,8 @@ class SpawnedWorker:
     handle: Any
     info: WorkerInfo
     pg: PlacementGroup
-    client: WorkerClient  # its verbs, over its call connection or through Ray
+    # Its verbs over its call connection; None: as Ray actor calls on `handle`.
+    client: WorkerClient | None = None
 
 
 class Cluster:
@@ -209,11 +210,9 @@ class Cluster:
                     f"{pool} worker {index} did not start within {cfg.startup_timeout_s:.0f}s"
                 ) from exc
             raise StartupError(f"{pool} worker {index} failed to start: {root_cause(exc)}") from exc
-        client: WorkerClient = (
-            DirectWorkerClient(info.call_address, self._call_token)
-            if info.call_address
-            else RayWorkerClient(handle)
-        )
+        client = None
+        if info.call_address:
+            client = DirectWorkerClient(info.call_address, self._call_token)
         return SpawnedWorker(handle, info, pg, client)
 
     def remove(self, handle: Any, pg: PlacementGroup | None) -> None:

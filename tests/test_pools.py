@@ -16,7 +16,6 @@ from ray.exceptions import RayActorError
 from bench.harness import wait_until_async
 from engine.transfer.layout import KVLayout
 from engine.worker import WorkerInfo
-from router.clients import RayWorkerClient
 from router.cluster import ClusterConfig, SpawnedWorker
 from router.pools import Pools, WorkerRef
 
@@ -83,7 +82,7 @@ class FakeCluster:
         info = WorkerInfo(
             f"{pool}-{index}", pool, index, next(_epochs), LAYOUT, 64, 512, 100, "m", "cpu", 1, "x"
         )
-        return SpawnedWorker(actor, info, None, RayWorkerClient(actor))  # type: ignore[arg-type]
+        return SpawnedWorker(actor, info, None)  # type: ignore[arg-type]
 
     def remove(self, handle: Any, pg: Any) -> None:
         self.removed.append(handle)
