@@ -118,6 +118,8 @@ class CallServer:
                 task.add_done_callback(self._tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the router went away
+        except Exception as exc:  # noqa: BLE001 - a frame that cannot be read: drop the peer
+            log.warning("call connection dropped: %r", exc)
         finally:
             self._writers.discard(writer)
             writer.close()
@@ -198,6 +200,8 @@ class CallClient:
                     reply.set_exception(value)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             why = f"connection to the worker lost: {exc!r}"
+        except Exception as exc:  # noqa: BLE001 - a reply that cannot be read
+            why = f"unreadable reply from the worker: {exc!r}"
         finally:
             self._lose(why)
 

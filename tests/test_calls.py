@@ -33,6 +33,9 @@ class Target:
         self.seen.append(f"abort {req_id}")
         raise KeyError(req_id)
 
+    async def detach(self, req_ids: list[str]) -> object:  # a reply that cannot be pickled
+        return lambda: req_ids
+
     def secret(self) -> str:  # not a verb: never callable from outside
         return "no"
 
@@ -78,6 +81,8 @@ def test_the_workers_error_is_raised_at_the_caller_and_unknown_verbs_are_refused
             await asyncio.wait_for(client.call("abort", "r1"), 5)
         with pytest.raises(AttributeError, match="secret"):
             await asyncio.wait_for(client.call("secret"), 5)
+        with pytest.raises(RuntimeError, match="detach"):
+            await asyncio.wait_for(client.call("detach", ["r1"]), 5)
         assert await asyncio.wait_for(client.call("load"), 5) == "stats"  # still usable
         client.close()
         await server.close()
