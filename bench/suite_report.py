@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -183,26 +184,32 @@ def _ttft_c1(shapes: dict, main_len: int) -> list[str]:
     lines = [
         "",
         "== TTFT p50 at concurrency 1 (ms): engine in-process (b), colocated worker behind "
-        "the router (cc), 1P1D (c) ==",
+        "the router (cc), 1P1D (c); of c: the router's own TTFT (c rtr) and the prefill "
+        "worker's, call to first token (c wkr) ==",
         f"{'shape':<6}{'prompt':>7}{'b':>9}{'cc':>9}{'c':>9}{'c/cc':>7}{'c/b':>7}{'cc/b':>7}"
-        f"{'c-cc':>8}",
+        f"{'c-cc':>8}{'c rtr':>8}{'c wkr':>8}",
     ]
+
+    def p50(run: dict, key: str) -> float | None:
+        value = (run.get(key) or {}).get("p50")
+        return None if value is None or math.isnan(value) else value
+
     for shape, rec in shapes.items():
         by_part = {
-            name: {
-                run_key(r, main_len)[2]: r["ttft_ms"]["p50"]
-                for r in runs_of(sec)
-                if r["concurrency"] == 1
-            }
+            name: {run_key(r, main_len)[2]: r for r in runs_of(sec) if r["concurrency"] == 1}
             for name, sec in sections_of(rec).items()
         }
         lengths = sorted({n for name in ("b", "cc", "c") for n in by_part.get(name, {})})
         for n in lengths:
-            b, cc, c = (by_part.get(name, {}).get(n) for name in ("b", "cc", "c"))
+            runs = {name: by_part.get(name, {}).get(n) for name in ("b", "cc", "c")}
+            b, cc, c = (p50(r, "ttft_ms") if r else None for r in runs.values())
             diff = c - cc if c is not None and cc is not None else None
+            router = p50(runs["c"], "router_ttft_ms") if runs["c"] else None
+            worker = p50(runs["c"], "worker_prefill_ms") if runs["c"] else None
             lines.append(
                 f"{shape:<6}{n:>7}{_fmt(b, 2):>9}{_fmt(cc, 2):>9}{_fmt(c, 2):>9}"
                 f"{_ratio(c, cc):>7}{_ratio(c, b):>7}{_ratio(cc, b):>7}{_fmt(diff, 2):>8}"
+                f"{_fmt(router, 2):>8}{_fmt(worker, 2):>8}"
             )
     return lines
 
