@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
 import shlex
 import statistics
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ServiceProcess
+from bench.harness.cpu import service_cpu_s
 from bench.harness.otlp import OTLPSink
 from bench.load import parse_args as load_args
 from bench.load import run_load, summarize
@@ -43,38 +43,6 @@ FIGURES = (  # (label, summary key, sub-key): what the table compares
     ("ITL p90 ms", "itl_ms", "p90"),
     ("CPU ms/token", "cpu_ms_per_output_token", None),
 )
-
-
-WORKER_ACTORS = (b"ray::PrefillWorker", b"ray::DecodeWorker", b"ray::ColocatedWorker")
-
-
-def service_cpu_s(root_pid: int) -> float:
-    """User + system CPU seconds of a service's router (`root_pid`) and its worker
-    actors (descendants whose command line names a worker class), from /proc."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    counted: set[int] = {root_pid}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                # The command name (field 2) may hold spaces: split after its ')'.
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if f.read().startswith(WORKER_ACTORS):
-                    counted.add(int(entry))
-        except OSError:
-            continue  # exited meanwhile
-        parents[int(entry)] = int(fields[1])
-        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    total, stack = 0.0, [root_pid]
-    while stack:
-        pid = stack.pop()
-        total += times.get(pid, 0.0) if pid in counted else 0.0
-        stack += [child for child, parent in parents.items() if parent == pid]
-    return total
 
 
 def figure(summary: dict[str, Any], key: str, sub: str | None) -> float:

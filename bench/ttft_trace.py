@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ from typing import Any
 
 from bench.harness.otlp import OTLPSink, ReceivedSpan
 from bench.harness.service import service_process
-from bench.report import provenance
+from bench.report import percentile, provenance
 from bench.suite_common import make_prompts
 from bench.suite_service import drive
 
@@ -68,9 +67,9 @@ def timeline(traces: list[list[ReceivedSpan]]) -> list[dict[str, Any]]:
     rows = [
         {
             "span": name,
-            "start_ms": round(statistics.median(a for a, _ in times), 3),
-            "end_ms": round(statistics.median(b for _, b in times), 3),
-            "length_ms": round(statistics.median(b - a for a, b in times), 3),
+            "start_ms": round(percentile((a for a, _ in times), 50), 3),
+            "end_ms": round(percentile((b for _, b in times), 50), 3),
+            "length_ms": round(percentile((b - a for a, b in times), 50), 3),
             "count": len(times),
         }
         for name, times in by_name.items()
@@ -88,7 +87,7 @@ def whole_traces(spans: list[ReceivedSpan]) -> list[list[ReceivedSpan]]:
 
 
 def median_ms(values: list[float]) -> float:
-    return round(1000 * statistics.median(values), 3) if values else float("nan")
+    return round(1000 * percentile(values, 50), 3)
 
 
 def measure(args: argparse.Namespace, log: Path) -> dict[str, Any]:

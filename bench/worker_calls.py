@@ -7,8 +7,9 @@ TTFT of the same closed loop, services started one after another, alternating.
         --load-format dummy" --vocab-size 128256 --prompt-tokens 512 --max-tokens 128 \\
         --concurrency 128 --num-requests 512                       # GPUs
 
-The router's CPU is its process's user + system time over the timed loop (Linux: read
-from /proc; it includes Ray's threads in that process), divided by the requests sent.
+CPU per request: user + system time over the timed loop divided by the requests sent,
+of the router's process (Ray's threads in it included) and of the router with its worker
+actors (Linux: read from /proc).
 Prints one line per round and mode, then the means; writes them, with provenance, as
 JSON.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -27,17 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ServiceProcess
+from bench.harness.cpu import process_cpu_s, service_cpu_s
 from bench.report import provenance
 from bench.suite_common import make_prompts, shape_path, summarize
 from bench.suite_service import drive
 
 MODES = ("direct", "ray")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,15 +58,17 @@ def one_run(args: argparse.Namespace, mode: str, serve_args: list[str], seed: in
         warm = make_prompts(args.concurrency, args.prompt_tokens, args.vocab_size, seed=1)
         asyncio.run(drive(svc.address, warm, 4, concurrency=args.concurrency))
         prompts = make_prompts(args.num_requests, args.prompt_tokens, args.vocab_size, seed)
-        before = cpu_seconds(svc.proc.pid)
+        router_before, service_before = process_cpu_s(svc.proc.pid), service_cpu_s(svc.proc.pid)
         timings, wall = asyncio.run(
             drive(svc.address, prompts, args.max_tokens, concurrency=args.concurrency)
         )
-        used = cpu_seconds(svc.proc.pid) - before
+        router_used = process_cpu_s(svc.proc.pid) - router_before
+        service_used = service_cpu_s(svc.proc.pid) - service_before
     finally:
         svc.stop()
     run = summarize(mode, args.concurrency, timings, wall)
-    run["router_cpu_ms_per_request"] = round(1000 * used / len(prompts), 3)
+    run["router_cpu_ms_per_request"] = round(1000 * router_used / len(prompts), 3)
+    run["service_cpu_ms_per_request"] = round(1000 * service_used / len(prompts), 3)
     return run
 
 
@@ -88,15 +85,17 @@ def main(argv: list[str] | None = None) -> int:
             run = one_run(args, mode, serve_args, seed=2 + rnd)
             runs.append(run)
             print(
-                f"round {rnd} {mode:6s} router CPU {run['router_cpu_ms_per_request']:7.2f} ms a "
-                f"request  {run['output_tok_s']:9.1f} tok/s  TTFT p50 {run['ttft_ms']['p50']:8.1f}"
-                f" ms  ok {run['num_ok']}/{run['num_requests']}",
+                f"round {rnd} {mode:6s} CPU ms a request: router "
+                f"{run['router_cpu_ms_per_request']:6.2f}, with workers "
+                f"{run['service_cpu_ms_per_request']:6.2f}  {run['output_tok_s']:8.1f} tok/s  "
+                f"TTFT p50 {run['ttft_ms']['p50']:7.1f} ms  "
+                f"ok {run['num_ok']}/{run['num_requests']}",
                 flush=True,
             )
     means = {
         mode: {
             key: round(statistics.mean(r[key] for r in runs if r["system"] == mode), 3)
-            for key in ("router_cpu_ms_per_request", "output_tok_s")
+            for key in ("router_cpu_ms_per_request", "service_cpu_ms_per_request", "output_tok_s")
         }
         for mode in MODES
     }

@@ -91,6 +91,8 @@ class CallServer:
         return f"{host}:{port}"
 
     async def close(self) -> None:
+        """Stop listening and drop every connection, as the worker's process ending does
+        (a stopping worker leaves it open: the router drops the worker first)."""
         if self._server is not None:
             self._server.close()
         for writer in list(self._writers):

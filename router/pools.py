@@ -263,7 +263,7 @@ class Pools:
                 asyncio.gather(prefill.client.connect(spec), decode.client.connect(spec)),
                 spec.timeout_s,
             )
-        except (WorkerDied, RayActorError, TimeoutError) as exc:
+        except (WorkerDied, TimeoutError) as exc:
             # One side died meanwhile: its watcher cleans up; the pair is simply absent.
             log.warning(
                 "pairing %s with %s failed: %s",
@@ -316,7 +316,7 @@ class Pools:
         log.error("giving up on replacing %s-%d", pool, index)
 
     async def _call_quietly(self, ref: WorkerRef, method: str, *args: Any) -> None:
-        with contextlib.suppress(WorkerDied, RayActorError, asyncio.CancelledError):
+        with contextlib.suppress(WorkerDied, asyncio.CancelledError):
             await getattr(ref.client, method)(*args)
 
     def _remove(self, ref: WorkerRef) -> None:
