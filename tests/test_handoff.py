@@ -226,3 +226,42 @@ def test_requests_prefilled_in_one_step_travel_in_one_message(
         await pair.wait_zero()
 
     run(loop, body())
+
+
+def test_a_step_of_short_prompts_streams_when_together_they_reach_the_threshold(
+    loop: asyncio.AbstractEventLoop, pair: Pair
+) -> None:
+    """The streaming threshold applies to a step's message: six prompts of 12-17 tokens
+    (about 87 together) stream under a threshold of 40, while one of them alone does not."""
+    if pair.streamed:
+        pytest.skip("the streamed pair streams every message")
+
+    async def hand_off(inputs: list[GenerationInput]) -> int:
+        reservations = await asyncio.gather(*(pair.decode.reserve(inp) for inp in inputs))
+        before = pair.prefill.num_streamed_messages
+        results = await asyncio.gather(
+            *(pair.prefill.prefill(inp, res) for inp, res in zip(inputs, reservations, strict=True))
+        )
+        assert all(r.finish_reason is None for r in results), results
+        seen: dict[str, list[TokenUpdate]] = {inp.req_id: [] for inp in inputs}
+        deadline = loop.time() + 20
+        while loop.time() < deadline and not all(u and u[-1].finish_reason for u in seen.values()):
+            for u in (await pair.decode.next_tokens(0.2)).updates:
+                if u.req_id in seen:
+                    seen[u.req_id].append(u)
+        for updates in seen.values():
+            assert updates[-1].finish_reason is FinishReason.LENGTH
+            assert sum(len(u.new_token_ids) for u in updates) == 3
+        return pair.prefill.num_streamed_messages - before
+
+    async def body() -> None:
+        saved = pair.prefill.stream_min_tokens
+        pair.prefill.stream_min_tokens = 40
+        try:
+            assert await hand_off([_input("alone-0", 12)]) == 0
+            assert await hand_off([_input(f"together-{i}", 12 + i) for i in range(6)]) >= 1
+        finally:
+            pair.prefill.stream_min_tokens = saved
+        await pair.wait_zero()
+
+    run(loop, body())
