@@ -30,15 +30,13 @@ DEFAULT_CPU_KV_CACHE_GIB = 1.0
 # a fifth, for ~3 % on the pass. Smaller hand-offs come from passes bound by the host
 # launching kernels (shorter prompts, smaller models), where posting the parts costs more
 # than the transfer it hides (docs/benchmarks.md, "Layer-wise KV streaming").
-# `kv_stream_min_tokens="auto"` turns it into a length for the model being served, applied
-# to a message: one prompt, or a step's prompts for one receiver (a pass over many short
-# prompts is as long, and as bound by the device, as one over a long prompt).
+# `kv_stream_min_tokens="auto"` turns it into a prompt length for the model being served.
 KV_STREAM_MIN_BYTES = 256 << 20
 DEFAULT_KV_STREAM_MIN_TOKENS: int | Literal["auto"] = "auto"
 
 
 def kv_stream_min_tokens(setting: int | Literal["auto"], kv_bytes_per_token: float) -> int:
-    """The fewest tokens a hand-off message streams from: `setting` itself, or for "auto" the
+    """The shortest prompt whose hand-off streams: `setting` itself, or for "auto" the
     length whose KV reaches KV_STREAM_MIN_BYTES (2048 tokens at 8B, 8192 at 1B)."""
     if setting != "auto":
         return setting

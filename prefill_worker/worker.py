@@ -8,11 +8,11 @@ pair's channel → the reply to the router carries the first token without waiti
 the bytes: the receiver checks each entry against its reservation and reports arrival,
 refusal or a broken transfer in its own token stream.
 
-A message of at least `stream_min_tokens` (`--kv-stream-min-tokens`; by default the
-length whose KV reaches 256 MiB) streams instead (engine.transfer.streaming): one long
-prompt, or a step's many shorter ones to the same receiver. The message opens before
-the pass that completes its prompts, each group of layers leaves as soon as the pass
-has written it, and the step boundary only adds the trailer with the first tokens.
+Prompts of at least `stream_min_tokens` (`--kv-stream-min-tokens`; by default the length
+whose KV reaches 256 MiB) stream instead (engine.transfer.streaming):
+their message opens before the pass that completes them, each group of layers leaves
+as soon as the pass has written it, and the step boundary only adds the trailer with
+the first tokens.
 """
 
 from __future__ import annotations
@@ -83,8 +83,7 @@ class PrefillWorker(WorkerBase):
         if not self.core.async_scheduling:
             self.runner.step_observer = self._stream_step
             startup_log.info(  # a start-up fact: shown where the start-up lines are
-                "%s: hand-offs of %d tokens or more (one step's, to one receiver) stream "
-                "layer by layer",
+                "%s: hand-offs of %d tokens or more stream layer by layer",
                 self.worker_id,
                 self.stream_min_tokens,
             )
@@ -98,7 +97,7 @@ class PrefillWorker(WorkerBase):
             if destination is None:
                 continue
             target, num_tokens = destination
-            if seq.end_position != num_tokens:  # not its last chunk
+            if seq.end_position != num_tokens or num_tokens < self.stream_min_tokens:
                 continue
             num_blocks = -(-num_tokens // batch.block_size)
             ready.append(
@@ -106,10 +105,6 @@ class PrefillWorker(WorkerBase):
             )
         messages: list[tuple[Message, KVSender]] = []
         for message in plan_messages(ready, self.block_bytes):
-            # The threshold is on the message, not on each prompt: a step of many short
-            # prompts moves as many bytes as one long prompt, and its pass is as long.
-            if sum(item.num_tokens for item in message.items) < self.stream_min_tokens:
-                continue
             channel = self.channels.get(message.target.worker_id)
             if channel is not None and not channel.closed:  # else: fails after the step
                 messages.append((message, channel))

@@ -216,10 +216,9 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "--kv-stream-min-tokens",
         type=auto_or_at_least(0),
         default=DEFAULT_KV_STREAM_MIN_TOKENS,
-        help="a hand-off of at least this many tokens (one prompt, or a prefill step's "
-        "prompts for one decode worker together) streams its KV layer by layer while the "
-        "prefill pass runs; a smaller one goes in one message after the pass "
-        "(0 = stream every hand-off; auto = the length whose KV reaches "
+        help="prompts of at least this many tokens stream their KV to the decode worker "
+        "layer by layer while the prefill pass runs; shorter ones send it in one message "
+        "after the pass (0 = stream every hand-off; auto = the length whose KV reaches "
         "256 MiB: 2048 tokens of an 8B Llama, 8192 of a 1B)",
     )
     serve.add_argument(
