@@ -63,6 +63,7 @@ def format_tables(result: dict) -> str:
         _handoff(result),
         _tpot_over_step(shapes, main_len),
         _ttft_c1(shapes, main_len),
+        _phases(shapes, main_len),
         _steady(shapes, main_len),
     ]
     lines = [line for table in tables if len(table) > 3 for line in table]
@@ -211,6 +212,35 @@ def _ttft_c1(shapes: dict, main_len: int) -> list[str]:
                 f"{_ratio(c, cc):>7}{_ratio(c, b):>7}{_ratio(cc, b):>7}{_fmt(diff, 2):>8}"
                 f"{_fmt(router, 2):>8}{_fmt(worker, 2):>8}"
             )
+    return lines
+
+
+PHASE_COLUMNS = (
+    ("prefill.queue", "P queue"),
+    ("prefill.compute", "P compute"),
+    ("decode.kv_transfer", "KV"),
+    ("decode.decode_admission", "D admit"),
+    ("decode.first_decode_step", "D step1"),
+    ("colocated.queue", "C queue"),
+    ("colocated.compute", "C compute"),
+)
+
+
+def _phases(shapes: dict, main_len: int) -> list[str]:
+    """Mean time per request in each worker phase (the service's phase histograms over
+    the run): whether a slow first token waited in a queue or in a pass."""
+    head = f"{'shape':<6}{'system':<28}{'conc':>5}{'rnds':>5}{'prompt':>7}"
+    head += "".join(f"{label:>11}" for _, label in PHASE_COLUMNS)
+    lines = ["", "== worker phases, mean ms per request (the service's phase histograms) ==", head]
+    for shape, rec in shapes.items():
+        for section in (rec.get("colocated"), rec.get("service")):
+            for r in runs_of(section):
+                phases = r.get("phases_ms")
+                if not phases:
+                    continue
+                conc, rounds, plen = run_key(r, main_len)
+                cells = "".join(f"{_fmt(phases.get(key), 2):>11}" for key, _ in PHASE_COLUMNS)
+                lines.append(f"{shape:<6}{r['system']:<28}{conc:>5}{rounds:>5}{plen:>7}{cells}")
     return lines
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 
 from bench.harness import ServiceProcess as Service
+from bench.harness.metrics import Samples, phase_means_ms, scrape
 from bench.suite_common import (
     REPO,
     KVGeometry,
@@ -334,6 +335,7 @@ def run_service_part(
         runs = []
         for spec in plan:
             prompts = prompts_for(shape, spec, geo.vocab_size)
+            before = _samples(svc.metrics_port)
             timings, wall = drive_processes(
                 svc.address,
                 prompts,
@@ -353,6 +355,7 @@ def run_service_part(
                     kv_transfer_ms_p50=round(1000 * statistics.median(transfers), 3)
                     if transfers
                     else None,
+                    phases_ms=phase_means_ms(before, _samples(svc.metrics_port)),
                 )
             )
         out["runs"] = runs
@@ -365,6 +368,14 @@ def run_service_part(
         if out["exit_code"] != 0 or "startup_s" not in out:
             out["log_tail"] = svc.log_tail()
     return out
+
+
+def _samples(metrics_port: int) -> Samples:
+    """The service's metrics now (empty when they cannot be read: a run still counts)."""
+    try:
+        return scrape(metrics_port)[1]
+    except OSError:
+        return {}
 
 
 def handoff_stats(address: str, geo: KVGeometry, prompt_len: int, samples: int) -> dict:

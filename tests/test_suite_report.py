@@ -35,3 +35,32 @@ def test_a_run_from_before_the_split_shows_dashes() -> None:
     shapes = {"1b": {"service": {"runs": [run("c", 21.0)]}}}
     row = _ttft_c1(shapes, 512)[-1]
     assert row.split()[-2:] == ["-", "-"]
+
+
+def test_phase_means_come_from_the_histograms_between_two_scrapes() -> None:
+    from bench.harness.metrics import phase_means_ms
+
+    def hist(family: str, pool: str, worker: str, total: float, count: float) -> dict:
+        labels = frozenset({"pool": pool, "worker": worker}.items())
+        return {(f"{family}_sum", labels): total, (f"{family}_count", labels): count}
+
+    queue = "pdserve_phase_queue_seconds"
+    before = {**hist(queue, "prefill", "0", 1.0, 10), **hist(queue, "prefill", "1", 0.0, 0)}
+    after = {
+        **hist(queue, "prefill", "0", 1.3, 12),  # 2 requests, 0.3 s
+        **hist(queue, "prefill", "1", 0.1, 2),  # 2 requests, 0.1 s
+        **hist("pdserve_phase_prefill_seconds", "decode", "0", 0.0, 0),  # none: left out
+    }
+    # Both prefill workers together: 0.4 s over 4 requests.
+    assert phase_means_ms(before, after) == {"prefill.queue": 100.0}
+
+
+def test_the_phase_table_shows_each_pools_phases_per_run() -> None:
+    from bench.suite_report import _phases
+
+    phases = {"prefill.queue": 34.09, "prefill.compute": 40.19, "decode.kv_transfer": 4.93}
+    shapes = {"1b": {"service": {"runs": [run("c", 21.0, phases_ms=phases)]}}}
+    row = _phases(shapes, 512)[-1].split()
+    assert row[:3] == ["1b", "c", "1"]
+    assert row[5:8] == ["34.09", "40.19", "4.93"]  # prefill queue, compute, KV
+    assert row[8:] == ["-"] * 4  # no decode admission or step recorded, no colocated pool

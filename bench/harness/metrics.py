@@ -29,3 +29,31 @@ def scrape(port: int, host: str = "127.0.0.1") -> Scrape:
 def value(samples: Samples, name: str, **labels: str) -> float:
     """One sample's value; 0 when absent (a counter nobody incremented yet)."""
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+# The workers' phases (router/phase_metrics.py) by the name the report gives them.
+PHASES = {
+    "queue": "pdserve_phase_queue_seconds",
+    "compute": "pdserve_phase_prefill_seconds",
+    "kv_transfer": "pdserve_phase_kv_transfer_seconds",
+    "decode_admission": "pdserve_phase_decode_admission_seconds",
+    "first_decode_step": "pdserve_phase_first_decode_step_seconds",
+}
+
+
+def phase_means_ms(before: Samples, after: Samples) -> dict[str, float]:
+    """Each pool's mean phase times (ms) over the requests between two scrapes, keyed
+    "<pool>.<phase>" (every worker of a pool together): where a request's time went."""
+    totals: dict[str, list[float]] = {}
+    for (name, labels), count in after.items():
+        for phase, family in PHASES.items():
+            if name != f"{family}_count":
+                continue
+            pool = dict(labels).get("pool", "")
+            n = count - before.get((name, labels), 0.0)
+            total = after.get((f"{family}_sum", labels), 0.0)
+            total -= before.get((f"{family}_sum", labels), 0.0)
+            acc = totals.setdefault(f"{pool}.{phase}", [0.0, 0.0])
+            acc[0] += total
+            acc[1] += n
+    return {key: round(1000 * s / n, 3) for key, (s, n) in sorted(totals.items()) if n > 0}
