@@ -76,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rounds-at-c1",
         type=int,
         help="sequential requests at concurrency 1 for "
-        "b, cc and c (a, a2 run one); default 3 (quick: 2)",
+        "b, cc and c (a, a2 run one); default 12 (quick: 2): a host-bound pass at "
+        "concurrency 1 moves by several ms between requests, and the TTFT ratios "
+        "compare medians",
     )
     p.add_argument(
         "--rounds",
@@ -141,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns.shapes = pick(ns.shapes, "1b,8b", "1b").split(",")
     ns.concurrency = [int(c) for c in pick(ns.concurrency, "1,32,128", "1,8").split(",")]
     ns.output_len = pick(ns.output_len, 128, 32)
-    ns.rounds_at_c1 = pick(ns.rounds_at_c1, 3, 2)
+    ns.rounds_at_c1 = pick(ns.rounds_at_c1, 12, 2)
     ns.handoff_lens = parse_ints(ns.handoff_lens)
     ns.handoff_samples = pick(ns.handoff_samples, 5, 3)
     ns.ttft_lens = parse_ints(ns.ttft_lens)
