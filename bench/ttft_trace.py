@@ -3,6 +3,7 @@
     python -m bench.ttft_trace --out ttft_trace.json                  # CPU, embedded model
     python -m bench.ttft_trace --system colocated --prompt-tokens 512 --vocab-size 128256 \\
         --serve-args "--model deploy/model_configs/llama-3.2-1b --load-format dummy"   # GPU
+    python -m bench.ttft_trace --load-concurrency 128 --load-requests 256   # before and after
 
 Starts `pdserve serve` (`--system 1p1d`: one prefill and one decode worker, every prompt
 handed off; `colocated`: one colocated worker) with a trace receiver in this process as
@@ -10,8 +11,11 @@ its OTLP collector, sends `--num-requests` requests one after another and lays e
 request's spans on one time line from the router's receipt of the call. For each span
 (router, workers) it reports the median start, end and length over the requests (the
 first `--warmup` left out), next to the client's TTFT, the router's own TTFT and the
-wait to be accepted; the gaps between spans are the hops between processes. Prints the
-table and writes it, with provenance, as JSON.
+wait to be accepted; the gaps between spans are the hops between processes. With
+`--load-concurrency`, the same requests are traced again after a closed-loop load of
+`--load-requests` at that concurrency (a worker's pass at concurrency 1 is bound by its
+host, whose state a load changes). Prints the tables and writes them, with provenance,
+as JSON.
 """
 
 from __future__ import annotations
@@ -48,6 +52,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=49152, help="of the model served")
     p.add_argument("--serve-args", default="", help="more `pdserve serve` flags")
+    p.add_argument(
+        "--load-concurrency",
+        type=int,
+        default=0,
+        help="trace again after a closed-loop load at this concurrency (0: no load)",
+    )
+    p.add_argument("--load-requests", type=int, default=256, help="requests of that load")
     p.add_argument("--log", help="the service's log (default: a temporary file)")
     p.add_argument("--out", help="JSON result")
     return p.parse_args(argv)
@@ -90,24 +101,27 @@ def median_ms(values: list[float]) -> float:
     return round(1000 * percentile(values, 50), 3)
 
 
-def measure(args: argparse.Namespace, log: Path) -> dict[str, Any]:
-    serve_args = [*POOL_ARGS[args.system], "--stream-interval", "1", *shlex.split(args.serve_args)]
-    with OTLPSink() as sink:
-        with service_process([*serve_args, "--otlp-traces-endpoint", sink.endpoint], log) as svc:
-            svc.wait_serving(900)
-            prompts = make_prompts(args.num_requests, args.prompt_tokens, args.vocab_size, seed=5)
-            timings, _ = asyncio.run(drive(svc.address, prompts, args.max_tokens, concurrency=1))
-            # Spans are exported in batches: wait until every request's root is in.
-            deadline = time.monotonic() + 30
-            while len(whole_traces(sink.spans)) < len(prompts) and time.monotonic() < deadline:
-                time.sleep(0.2)
-        traces = whole_traces(sink.spans)[args.warmup :]
+def traced_round(
+    args: argparse.Namespace, sink: OTLPSink, address: str, seed: int
+) -> dict[str, Any]:
+    """`--num-requests` requests one after another; their spans from the traces that
+    began with this round (the first `--warmup` left out)."""
+    began_ns = time.time_ns()
+
+    def this_rounds() -> list[list[ReceivedSpan]]:
+        return [t for t in whole_traces(sink.spans) if _root(t).start_ns >= began_ns]
+
+    prompts = make_prompts(args.num_requests, args.prompt_tokens, args.vocab_size, seed=seed)
+    timings, _ = asyncio.run(drive(address, prompts, args.max_tokens, concurrency=1))
+    # Spans are exported in batches: wait until every request's root is in.
+    deadline = time.monotonic() + 30
+    while len(this_rounds()) < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    traces = this_rounds()[args.warmup :]
     kept = [t for t in timings[args.warmup :] if t.ok]
     client = median_ms([t.ttft_s for t in kept if t.ttft_s is not None])
     router = median_ms([t.router_ttft_s for t in kept if t.router_ttft_s])
     return {
-        "system": args.system,
-        "prompt_tokens": args.prompt_tokens,
         "requests": len(kept),
         "traces": len(traces),
         "client_ttft_ms_p50": client,
@@ -116,13 +130,44 @@ def measure(args: argparse.Namespace, log: Path) -> dict[str, Any]:
         "edge_ms_p50": round(client - router, 3),
         "errors": sorted({t.error for t in timings if not t.ok})[:5],
         "spans": timeline(traces),
+    }
+
+
+def _root(trace: list[ReceivedSpan]) -> ReceivedSpan:
+    return next(s for s in trace if s.name == ROOT)
+
+
+def measure(args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    serve_args = [*POOL_ARGS[args.system], "--stream-interval", "1", *shlex.split(args.serve_args)]
+    traced = [*serve_args, "--otlp-traces-endpoint"]
+    with OTLPSink() as sink, service_process([*traced, sink.endpoint], log) as svc:
+        svc.wait_serving(900)
+        result = traced_round(args, sink, svc.address, seed=5)
+        if args.load_concurrency > 0:
+            load = make_prompts(args.load_requests, args.prompt_tokens, args.vocab_size, 6)
+            timings, wall = asyncio.run(
+                drive(svc.address, load, 128, concurrency=args.load_concurrency)
+            )
+            after = traced_round(args, sink, svc.address, seed=7)
+            after["load"] = {
+                "concurrency": args.load_concurrency,
+                "requests": len(timings),
+                "ok": sum(t.ok for t in timings),
+                "output_tok_s": round(sum(t.num_tokens for t in timings) / wall, 1),
+            }
+            result["after_load"] = after
+    return {
+        "system": args.system,
+        "prompt_tokens": args.prompt_tokens,
+        **result,
         "serve_args": serve_args,
     }
 
 
-def print_summary(result: dict[str, Any]) -> None:
+def print_summary(result: dict[str, Any], title: str = "") -> None:
     print(
-        f"{result['system']}, {result['prompt_tokens']}-token prompts, {result['traces']} "
+        f"{title}{result['system']}, {result['prompt_tokens']}-token prompts, "
+        f"{result['traces']} "
         f"traces: client TTFT p50 {result['client_ttft_ms_p50']} ms, router's own "
         f"{result['router_ttft_ms_p50']} ms (edge {result['edge_ms_p50']} ms, of it accept "
         f"{result['accept_ms_p50']} ms)"
@@ -142,9 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args, log)
     result["provenance"] = provenance("bench.ttft_trace", sys.argv[1:] if argv is None else argv)
     print_summary(result)
+    if "after_load" in result:
+        after = {**result, **result["after_load"]}
+        load = after["load"]
+        title = f"after {load['requests']} requests at concurrency {load['concurrency']}: "
+        print_summary(after, title)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    return 0 if result["requests"] and not result["errors"] else 1
+    rounds = [result, *([result["after_load"]] if "after_load" in result else [])]
+    return 0 if all(r["requests"] and not r["errors"] for r in rounds) else 1
 
 
 if __name__ == "__main__":
