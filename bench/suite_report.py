@@ -219,6 +219,8 @@ PHASE_COLUMNS = (
     ("prefill.queue", "P queue"),
     ("prefill.compute", "P compute"),
     ("decode.kv_transfer", "KV"),
+    ("decode.queue", "D queue"),  # prompts the decode worker prefilled itself
+    ("decode.compute", "D prefill"),
     ("decode.decode_admission", "D admit"),
     ("decode.first_decode_step", "D step1"),
     ("colocated.queue", "C queue"),

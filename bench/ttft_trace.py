@@ -12,7 +12,7 @@ request's spans on one time line from the router's receipt of the call. For each
 (router, workers) it reports the median start, end and length over the requests (the
 first `--warmup` left out), next to the client's TTFT, the router's own TTFT and the
 wait to be accepted; the gaps between spans are the hops between processes. With
-`--load-concurrency`, the same requests are traced again after a closed-loop load of
+`--load-concurrency`, as many requests are traced again after a closed-loop load of
 `--load-requests` at that concurrency (a worker's pass at concurrency 1 is bound by its
 host, whose state a load changes). Prints the tables and writes them, with provenance,
 as JSON.
@@ -167,10 +167,9 @@ def measure(args: argparse.Namespace, log: Path) -> dict[str, Any]:
 def print_summary(result: dict[str, Any], title: str = "") -> None:
     print(
         f"{title}{result['system']}, {result['prompt_tokens']}-token prompts, "
-        f"{result['traces']} "
-        f"traces: client TTFT p50 {result['client_ttft_ms_p50']} ms, router's own "
-        f"{result['router_ttft_ms_p50']} ms (edge {result['edge_ms_p50']} ms, of it accept "
-        f"{result['accept_ms_p50']} ms)"
+        f"{result['traces']} traces: client TTFT p50 {result['client_ttft_ms_p50']} ms, "
+        f"router's own {result['router_ttft_ms_p50']} ms (edge {result['edge_ms_p50']} ms, "
+        f"of it accept {result['accept_ms_p50']} ms)"
     )
     print(f"{'span':60s} {'start':>8s} {'end':>8s} {'length':>8s}  (ms from the router's receipt)")
     for row in result["spans"]:

@@ -63,4 +63,4 @@ def test_the_phase_table_shows_each_pools_phases_per_run() -> None:
     row = _phases(shapes, 512)[-1].split()
     assert row[:3] == ["1b", "c", "1"]
     assert row[5:8] == ["34.09", "40.19", "4.93"]  # prefill queue, compute, KV
-    assert row[8:] == ["-"] * 4  # no decode admission or step recorded, no colocated pool
+    assert row[8:] == ["-"] * 6  # no local prefill, decode admission or step; no colocated
