@@ -5,7 +5,9 @@ refused, and a lost worker failing every call in flight instead of leaving it ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -45,6 +47,19 @@ async def serve(target: Target) -> tuple[CallServer, str]:
     return server, await server.start("127.0.0.1")
 
 
+@contextlib.asynccontextmanager
+async def connected() -> AsyncIterator[tuple[Target, CallClient]]:
+    """A worker's call server over a fresh target, and a client with the right token."""
+    target = Target()
+    server, address = await serve(target)
+    client = CallClient(address, TOKEN)
+    try:
+        yield target, client
+    finally:
+        client.close()
+        await server.close()
+
+
 def test_verbs_are_the_clients_verbs() -> None:
     """A verb added to the router's client and not here would fail only at run time."""
     protocol = {
@@ -57,35 +72,27 @@ def test_verbs_are_the_clients_verbs() -> None:
 
 def test_a_long_poll_does_not_hold_up_the_calls_behind_it() -> None:
     async def main() -> None:
-        target = Target()
-        server, address = await serve(target)
-        client = CallClient(address, TOKEN)
-        poll = asyncio.ensure_future(client.call("next_tokens"))
-        assert await asyncio.wait_for(client.call("load"), 5) == "stats"
-        assert not poll.done()
-        target.release.set()
-        assert await asyncio.wait_for(poll, 5) == "tokens"
-        assert target.seen == ["next_tokens", "load"]  # started in the order sent
-        client.close()
-        await server.close()
+        async with connected() as (target, client):
+            poll = asyncio.ensure_future(client.call("next_tokens"))
+            assert await asyncio.wait_for(client.call("load"), 5) == "stats"
+            assert not poll.done()
+            target.release.set()
+            assert await asyncio.wait_for(poll, 5) == "tokens"
+            assert target.seen == ["next_tokens", "load"]  # started in the order sent
 
     asyncio.run(main())
 
 
 def test_the_workers_error_is_raised_at_the_caller_and_unknown_verbs_are_refused() -> None:
     async def main() -> None:
-        target = Target()
-        server, address = await serve(target)
-        client = CallClient(address, TOKEN)
-        with pytest.raises(KeyError, match="r1"):
-            await asyncio.wait_for(client.call("abort", "r1"), 5)
-        with pytest.raises(AttributeError, match="secret"):
-            await asyncio.wait_for(client.call("secret"), 5)
-        with pytest.raises(RuntimeError, match="detach"):
-            await asyncio.wait_for(client.call("detach", ["r1"]), 5)
-        assert await asyncio.wait_for(client.call("load"), 5) == "stats"  # still usable
-        client.close()
-        await server.close()
+        async with connected() as (_, client):
+            with pytest.raises(KeyError, match="r1"):
+                await asyncio.wait_for(client.call("abort", "r1"), 5)
+            with pytest.raises(AttributeError, match="secret"):
+                await asyncio.wait_for(client.call("secret"), 5)
+            with pytest.raises(RuntimeError, match="detach"):
+                await asyncio.wait_for(client.call("detach", ["r1"]), 5)
+            assert await asyncio.wait_for(client.call("load"), 5) == "stats"  # still usable
 
     asyncio.run(main())
 
