@@ -228,12 +228,27 @@ PHASE_COLUMNS = (
 )
 
 
+def _local_share(paths: dict[str, int] | None) -> str:
+    """The share of a run's prompts prefilled on the decode worker ("-": not recorded, or
+    a colocated service, which has no paths)."""
+    total = sum((paths or {}).values())
+    if not total:
+        return "-"
+    local = sum(n for key, n in (paths or {}).items() if key.startswith("local/"))
+    return f"{100 * local / total:.0f}%"
+
+
 def _phases(shapes: dict, main_len: int) -> list[str]:
     """Mean time per request in each worker phase (the service's phase histograms over
     the run): whether a slow first token waited in a queue or in a pass."""
     head = f"{'shape':<6}{'system':<28}{'conc':>5}{'rnds':>5}{'prompt':>7}"
-    head += "".join(f"{label:>11}" for _, label in PHASE_COLUMNS)
-    lines = ["", "== worker phases, mean ms per request (the service's phase histograms) ==", head]
+    head += "".join(f"{label:>11}" for _, label in PHASE_COLUMNS) + f"{'local':>7}"
+    lines = [
+        "",
+        "== worker phases, mean ms per request (the service's phase histograms); local: the "
+        "share of prompts the decode workers prefilled themselves ==",
+        head,
+    ]
     for shape, rec in shapes.items():
         for section in (rec.get("colocated"), rec.get("service")):
             for r in runs_of(section):
@@ -242,6 +257,7 @@ def _phases(shapes: dict, main_len: int) -> list[str]:
                     continue
                 conc, rounds, plen = run_key(r, main_len)
                 cells = "".join(f"{_fmt(phases.get(key), 2):>11}" for key, _ in PHASE_COLUMNS)
+                cells += f"{_local_share(r.get('prefill_paths')):>7}"
                 lines.append(f"{shape:<6}{r['system']:<28}{conc:>5}{rounds:>5}{plen:>7}{cells}")
     return lines
 

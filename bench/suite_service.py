@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from bench.harness import ServiceProcess as Service
-from bench.harness.metrics import Samples, phase_means_ms, scrape
+from bench.harness.metrics import Samples, phase_means_ms, prefill_paths, scrape
 from bench.suite_common import (
     REPO,
     KVGeometry,
@@ -343,6 +343,7 @@ def run_service_part(
                 concurrency=spec.concurrency,
                 processes=client_processes,
             )
+            after = _samples(svc.metrics_port)
             transfers = [t.kv_transfer_s for t in timings if t.kv_transfer_s]
             runs.append(
                 summarize(
@@ -355,7 +356,8 @@ def run_service_part(
                     kv_transfer_ms_p50=round(1000 * statistics.median(transfers), 3)
                     if transfers
                     else None,
-                    phases_ms=phase_means_ms(before, _samples(svc.metrics_port)),
+                    phases_ms=phase_means_ms(before, after),
+                    prefill_paths=prefill_paths(before, after),
                 )
             )
         out["runs"] = runs

@@ -4,10 +4,12 @@ where the service's time before the first token went."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from bench.suite_report import _ttft_c1
 
 
-def run(system: str, ttft: float, **extra: dict[str, float]) -> dict:
+def run(system: str, ttft: float, **extra: dict[str, Any]) -> dict:
     return {"system": system, "concurrency": 1, "rounds": 1, "prompt_len": 512,
             "ttft_ms": {"p50": ttft}, **extra}  # fmt: skip
 
@@ -55,12 +57,30 @@ def test_phase_means_come_from_the_histograms_between_two_scrapes() -> None:
     assert phase_means_ms(before, after) == {"prefill.queue": 100.0}
 
 
+def test_prefill_paths_count_the_requests_between_two_scrapes() -> None:
+    from bench.harness.metrics import prefill_paths
+
+    def path(p: str, reason: str) -> tuple[str, frozenset[tuple[str, str]]]:
+        return ("pdserve_prefill_path_total", frozenset({"path": p, "reason": reason}.items()))
+
+    before = {path("remote", "prefill_within_slo"): 100.0, path("local", "short_prompt"): 3.0}
+    after = {
+        path("remote", "prefill_within_slo"): 130.0,
+        path("local", "short_prompt"): 3.0,  # none this run: left out
+        path("local", "prefill_saturated"): 5.0,  # a series that appeared during the run
+    }
+    counts = prefill_paths(before, after)
+    assert counts == {"local/prefill_saturated": 5, "remote/prefill_within_slo": 30}
+
+
 def test_the_phase_table_shows_each_pools_phases_per_run() -> None:
     from bench.suite_report import _phases
 
     phases = {"prefill.queue": 34.09, "prefill.compute": 40.19, "decode.kv_transfer": 4.93}
-    shapes = {"1b": {"service": {"runs": [run("c", 21.0, phases_ms=phases)]}}}
+    paths = {"remote/prefill_within_slo": 30, "local/short_prompt": 6, "local/prefill_saturated": 4}
+    shapes = {"1b": {"service": {"runs": [run("c", 21.0, phases_ms=phases, prefill_paths=paths)]}}}
     row = _phases(shapes, 512)[-1].split()
     assert row[:3] == ["1b", "c", "1"]
     assert row[5:8] == ["34.09", "40.19", "4.93"]  # prefill queue, compute, KV
-    assert row[8:] == ["-"] * 6  # no local prefill, decode admission or step; no colocated
+    assert row[8:14] == ["-"] * 6  # no local prefill, decode admission or step; no colocated
+    assert row[14] == "25%"  # 10 of 40 prompts prefilled on the decode worker

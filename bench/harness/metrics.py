@@ -57,3 +57,18 @@ def phase_means_ms(before: Samples, after: Samples) -> dict[str, float]:
             acc[0] += total
             acc[1] += n
     return {key: round(1000 * s / n, 3) for key, (s, n) in sorted(totals.items()) if n > 0}
+
+
+def prefill_paths(before: Samples, after: Samples) -> dict[str, int]:
+    """How many requests between two scrapes took each prefill path, keyed "path/reason"
+    (router's `pdserve_prefill_path_total`): how much of a load the decode workers
+    prefilled themselves, and why."""
+    counts: dict[str, int] = {}
+    for (name, labels), count in after.items():
+        if name != "pdserve_prefill_path_total":
+            continue
+        n = int(count - before.get((name, labels), 0.0))
+        if n > 0:
+            label = dict(labels)
+            counts[f"{label.get('path', '')}/{label.get('reason', '')}"] = n
+    return dict(sorted(counts.items()))
