@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
+from engine.model.compiled import uncompile_decoder
 from engine.model.model_runner import ModelRunner
 from engine.model.triton_attention import triton_available
 from engine.model.triton_gemv import (
@@ -140,8 +141,7 @@ def test_one_sequence_decode_runs_every_projection_on_the_gemv() -> None:
 
     with torch.inference_mode():
         graph = runner.cuda_graphs.run(one).float()
-        decoder = runner.model.get_decoder()
-        del decoder.forward  # transformers' own forward from here on (no compiled graphs)
+        uncompile_decoder(runner.model)  # transformers' own forward from here on
         packed = runner._forward_eager(one, None)
         # One GEMV a projection: the same bits as the packed products.
         remove_gemv(runner.model)
