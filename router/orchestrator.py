@@ -395,6 +395,6 @@ class DisaggregatedGenerator(ServingPaths):
                 error = item.error or "the decode worker reported an error"
                 raise WorkerLost(error, run_locally=True)
             if local is not None and item.new_token_ids:
-                local.done_with_tokens()  # its prompt ran: no longer queued there
+                local.done_with_tokens(item.phases.compute_s if item.phases else None)
             tokens, reason = item.new_token_ids, item.finish_reason
             progress.note_cached(attempt, item.num_cached_tokens)

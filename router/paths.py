@@ -134,7 +134,9 @@ class ServingPaths:
             num_local = len(inp.prompt_token_ids) - self.indexes["decode"].num_cached_tokens(
                 decode_ref.index, hashes
             )
-            local = decode_ref.load.lease(num_local)
+            local = decode_ref.load.lease(
+                num_local, prices_local_prefill=decision.reason != "short_prompt"
+            )
             attempt.leases.append(local)
             self.signals.prompt_placed(num_local, prefill_work=decision.reason != "short_prompt")
             await self._call(decode_ref, decode_ref.client.submit(inp))

@@ -78,6 +78,7 @@ def place_prompt(
         decode_step_s=decode_ref.load.step_s.mean(time.monotonic()),
         decode_queued_tokens=decode_ref.load.queued_tokens,
         decode_free_blocks=stats.num_blocks_free if stats is not None else None,
+        decode_local_s_per_token=decode_ref.load.local_prefill_s_per_token.value,
         num_prompt_blocks=-(-num_prompt // block_size),
         num_output_tokens=max_tokens,
     )

@@ -4,7 +4,9 @@ A decision by estimated time to first token and cost to the decode batch, not by
 length alone. Inputs (`PathInputs`): the prompt's uncached tokens on the chosen decode
 worker and on the best prefill worker, the tokens already queued on that prefill worker
 (the router's own count) and its measured rate, the pair's recent hand-off time, and
-the decode worker's running batch, step time, free blocks and its own queued prompts.
+the decode worker's running batch, step time, free blocks, its own queued prompts and
+the time per token its own prompts took lately (a local prompt's estimate uses the
+slower of that and the prefill worker's rate).
 
 1. `no_prefill_worker`: no live prefill worker paired with the decode worker → local.
    `local_prefill_off`: `local_prefill_max_tokens` is 0 → remote, whatever the load
@@ -99,6 +101,9 @@ class PathInputs:
     decode_free_blocks: int | None  # None: not reported yet
     num_prompt_blocks: int
     num_output_tokens: int  # the request's max_tokens: how long its decode runs
+    # Seconds per uncached token of the prompts that decode worker ran itself lately
+    # (`WorkerLoad.local_prefill_s_per_token`); None until it ran one.
+    decode_local_s_per_token: float | None = None
 
 
 @dataclass(frozen=True)
@@ -128,10 +133,15 @@ def decide(inputs: PathInputs, config: PrefillPolicyConfig) -> PathDecision:
     ) / rate + inputs.handoff_s
     if ttft_remote * 1000 <= TTFT_HEADROOM * config.slo_ttft_ms:
         return PathDecision("remote", "prefill_within_slo", ttft_remote)
-    # The decode worker runs prompts at about the prefill pool's rate (the same engine
-    # on the same kind of device), between its decode steps.
+    # A prompt on the decode worker runs no faster than the prefill pool's rate (the same
+    # engine on the same kind of device), and is often far slower: the pool's rate is a
+    # loaded worker's, many prompts sharing each pass, while the decode worker runs one
+    # or two in its steps, launch-bound (a 1B prompt of 512 tokens: about 2 ms at the
+    # pool's rate, 65 ms measured on the decode worker; docs/benchmarks.md). What it
+    # took there lately is the better estimate once there is one.
+    s_per_token = max(1.0 / rate, inputs.decode_local_s_per_token or 0.0)
     step_s = inputs.decode_step_s or 0.0
-    local_s = (inputs.decode_queued_tokens + inputs.num_uncached_decode) / rate
+    local_s = (inputs.decode_queued_tokens + inputs.num_uncached_decode) * s_per_token
     ttft_local = local_s + step_s
     tpot_local = step_s + local_s / max(inputs.num_output_tokens, 1)
     if inputs.decode_running and tpot_local * 1000 > TPOT_HEADROOM * config.slo_tpot_ms:

@@ -27,10 +27,12 @@ class WorkerLoad:
     prefill_rate: PrefillRate = field(default_factory=PrefillRate)
     step_s: StepWindow = field(default_factory=StepWindow)  # decode step time lately
     handoff_s: Ewma = field(default_factory=Ewma)  # hand-offs into this worker
+    # A decode worker's own prompts: their compute phase per uncached token, lately.
+    local_prefill_s_per_token: Ewma = field(default_factory=Ewma)
     last_batch_at: float | None = None
 
-    def lease(self, num_tokens: int = 0) -> WorkerLease:
-        return WorkerLease(self, num_tokens)
+    def lease(self, num_tokens: int = 0, prices_local_prefill: bool = False) -> WorkerLease:
+        return WorkerLease(self, num_tokens, prices_local_prefill)
 
     def observe_batch(self, num_steps: int, stats: WorkerStats | None, now: float) -> float | None:
         """A decode worker's token batch covering num_steps steps arrived; the step time
@@ -49,9 +51,14 @@ class WorkerLease:
     """One request's share of a worker's load (an async context manager, or release()
     by hand when the request keeps it past a block)."""
 
-    def __init__(self, load: WorkerLoad, num_tokens: int) -> None:
+    def __init__(
+        self, load: WorkerLoad, num_tokens: int, prices_local_prefill: bool = False
+    ) -> None:
         self._load = load
         self.num_tokens = num_tokens
+        # A prompt the decode worker runs itself, long enough that its time per token
+        # says what the next such prompt costs (a short one's is mostly fixed cost).
+        self._prices_local_prefill = prices_local_prefill
         self.was_idle = load.num_assigned == 0
         if self.was_idle:
             load.busy_since = time.monotonic()
@@ -63,8 +70,12 @@ class WorkerLease:
     def held(self) -> bool:
         return self._held
 
-    def done_with_tokens(self) -> None:
-        """Its prompt tokens are no longer queued there (the prefill answered)."""
+    def done_with_tokens(self, compute_s: float | None = None) -> None:
+        """Its prompt tokens are no longer queued there (the prefill answered). With
+        compute_s, the worker ran them itself in that time: a prompt that prices local
+        prefill updates the load's rate."""
+        if compute_s and self.num_tokens > 0 and self._prices_local_prefill:
+            self._load.local_prefill_s_per_token.add(compute_s / self.num_tokens)
         self._load.queued_tokens -= self.num_tokens
         self.num_tokens = 0
 

@@ -96,6 +96,38 @@ def test_each_rule_gives_its_path_and_reason(
     assert (decision.path, decision.reason) == (path, reason)
 
 
+def test_a_decode_worker_slow_at_its_own_prompts_is_priced_at_its_own_rate() -> None:
+    # Saturated: 2 s remotely. At the prefill worker's 10 000 tok/s the 400 tokens take
+    # the decode worker 40 ms, 4 ms over each of 10 output tokens on a 2 ms step.
+    saturated = replace(IDLE, **SATURATED, decode_step_s=0.002)  # type: ignore[arg-type]
+    assert decide(saturated, POLICY).reason == "prefill_saturated"
+    # Its own prompts took 0.2 ms a token lately: 80 ms, still within the TPOT target.
+    twice = replace(saturated, decode_local_s_per_token=0.0002)
+    decision = decide(twice, POLICY)
+    assert decision.reason == "prefill_saturated"
+    assert decision.ttft_local_s == pytest.approx(0.082)
+    # At 1 ms a token: 400 ms of stall, 42 ms over each output token: past 80 % of 50 ms.
+    assert decide(replace(saturated, decode_local_s_per_token=0.001), POLICY).reason == (
+        "decode_at_tpot_slo"
+    )
+    # Faster than the prefill worker's rate is not believed: the pool's rate is a floor.
+    fast = decide(replace(saturated, decode_local_s_per_token=0.00001), POLICY)
+    assert fast.ttft_local_s == pytest.approx(0.042)
+
+
+def test_local_prompts_teach_the_load_their_time_per_token_short_ones_do_not() -> None:
+    from router.worker_load import WorkerLoad
+
+    load = WorkerLoad()
+    load.lease(400, prices_local_prefill=True).done_with_tokens(0.2)
+    assert load.local_prefill_s_per_token.value == pytest.approx(0.0005)
+    # A short prompt's time is mostly fixed cost; a lease without a time learns nothing.
+    load.lease(20, prices_local_prefill=False).done_with_tokens(0.05)
+    load.lease(400, prices_local_prefill=True).done_with_tokens(None)
+    assert load.local_prefill_s_per_token.value == pytest.approx(0.0005)
+    assert load.queued_tokens == 0
+
+
 def test_a_zero_short_prompt_threshold_hands_every_prompt_off() -> None:
     off = PrefillPolicyConfig(local_prefill_max_tokens=0)
     saturated = replace(IDLE, prefill_queued_tokens=10**6, decode_running=0)
@@ -220,6 +252,11 @@ def test_a_saturated_prefill_pool_sends_prompts_to_an_idle_decode_worker() -> No
         await wait_until_async(lambda: sum(t.done() for t in tasks) == num_local, 5.0)
         assert all(t.done() for t in tasks[8 - num_local :])
         assert all(t.result()[1].timings.local_prefill for t in tasks[8 - num_local :])
+        # What those prompts took on the decode worker (one fake step each, 64 tokens)
+        # prices the next local prompt there.
+        decode_load = pools.workers["decode"][0].load
+        step_s = pools.fakes["decode-0"].step_s
+        assert decode_load.local_prefill_s_per_token.value == pytest.approx(step_s / 64)
         prefill.hold_prefill.set()
         for _, final in await asyncio.gather(*tasks):
             assert final.finish_reason is FinishReason.LENGTH, final.error
