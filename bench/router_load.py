@@ -110,14 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'interval':>8} {'tok/s':>9} {'ratio':>6} {'msgs/req':>8} {'TTFT p50 ms':>11} "
-        f"{'accept p50 ms':>13} {'ok':>9}"
+        f"{'accept p50 ms':>13} {'TPOT p50':>9} {'gap p50':>8} {'gap p99':>8} {'ok':>9}"
     )
     for r in runs:
         assert r is not None
         print(
             f"{r['stream_interval']:>8} {r['tok_s']:>9} {r['tok_s'] / base:>6.2f} "
             f"{r['messages_per_request']:>8} {r['ttft_ms_p50']!s:>11} {r['accept_ms_p50']!s:>13} "
-            f"{r['ok']:>4}/{args.requests}"
+            f"{r['tpot_ms_p50']!s:>9} {r['message_gap_ms_p50']!s:>8} "
+            f"{r['message_gap_ms_p99']!s:>8} {r['ok']:>4}/{args.requests}"
         )
     if args.out:
         with open(args.out, "w") as f:
@@ -152,6 +153,8 @@ def _run(args: argparse.Namespace, interval: StreamInterval) -> dict[str, Any] |
     tokens = sum(t.num_tokens for t in ok)
     ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
     accepts = [t.accepted_s - t.sent_s for t in ok if t.accepted_s is not None]
+    gaps = [g for t in ok for g in t.gaps_s]  # between a stream's messages, as the client saw
+    tpots = [t.tpot_s for t in ok if t.tpot_s is not None]
     return {
         "stream_interval": interval,
         "ok": len(ok),
@@ -159,6 +162,9 @@ def _run(args: argparse.Namespace, interval: StreamInterval) -> dict[str, Any] |
         "messages_per_request": round(sum(len(t.gaps_s) + 1 for t in ok) / max(len(ok), 1), 1),
         "ttft_ms_p50": round(1000 * percentile(ttfts, 50), 2) if ttfts else None,
         "accept_ms_p50": round(1000 * percentile(accepts, 50), 2) if accepts else None,
+        "tpot_ms_p50": round(1000 * percentile(tpots, 50), 2) if tpots else None,
+        "message_gap_ms_p50": round(1000 * percentile(gaps, 50), 2) if gaps else None,
+        "message_gap_ms_p99": round(1000 * percentile(gaps, 99), 2) if gaps else None,
         "wall_s": round(elapsed, 2),
     }
 

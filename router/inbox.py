@@ -53,17 +53,20 @@ class UpdateInbox:
         self._urgent = False  # something ready that ends the wait whatever the count
         self._wake_at = 1  # tokens that wake a waiting take
 
-    def put(self, item: Item) -> None:
+    def put(self, item: Item) -> bool:
+        """Queue an item; True when it woke the stream waiting on it."""
         self._ready.append(item)
         if isinstance(item, TokenUpdate) and item.finish_reason is None:
             self._num_tokens += len(item.new_token_ids)
             if self._num_tokens < self._wake_at:
-                return
+                return False
         else:
             self._urgent = True
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+            return True
+        return False
 
     async def take(self, timeout_s: float | None, min_tokens: int = 1) -> Item:
         """Everything that has arrived, merged. Waits until at least `min_tokens` tokens,

@@ -93,12 +93,11 @@ class DisaggregatedGenerator(ServingPaths):
         # Which prompt prefixes each worker's cache holds, fed by the workers' KV events.
         self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
-        self.delivery = TokenDelivery(pools, self.indexes, self._inbox_of, self.signals)
+        inbox_of, attempts = self._inbox_of, self._attempts
+        self.delivery = TokenDelivery(pools, self.indexes, inbox_of, self.signals, attempts)
         migrations_counter()  # on /metrics from the start, at zero
         self.live_migration = (
-            None
-            if self.colocated_mode
-            else LiveMigrator(pools, self._attempts, self.config, self._spawn)
+            None if self.colocated_mode else LiveMigrator(pools, attempts, self.config, self._spawn)
         )
 
     # ---------------------------------------------------------------- lifecycle

@@ -8,8 +8,10 @@ serving core applies it where the tokens arrive: a stream sleeps until its inbox
 N tokens, a finish, a failure or a move (router/inbox.py), so the detokenizer, the
 stream's generators and the gRPC write run once per message. The first token goes at
 once (time to first token is unchanged) and the finish flushes the rest, so only the
-tokens in between wait, for at most N - 1 decode steps. `auto` (the default) chooses N
-from the number of open streams: 1 under light load, more as the streams multiply.
+tokens in between wait, for at most N - 1 decode steps while the loop keeps up (under
+many streams the poller lets new calls in between woken streams, router/delivery.py, and
+a message then carries what came meanwhile). `auto` (the default) chooses N from the
+number of open streams: 1 under light load, more as the streams multiply.
 """
 
 from __future__ import annotations
