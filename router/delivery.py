@@ -12,8 +12,8 @@ than all of them. A gRPC server takes in one new call per turn of its loop: with
 streams woken in one turn, a turn lasts the whole batch's work (detokenize, message,
 write for each) and new calls queue behind it; in short turns they come in between. The
 price is fewer, larger messages: the next poll waits for the batch's streams, so each
-update carries more steps (over fake workers at 128 streams: 1.3-2x the tokens a second
-and a fifth of the wait to be accepted, message gaps 25-33 ms p50 against 7; see
+update carries more steps (over fake workers: 1.5x the tokens a second at 64 streams, 2x
+at 128, the wait to be accepted a fifth or less; message gaps 25-34 ms p50 against 7-13;
 docs/benchmarks.md). Under that many streams, `--stream-interval auto` already trades
 per-token messages for the loop's capacity; below it nothing changes.
 """

@@ -134,11 +134,12 @@ class ServingPaths:
             num_local = len(inp.prompt_token_ids) - self.indexes["decode"].num_cached_tokens(
                 decode_ref.index, hashes
             )
-            local = decode_ref.load.lease(
-                num_local, prices_local_prefill=decision.reason != "short_prompt"
-            )
+            # A short prompt's time is mostly fixed cost: it neither prices local prefill
+            # nor counts as prefill work for the planner.
+            prefill_work = decision.reason != "short_prompt"
+            local = decode_ref.load.lease(num_local, prices_local_prefill=prefill_work)
             attempt.leases.append(local)
-            self.signals.prompt_placed(num_local, prefill_work=decision.reason != "short_prompt")
+            self.signals.prompt_placed(num_local, prefill_work=prefill_work)
             await self._call(decode_ref, decode_ref.client.submit(inp))
             progress.mark_decoding(PhaseTimings(queued_s, local_prefill=True))
             async for chunk in self._stream(attempt, progress, (), None, local):
