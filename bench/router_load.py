@@ -11,6 +11,7 @@ not the GPU, sets the service's throughput.
 
     python -m bench.router_load --concurrency 128 --requests 512 --profile out.prof
     python -m bench.router_load --stream-intervals 1,4,auto   # each in turn, one table
+    python -m bench.router_load --concurrency 128 --client-processes 4   # cores to spare
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", help="write the router's cProfile stats here")
     p.add_argument("--out", help="JSON results")
     p.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="client processes sharing the closed loop (where one client cannot read as fast "
+        "as the router sends: on a host with cores to spare)",
+    )
+    p.add_argument(
         "--stream-intervals",
         default="1",
         help="comma-separated --stream-interval values, each run in turn (e.g. 1,4,auto)",
@@ -99,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": provenance("bench.router_load", sys.argv[1:] if argv is None else argv),
         "concurrency": args.concurrency,
         "requests": args.requests,
+        "client_processes": args.client_processes,
         "step_ms": args.step_ms,
         "offered_tok_s": round(args.concurrency / (args.step_ms / 1000), 1),
         "runs": runs,
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, interval: StreamInterval) -> dict[str, Any] | None:
     """One router process at `interval`, driven by this one's closed loop."""
-    from bench.suite_service import drive
+    from bench.suite_service import drive_processes
 
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -143,8 +152,12 @@ def _run(args: argparse.Namespace, interval: StreamInterval) -> dict[str, Any] |
         [100 + (i * 7 + j) % 1000 for j in range(args.prompt_len)] for i in range(args.requests)
     ]
     start = time.perf_counter()
-    timings, wall = asyncio.run(
-        drive(f"127.0.0.1:{port}", prompts, args.output_len, concurrency=args.concurrency)
+    timings, wall = drive_processes(
+        f"127.0.0.1:{port}",
+        prompts,
+        args.output_len,
+        concurrency=args.concurrency,
+        processes=args.client_processes,
     )
     elapsed = time.perf_counter() - start
     done.set()
