@@ -36,6 +36,7 @@ from bench.report import percentile, provenance
 from bench.suite_common import make_prompts
 from bench.suite_service import drive
 
+LOAD_OUTPUT_TOKENS = 128  # each load request's output: a chat-length decode
 POOL_ARGS = {
     "1p1d": ["--prefill-workers", "1", "--decode-workers", "1", "--local-prefill-max-tokens", "0"],
     "colocated": ["--colocated-workers", "1"],
@@ -146,7 +147,7 @@ def measure(args: argparse.Namespace, log: Path) -> dict[str, Any]:
         if args.load_concurrency > 0:
             load = make_prompts(args.load_requests, args.prompt_tokens, args.vocab_size, 6)
             timings, wall = asyncio.run(
-                drive(svc.address, load, 128, concurrency=args.load_concurrency)
+                drive(svc.address, load, LOAD_OUTPUT_TOKENS, concurrency=args.load_concurrency)
             )
             after = traced_round(args, sink, svc.address, seed=7)
             after["load"] = {
