@@ -115,6 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "runs before this option)",
     )
     p.add_argument(
+        "--prompt-graph-max-tokens",
+        type=int,
+        help="b and every service: the longest lone prompt chunk replayed from a CUDA graph "
+        "(0 = every prompt eagerly; default: the engine's own)",
+    )
+    p.add_argument(
         "--no-compile",
         action="store_true",
         help="b and every service without torch.compile (8B shapes then start in about a "
@@ -150,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if ns.rounds is not None and ns.rounds < 1:
         p.error("--rounds must be >= 1")
     ns.serve_extra = shlex.split(ns.serve_extra) + (["--no-compile"] if ns.no_compile else [])
+    if ns.prompt_graph_max_tokens is not None:
+        ns.serve_extra += ["--prompt-graph-max-tokens", str(ns.prompt_graph_max_tokens)]
     resolve_goodput_args(ns, p)
     kv = dict(DEFAULT_KV_GIB)
     for item in (ns.kv_cache_gib or "").split(","):

@@ -110,6 +110,11 @@ def run_engine(
             kv_cache_gib=ns.kv_cache_gib,
             compile_model=part != "b0" and not ns.no_compile,
             async_scheduling=part != "bs",
+            **(
+                {}
+                if ns.prompt_graph_max_tokens is None
+                else {"prompt_graph_max_tokens": ns.prompt_graph_max_tokens}
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max(128, *ns.concurrency),
                 **({"max_num_batched_tokens": ns.step_tokens} if part == "bt" else {}),

@@ -34,6 +34,12 @@ DEFAULT_CPU_KV_CACHE_GIB = 1.0
 KV_STREAM_MIN_BYTES = 256 << 20
 DEFAULT_KV_STREAM_MIN_TOKENS: int | Literal["auto"] = "auto"
 
+# The longest prompt chunk that runs alone from a CUDA graph (engine.model.prompt_graphs).
+# Past it a pass is bound by the GPU's arithmetic on the models served here (8B: ~40 ms
+# of matmuls against a few ms of launches), and such a prompt of an 8B streams its KV
+# layer by layer, which runs eagerly anyway.
+DEFAULT_PROMPT_GRAPH_MAX_TOKENS = 2048
+
 
 def kv_stream_min_tokens(setting: int | Literal["auto"], kv_bytes_per_token: float) -> int:
     """The shortest prompt whose hand-off streams: `setting` itself, or for "auto" the
@@ -55,7 +61,10 @@ class EngineArgs:
     num_blocks: int | None = None  # None = sized from kv_cache_gib / gpu_memory_utilization
     kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.85
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
+    enforce_eager: bool = False  # True: no CUDA graphs (CUDA only)
+    # CUDA: a step that runs one prompt chunk of up to this many tokens, alone, replays
+    # a graph captured at start-up (0 = such steps run eagerly).
+    prompt_graph_max_tokens: int = DEFAULT_PROMPT_GRAPH_MAX_TOKENS
     compile_model: bool = True  # CUDA: torch.compile the decoder at start-up (model.compiled)
     # Schedule step N+1 while the device runs step N (engine.core.engine_core).
     # None: on CUDA, except prefill engines (on a CPU the step runs on the host: nothing
@@ -76,6 +85,10 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.prompt_graph_max_tokens < 0:
+            raise ValueError(
+                f"prompt_graph_max_tokens must be >= 0, got {self.prompt_graph_max_tokens}"
             )
         stream_from = self.kv_stream_min_tokens
         if stream_from != "auto" and not (isinstance(stream_from, int) and stream_from >= 0):
@@ -146,6 +159,7 @@ def build_engine(
     `index` names the engine among its pool's in its stats."""
     from engine.model.model_loader import has_tokenizer, load_tokenizer
     from engine.model.model_runner import ModelRunner
+    from engine.model.prompt_graphs import prompt_graph_sizes
 
     path = args.resolve_model_path()
     device = args.resolve_device()
@@ -159,9 +173,10 @@ def build_engine(
         device=str(device),
         load_format=args.load_format,
         block_size=args.block_size,
+        enforce_eager=args.enforce_eager,
         # A prefill engine never runs a decode step: graphs of one would only cost
         # start-up time and memory there.
-        enforce_eager=args.enforce_eager or not role.decodes,
+        decode_graphs=role.decodes,
         max_num_seqs=args.scheduler.max_num_seqs,
         compile_model=None if args.compile_model else False,
     )
@@ -172,6 +187,7 @@ def build_engine(
         runner_kw["verify_graph_max_seqs"] = speculative.disable_by_batch_size or 0
     runner = ModelRunner(
         str(path),
+        prompt_graph_tokens=prompt_graph_sizes(args.prompt_graph_max_tokens),
         num_blocks=args.num_blocks,
         kv_cache_bytes=(
             None if args.num_blocks else (lambda: int(_kv_budget_bytes(args, device) * share))

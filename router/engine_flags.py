@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from engine.core.config import SchedulerConfig
-from engine.factory import EngineArgs
+from engine.factory import DEFAULT_PROMPT_GRAPH_MAX_TOKENS, EngineArgs
 from router.flag_types import at_least, device, number_in, speculative_config
 
 
@@ -34,7 +34,15 @@ def add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g.add_argument(
             "--enforce-eager",
             action="store_true",
-            help="no CUDA graphs for decode steps (CUDA only)",
+            help="no CUDA graphs (CUDA only)",
+        ),
+        g.add_argument(
+            "--prompt-graph-max-tokens",
+            type=at_least(0),
+            default=DEFAULT_PROMPT_GRAPH_MAX_TOKENS,
+            help="CUDA: a step that runs one prompt chunk of up to this many tokens alone "
+            "replays a CUDA graph captured at start-up, padded to the next captured count "
+            "(0 = off)",
         ),
         g.add_argument(
             "--no-compile",
@@ -146,6 +154,7 @@ def engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
         load_format=ns.load_format,
         block_size=ns.block_size,
         enforce_eager=ns.enforce_eager,
+        prompt_graph_max_tokens=ns.prompt_graph_max_tokens,
         compile_model=ns.compile_model,
         # True: the engine's own default (one step ahead where it pays), not a forced on.
         async_scheduling=None if ns.async_scheduling else False,

@@ -5,6 +5,10 @@
 * Decode steps replayed from CUDA graphs give the eager runner's tokens (tiny float32
   Llama, padded and unpadded batch sizes) and, on the Llama-3.2-1B shape with random
   bf16 weights, the eager logits; padding never touches a block no request owns.
+* A prompt chunk run alone replays a prompt CUDA graph and gives the eager runner's
+  tokens (whole prompts, chunks after a cached prefix, the padded sizes), and on the
+  Llama-3.2-1B shape the eager logits; a chunk whose KV streams layer by layer, or one
+  too long for any graph, runs eagerly.
 * The one-launch K/V cache write against `index_copy_`.
 """
 
@@ -21,6 +25,7 @@ from engine.model.attention import paged_attention_forward, paged_step, write_kv
 from engine.model.attention_metadata import PagedAttentionMetadata, build_metadata
 from engine.model.compiled import is_compiled, uncompile_decoder
 from engine.model.model_runner import ModelRunner
+from engine.model.prompt_graphs import prompt_graph_sizes
 from engine.model.triton_attention import paged_decode_attention, triton_available
 from engine.sampling_params import GREEDY
 from tests.fakes import assert_engine_empty
@@ -307,6 +312,118 @@ def test_cuda_graphs_match_eager_logits_on_llama_1b_shape() -> None:
         for i, t in enumerate(tokens):
             t.append(out[f"r{i}"])
     assert graphs.num_replays == 4 * 2
+
+
+def _chunked_run(
+    runner: ModelRunner, prompt: list[int], chunks: list[int], table: tuple[int, ...], steps: int
+) -> list[int]:
+    """One request's prompt in `chunks`, each a step alone, then `steps` decode steps."""
+    bs, start, out = runner.block_size, 0, None
+    for i, n in enumerate(chunks):
+        chunk = tuple(prompt[start : start + n])
+        sample = i == len(chunks) - 1
+        seq = ScheduledSeq("r", chunk, start, table, sample, GREEDY, 0)
+        out = runner.execute(Batch((seq,), bs))
+        start += n
+    assert out is not None
+    tokens = [*prompt, out["r"]]
+    for _ in range(steps):
+        seq = ScheduledSeq("r", (tokens[-1],), len(tokens) - 1, table, True, GREEDY, 0)
+        tokens.append(runner.execute(Batch((seq,), bs))["r"])
+    return tokens[len(prompt) :]
+
+
+def test_prompt_graphs_give_eager_tokens_on_tiny_llama(tiny_llama_path: Path) -> None:
+    num_blocks, bs = 64, 8
+    common = dict(device="cuda", dtype="float32", num_blocks=num_blocks, block_size=bs)
+    graphed = ModelRunner(
+        tiny_llama_path,
+        cuda_graph_batch_sizes=[1, 2],
+        prompt_graph_tokens=prompt_graph_sizes(64),
+        **common,
+    )
+    # As a prefill engine runs: prompt graphs, no decode graphs.
+    prefill = ModelRunner(
+        tiny_llama_path, decode_graphs=False, prompt_graph_tokens=[16, 64], **common
+    )
+    eager = ModelRunner(tiny_llama_path, enforce_eager=True, prompt_graph_tokens=[64], **common)
+    assert graphed.prompt_graphs is not None and prefill.prompt_graphs is not None
+    assert prefill.cuda_graphs is None and eager.prompt_graphs is None
+    rng = random.Random(7)
+    cases = ([1], [16], [17], [63], [40, 20], [64, 64], [70])  # 70: past every graph
+    for chunks in cases:
+        prompt = [rng.randrange(3, 49152) for _ in range(sum(chunks))]
+        table = tuple(rng.sample(range(num_blocks), k=24))  # 192 tokens
+        results = []
+        for runner in (graphed, prefill, eager):
+            runner.kv_cache.fill_(float("nan"))
+            results.append(_chunked_run(runner, prompt, chunks, table, steps=8))
+        assert results[0] == results[1] == results[2], chunks
+        # Padding rows wrote only the scratch block: unused blocks are still poisoned.
+        unused = sorted(set(range(num_blocks)) - set(table))
+        assert torch.isnan(graphed.kv_cache[unused]).all()
+    assert graphed.prompt_graphs.num_replays == 8  # every chunk but the 70-token one
+
+    class Layers:
+        """A step observer's stream: the chunk it streams must run the eager pass."""
+
+        def __init__(self) -> None:
+            self.written: list[int] = []
+
+        def layer_written(self, layer_idx: int) -> None:
+            self.written.append(layer_idx)
+
+        def abort(self) -> None:
+            raise AssertionError("the pass did not fail")
+
+    stream = Layers()
+    prefill.step_observer = lambda batch: stream
+    before = prefill.prompt_graphs.num_replays
+    _chunked_run(prefill, list(range(5, 37)), [32], tuple(range(8)), steps=0)
+    assert prefill.prompt_graphs.num_replays == before
+    assert stream.written == list(range(prefill.spec.num_layers))
+    prefill.step_observer = lambda batch: None  # nothing to stream: the graph again
+    _chunked_run(prefill, list(range(5, 37)), [32], tuple(range(8)), steps=0)
+    assert prefill.prompt_graphs.num_replays == before + 1
+
+
+def test_prompt_graphs_match_eager_logits_on_llama_1b_shape() -> None:
+    runner = ModelRunner(
+        CONFIG_1B,
+        device="cuda",
+        load_format="dummy",
+        num_blocks=256,
+        block_size=16,
+        decode_graphs=False,
+        prompt_graph_tokens=prompt_graph_sizes(512),
+    )
+    graphs = runner.prompt_graphs
+    assert graphs is not None and is_compiled(runner.model)
+    rng = random.Random(3)
+    table = tuple(rng.sample(range(256), k=64))  # 1024 tokens
+    prompt = [rng.randrange(0, 128000) for _ in range(700)]
+    # A cached prefix of 300 tokens (run eagerly, two chunks), then a 400-token chunk
+    # that pads to the graph of 512.
+    for start, n in ((0, 150), (150, 150)):
+        seq = ScheduledSeq("r", tuple(prompt[start : start + n]), start, table, False, GREEDY, 0)
+        runner.execute(Batch((seq,), 16), use_cuda_graphs=False)
+    seq = ScheduledSeq("r", tuple(prompt[300:]), 300, table, True, GREEDY, 0)
+    batch = Batch((seq,), 16)
+    assert graphs.can_run(batch)
+    with torch.inference_mode():
+        decoder = runner.model.get_decoder()
+        compiled_forwards = [layer.forward for layer in decoder.layers]
+        uncompile_decoder(runner.model)  # the reference: transformers' own forward
+        eager = runner._forward_eager(batch, None).float()
+        for layer, forward in zip(decoder.layers, compiled_forwards, strict=True):
+            layer.forward = forward
+        graph = graphs.run(batch).float()
+    assert eager.shape == graph.shape == (1, runner.spec.vocab_size)
+    assert torch.isfinite(graph).all()
+    scale = eager.abs().max().item()
+    diff = (graph - eager).abs().max().item()
+    assert diff < 0.05 * scale, (diff, scale)
+    assert graphs.num_replays == 1
 
 
 def test_async_scheduling_gives_the_plain_loops_tokens(tiny_llama_path: Path) -> None:

@@ -14,7 +14,7 @@ and attend to that one slot: finite, and invisible to real sequences.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,29 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes += list(range(16, max_num_seqs, 16))
     sizes.append(max_num_seqs)
     return sorted(set(sizes))
+
+
+def capture_graphs(
+    sizes: Sequence[int], forward: Callable[[int], torch.Tensor], device: torch.device
+) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    """size -> (graph, its output) of `forward(size)` over static buffers, captured largest
+    first into one memory pool (a smaller graph reuses the larger one's memory). Each size
+    is warmed up twice on a side stream first: Triton compiles, cuBLAS picks its kernels."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+    for size in sorted(set(sizes), reverse=True):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = forward(size)
+        graphs[size] = (graph, out)
+    torch.cuda.synchronize(device)
+    return graphs
 
 
 class DecodeGraphs:
@@ -130,21 +153,9 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Warm up and capture every batch size, largest first (they share one pool)."""
         self._fill_padding(0, self.max_batch_size)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.kv_storage.device)
-        for n in reversed(self.batch_sizes):
-            meta = self._metadata(n)
-            # Warm-up on a side stream: Triton compiles, cuBLAS picks its kernels.
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(n, meta)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                logits = self._forward(n, meta)
-            self._graphs[n] = (graph, logits)
-        torch.cuda.synchronize(self.kv_storage.device)
+        self._graphs = capture_graphs(
+            self.batch_sizes, lambda n: self._forward(n, self._metadata(n)), self.kv_storage.device
+        )
         log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     def can_run(self, batch: Batch) -> bool:

@@ -2,8 +2,9 @@
 
 On CUDA the decoder is compiled by torch.compile (engine.model.compiled), and pure-decode
 steps replay captured CUDA graphs of it (engine.model.cuda_graphs) unless `enforce_eager`,
-as do speculative decoding's verifying steps (engine.model.verify_graphs); every other
-step (prefill chunks, mixed steps) runs the compiled decoder without a graph.
+as do speculative decoding's verifying steps (engine.model.verify_graphs) and steps that
+run one prompt chunk alone (engine.model.prompt_graphs); every other step (several
+prompts, mixed steps) runs the compiled decoder without a graph.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.model.draft_model import Proposer, fill_proposals
 from engine.model.kv_blocks import KVBlocks, LayerStream
 from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
+from engine.model.prompt_graphs import PromptGraphs, capture_prompt_graphs
 from engine.model.staging import to_device
 from engine.model.startup_log import startup_phase
 from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
@@ -61,6 +63,8 @@ class ModelRunner(KVBlocks):
         preloaded: tuple[torch.nn.Module, ModelSpec] | None = None,
         verify_graph_tokens: int = 0,
         verify_graph_max_seqs: int = 0,
+        decode_graphs: bool = True,
+        prompt_graph_tokens: Sequence[int] = (),
     ) -> None:
         """`enforce_eager` turns CUDA graphs off; they are captured here (CUDA only) for
         decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`).
@@ -75,7 +79,10 @@ class ModelRunner(KVBlocks):
         loaded from `model_path` (a draft model whose weights must count before the
         target sizes its cache). `verify_graph_tokens` q >= 2 (speculative decoding: 1 +
         proposals) also captures graphs of steps of up to q tokens per sequence, for up to
-        `verify_graph_max_seqs` sequences (engine.model.verify_graphs)."""
+        `verify_graph_max_seqs` sequences (engine.model.verify_graphs). `decode_graphs`
+        False captures no decode graphs (an engine that never decodes).
+        `prompt_graph_tokens` also captures graphs of one prompt chunk alone, padded to
+        these token counts (engine.model.prompt_graphs)."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         if block_size < 1:
@@ -91,10 +98,14 @@ class ModelRunner(KVBlocks):
             )
         # nn.Module's __getattr__ types every attribute as Tensor | Module.
         self.model.set_attn_implementation(register_paged_attention())  # type: ignore[operator]
-        use_graphs = self.device.type == "cuda" and not enforce_eager
-        if use_graphs and not triton_available():
+        any_graphs = self.device.type == "cuda" and not enforce_eager
+        if any_graphs and not triton_available():
             log.warning("triton does not import: CUDA graphs off, attention runs SDPA")
-            use_graphs = False
+            any_graphs = False
+        use_graphs = any_graphs and decode_graphs
+        prompt_graph_tokens = prompt_graph_tokens if any_graphs else ()
+        # Graphs' padding rows write their K/V into one scratch block past the cache.
+        scratch = int(use_graphs or bool(prompt_graph_tokens))
         use_triton = self.device.type == "cuda" and triton_available()
         if use_triton if small_batch_gemv is None else small_batch_gemv:
             use_gemv(self.model)
@@ -107,7 +118,7 @@ class ModelRunner(KVBlocks):
                 kv_cache_bytes = kv_cache_bytes()
             # With graphs the budget also holds the scratch block (below).
             per_block = self.spec.kv_block_bytes(block_size)
-            num_blocks = kv_cache_bytes // per_block - int(use_graphs)
+            num_blocks = kv_cache_bytes // per_block - scratch
             if num_blocks < 1:
                 raise ValueError(
                     f"a KV cache budget of {kv_cache_bytes} bytes holds no block of "
@@ -121,7 +132,7 @@ class ModelRunner(KVBlocks):
         # the scheduler never sees it. `kv_cache` is the part requests own.
         with startup_phase("kv_cache", f"{num_blocks} blocks of {block_size} tokens"):
             self._kv_storage = torch.zeros(
-                self.kv_cache_shape(self.spec, num_blocks + int(use_graphs), block_size),
+                self.kv_cache_shape(self.spec, num_blocks + scratch, block_size),
                 dtype=self.dtype,
                 device=self.device,
             )
@@ -140,6 +151,7 @@ class ModelRunner(KVBlocks):
         self.step_observer: Callable[[Batch], LayerStream | None] | None = None
         self.cuda_graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
+        self.prompt_graphs: PromptGraphs | None = None
         # Fills proposal slots before a verifying step (speculative decoding's draft model).
         self.drafter: Proposer | None = None
         if is_compiled(self.model):
@@ -147,9 +159,9 @@ class ModelRunner(KVBlocks):
             # the compiler's choices may follow the shapes it first sees.
             with startup_phase("compile"):
                 self._compile_now()
+        max_blocks = min(-(-self.spec.max_model_len // block_size), num_blocks)
         if use_graphs:
             sizes = cuda_graph_batch_sizes or graph_batch_sizes(max_num_seqs)
-            max_blocks = min(-(-self.spec.max_model_len // block_size), num_blocks)
             with startup_phase("cuda_graphs", f"batch sizes {list(sizes)}"):
                 self.capture_cuda_graphs(sizes, max_blocks)
             if verify_graph_tokens >= 2 and self.cuda_graphs is not None:
@@ -160,6 +172,11 @@ class ModelRunner(KVBlocks):
                     graph_batch_sizes(limit),
                     max_blocks,
                     verify_graph_tokens,
+                )
+        if prompt_graph_tokens:
+            with startup_phase("prompt_graphs", f"token counts {sorted(prompt_graph_tokens)}"):
+                self.prompt_graphs = capture_prompt_graphs(
+                    self.model, self._kv_storage, prompt_graph_tokens, max_blocks
                 )
 
     def capture_cuda_graphs(self, batch_sizes: Sequence[int], max_blocks_per_seq: int) -> None:
@@ -255,8 +272,33 @@ class ModelRunner(KVBlocks):
             logits = logits[to_device(rows, torch.long, self.device)]
         else:
             self._check_block_ids(batch)
-            logits = self._forward_eager(batch, sources, paged_decode)
+            logits = self._forward_observed(batch, sources, use_cuda_graphs, paged_decode)
         return self._sample(logits, sampled_seqs)
+
+    def _forward_observed(
+        self,
+        batch: Batch,
+        sources: list[int] | None,
+        use_cuda_graphs: bool,
+        paged_decode: bool | None,
+    ) -> torch.Tensor:
+        """A step no decode or verify graph runs: the step observer hears of it first; a
+        lone prompt chunk replays a prompt graph unless the observer streams its KV (the
+        layer hooks run in the eager pass only)."""
+        stream = None if self.step_observer is None else self.step_observer(batch)
+        prompt = self.prompt_graphs if use_cuda_graphs else None
+        try:
+            if prompt is not None and stream is None and sources is None and prompt.can_run(batch):
+                return prompt.run(batch)
+            on_layer = None if stream is None else stream.layer_written
+            return self._forward_eager(batch, sources, paged_decode, on_layer)
+        except BaseException:
+            if stream is not None:
+                try:
+                    stream.abort()  # the receivers are told there is nothing to continue
+                except Exception:  # noqa: BLE001 - the pass's own error is the one to raise
+                    log.exception("closing the streamed KV of a failed pass")
+            raise
 
     def _placeholder_sources(self, batch: Batch) -> list[int] | None:
         """Per sequence, the row of `_last_tokens` that holds its input's last token when
@@ -290,9 +332,14 @@ class ModelRunner(KVBlocks):
                 )
 
     def _forward_eager(
-        self, batch: Batch, sources: list[int] | None, paged_decode: bool | None = None
+        self,
+        batch: Batch,
+        sources: list[int] | None,
+        paged_decode: bool | None = None,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Logits [num sampling seqs, V] from one packed forward (no graph)."""
+        """Logits [num sampling seqs, V] from one packed forward (no graph); `on_layer`
+        hears of each layer the pass has written."""
         meta = PagedAttentionMetadata.build(
             batch,
             self.spec.num_layers,
@@ -318,23 +365,13 @@ class ModelRunner(KVBlocks):
         if where:
             index = to_device(where + rows, torch.long, self.device).view(2, -1)
             input_ids[index[0]] = self._last_tokens[index[1]]
-        stream = None if self.step_observer is None else self.step_observer(batch)
-        try:
-            on_layer = None if stream is None else stream.layer_written
-            with paged_step(meta, self._kv_storage, on_layer):
-                return self.model(
-                    input_ids=input_ids[None],
-                    position_ids=meta.positions[None],
-                    use_cache=False,
-                    logits_to_keep=to_device(last_token_idx, torch.long, self.device),
-                ).logits[0]
-        except BaseException:
-            if stream is not None:
-                try:
-                    stream.abort()  # the receivers are told there is nothing to continue
-                except Exception:  # noqa: BLE001 - the pass's own error is the one to raise
-                    log.exception("closing the streamed KV of a failed pass")
-            raise
+        with paged_step(meta, self._kv_storage, on_layer):
+            return self.model(
+                input_ids=input_ids[None],
+                position_ids=meta.positions[None],
+                use_cache=False,
+                logits_to_keep=to_device(last_token_idx, torch.long, self.device),
+            ).logits[0]
 
     def _sample(
         self, logits: torch.Tensor | None, sampled_seqs: list[ScheduledSeq]

@@ -30,6 +30,7 @@ import torch
 from engine.core.batch import Batch, ScheduledSeq
 from engine.model.attention import paged_step
 from engine.model.attention_metadata import PagedAttentionMetadata, VarlenGroup
+from engine.model.cuda_graphs import capture_graphs
 from engine.model.staging import to_device
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,41 @@ def logits_rows(seqs: Sequence[ScheduledSeq], q: int) -> list[int]:
     return rows
 
 
+class PackedBuffers:
+    """The static inputs a graph of packed sequences reads (`pack_inputs`' three arrays,
+    `seq_rows` rows of per-sequence values), and their staging: the host writes them into
+    one pinned buffer, one host-to-device copy, then device copies into place."""
+
+    def __init__(
+        self, max_seqs: int, q: int, width: int, device: torch.device, seq_rows: int = 3
+    ) -> None:
+        self.tokens = torch.zeros((3, max_seqs * q), dtype=torch.long, device=device)
+        self.seqs = torch.zeros((seq_rows, max_seqs), dtype=torch.long, device=device)
+        self.table = torch.zeros((max_seqs, width), dtype=torch.long, device=device)
+        count = self.tokens.numel() + self.seqs.numel() + self.table.numel()
+        self._host = torch.empty(count, dtype=torch.long).pin_memory()
+        self._staging = torch.empty(count, dtype=torch.long, device=device)
+        # The last copy out of `_host` must finish before the host rewrites it.
+        self._host_free = torch.cuda.Event()
+        self._host_free.record()
+
+    def stage(self, tokens: np.ndarray, seqs: np.ndarray, table: np.ndarray) -> None:
+        """Copy [3, T] token rows, [r, n] sequence rows and an [n, w] table into the
+        leading parts of the static buffers."""
+        parts = (tokens.reshape(-1), seqs.reshape(-1), table.reshape(-1))
+        count = sum(p.size for p in parts)
+        self._host_free.synchronize()
+        np.concatenate(parts, out=self._host.numpy()[:count])
+        staging = self._staging[:count]
+        staging.copy_(self._host[:count], non_blocking=True)
+        self._host_free.record()
+        a, b = parts[0].size, parts[0].size + parts[1].size
+        rows, size = seqs.shape
+        self.tokens[:, : tokens.shape[1]].copy_(staging[:a].view(3, -1))
+        self.seqs[:rows, :size].copy_(staging[a:b].view(rows, size))
+        self.table[:size, : table.shape[1]].copy_(staging[b:count].view(size, -1))
+
+
 class VerifyGraphs:
     """Captured forwards of batches of up to `q` tokens per sequence; `run` replays one."""
 
@@ -123,16 +159,10 @@ class VerifyGraphs:
         self.max_batch_size = self.batch_sizes[-1]
         self.q = q
         self._rows_per_block = kv_storage.shape[1] * 2 * block_size
-        device = kv_storage.device
-        max_n, width = self.max_batch_size, max_blocks_per_seq
-        self._tokens = torch.zeros((3, max_n * q), dtype=torch.long, device=device)
-        self._seqs = torch.zeros((3, max_n), dtype=torch.long, device=device)
-        self._table = torch.zeros((max_n, width), dtype=torch.long, device=device)
-        count = 3 * max_n * q + 3 * max_n + max_n * width
-        self._host = torch.empty(count, dtype=torch.long).pin_memory()
-        self._staging = torch.empty(count, dtype=torch.long, device=device)
-        self._host_free = torch.cuda.Event()
-        self._host_free.record()
+        self._buffers = PackedBuffers(self.max_batch_size, q, max_blocks_per_seq, kv_storage.device)
+        self._tokens = self._buffers.tokens
+        self._seqs = self._buffers.seqs
+        self._table = self._buffers.table
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
 
@@ -161,20 +191,7 @@ class VerifyGraphs:
             ).logits[0]
 
     def _stage(self, packed: PackedVerify) -> None:
-        """Copy packed inputs into the static buffers (one host-to-device copy)."""
-        size = packed.seqs.shape[1]
-        width = packed.table.shape[1]
-        parts = (packed.tokens.reshape(-1), packed.seqs.reshape(-1), packed.table.reshape(-1))
-        count = sum(p.size for p in parts)
-        self._host_free.synchronize()
-        np.concatenate(parts, out=self._host.numpy()[:count])
-        staging = self._staging[:count]
-        staging.copy_(self._host[:count], non_blocking=True)
-        self._host_free.record()
-        a, b = parts[0].size, parts[0].size + parts[1].size
-        self._tokens[:, : size * self.q].copy_(staging[:a].view(3, -1))
-        self._seqs[:, :size].copy_(staging[a:b].view(3, -1))
-        self._table[:size, :width].copy_(staging[b:count].view(size, width))
+        self._buffers.stage(packed.tokens, packed.seqs, packed.table)
 
     def _pack(self, seqs: Sequence[ScheduledSeq], size: int) -> PackedVerify:
         return pack_inputs(
@@ -190,20 +207,9 @@ class VerifyGraphs:
     def capture(self) -> None:
         """Warm up and capture every batch size, largest first (they share one pool)."""
         self._stage(self._pack((), self.max_batch_size))
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.kv_storage.device)
-        for n in reversed(self.batch_sizes):
-            meta = self._metadata(n)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(n, meta)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                logits = self._forward(n, meta)
-            self._graphs[n] = (graph, logits)
-        torch.cuda.synchronize(self.kv_storage.device)
+        self._graphs = capture_graphs(
+            self.batch_sizes, lambda n: self._forward(n, self._metadata(n)), self.kv_storage.device
+        )
         log.info(
             "captured verify CUDA graphs (%d tokens a sequence) for %s", self.q, self.batch_sizes
         )
