@@ -196,6 +196,11 @@ def run_offline(
         f"--copy-bytes={(1 << 30) if ns.device == 'cuda' else (64 << 20)}",
         f"--out={out}",
         *(["--no-compile"] if ns.no_compile else []),
+        *(
+            [f"--prompt-graph-max-tokens={ns.prompt_graph_max_tokens}"]
+            if ns.prompt_graph_max_tokens is not None
+            else []
+        ),
     ]
     start = time.perf_counter()
     with open(log, "wb") as f:

@@ -286,6 +286,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="b: the decoder as transformers runs it (no torch.compile: starts in a minute)",
     )
     p.add_argument(
+        "--prompt-graph-max-tokens",
+        type=int,
+        help="b: the longest lone prompt chunk replayed from a CUDA graph (0 = none; "
+        "default: the engine's own)",
+    )
+    p.add_argument(
         "--step-tokens",
         type=int,
         default=8192,

@@ -362,7 +362,11 @@ def test_prompt_graphs_give_eager_tokens_on_tiny_llama(tiny_llama_path: Path) ->
         # Padding rows wrote only the scratch block: unused blocks are still poisoned.
         unused = sorted(set(range(num_blocks)) - set(table))
         assert torch.isnan(graphed.kv_cache[unused]).all()
-    assert graphed.prompt_graphs.num_replays == 8  # every chunk but the 70-token one
+    # Every chunk but the 70-token one, and the one-token prompt: that is a step of one
+    # token, which the decode graph of batch 1 runs.
+    assert graphed.prompt_graphs.num_replays == 7
+    # No decode graphs there: every one-token decode step replays the graph of 16 too.
+    assert prefill.prompt_graphs.num_replays == 8 + len(cases) * 8
 
     class Layers:
         """A step observer's stream: the chunk it streams must run the eager pass."""
