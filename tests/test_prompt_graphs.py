@@ -14,7 +14,9 @@ from router.engine_flags import engine_args
 from router.flags import build_parser
 
 
-def _seq(req_id: str, num_tokens: int, start: int = 0, blocks: int = 4, drafts: int = 0):  # type: ignore[no-untyped-def]
+def _seq(
+    req_id: str, num_tokens: int, start: int = 0, blocks: int = 4, drafts: int = 0
+) -> ScheduledSeq:
     tokens = tuple(range(1, num_tokens + 1))
     return ScheduledSeq(req_id, tokens, start, tuple(range(blocks)), True, GREEDY, 0, drafts)
 
@@ -37,6 +39,8 @@ def test_only_one_prompt_chunk_alone_fits_a_graph() -> None:
     assert fits_prompt_graph(Batch((_seq("a", 100, start=300, blocks=25),), 16), 512, 32)
     assert not fits_prompt_graph(Batch((_seq("a", 513, blocks=33),), 16), 512, 64)
     assert not fits_prompt_graph(Batch((_seq("a", 100, blocks=40),), 16), 512, 32)
+    # A table too short for the chunk: the eager pass raises the request's error.
+    assert not fits_prompt_graph(Batch((_seq("a", 100, start=20, blocks=7),), 16), 512, 32)
     two = Batch((_seq("a", 10), _seq("b", 1, start=30)), 16)
     assert not fits_prompt_graph(two, 512, 32)
     speculating = Batch((_seq("a", 5, start=40, drafts=4),), 16, num_draft_tokens=4)

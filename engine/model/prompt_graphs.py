@@ -47,11 +47,17 @@ def prompt_graph_sizes(max_tokens: int) -> list[int]:
 
 def fits_prompt_graph(batch: Batch, max_tokens: int, max_blocks_per_seq: int) -> bool:
     """True for a step of one sequence of 1..max_tokens tokens, with no proposals, whose
-    block table a graph's static table holds."""
+    block table holds its tokens and fits a graph's static table. (A table too short for
+    its tokens runs eagerly, where the batch's checks name the request.)"""
     if len(batch.seqs) != 1 or batch.num_draft_tokens:
         return False
     seq = batch.seqs[0]
-    return seq.num_tokens <= max_tokens and len(seq.block_table) <= max_blocks_per_seq
+    blocks = len(seq.block_table)
+    return (
+        seq.num_tokens <= max_tokens
+        and blocks <= max_blocks_per_seq
+        and blocks * batch.block_size >= seq.end_position
+    )
 
 
 class PromptGraphs:
