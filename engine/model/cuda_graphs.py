@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -58,6 +59,24 @@ def capture_graphs(
             out = forward(size)
         graphs[size] = (graph, out)
     torch.cuda.synchronize(device)
+    return graphs
+
+
+class _Capturable(Protocol):
+    def capture(self) -> None: ...
+
+
+GraphsT = TypeVar("GraphsT", bound=_Capturable)
+
+
+def captured_or_none(graphs: GraphsT, steps: str) -> GraphsT | None:
+    """`graphs` captured now (start-up), or None with a warning when capture fails: the
+    `steps` they would have run then run eagerly."""
+    try:
+        graphs.capture()
+    except Exception:
+        log.warning("capturing CUDA graphs failed; %s run eagerly", steps, exc_info=True)
+        return None
     return graphs
 
 

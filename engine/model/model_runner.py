@@ -21,12 +21,12 @@ from engine.core.request import PLACEHOLDER_TOKEN
 from engine.model.attention import paged_step, register_paged_attention
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
-from engine.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine.model.cuda_graphs import DecodeGraphs, captured_or_none, graph_batch_sizes
 from engine.model.draft_model import Proposer, fill_proposals
 from engine.model.kv_blocks import KVBlocks, LayerStream
 from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
-from engine.model.prompt_graphs import PromptGraphs, capture_prompt_graphs
+from engine.model.prompt_graphs import PromptGraphs
 from engine.model.staging import to_device
 from engine.model.startup_log import startup_phase
 from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
@@ -175,9 +175,15 @@ class ModelRunner(KVBlocks):
                 )
         if prompt_graph_tokens:
             with startup_phase("prompt_graphs", f"token counts {sorted(prompt_graph_tokens)}"):
-                self.prompt_graphs = capture_prompt_graphs(
-                    self.model, self._kv_storage, prompt_graph_tokens, max_blocks
+                graphs = PromptGraphs(
+                    self.model,
+                    self._kv_storage,
+                    scratch_block=num_blocks,
+                    block_size=block_size,
+                    max_blocks_per_seq=max_blocks,
+                    token_counts=prompt_graph_tokens,
                 )
+                self.prompt_graphs = captured_or_none(graphs, "lone prompt chunks")
 
     def capture_cuda_graphs(self, batch_sizes: Sequence[int], max_blocks_per_seq: int) -> None:
         """Capture decode graphs now (start-up), or stay eager with a warning if that fails."""

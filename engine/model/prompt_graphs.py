@@ -28,7 +28,7 @@ from engine.core.batch import Batch
 from engine.model.attention import paged_step
 from engine.model.attention_metadata import PagedAttentionMetadata, VarlenGroup
 from engine.model.cuda_graphs import capture_graphs
-from engine.model.verify_graphs import PackedBuffers, pack_inputs
+from engine.model.verify_graphs import GraphsOverCache, PackedBuffers, pack_inputs
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def fits_prompt_graph(batch: Batch, max_tokens: int, max_blocks_per_seq: int) ->
     )
 
 
-class PromptGraphs:
+class PromptGraphs(GraphsOverCache):
     """Captured forwards of one sequence's chunk of up to q tokens; `run` replays one."""
 
     def __init__(
@@ -72,24 +72,15 @@ class PromptGraphs:
         max_blocks_per_seq: int,
         token_counts: Sequence[int],
     ) -> None:
-        if not kv_storage.is_cuda:
-            raise ValueError("CUDA graphs need a CUDA KV cache")
+        super().__init__(model, kv_storage, scratch_block, block_size, max_blocks_per_seq)
         if not token_counts or min(token_counts) < 1:
             raise ValueError(f"token counts must be >= 1, got {list(token_counts)}")
-        self.model = model
-        self.kv_storage = kv_storage
-        self.scratch_block = scratch_block
-        self.block_size = block_size
-        self.max_blocks_per_seq = max_blocks_per_seq
         self.token_counts = sorted(set(token_counts))
         self.max_tokens = self.token_counts[-1]
-        self._rows_per_block = kv_storage.shape[1] * 2 * block_size
         # A fourth per-sequence row: the packed row whose logits the step takes.
         self._buffers = PackedBuffers(
             1, self.max_tokens, max_blocks_per_seq, kv_storage.device, seq_rows=4
         )
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.num_replays = 0
 
     def _forward(self, q: int) -> torch.Tensor:
         buffers = self._buffers
@@ -150,24 +141,3 @@ class PromptGraphs:
         graph.replay()
         self.num_replays += 1
         return logits
-
-
-def capture_prompt_graphs(
-    model: torch.nn.Module, kv_storage: torch.Tensor, token_counts: Sequence[int], max_blocks: int
-) -> PromptGraphs | None:
-    """Graphs of one-prompt steps, captured now (start-up) over a cache whose last block is
-    the scratch block; None, with a warning, when capture fails (such steps run eagerly)."""
-    graphs = PromptGraphs(
-        model,
-        kv_storage,
-        scratch_block=kv_storage.shape[0] - 1,
-        block_size=kv_storage.shape[3],
-        max_blocks_per_seq=max_blocks,
-        token_counts=token_counts,
-    )
-    try:
-        graphs.capture()
-    except Exception:
-        log.warning("capturing prompt CUDA graphs failed; prompts run eagerly", exc_info=True)
-        return None
-    return graphs

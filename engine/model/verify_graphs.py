@@ -30,7 +30,7 @@ import torch
 from engine.core.batch import Batch, ScheduledSeq
 from engine.model.attention import paged_step
 from engine.model.attention_metadata import PagedAttentionMetadata, VarlenGroup
-from engine.model.cuda_graphs import capture_graphs
+from engine.model.cuda_graphs import capture_graphs, captured_or_none
 from engine.model.staging import to_device
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,31 @@ class PackedBuffers:
         self.table[:size, : table.shape[1]].copy_(staging[b:count].view(size, -1))
 
 
-class VerifyGraphs:
+class GraphsOverCache:
+    """What a kind of CUDA graph over a paged KV cache holds: the model, the cache (whose
+    block `scratch_block` takes padding rows' K/V), its geometry, and the graphs."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_storage: torch.Tensor,
+        scratch_block: int,
+        block_size: int,
+        max_blocks_per_seq: int,
+    ) -> None:
+        if not kv_storage.is_cuda:
+            raise ValueError("CUDA graphs need a CUDA KV cache")
+        self.model = model
+        self.kv_storage = kv_storage
+        self.scratch_block = scratch_block
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self._rows_per_block = kv_storage.shape[1] * 2 * block_size
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_replays = 0
+
+
+class VerifyGraphs(GraphsOverCache):
     """Captured forwards of batches of up to `q` tokens per sequence; `run` replays one."""
 
     def __init__(
@@ -146,25 +170,16 @@ class VerifyGraphs:
         batch_sizes: Sequence[int],
         q: int,
     ) -> None:
-        if not kv_storage.is_cuda:
-            raise ValueError("CUDA graphs need a CUDA KV cache")
+        super().__init__(model, kv_storage, scratch_block, block_size, max_blocks_per_seq)
         if q < 2:
             raise ValueError(f"a verifying step has at least 2 tokens per sequence, got {q}")
-        self.model = model
-        self.kv_storage = kv_storage
-        self.scratch_block = scratch_block
-        self.block_size = block_size
-        self.max_blocks_per_seq = max_blocks_per_seq
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_batch_size = self.batch_sizes[-1]
         self.q = q
-        self._rows_per_block = kv_storage.shape[1] * 2 * block_size
         self._buffers = PackedBuffers(self.max_batch_size, q, max_blocks_per_seq, kv_storage.device)
         self._tokens = self._buffers.tokens
         self._seqs = self._buffers.seqs
         self._table = self._buffers.table
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.num_replays = 0
 
     def _metadata(self, n: int) -> PagedAttentionMetadata:
         group = VarlenGroup(
@@ -267,11 +282,4 @@ def capture_verify_graphs(
         batch_sizes=batch_sizes,
         q=q,
     )
-    try:
-        graphs.capture()
-    except Exception:
-        log.warning(
-            "capturing verify CUDA graphs failed; verifying steps run eagerly", exc_info=True
-        )
-        return None
-    return graphs
+    return captured_or_none(graphs, "verifying steps")
