@@ -152,6 +152,16 @@ def _load_draft(
     return (model, draft_spec), per_block[0] / sum(per_block)
 
 
+def longest_graph_chunk(args: EngineArgs, device: torch.device) -> int:
+    """The longest prompt chunk a graph need run: a step's token budget and the chunking
+    threshold bound every chunk, as `prompt_graph_max_tokens` bounds the graphs."""
+    scheduler = args.scheduler.for_device(device.type)
+    bounds = [args.prompt_graph_max_tokens, scheduler.max_num_batched_tokens or 0]
+    if scheduler.long_prefill_token_threshold:
+        bounds.append(scheduler.long_prefill_token_threshold)
+    return min(bounds)
+
+
 def build_engine(
     args: EngineArgs, *, role: EngineRole = EngineRole.COLOCATED, index: int = 0
 ) -> BuiltEngine:
@@ -187,7 +197,7 @@ def build_engine(
         runner_kw["verify_graph_max_seqs"] = speculative.disable_by_batch_size or 0
     runner = ModelRunner(
         str(path),
-        prompt_graph_tokens=prompt_graph_sizes(args.prompt_graph_max_tokens),
+        prompt_graph_tokens=prompt_graph_sizes(longest_graph_chunk(args, device)),
         num_blocks=args.num_blocks,
         kv_cache_bytes=(
             None if args.num_blocks else (lambda: int(_kv_budget_bytes(args, device) * share))

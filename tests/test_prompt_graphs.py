@@ -5,10 +5,12 @@ tests/test_gpu_runner.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.core.batch import Batch, ScheduledSeq
-from engine.factory import DEFAULT_PROMPT_GRAPH_MAX_TOKENS, EngineArgs
-from engine.model.prompt_graphs import fits_prompt_graph, prompt_graph_sizes
+from engine.core.config import SchedulerConfig
+from engine.factory import DEFAULT_PROMPT_GRAPH_MAX_TOKENS, EngineArgs, longest_graph_chunk
+from engine.model.prompt_graphs import fits_prompt_graph, prompt_graph_sizes, within_context
 from engine.sampling_params import GREEDY
 from router.engine_flags import engine_args
 from router.flags import build_parser
@@ -63,3 +65,17 @@ def test_flag_sets_the_engines_longest_graph_and_refuses_negatives(
     assert "--prompt-graph-max-tokens" in capsys.readouterr().err
     with pytest.raises(ValueError, match="prompt_graph_max_tokens"):
         EngineArgs(prompt_graph_max_tokens=-5)
+
+
+def test_no_graph_is_longer_than_a_chunk_can_be() -> None:
+    cuda = torch.device("cuda")  # only named: the bounds are plain arithmetic
+    assert longest_graph_chunk(EngineArgs(), cuda) == DEFAULT_PROMPT_GRAPH_MAX_TOKENS
+    small_steps = EngineArgs(scheduler=SchedulerConfig(max_num_batched_tokens=512))
+    assert longest_graph_chunk(small_steps, cuda) == 512
+    chunked = EngineArgs(scheduler=SchedulerConfig(long_prefill_token_threshold=300))
+    assert longest_graph_chunk(chunked, cuda) == 300
+    assert longest_graph_chunk(EngineArgs(prompt_graph_max_tokens=0), cuda) == 0
+    # A model of 1000 tokens: the graphs stop there, the last one at 1000.
+    capped = within_context(prompt_graph_sizes(2048), 1000)
+    assert capped[-1] == 1000 and capped[-2] == 768
+    assert within_context(prompt_graph_sizes(512), 1000) == prompt_graph_sizes(512)

@@ -26,7 +26,7 @@ from engine.model.draft_model import Proposer, fill_proposals
 from engine.model.kv_blocks import KVBlocks, LayerStream
 from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
-from engine.model.prompt_graphs import PromptGraphs
+from engine.model.prompt_graphs import PromptGraphs, within_context
 from engine.model.staging import to_device
 from engine.model.startup_log import startup_phase
 from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
@@ -104,6 +104,7 @@ class ModelRunner(KVBlocks):
             any_graphs = False
         use_graphs = any_graphs and decode_graphs
         prompt_graph_tokens = prompt_graph_tokens if any_graphs else ()
+        prompt_graph_tokens = within_context(prompt_graph_tokens, self.spec.max_model_len)
         # Graphs' padding rows write their K/V into one scratch block past the cache.
         scratch = int(use_graphs or bool(prompt_graph_tokens))
         use_triton = self.device.type == "cuda" and triton_available()

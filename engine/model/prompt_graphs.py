@@ -45,6 +45,13 @@ def prompt_graph_sizes(max_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 
+def within_context(sizes: Sequence[int], context: int) -> list[int]:
+    """`sizes` for a model of `context` tokens: none past it, and one at it if any was."""
+    if not sizes or max(sizes) <= context:
+        return list(sizes)
+    return [n for n in sizes if n < context] + [context]
+
+
 def fits_prompt_graph(batch: Batch, max_tokens: int, max_blocks_per_seq: int) -> bool:
     """True for a step of one sequence of 1..max_tokens tokens, with no proposals, whose
     block table holds its tokens and fits a graph's static table. (A table too short for
