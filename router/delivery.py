@@ -23,10 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence, Sized
+from collections.abc import Callable, Sized
 
 from engine.core.kv_events import KVEvents
-from engine.wire import TokenUpdate
 from router import phase_metrics
 from router.clients import WorkerDied
 from router.inbox import UpdateInbox
@@ -41,20 +40,6 @@ LOADED_FROM_STREAMS = AUTO_FROM_STREAMS
 
 log = logging.getLogger("pdserve.router")
 TOKEN_POOLS = ("decode", "colocated")
-
-
-def ending_first(updates: Sequence[TokenUpdate]) -> list[TokenUpdate]:
-    """The updates of requests that end in this batch first, each request's in order.
-
-    Under many streams a batch's streams run one per turn of the loop, in the order of
-    the puts; a client whose request ended gets its final message soonest, and a closed
-    loop sends its next request that much earlier."""
-    ending = {u.req_id for u in updates if u.finish_reason is not None}
-    if not ending:
-        return list(updates)
-    return [u for u in updates if u.req_id in ending] + [
-        u for u in updates if u.req_id not in ending
-    ]
 
 
 class TokenDelivery:
@@ -106,7 +91,7 @@ class TokenDelivery:
                         step_s,
                     )
                 loaded = len(self.streams) >= LOADED_FROM_STREAMS
-                for update in ending_first(batch.updates):
+                for update in batch.updates:
                     if update.kv_handoff_s:
                         ref.load.handoff_s.add(update.kv_handoff_s)
                     if update.phases is not None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from engine.core.request import FinishReason
 from engine.wire import TokenBatch, TokenUpdate
-from router.delivery import LOADED_FROM_STREAMS, TokenDelivery, ending_first
+from router.delivery import LOADED_FROM_STREAMS, TokenDelivery
 from router.inbox import UpdateInbox
 from router.worker_load import WorkerLoad
 
@@ -71,17 +70,3 @@ def test_under_many_streams_each_woken_stream_runs_before_the_next_put() -> None
 def test_under_few_streams_a_batch_is_delivered_in_one_go() -> None:
     log = _order_of_events(8)
     assert log == ["put"] * 8 + ["took"] * 8
-
-
-def test_requests_that_end_are_delivered_first_each_in_its_own_order() -> None:
-    done = FinishReason.LENGTH
-    updates = [
-        TokenUpdate("a", (1,)),
-        TokenUpdate("b", (2,)),
-        TokenUpdate("c", (3,)),
-        TokenUpdate("b", (4,), finish_reason=done),  # b's earlier tokens stay before it
-        TokenUpdate("d", (5,), finish_reason=done),
-    ]
-    order = [(u.req_id, u.new_token_ids) for u in ending_first(updates)]
-    assert order == [("b", (2,)), ("b", (4,)), ("d", (5,)), ("a", (1,)), ("c", (3,))]
-    assert ending_first(updates[:3]) == updates[:3]
