@@ -12,6 +12,7 @@ not the GPU, sets the service's throughput.
     python -m bench.router_load --concurrency 128 --requests 512 --profile out.prof
     python -m bench.router_load --stream-intervals 1,4,auto   # each in turn, one table
     python -m bench.router_load --concurrency 128 --client-processes 4   # cores to spare
+    python -m bench.router_load --detokenize   # with text, as for a served model
 """
 
 from __future__ import annotations
@@ -42,9 +43,15 @@ def _serve(
 
     async def main() -> None:
         pools = FakePools(1, 1, step_s=args.step_ms / 1000, steps_by_clock=True)
+        tokenizer = None
+        if args.detokenize:
+            from engine.model.embedded import ensure_embedded_model
+            from engine.model.model_loader import load_tokenizer
+
+            tokenizer = load_tokenizer(str(ensure_embedded_model()))
         core = DisaggregatedGenerator(
             pools,  # type: ignore[arg-type]
-            None,
+            tokenizer,
             RouterConfig(max_in_flight=4096, local_prefill_max_tokens=0, stream_interval=interval),
         )
         core.start()
@@ -92,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         "as the router sends: on a host with cores to spare)",
     )
     p.add_argument(
+        "--detokenize",
+        action="store_true",
+        help="the router turns tokens into text with the embedded model's tokenizer, as it "
+        "does for a served model (default: token ids only)",
+    )
+    p.add_argument(
         "--stream-intervals",
         default="1",
         help="comma-separated --stream-interval values, each run in turn (e.g. 1,4,auto)",
@@ -109,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "client_processes": args.client_processes,
         "step_ms": args.step_ms,
+        "detokenize": args.detokenize,
         "offered_tok_s": round(args.concurrency / (args.step_ms / 1000), 1),
         "runs": runs,
     }
