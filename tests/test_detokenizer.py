@@ -74,3 +74,56 @@ def test_tokens_given_together_past_a_stop_string_are_not_reported(tokenizer) ->
     assert chunk is not None and chunk.text == " one two "
     assert list(chunk.token_ids) == read
     assert len(read) < len(ids)
+
+
+def _sentencepiece_style_tokenizer():  # type: ignore[no-untyped-def]
+    """A tiny Llama-2-style tokenizer (metaspace, byte fallback, the first space stripped
+    on decode), trained here: the decoder whose output depends most on the prompt before."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens], show_progress=False
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+@pytest.mark.parametrize("which", ["smollm2", "sentencepiece-style"])
+def test_streaming_decoder_gives_the_windowed_decodes_text(tokenizer, which: str) -> None:  # type: ignore[no-untyped-def]
+    """The tokenizers library's streaming decoder against re-decoding a window with
+    tokenizer.decode: the same text for the same tokens, from any prompt, special tokens,
+    multi-byte characters split over tokens and random ids included."""
+    import random
+
+    from engine.frontend.detokenizer import _StreamDecode, _text_stream, _WindowDecode
+
+    tok = tokenizer if which == "smollm2" else _sentencepiece_style_tokenizer()
+    rng = random.Random(3)
+    texts = [" naïve café — 日本語 🙂 emoji, ok", "the lazy dog ünïcödé 🙂🙂 end", "x"]
+    cases = [tok.encode(t, add_special_tokens=False) for t in texts]
+    cases += [[rng.randrange(len(tok)) for _ in range(60)] for _ in range(20)]
+    cases.append([tok.eos_token_id, *cases[0], tok.eos_token_id])
+    for ids in cases:
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 8))]
+        fast = _text_stream(tok, prompt)
+        # A prompt ending part-way through a character keeps the windowed decode.
+        broken = tok.decode(prompt, skip_special_tokens=True).endswith("\ufffd")
+        assert isinstance(fast, _WindowDecode if broken else _StreamDecode)
+        slow = _WindowDecode(tok, prompt)
+        fast_text = "".join(fast.push(t) for t in ids)
+        slow_text = "".join(slow.push(t) for t in ids)
+        assert fast_text == slow_text, (ids, prompt)
