@@ -45,8 +45,9 @@ test: model style
 	wait $$mypy; types=$$?; cat $(VENV)/mypy.log; \
 	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
 
-# The longest end-to-end scenarios (marked `slow`: worker kills under traffic, the
-# planner scaling a pool up and down), about 1.5 minutes; CI runs them after `make test`.
+# The longest end-to-end scenarios (marked `slow`: worker kills under traffic, scaling
+# while streaming, the planner, several Ray nodes), about 4 minutes; CI runs them after
+# `make test`.
 test-slow: model
 	$(PY) -m pytest -q -m slow
 

@@ -20,7 +20,8 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 
-pytestmark = pytest.mark.e2e
+# A Ray cluster of several nodes and a service on it, about 30 s: `make test-slow`.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
 MAX_TOKENS = 8

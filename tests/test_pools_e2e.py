@@ -122,6 +122,7 @@ async def _resize_while_streaming(
     await assert_pools_empty(address)
 
 
+@pytest.mark.slow  # two worker starts while streaming, about 30 s: `make test-slow`
 def test_scale_up_while_streaming(service: ServiceProcess, expected: dict[int, list[int]]) -> None:
     async def scenario() -> None:
         await _pools_at(service.address, 1, 1)

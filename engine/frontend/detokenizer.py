@@ -64,6 +64,7 @@ class _NoText:
 
 
 def _text_stream(tokenizer: Any, prompt_tail: list[int]) -> _WindowDecode | _StreamDecode | _NoText:
+    """The cheapest way to get `tokenizer.decode`'s text of each token after this prompt."""
     if tokenizer is None:
         return _NoText()
     backend = getattr(tokenizer, "backend_tokenizer", None)
