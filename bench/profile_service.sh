@@ -7,13 +7,17 @@
 #       --shapes 1b --parts c --concurrency 128 --rounds 16 --no-compile
 #
 # PROFILE_AFTER_S: seconds after the decode worker's process appears (its start-up) before
-# sampling starts; PROFILE_FOR_S: how long to sample. py-spy comes from .whl/ like the
+# sampling starts; PROFILE_FOR_S: how long to sample; PROFILE_NATIVE=1 adds native frames
+# (C extensions, the event loop's own code) to the stacks, pausing each process to read
+# them (--nonblocking cannot read native frames). py-spy comes from .whl/ like the
 # other packages the GPU image lacks.
 set -uo pipefail
 OUT=${OUT:-$PWD/bench/results/profile}
 mkdir -p "$OUT"
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 pyspy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+how=--nonblocking
+[[ -n ${PROFILE_NATIVE:-} ]] && how=--native
 
 before=" $(pgrep -f "DecodeWorker" | tr '\n' ' ') "  # a previous run's, still exiting
 OUT=$OUT/suite bash "$(dirname "${BASH_SOURCE[0]}")/run_gpu.sh" suite "$@" >"$OUT/suite.log" 2>&1 &
@@ -27,7 +31,7 @@ sleep "${PROFILE_AFTER_S:-40}"
 for pid in $(pgrep -f "pdserve serve|bin/pdserve|router.cli") $(pgrep -f "ray::(Prefill|Decode|Colocated)Worker"); do
   name=$(tr '\0' ' ' </proc/"$pid"/cmdline | cut -c1-40 | tr -c 'a-zA-Z0-9\n' '_')
   "$pyspy" record --pid "$pid" --duration "${PROFILE_FOR_S:-10}" --rate 200 --format raw \
-    --threads --nonblocking --output "$OUT/$pid-$name.txt" >/dev/null 2>&1 &
+    --threads $how --output "$OUT/$pid-$name.txt" >/dev/null 2>&1 &
 done
 wait "$suite"
 wait

@@ -160,6 +160,7 @@ def summarize(
         "output_tokens": tokens,
         "wall_s": round(wall_s, 4),
         "output_tok_s": round(tokens / wall_s, 2) if wall_s > 0 else math.nan,
+        "output_tok_s_mid": mid_run_tok_s(ok, concurrency),
         "ttft_ms": dist_ms([t.ttft_s for t in ok if t.ttft_s is not None]),
         "accept_ms": dist_ms([t.accepted_s - t.sent_s for t in ok if t.accepted_s is not None]),
         "router_ttft_ms": dist_ms([t.router_ttft_s for t in ok if t.router_ttft_s]),
@@ -172,6 +173,21 @@ def summarize(
         "errors": sorted({t.error for t in timings if not t.ok})[:5],
         **extra,
     }
+
+
+def mid_run_tok_s(ok: list[ReqTiming], concurrency: int) -> float | None:
+    """Output tokens/s of a closed loop between its ramps: from the end of the first
+    `concurrency` requests (sent together, so their prompts all queue at once) to the
+    send of the last request (after it fewer than `concurrency` are in flight). A
+    request counts at its last token. None when that window is empty (one round)."""
+    ends = sorted(t.last_s for t in ok if t.last_s is not None)
+    if concurrency < 2 or len(ends) <= concurrency:
+        return None
+    start, stop = ends[concurrency - 1], max(t.sent_s for t in ok)
+    inside = [t.num_tokens for t in ok if t.last_s is not None and start < t.last_s <= stop]
+    if stop <= start or len(inside) < concurrency:
+        return None
+    return round(sum(inside) / (stop - start), 2)
 
 
 def error_record(exc: BaseException) -> dict[str, str]:

@@ -268,12 +268,18 @@ def _steady(shapes: dict, main_len: int) -> list[str]:
         "== output tok/s: burst (1 round of `conc` prompts) vs steady state (closed loop "
         "over rounds x conc prompts), and against the engine (b) ==",
         f"{'shape':<6}{'system':<28}{'conc':>5}{'burst':>10}{'steady':>10}{'rnds':>5}"
-        f"{'st/bu':>7}{'burst/b':>9}{'steady/b':>9}",
+        f"{'st/bu':>7}{'burst/b':>9}{'steady/b':>9}{'mid':>10}{'mid/b':>7}",
     ]
+    # mid: the steady run between its ramps (the first wave of prompts, the last
+    # requests' drain), where a long run's rate tends to.
     for shape, rec in shapes.items():
         sections = sections_of(rec)
         tok = {
             name: {run_key(r, main_len): r["output_tok_s"] for r in runs_of(sec)}
+            for name, sec in sections.items()
+        }
+        mid = {
+            name: {run_key(r, main_len): r.get("output_tok_s_mid") for r in runs_of(sec)}
             for name, sec in sections.items()
         }
         for name in ("b", "cc", "c"):
@@ -284,11 +290,13 @@ def _steady(shapes: dict, main_len: int) -> list[str]:
                 steady = mine.get((conc, rounds, main_len)) if rounds > 1 else None
                 b_burst = tok.get("b", {}).get((conc, 1, main_len))
                 b_steady = tok.get("b", {}).get((conc, rounds, main_len))
+                my_mid = mid.get(name, {}).get((conc, rounds, main_len))
+                b_mid = mid.get("b", {}).get((conc, rounds, main_len))
                 system = next(r["system"] for r in runs_of(sections[name]))
                 lines.append(
                     f"{shape:<6}{system:<28}{conc:>5}{_fmt(burst):>10}{_fmt(steady):>10}"
                     f"{rounds:>5}{_ratio(steady, burst):>7}{_ratio(burst, b_burst):>9}"
-                    f"{_ratio(steady, b_steady):>9}"
+                    f"{_ratio(steady, b_steady):>9}{_fmt(my_mid):>10}{_ratio(my_mid, b_mid):>7}"
                 )
     return lines
 

@@ -177,3 +177,32 @@ def test_the_suite_splits_time_to_first_token_at_the_call_being_taken_in() -> No
     run = summarize("c", 5, timings, wall_s=5.0)
     assert abs(run["accept_ms"]["p50"] - 300.0) < 1e-6
     assert abs(run["ttft_ms"]["p50"] - 500.0) < 1e-6
+
+
+def test_the_suite_reads_a_closed_loop_between_its_ramps() -> None:
+    """output_tok_s_mid leaves out the first wave (every slot's prompt queued at once, here
+    slow) and the drain after the last send: the rate in between is the loop's own."""
+    from bench.suite_common import ReqTiming, summarize
+
+    concurrency, tokens = 2, 10
+    timings = []
+    # First wave: two requests sent at 0, done at 5 (a slow, synchronized start).
+    for _ in range(concurrency):
+        t = ReqTiming(sent_s=0.0)
+        t.add_tokens(4.0, 1)
+        t.add_tokens(5.0, tokens - 1)
+        timings.append(t)
+    # Then each slot finishes a request every second: sent at 5..8, done at 6..9.
+    for k in range(4):
+        for _ in range(concurrency):
+            t = ReqTiming(sent_s=5.0 + k)
+            t.add_tokens(5.5 + k, 1)
+            t.add_tokens(6.0 + k, tokens - 1)
+            timings.append(t)
+    run = summarize("c", concurrency, timings, wall_s=9.0)
+    assert run["output_tok_s"] == pytest.approx(100 / 9.0, abs=0.01)
+    # Between the first wave's end (5) and the last send (8): 3 rounds of 2 × 10 tokens.
+    assert run["output_tok_s_mid"] == pytest.approx(60 / 3.0)
+    # One round has no middle.
+    first_wave = summarize("c", concurrency, timings[:concurrency], wall_s=5.0)
+    assert first_wave["output_tok_s_mid"] is None
