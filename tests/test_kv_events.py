@@ -5,9 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from engine.core.block_pool import prefix_block_hashes
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_events import KVEventBuffer, KVEvents
+from engine.sampling_params import SamplingParams
+from engine.wire import GenerationInput
 
 
 def run_prompt(kv: KVCacheManager, req_id: str, tokens: list[int]) -> int:
@@ -95,3 +99,30 @@ def test_hashes_agree_across_processes() -> None:
         for _ in range(2)
     }
     assert outs == {str(prefix_block_hashes(list(range(40)), 8))}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decoding_reports_each_block_at_the_step_that_fills_it(async_scheduling: bool) -> None:
+    """A block of output tokens joins the prefix cache (and the router's index) at the
+    step whose results complete it, not later: a follow-up turn can hit it at once."""
+    from tests.fakes import make_engine
+
+    core, _ = make_engine(num_blocks=64, block_size=4, async_scheduling=async_scheduling)
+    core.take_kv_events()
+    prompt = tuple(range(10, 16))  # one full block + 2 tokens
+    core.add_request(GenerationInput("r", prompt, SamplingParams(max_tokens=13, ignore_eos=True)))
+    stored: set[int] = set()
+    steps = 0
+    while core.has_unfinished:
+        core.step()
+        steps += 1
+        stored |= set(core.take_kv_events().stored)
+        req = core.scheduler.requests.get("r")
+        if req is None:
+            break
+        # Every full block of the computed tokens (one token more: the lookup's own rule
+        # leaves the last token out).
+        computed = [*req.all_token_ids[: req.num_computed_tokens], 0]
+        assert stored == set(prefix_block_hashes(computed, 4)), f"after step {steps}"
+    # 6 + 13 tokens, the last never computed: 4 full blocks in the cache.
+    assert len(stored) == 4

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from engine.core.block_pool import Block, BlockPool, chain_hash
 from engine.core.kv_events import KVEvents
@@ -32,6 +33,7 @@ class KVCacheManager:
         self._hashes: dict[str, list[int]] = {}  # chain hashes of the request's full blocks
         # Each table's block ids as the tuple a batch carries, rebuilt only when it grows.
         self._block_tables: dict[str, tuple[int, ...]] = {}
+        self._block_tables_view = MappingProxyType(self._block_tables)
 
     @property
     def enable_caching(self) -> bool:
@@ -54,6 +56,12 @@ class KVCacheManager:
     def block_table(self, req_id: str) -> tuple[int, ...]:
         """The request's block ids in order (the same tuple until its table changes)."""
         return self._block_tables.get(req_id, ())
+
+    @property
+    def block_tables(self) -> Mapping[str, tuple[int, ...]]:
+        """Every request's block ids, read-only: the scheduler reads them for every
+        running request every step, where a lookup costs less than a call."""
+        return self._block_tables_view
 
     def find_cached_prefix(
         self, token_ids: Sequence[int], block_hashes: list[int] | None = None
@@ -106,9 +114,11 @@ class KVCacheManager:
             return None
         self.pool.touch(cached_prefix)
         fresh = self.pool.allocate(max(num_new_blocks, 0)) or []
-        table = [*table, *cached_prefix, *fresh]
-        self._tables[req_id] = table
-        self._block_tables[req_id] = tuple(b.block_id for b in table)
+        added = [*cached_prefix, *fresh]
+        self._tables[req_id] = [*table, *added]
+        # The ids so far stay (a decode step adds one block to a long table).
+        ids = self._block_tables.get(req_id, ())
+        self._block_tables[req_id] = ids + tuple(b.block_id for b in added)
         if cached_prefix:
             # Hits are cached blocks, so their chain hashes are known already.
             self._hashes[req_id] = [b.block_hash for b in cached_prefix if b.block_hash is not None]

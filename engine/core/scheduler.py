@@ -18,7 +18,6 @@ Every waiting request, imported ones included, is admitted only under `max_num_s
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import cast
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
@@ -216,44 +215,65 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         handoff = self.role.hands_off_after_first_token
         spec = self.speculator if self.wants_speculation else None
+        tables, block_size = self.kv.block_tables, self.block_size
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status is not running_status or req.req_id in chunks:
                 continue
             done = req.num_computed_tokens
+            num_tokens = len(req.all_token_ids)
             if req.num_inflight_tokens:
                 done += req.num_inflight_tokens
                 # A token still being sampled that will end the request (its length, or
-                # the hand-off after a prefill): no step past it.
-                if req.last_output_token == PLACEHOLDER_TOKEN and (
-                    handoff or req.length_stop(req.num_output_tokens) is not None
+                # the hand-off after a prefill): no step past it. (last_output_token and
+                # num_output_tokens, inlined: with async scheduling every running request
+                # has a token in flight here, every step.)
+                num_outputs = num_tokens - req.num_prompt_tokens
+                if (
+                    num_outputs > 0
+                    and req.all_token_ids[-1] == PLACEHOLDER_TOKEN
+                    and (handoff or req.length_stop(num_outputs) is not None)
                 ):
                     continue
             # _chunk(), inlined: this loop visits every running request every step.
-            num_new = len(req.all_token_ids) - done
+            num_new = num_tokens - done
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
             if num_new <= 0:
                 continue
-            if spec is not None and len(req.all_token_ids) - done == 1:
+            if spec is not None and num_tokens - done == 1:
                 proposals = spec.plan(req, done, budget, allocate_slots)
                 if proposals:  # their slots are allocated
                     self._proposals[req.req_id] = proposals
                     num_new += len(proposals)
-            while allocate_slots(req.req_id, done, num_new) is None:
-                victim = self._pick_victim(self.running)
-                if victim.req_id in chunks:
-                    budget += chunks.pop(victim.req_id)
-                self._preempt(victim)
-                if victim is req:
-                    break
-            else:
-                chunks[req.req_id] = num_new
-                budget -= num_new
+            table = tables.get(req.req_id)
+            if table is None or done + num_new > len(table) * block_size:
+                # Its blocks are full (allocate_slots's first check, inlined: most decode
+                # steps have room in the last block).
+                fitted, budget = self._make_room(req, done, num_new, chunks, budget)
+                if not fitted:
+                    continue
+            chunks[req.req_id] = num_new
+            budget -= num_new
         return budget
+
+    def _make_room(
+        self, req: Request, done: int, num_new: int, chunks: dict[str, int], budget: int
+    ) -> tuple[bool, int]:
+        """Blocks for `req`'s next `num_new` tokens, preempting the least urgent running
+        request (req itself, last) while they do not fit. Returns whether req got them,
+        and the step budget with the preempted requests' chunks given back."""
+        while self.kv.allocate_slots(req.req_id, done, num_new) is None:
+            victim = self._pick_victim(self.running)
+            if victim.req_id in chunks:
+                budget += chunks.pop(victim.req_id)
+            self._preempt(victim)
+            if victim is req:
+                return False, budget
+        return True, budget
 
     def _schedule_waiting(self, chunks: dict[str, int], budget: int) -> int:
         self.waiting.reorder()  # waiting time reorders the queue
@@ -319,7 +339,7 @@ class Scheduler:
     def _build_batch(self, chunks: dict[str, int]) -> Batch:
         seqs = []
         reqs = []
-        block_table = self.kv.block_table
+        tables = self.kv.block_tables
         proposals, spec = self._proposals, self.speculator
         num_drafts = 0
         for req in self.running:
@@ -331,7 +351,7 @@ class Scheduler:
             end = start + num_new
             sample = end >= len(tokens)  # past the end: proposals to verify, then sampled
             if proposals and spec is not None and req.req_id in proposals:
-                seqs.append(spec.verify_seq(req, start, proposals[req.req_id], block_table))
+                seqs.append(spec.verify_seq(req, start, proposals[req.req_id], self.kv.block_table))
                 num_drafts += num_new - 1
             else:  # positional: this runs for every request every step
                 seqs.append(
@@ -339,7 +359,7 @@ class Scheduler:
                         req.req_id,
                         (tokens[start],) if num_new == 1 else tuple(tokens[start:end]),
                         start,
-                        block_table(req.req_id),
+                        tables[req.req_id],
                         sample,
                         req.sampling,
                         req.seed,
@@ -347,8 +367,8 @@ class Scheduler:
                 )
             reqs.append(req)
             req.num_inflight_tokens += num_new
-            if sample:
-                req.append_output_token(PLACEHOLDER_TOKEN)
+            if sample:  # req.append_output_token, inlined
+                tokens.append(PLACEHOLDER_TOKEN)
         batch = Batch(seqs=tuple(seqs), block_size=self.block_size, num_draft_tokens=num_drafts)
         if seqs:
             self.inflight.add(batch, tuple(reqs))
@@ -362,6 +382,7 @@ class Scheduler:
         updates: list[TokenUpdate] = []
         running_status = RequestStatus.RUNNING
         cache_full_blocks = self.kv.cache_full_blocks
+        block_size = self.block_size
         handoff = self.role.hands_off_after_first_token
         spec = self.speculator
         reqs = self.inflight.requests_of(batch, self.requests.get)
@@ -377,20 +398,32 @@ class Scheduler:
                 updates.append(TokenUpdate(req_id, kept, reason, cached, scheduled_at=scheduled_at))
                 continue
             num_new = len(seq.token_ids)
-            req.num_computed_tokens += num_new
+            computed = req.num_computed_tokens + num_new
+            req.num_computed_tokens = computed
             req.num_inflight_tokens -= num_new
-            cache_full_blocks(req_id, req.all_token_ids, req.num_computed_tokens)
+            tokens = req.all_token_ids
+            # Full blocks are registered as they fill (and on import), so only a step
+            # that filled one has any: most decode steps skip the call.
+            if computed // block_size != (computed - num_new) // block_size:
+                cache_full_blocks(req_id, tokens, computed)
             if not seq.sample:
                 continue
-            token = cast(int, sampled[req_id])
-            position = seq.end_position
-            req.set_output_token(position, token)
+            token: int = sampled[req_id]  # type: ignore[assignment]  # no proposals: one
+            # seq.end_position and req.set_output_token, inlined (every request, every step).
+            position = seq.start_position + num_new
+            tokens[position] = token
             reason = req.check_stop(position + 1 - req.num_prompt_tokens)
             hand_off = reason is None and handoff
             if reason is not None or hand_off:
                 self.finish_request(req_id, reason, hand_off=hand_off)
-            cached, scheduled_at = req.num_cached_tokens, req.scheduled_at
             updates.append(
-                TokenUpdate(req_id, (token,), reason, cached, hand_off, scheduled_at=scheduled_at)
+                TokenUpdate(
+                    req_id,
+                    (token,),
+                    reason,
+                    req.num_cached_tokens,
+                    hand_off,
+                    scheduled_at=req.scheduled_at,
+                )
             )
         return updates
