@@ -14,6 +14,7 @@ travels inside its `GenerationInput`, so a worker's spans join the router's trac
 
 from __future__ import annotations
 
+import functools
 from array import array
 from dataclasses import dataclass, field, fields
 from typing import Literal, NamedTuple
@@ -169,6 +170,37 @@ class TokenUpdate(NamedTuple):
     # time.monotonic() on its engine when a step first scheduled it (its queue wait
     # ended): the worker's phase timings read it, the router does not.
     scheduled_at: float = 0.0
+
+
+# tuple.__new__ on the class, called from C: the NamedTuple's own __new__ is a Python
+# function, and the scheduler builds one update per running request per step.
+_new_token_update = functools.partial(tuple.__new__, TokenUpdate)
+
+
+def sampled_update(
+    req_id: str,
+    token: int,
+    finish_reason: FinishReason | None,
+    num_cached_tokens: int,
+    hand_off: bool,
+    scheduled_at: float,
+) -> TokenUpdate:
+    """`TokenUpdate(req_id, (token,), finish_reason, num_cached_tokens, hand_off,
+    scheduled_at=scheduled_at)`, at less than half its cost: a step's one new token."""
+    return _new_token_update(  # type: ignore[no-any-return]
+        (
+            req_id,
+            (token,),
+            finish_reason,
+            num_cached_tokens,
+            hand_off,
+            "",
+            0.0,
+            0.0,
+            None,
+            scheduled_at,
+        )
+    )
 
 
 @dataclass(frozen=True)

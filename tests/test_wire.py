@@ -9,9 +9,18 @@ import pickle
 import pytest
 import ray.cloudpickle
 
+from engine.core.batch import ScheduledSeq, plain_seq
 from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
-from engine.wire import PhaseReport, TokenBatch, TokenUpdate, WorkerStats, coalesce
+from engine.sampling_params import SamplingParams
+from engine.wire import (
+    PhaseReport,
+    TokenBatch,
+    TokenUpdate,
+    WorkerStats,
+    coalesce,
+    sampled_update,
+)
 
 
 def test_each_requests_steps_become_one_update_in_first_arrival_order() -> None:
@@ -83,3 +92,31 @@ def test_a_token_batch_arrives_as_it_was_sent(dumps) -> None:  # type: ignore[no
     assert back == batch
     assert [type(u) for u in back.updates] == [TokenUpdate] * len(updates)
     assert pickle.loads(dumps(TokenBatch(()))) == TokenBatch(())
+
+
+def test_the_schedulers_fast_builders_equal_the_named_tuples() -> None:
+    """The scheduler builds its per-step sequences and updates without the NamedTuples'
+    own constructors; what it builds must be the same value, field for field (a field
+    added or moved would break this first)."""
+    params = SamplingParams(max_tokens=3, temperature=0.5)
+    fast_seq = plain_seq("r", (5, 6), 10, (1, 2, 3), True, params, 7)
+    assert fast_seq == ScheduledSeq(
+        req_id="r",
+        token_ids=(5, 6),
+        start_position=10,
+        block_table=(1, 2, 3),
+        sample=True,
+        sampling=params,
+        seed=7,
+    )
+    assert type(fast_seq) is ScheduledSeq and fast_seq.end_position == 12
+    fast_update = sampled_update("r", 9, FinishReason.LENGTH, 16, True, 12.5)
+    assert fast_update == TokenUpdate(
+        req_id="r",
+        new_token_ids=(9,),
+        finish_reason=FinishReason.LENGTH,
+        num_cached_tokens=16,
+        hand_off=True,
+        scheduled_at=12.5,
+    )
+    assert type(fast_update) is TokenUpdate and fast_update.error == ""

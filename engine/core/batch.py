@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -53,6 +54,27 @@ class ScheduledSeq(NamedTuple):
     def num_sampled(self) -> int:
         """Tokens this step samples for the sequence: one, or one per verified position."""
         return self.num_draft_tokens + 1 if self.sample else 0
+
+
+# tuple.__new__ on the class, called from C: the NamedTuple's own __new__ is a Python
+# function, and the scheduler builds one sequence per running request per step.
+_new_scheduled_seq = functools.partial(tuple.__new__, ScheduledSeq)
+
+
+def plain_seq(
+    req_id: str,
+    token_ids: tuple[int, ...],
+    start_position: int,
+    block_table: tuple[int, ...],
+    sample: bool,
+    sampling: SamplingParams,
+    seed: int,
+) -> ScheduledSeq:
+    """`ScheduledSeq(...)` of the same arguments (no proposals, no draft context), at
+    less than half its cost."""
+    return _new_scheduled_seq(  # type: ignore[no-any-return]
+        (req_id, token_ids, start_position, block_table, sample, sampling, seed, 0, ())
+    )
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engine.core.batch import Batch, ScheduledSeq
+from engine.core.batch import Batch, plain_seq
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.inflight import InflightBatches
 from engine.core.kv_cache_manager import KVCacheManager
@@ -28,7 +28,7 @@ from engine.core.role import EngineRole
 from engine.core.spec_config import SpeculativeConfig
 from engine.core.speculation import Speculator
 from engine.core.waiting_queue import WaitingQueue
-from engine.wire import TokenUpdate
+from engine.wire import TokenUpdate, sampled_update
 
 
 class Scheduler:
@@ -355,7 +355,7 @@ class Scheduler:
                 num_drafts += num_new - 1
             else:  # positional: this runs for every request every step
                 seqs.append(
-                    ScheduledSeq(
+                    plain_seq(
                         req.req_id,
                         (tokens[start],) if num_new == 1 else tuple(tokens[start:end]),
                         start,
@@ -417,13 +417,8 @@ class Scheduler:
             if reason is not None or hand_off:
                 self.finish_request(req_id, reason, hand_off=hand_off)
             updates.append(
-                TokenUpdate(
-                    req_id,
-                    (token,),
-                    reason,
-                    req.num_cached_tokens,
-                    hand_off,
-                    scheduled_at=req.scheduled_at,
+                sampled_update(
+                    req_id, token, reason, req.num_cached_tokens, hand_off, req.scheduled_at
                 )
             )
         return updates
