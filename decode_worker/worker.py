@@ -278,9 +278,12 @@ class DecodeWorker(KVExporter, WorkerBase):
 
     # ---------------------------------------------------------------- tokens out
     def on_updates(self, updates: list[TokenUpdate], stepped_at: float) -> None:
-        if self._starting:  # some request's first token may be here: its phases with it
-            self._append([self._with_phases(u, stepped_at) for u in updates])
-            return
+        starting = self._starting
+        if starting:  # some request's first token may be here: its phases with it
+            # A few requests start among a batch's many (the list is this loop's now).
+            for i, u in enumerate(updates):
+                if u.req_id in starting:
+                    updates[i] = self._with_phases(u, stepped_at)
         self._append(updates)  # the engine's own updates are what the router reads
 
     def _with_phases(self, u: TokenUpdate, stepped_at: float) -> TokenUpdate:

@@ -340,6 +340,8 @@ def coalesce(updates: list[TokenUpdate]) -> list[TokenUpdate]:
     """Several steps' updates with each request's merged into one, in order of each
     request's first update. An error stands alone (the tokens before it reach the
     client first), and nothing is merged past a finish."""
+    if len({u.req_id for u in updates}) == len(updates):
+        return list(updates)  # one step's updates: one per request, nothing to merge
     merged: dict[str, list[TokenUpdate]] = {}
     out: list[list[TokenUpdate]] = []
     for u in updates:
