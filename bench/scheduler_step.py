@@ -64,7 +64,7 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     for i in range(batch):
         prompt = tuple((7 + i + j) % 32000 for j in range(prompt_len))
         core.add_request(GenerationInput(f"r{i}", prompt, params))
-    sched, runner = core.scheduler, InstantRunner()  # the core's, without its type
+    sched, runner = core.scheduler, InstantRunner()  # stateless: answers as the core's
     in_flight = None
     schedule_s = update_s = 0.0
     for step in range(warm_up + steps):
@@ -86,8 +86,7 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
 def measure_in(tree: Path, batches: list[int], steps: int, prompt_len: int) -> dict[int, dict]:
     """`measure` for each batch size, run by a child process on `tree`'s engine (its own
     checkout: any tree with the engine's public API)."""
-    code = textwrap.dedent(inspect.getsource(measure)).replace("dict[str, float]", "dict")
-    code = "from typing import Any\nimport json\n" + code
+    code = "from typing import Any\nimport json\n" + textwrap.dedent(inspect.getsource(measure))
     code += f"\nprint(json.dumps({{b: measure(b, {steps}, {prompt_len}) for b in {batches!r}}}))"
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -186,22 +186,29 @@ def test_the_suite_reads_a_closed_loop_between_its_ramps() -> None:
 
     concurrency, tokens = 2, 10
     timings = []
-    # First wave: two requests sent at 0, done at 5 (a slow, synchronized start).
-    for _ in range(concurrency):
+    # First wave: two requests sent at 0, done at 3 and 5 (a slow, synchronized start).
+    for end in (3.0, 5.0):
         t = ReqTiming(sent_s=0.0)
-        t.add_tokens(4.0, 1)
-        t.add_tokens(5.0, tokens - 1)
+        t.add_tokens(end - 1.0, 1)
+        t.add_tokens(end, tokens - 1)
         timings.append(t)
-    # Then each slot finishes a request every second: sent at 5..8, done at 6..9.
-    for k in range(4):
+    # Then each slot finishes a request every second: sent at 5..7, done at 6..8.
+    for k in range(3):
         for _ in range(concurrency):
             t = ReqTiming(sent_s=5.0 + k)
             t.add_tokens(5.5 + k, 1)
             t.add_tokens(6.0 + k, tokens - 1)
             timings.append(t)
-    run = summarize("c", concurrency, timings, wall_s=9.0)
-    assert run["output_tok_s"] == pytest.approx(100 / 9.0, abs=0.01)
-    # Between the first wave's end (5) and the last send (8): 3 rounds of 2 × 10 tokens.
+    # The last two, sent at 8, drain slowly: done at 10 and 11.
+    for end in (10.0, 11.0):
+        t = ReqTiming(sent_s=8.0)
+        t.add_tokens(end - 1.0, 1)
+        t.add_tokens(end, tokens - 1)
+        timings.append(t)
+    run = summarize("c", concurrency, timings, wall_s=11.0)
+    assert run["output_tok_s"] == pytest.approx(100 / 11.0, abs=0.01)
+    # Between the first wave's end (its last request, 5) and the last send (8): 3 rounds
+    # of 2 × 10 tokens.
     assert run["output_tok_s_mid"] == pytest.approx(60 / 3.0)
     # One round has no middle.
     first_wave = summarize("c", concurrency, timings[:concurrency], wall_s=5.0)
