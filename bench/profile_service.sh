@@ -9,8 +9,10 @@
 # PROFILE_AFTER_S: seconds after the decode worker's process appears (its start-up) before
 # sampling starts; PROFILE_FOR_S: how long to sample; PROFILE_NATIVE=1 adds native frames
 # (C extensions, the event loop's own code) to the stacks, pausing each process to read
-# them (--nonblocking cannot read native frames). py-spy comes from .whl/ like the
-# other packages the GPU image lacks.
+# them (--nonblocking cannot read native frames); PROFILE_GIL=1 also records, per process,
+# the samples whose thread holds the interpreter's lock (`*-gil.txt`): which thread's work
+# the others wait behind. py-spy comes from .whl/ like the other packages the GPU image
+# lacks.
 set -uo pipefail
 OUT=${OUT:-$PWD/bench/results/profile}
 mkdir -p "$OUT"
@@ -32,6 +34,10 @@ for pid in $(pgrep -f "pdserve serve|bin/pdserve|router.cli") $(pgrep -f "ray::(
   name=$(tr '\0' ' ' </proc/"$pid"/cmdline | cut -c1-40 | tr -c 'a-zA-Z0-9\n' '_')
   "$pyspy" record --pid "$pid" --duration "${PROFILE_FOR_S:-10}" --rate 200 --format raw \
     --threads $how --output "$OUT/$pid-$name.txt" >/dev/null 2>&1 &
+  if [[ -n ${PROFILE_GIL:-} ]]; then
+    "$pyspy" record --pid "$pid" --duration "${PROFILE_FOR_S:-10}" --rate 200 --format raw \
+      --threads --gil --nonblocking --output "$OUT/$pid-$name-gil.txt" >/dev/null 2>&1 &
+  fi
 done
 wait "$suite"
 wait
