@@ -42,6 +42,11 @@ POOL_ARGS = {
     "colocated": ["--colocated-workers", "1"],
 }
 ROOT = "pdserve.v1.GenerationService/Generate"
+# The services whose spans each request's trace holds: every process on its path.
+SERVICES = {
+    "1p1d": {"pdserve-router", "pdserve-prefill", "pdserve-decode"},
+    "colocated": {"pdserve-router", "pdserve-colocated"},
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -114,9 +119,16 @@ def traced_round(
 
     prompts = make_prompts(args.num_requests, args.prompt_tokens, args.vocab_size, seed=seed)
     timings, _ = asyncio.run(drive(address, prompts, args.max_tokens, concurrency=1))
-    # Spans are exported in batches: wait until every request's root is in.
+    # Spans are exported in batches, each process on its own schedule: wait until every
+    # request's trace holds spans of every process on its path.
+    wanted = SERVICES[args.system]
+
+    def complete() -> bool:
+        traces = this_rounds()
+        return len(traces) >= len(prompts) and all(wanted <= {s.service for s in t} for t in traces)
+
     deadline = time.monotonic() + 30
-    while len(this_rounds()) < len(prompts) and time.monotonic() < deadline:
+    while not complete() and time.monotonic() < deadline:
         time.sleep(0.2)
     traces = this_rounds()[args.warmup :]
     kept = [t for t in timings[args.warmup :] if t.ok]

@@ -174,7 +174,11 @@ class ServingPaths:
     async def _prefill(
         self, attempt: Attempt, decode_ref: WorkerRef, prefill_ref: WorkerRef, num_uncached: int
     ) -> tuple[PrefillResult, Reservation | None]:
-        """Reserve on decode and run the prompt on prefill at the same time."""
+        """Reserve on decode and run the prompt on prefill at the same time.
+
+        The prefill call is the one on the first token's path: it runs in this task, so
+        its frame leaves before the reservation's task first runs, and no task of its
+        own (as `asyncio.wait_for` would make) stands between the two."""
         inp = attempt.inp
         source = prefill_ref.worker_id
         reserving = asyncio.ensure_future(
@@ -186,10 +190,8 @@ class ServingPaths:
         self._renewing[decode_ref].add(inp.req_id)
         target = HandoffTarget(decode_ref.worker_id, decode_ref.info.epoch)
         try:
-            result = await asyncio.wait_for(
-                self._call(prefill_ref, prefill_ref.client.prefill(inp, target)),
-                self.config.prefill_timeout_s,
-            )
+            async with asyncio.timeout(self.config.prefill_timeout_s):
+                result = await self._call(prefill_ref, prefill_ref.client.prefill(inp, target))
         except WorkerLost as exc:
             reserving.cancel()
             self._renewing[decode_ref].discard(inp.req_id)
@@ -197,7 +199,7 @@ class ServingPaths:
         except TimeoutError as exc:
             reserving.cancel()
             self._renewing[decode_ref].discard(inp.req_id)
-            raise RuntimeError(f"prefill took over {self.config.prefill_timeout_s:.0f}s") from exc
+            raise RuntimeError(f"prefill took over {self.config.prefill_timeout_s:g} s") from exc
         finally:
             lease.release()
         load = prefill_ref.load

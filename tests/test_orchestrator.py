@@ -278,6 +278,27 @@ def test_a_reservation_is_renewed_while_its_prefill_waits() -> None:
     _run(body())
 
 
+def test_a_prefill_past_its_timeout_ends_with_an_error_and_frees_both_workers() -> None:
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        pools.fakes["prefill-0"].prefill_delay_s = 5.0  # far past the timeout
+        gen = _generator(pools, prefill_timeout_s=0.2, max_attempts=1)
+        started = asyncio.get_running_loop().time()
+        tokens, final = await _collect(gen.generate(_call()))
+        assert asyncio.get_running_loop().time() - started < 2.0
+        assert tokens == []
+        assert final.finish_reason is FinishReason.ERROR
+        assert "prefill took over 0.2 s" in final.error
+        # The reservation taken beside the prefill call is given back, and the prefill
+        # worker is told to drop the request.
+        await _settle(pools)
+        assert "abort" in [v for v, _ in pools.fakes["prefill-0"].calls]
+        assert all(ref.num_assigned == 0 for ref in pools.all())
+        await gen.stop()
+
+    _run(body())
+
+
 def test_when_every_attempt_fails_the_client_gets_one_error() -> None:
     async def body() -> None:
         pools = FakePools(1, 1)
