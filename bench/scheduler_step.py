@@ -15,15 +15,12 @@ the rounds: a shared host's noise only ever adds time.
 from __future__ import annotations
 
 import argparse
-import inspect
-import json
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 from bench.report import write_result
+from bench.tree_ab import THIS_TREE, keep_minimum, measure_in
 
 
 def measure(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
@@ -83,22 +80,6 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     return {"schedule_us": 1e6 * schedule_s / steps, "update_us": 1e6 * update_s / steps}
 
 
-def measure_in(tree: Path, batches: list[int], steps: int, prompt_len: int) -> dict[int, dict]:
-    """`measure` for each batch size, run by a child process on `tree`'s engine (its own
-    checkout: any tree with the engine's public API)."""
-    code = "from typing import Any\nimport json\n" + textwrap.dedent(inspect.getsource(measure))
-    code += f"\nprint(json.dumps({{b: measure(b, {steps}, {prompt_len}) for b in {batches!r}}}))"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tree,
-        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", default="32,128,256", help="running requests, comma-separated")
@@ -109,16 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     ns = p.parse_args(argv)
     batches = [int(b) for b in ns.batch.split(",") if b.strip()]
-    trees = {"this tree": Path(__file__).resolve().parent.parent}
+    trees = {"this tree": THIS_TREE}
     if ns.baseline_tree is not None:
         trees["baseline"] = ns.baseline_tree.resolve()
     best: dict[str, dict[int, dict[str, float]]] = {name: {} for name in trees}
     for _ in range(ns.rounds):
         for name, tree in trees.items():
-            for b, got in measure_in(tree, batches, ns.steps, ns.prompt_len).items():
-                mine = best[name].setdefault(b, dict(got))
-                for key, value in got.items():
-                    mine[key] = min(mine[key], value)
+            for b in batches:
+                got = measure_in(tree, measure, batch=b, steps=ns.steps, prompt_len=ns.prompt_len)
+                keep_minimum(best[name].setdefault(b, {}), got)
     print(
         f"{'tree':<11}{'batch':>6}{'schedule µs':>13}{'update µs':>11}{'step µs':>9}{'÷ base':>8}"
     )

@@ -168,7 +168,8 @@ class TokenUpdate(NamedTuple):
     kv_handoff_s: float = 0.0
     phases: PhaseReport | None = None  # set on arrival and with the first token
     # time.monotonic() on its engine when a step first scheduled it (its queue wait
-    # ended): the worker's phase timings read it, the router does not.
+    # ended): the worker's phase timings read it, the router does not, and it does not
+    # cross to the router (a TokenBatch arrives with it at 0.0).
     scheduled_at: float = 0.0
 
 
@@ -247,7 +248,9 @@ class TokenBatch:
     cached count) as request ids and packed integer arrays, the few that carry more (an
     error, phases, the KV's arrival) as they are. Pickling one object per request per
     poll cost the decode worker about 0.8 ms for 128 requests, time its engine thread
-    waited for the interpreter; the columns take a tenth of that.
+    waited for the interpreter; the columns take a tenth of that. `scheduled_at` stays
+    behind (0.0 on arrival): it is the worker's own, and an update that carried it
+    would not be plain.
     """
 
     updates: tuple[TokenUpdate, ...]
@@ -261,8 +264,11 @@ class TokenBatch:
 
 _FINISH_CODES: tuple[FinishReason | None, ...] = (None, *FinishReason)
 _FINISH_CODE = {reason: code for code, reason in enumerate(_FINISH_CODES)}
-# The fields after the first four at their defaults: such an update travels as columns.
-_PLAIN_REST = tuple(TokenUpdate._field_defaults[name] for name in TokenUpdate._fields[4:])
+# The fields after the first four at their defaults: such an update travels as columns
+# (all but `scheduled_at`, which does not travel; it is the last field).
+_PLAIN_REST = tuple(TokenUpdate._field_defaults[name] for name in TokenUpdate._fields[4:-1])
+_PLAIN_END = 4 + len(_PLAIN_REST)
+assert TokenUpdate._fields[_PLAIN_END:] == ("scheduled_at",)
 
 _Rich = tuple[tuple[int, TokenUpdate], ...]
 _Packed = tuple[tuple[str, ...], "array[int]", "array[int]", bytes, "array[int]", _Rich]
@@ -276,8 +282,8 @@ def _pack_updates(updates: tuple[TokenUpdate, ...]) -> _Packed:
     finishes = bytearray()
     rich: list[tuple[int, TokenUpdate]] = []
     for position, update in enumerate(updates):
-        if update[4:] != _PLAIN_REST:
-            rich.append((position, update))
+        if update[4:_PLAIN_END] != _PLAIN_REST:
+            rich.append((position, update._replace(scheduled_at=0.0)))
             continue
         req_ids.append(update.req_id)
         counts.append(len(update.new_token_ids))
@@ -299,10 +305,13 @@ def _unpack_batch(
 ) -> TokenBatch:
     updates: list[TokenUpdate] = []
     start = 0
+    new, codes, rest = _new_token_update, _FINISH_CODES, (*_PLAIN_REST, 0.0)
     for req_id, count, finish, num_cached in zip(req_ids, counts, finishes, cached, strict=True):
-        new_tokens = tuple(tokens[start : start + count])
-        updates.append(TokenUpdate(req_id, new_tokens, _FINISH_CODES[finish], num_cached))
-        start += count
+        # The router's loop rebuilds every update: tuple.__new__, not the NamedTuple's
+        # Python constructor.
+        end = start + count
+        updates.append(new((req_id, tuple(tokens[start:end]), codes[finish], num_cached, *rest)))
+        start = end
     for position, update in rich:  # in order of position: each lands where it was
         updates.insert(position, update)
     return TokenBatch(tuple(updates), kv_events, stats)
@@ -314,6 +323,19 @@ def merge_updates(taken: list[TokenUpdate]) -> TokenUpdate:
     first = taken[0]
     if len(taken) == 1:
         return first
+    # Tokens and at most a finish, the news of every step (a poll that found several
+    # steps merges every request's): by index, no generators, no phases to merge.
+    tokens, cached = first[1], first[3]
+    plain = first[4:_PLAIN_END] == _PLAIN_REST
+    for u in taken[1:]:
+        tokens += u[1]
+        if u[3] > cached:
+            cached = u[3]
+        plain = plain and u[4:_PLAIN_END] == _PLAIN_REST
+    if plain:
+        return _new_token_update(  # type: ignore[no-any-return]
+            (first[0], tokens, taken[-1][2], cached, *_PLAIN_REST, 0.0)
+        )
     return TokenUpdate(
         first.req_id,
         tuple(t for u in taken for t in u.new_token_ids),
@@ -344,16 +366,13 @@ def coalesce(updates: list[TokenUpdate]) -> list[TokenUpdate]:
         return list(updates)  # one step's updates: one per request, nothing to merge
     merged: dict[str, list[TokenUpdate]] = {}
     out: list[list[TokenUpdate]] = []
-    for u in updates:
-        run = merged.get(u.req_id)
-        if (
-            run is None
-            or run[-1].finish_reason is not None
-            or u.finish_reason is FinishReason.ERROR
-        ):
+    error = FinishReason.ERROR
+    for u in updates:  # fields by index: this visits every request of every step
+        run = merged.get(u[0])
+        if run is None or run[-1][2] is not None or u[2] is error:
             run = [u]
-            merged[u.req_id] = run
+            merged[u[0]] = run
             out.append(run)
         else:
             run.append(u)
-    return [merge_updates(run) for run in out]
+    return [run[0] if len(run) == 1 else merge_updates(run) for run in out]

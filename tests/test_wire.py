@@ -73,6 +73,16 @@ def test_phases_of_merged_steps_are_all_kept() -> None:
     assert coalesce([TokenUpdate("b", (1,)), TokenUpdate("b", (2,))])[0].phases is None
 
 
+def test_merged_plain_steps_keep_every_token_the_last_finish_and_the_cached_count() -> None:
+    steps = [
+        sampled_update("a", 1, None, 0, False, 5.0),
+        sampled_update("a", 2, None, 16, False, 5.0),
+        sampled_update("a", 3, FinishReason.STOP, 16, False, 5.0),
+    ]
+    (merged,) = coalesce(steps)
+    assert merged == TokenUpdate("a", (1, 2, 3), FinishReason.STOP, 16)
+
+
 @pytest.mark.parametrize("dumps", [pickle.dumps, ray.cloudpickle.dumps], ids=["pickle", "ray"])
 def test_a_token_batch_arrives_as_it_was_sent(dumps) -> None:  # type: ignore[no-untyped-def]
     updates = (
@@ -89,9 +99,29 @@ def test_a_token_batch_arrives_as_it_was_sent(dumps) -> None:  # type: ignore[no
     stats = WorkerStats("decode", 1, 100, 7, 3, 0, 16, 64)
     batch = TokenBatch(updates, (KVEvents(stored=(11, 12)),), stats)
     back = pickle.loads(dumps(batch))
-    assert back == batch
+    # Every field arrives but the worker's own `scheduled_at`, which stays behind.
+    sent = TokenBatch(tuple(u._replace(scheduled_at=0.0) for u in updates), batch.kv_events, stats)
+    assert back == sent
     assert [type(u) for u in back.updates] == [TokenUpdate] * len(updates)
     assert pickle.loads(dumps(TokenBatch(()))) == TokenBatch(())
+
+
+@pytest.mark.parametrize("dumps", [pickle.dumps, ray.cloudpickle.dumps], ids=["pickle", "ray"])
+def test_a_steps_updates_travel_as_columns_not_an_object_each(dumps) -> None:  # type: ignore[no-untyped-def]
+    """The engine stamps every update with when its request was first scheduled; that
+    must not make a step's plain news travel as one pickled object per request."""
+    updates = tuple(
+        sampled_update(f"req-{i}", 1000 + i, None, 16, False, 100.0 + i) for i in range(128)
+    )
+    merged = coalesce([*updates, *(u._replace(new_token_ids=(7,)) for u in updates)])
+    for batch in (TokenBatch(updates), TokenBatch(tuple(merged))):
+        data = dumps(batch)
+        assert b"TokenUpdate" not in data
+        back = pickle.loads(data)
+        assert [u.req_id for u in back.updates] == [u.req_id for u in updates]
+    assert [u.new_token_ids for u in pickle.loads(data).updates] == [
+        (1000 + i, 7) for i in range(128)
+    ]
 
 
 def test_the_schedulers_fast_builders_equal_the_named_tuples() -> None:
