@@ -155,6 +155,28 @@ def test_stop_token_and_eos_finish_with_stop() -> None:
     }
 
 
+def test_a_request_past_the_validation_stops_where_the_models_context_ends() -> None:
+    """The edge validated it (or it moved here mid-generation): if its max_tokens would
+    run past the model's context, it still ends with LENGTH at the last position."""
+    core = EngineCore(
+        FakeRunner(),
+        SchedulerConfig(),
+        CacheConfig(num_blocks=64),
+        max_model_len=40,
+        vocab_size=1000,
+    )
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    core.add_request(GenerationInput("long", tuple(range(10, 40)), params), validate=False)
+    outputs: list[int] = []
+    finish = None
+    while core.has_unfinished:
+        for upd in core.step():
+            outputs += upd.new_token_ids
+            finish = upd.finish_reason or finish
+    assert finish is FinishReason.LENGTH
+    assert len(outputs) == 10  # 30 prompt tokens + 10 = the context's 40
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "field"),
     [

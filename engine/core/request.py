@@ -115,6 +115,11 @@ class Request:
     block_hashes: list[int] = field(default_factory=list, init=False, repr=False)
     # Speculative decoding's per-request state (engine.core.speculation), when it speculates.
     spec_state: SpecState | None = field(default=None, init=False, repr=False)
+    # The stop rules, resolved once (the scheduler checks them for every request every
+    # step): the token ids that end it (its stop tokens, and EOS unless ignored), and the
+    # output count that does (max_tokens, or where the model's context ends if sooner).
+    stop_ids: frozenset[int] = field(init=False, repr=False)
+    max_outputs: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_prompt_tokens <= len(self.all_token_ids):
@@ -122,6 +127,13 @@ class Request:
                 f"request {self.req_id!r}: {self.num_prompt_tokens} prompt tokens of "
                 f"{len(self.all_token_ids)}"
             )
+        sampling = self.sampling
+        stop_ids = frozenset(sampling.stop_token_ids)
+        self.stop_ids = stop_ids if sampling.ignore_eos else stop_ids | self.eos_token_ids
+        max_outputs = sampling.max_tokens
+        if self.max_model_len is not None:
+            max_outputs = min(max_outputs, self.max_model_len - self.num_prompt_tokens)
+        self.max_outputs = max_outputs
 
     @property
     def prompt_token_ids(self) -> TokenView:
@@ -174,19 +186,10 @@ class Request:
         still be placeholders when scheduling runs ahead)."""
         if num_outputs <= 0:
             return None
-        last = self.all_token_ids[self.num_prompt_tokens + num_outputs - 1]
-        sampling = self.sampling
-        if (not sampling.ignore_eos and last in self.eos_token_ids) or (
-            last in sampling.stop_token_ids
-        ):
+        if self.all_token_ids[self.num_prompt_tokens + num_outputs - 1] in self.stop_ids:
             return FinishReason.STOP
-        return self.length_stop(num_outputs)
+        return FinishReason.LENGTH if num_outputs >= self.max_outputs else None
 
     def length_stop(self, num_outputs: int) -> FinishReason | None:
         """LENGTH once `num_outputs` outputs reach max_tokens or the model's context."""
-        if num_outputs >= self.sampling.max_tokens:
-            return FinishReason.LENGTH
-        max_len = self.max_model_len
-        if max_len is not None and self.num_prompt_tokens + num_outputs >= max_len:
-            return FinishReason.LENGTH
-        return None
+        return FinishReason.LENGTH if num_outputs >= self.max_outputs else None

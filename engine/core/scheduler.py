@@ -233,7 +233,7 @@ class Scheduler:
                 if (
                     num_outputs > 0
                     and req.all_token_ids[-1] == PLACEHOLDER_TOKEN
-                    and (handoff or req.length_stop(num_outputs) is not None)
+                    and (handoff or num_outputs >= req.max_outputs)  # req.length_stop
                 ):
                     continue
             # _chunk(), inlined: this loop visits every running request every step.
@@ -385,6 +385,7 @@ class Scheduler:
         block_size = self.block_size
         handoff = self.role.hands_off_after_first_token
         spec = self.speculator
+        stop, length = FinishReason.STOP, FinishReason.LENGTH
         reqs = self.inflight.requests_of(batch, self.requests.get)
         for seq, req in zip(batch.seqs, reqs, strict=True):
             req_id = seq.req_id
@@ -409,10 +410,16 @@ class Scheduler:
             if not seq.sample:
                 continue
             token: int = sampled[req_id]  # type: ignore[assignment]  # no proposals: one
-            # seq.end_position and req.set_output_token, inlined (every request, every step).
+            # seq.end_position, req.set_output_token and req.check_stop, inlined (every
+            # request, every step; the sampled token is the newest output).
             position = seq.start_position + num_new
             tokens[position] = token
-            reason = req.check_stop(position + 1 - req.num_prompt_tokens)
+            if token in req.stop_ids:
+                reason = stop
+            elif position + 1 - req.num_prompt_tokens >= req.max_outputs:
+                reason = length
+            else:
+                reason = None
             hand_off = reason is None and handoff
             if reason is not None or hand_off:
                 self.finish_request(req_id, reason, hand_off=hand_off)
