@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
+from router import port_holds
 from router.config import keep_ray_on_loopback
 from router.engine_flags import engine_args
-from router.flag_checks import port_problem
 from router.flags import pool_resources, router_config
 from router.planner.flags import planner_config
 
@@ -109,11 +109,14 @@ def serve(config: ServeConfig) -> int:
     from router.cluster import Cluster
     from router.service import run_service
 
-    # (A busy --metrics-port is refused with the flags, before this.)
-    problem = port_problem(config.host, config.port)
-    if problem is not None:
-        print(f"pdserve: startup failed: {problem}", file=sys.stderr)
-        return 1
+    # The service's ports are bound now and kept through Ray's start, whose processes
+    # would otherwise be free to take them (router/port_holds.py).
+    for host, port in ((config.host, config.port), (config.metrics_host, config.metrics_port)):
+        problem = port_holds.hold(host, port) if port else None
+        if problem is not None:
+            port_holds.release_all()
+            print(f"pdserve: startup failed: {problem}", file=sys.stderr)
+            return 1
     ray_address = config.cluster.ray_address
     cluster = Cluster(config.cluster)
     try:
@@ -124,6 +127,7 @@ def serve(config: ServeConfig) -> int:
         print(f"pdserve: startup failed: {one_line(exc, ray_address)}", file=sys.stderr)
         return 1
     finally:
+        port_holds.release_all()
         cluster.shutdown_ray()
     if cluster.abandoned:
         # Ray's driver threads would still wait for the dead GCS and abort the process

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router import port_holds
 from router.admin import ADMIN_SERVICE, AdminServicer
 from router.metrics import RouterMetrics
 from router.metrics_edge import MetricsInterceptor
@@ -188,6 +189,7 @@ class GrpcServer:
         target = _host_port(self._host, self._requested_port)
         self.security.warn_if_exposed(self._host)
         credentials = self.security.server_credentials()
+        port_holds.release(self._host, self._requested_port)  # held since before Ray
         try:
             if credentials is None:
                 port = server.add_insecure_port(target)

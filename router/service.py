@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from engine import tracing
 from engine.core.outputs import FinalResult, TextChunk
 from engine.model.model_loader import has_tokenizer, load_tokenizer
+from router import port_holds
 from router.admin import AdminServicer
 from router.cluster import Cluster, ClusterConfig
 from router.config import RouterConfig
@@ -91,6 +92,7 @@ async def run_service(
     servers: list[GrpcServer] = []
     stop_metrics = None
     if config.metrics_port:
+        port_holds.release(config.metrics_host, config.metrics_port)  # held since before Ray
         stop_metrics = metrics.serve(config.metrics_host, config.metrics_port)
 
         def read_pool_stats() -> PoolStats | None:

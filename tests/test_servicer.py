@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from typing import Any
 
 import grpc
@@ -16,6 +17,7 @@ from bench.harness import wait_until_async
 from engine.core.request import FinishReason
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router import port_holds
 from router.client import get_pool_stats, stream_generate
 from router.errors import NotReadyError, QueueFullError
 from router.grpc_server import GENERATION_SERVICE, GrpcServer, serve
@@ -298,6 +300,33 @@ def test_port_in_use_fails_loudly() -> None:
                 await GrpcServer(FakeCore(), port=port).start()
         finally:
             await first.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_port_held_before_ray_starts_goes_to_the_routers_server_alone() -> None:
+    """The service binds its port before Ray's processes start: a gRPC server of another
+    (as Ray's are) cannot take it meanwhile, and the router's own server binds it."""
+
+    async def main() -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        assert port_holds.hold("127.0.0.1", port) is None
+        try:
+            foreign = grpc.aio.server()
+            try:
+                bound = foreign.add_insecure_port(f"127.0.0.1:{port}")
+            except RuntimeError:
+                bound = 0
+            assert bound == 0
+            ours = GrpcServer(FakeCore(), host="127.0.0.1", port=port)
+            assert await ours.start() == port
+            await ours.stop(0)
+        finally:
+            port_holds.release_all()
+        assert port_holds.hold("127.0.0.1", port) is None  # let go of: free again
+        port_holds.release_all()
 
     asyncio.run(main())
 
