@@ -25,6 +25,7 @@ from engine.core.engine_loop import EngineLoop
 from engine.core.kv_events import KVEvents
 from engine.core.role import EngineRole
 from engine.factory import BuiltEngine, EngineArgs, build_engine
+from engine.heap import freeze_startup_heap
 from engine.model.startup_log import show_startup_lines, startup_phase
 from engine.tracing import TracingConfig
 from engine.transfer.channel import ChannelSpec, KVChannel
@@ -101,6 +102,7 @@ class WorkerBase:
                 lambda: build_engine(self.args, role=self.role, index=self.index),
             )
         self.built = built
+        freeze_startup_heap()  # before the first step: no full collection walks the model
         self.loop_thread = EngineLoop(built.core, self._updates_from_thread, name=self.worker_id)
         self.loop_thread.start()
         self.on_started()

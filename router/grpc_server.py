@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.heap import freeze_startup_heap
 from pdserve.v1 import admin_pb2_grpc
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -368,9 +369,11 @@ async def serve(
             await asyncio.wait({warm_task, done}, return_when=asyncio.FIRST_COMPLETED)
             if warm_task.done():
                 warm_task.result()  # a failed warm-up fails startup loudly
+                freeze_startup_heap()
                 await server.set_serving()
             await done
         else:
+            freeze_startup_heap()
             await server.set_serving()
             await server.wait_for_termination()
     finally:
