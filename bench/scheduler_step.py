@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.report import write_result
-from bench.tree_ab import THIS_TREE, keep_minimum, measure_in
+from bench.tree_ab import best_of_rounds, print_ab_table, trees, write_ab_result
 
 
-def measure(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
-    """Microseconds per step of schedule() and update() at `batch` running requests,
+def measure(point: int, steps: int, prompt_len: int) -> dict[str, float]:
+    """Microseconds per step of schedule() and update() at `point` running requests,
     async scheduling as on GPUs (a step's results are applied after the next launch)."""
+    batch = point
     import time
 
     from engine.core.config import CacheConfig, SchedulerConfig
@@ -90,38 +90,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     ns = p.parse_args(argv)
     batches = [int(b) for b in ns.batch.split(",") if b.strip()]
-    trees = {"this tree": THIS_TREE}
-    if ns.baseline_tree is not None:
-        trees["baseline"] = ns.baseline_tree.resolve()
-    best: dict[str, dict[int, dict[str, float]]] = {name: {} for name in trees}
-    for _ in range(ns.rounds):
-        for name, tree in trees.items():
-            for b in batches:
-                got = measure_in(tree, measure, batch=b, steps=ns.steps, prompt_len=ns.prompt_len)
-                keep_minimum(best[name].setdefault(b, {}), got)
-    print(
-        f"{'tree':<11}{'batch':>6}{'schedule µs':>13}{'update µs':>11}{'step µs':>9}{'÷ base':>8}"
+    named = trees(ns.baseline_tree)
+    best = best_of_rounds(
+        named, batches, ns.rounds, measure, steps=ns.steps, prompt_len=ns.prompt_len
     )
-    for b in batches:
-        base = best.get("baseline", {}).get(b)
-        for name in trees:
-            r = best[name][b]
+    for rows in best.values():
+        for r in rows.values():
             r["step_us"] = r["schedule_us"] + r["update_us"]
-            ratio = (
-                f"{r['step_us'] / (base['schedule_us'] + base['update_us']):.2f}" if base else "-"
-            )
-            print(
-                f"{name:<11}{b:>6}{r['schedule_us']:>13.1f}{r['update_us']:>11.1f}"
-                f"{r['step_us']:>9.1f}{ratio:>8}"
-            )
-    if ns.out is not None:
-        write_result(
-            ns.out,
-            "bench.scheduler_step",
-            argv,
-            trees={name: str(tree) for name, tree in trees.items()},
-            results={name: {str(b): r for b, r in rows.items()} for name, rows in best.items()},
-        )
+    columns = [
+        ("schedule µs", "schedule_us", ".1f"),
+        ("update µs", "update_us", ".1f"),
+        ("step µs", "step_us", ".1f"),
+    ]
+    print_ab_table(named, best, "batch", columns, ratio_of="step_us")
+    write_ab_result(ns.out, "bench.scheduler_step", argv, named, best)
     return 0
 
 

@@ -18,13 +18,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.report import write_result
-from bench.tree_ab import THIS_TREE, keep_minimum, measure_in
+from bench.tree_ab import best_of_rounds, print_ab_table, trees, write_ab_result
 
 
-def measure(requests: int, steps: int, polls: int) -> dict[str, float]:
+def measure(point: int, requests: int, polls: int) -> dict[str, float]:
     """Microseconds per poll: the worker's merge + pack + pickle, the router's unpickle,
-    and the frame's bytes, for `steps` steps of `requests` requests' sampled tokens."""
+    and the frame's bytes, for `point` steps of `requests` requests' sampled tokens."""
     import pickle
     import time
 
@@ -32,7 +31,7 @@ def measure(requests: int, steps: int, polls: int) -> dict[str, float]:
 
     updates = [
         TokenUpdate(f"cmpl-{i:032x}", (1000 + step,), None, 16, scheduled_at=100.0 + i)
-        for step in range(steps)
+        for step in range(point)
         for i in range(requests)
     ]
     stats = WorkerStats("decode", 0, 8192, 4096, requests, 0, 0, 0)
@@ -66,35 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     ns = p.parse_args(argv)
     steps = [int(s) for s in ns.steps.split(",") if s.strip()]
-    trees = {"this tree": THIS_TREE}
-    if ns.baseline_tree is not None:
-        trees["baseline"] = ns.baseline_tree.resolve()
-    best: dict[str, dict[int, dict[str, float]]] = {name: {} for name in trees}
-    for _ in range(ns.rounds):
-        for name, tree in trees.items():
-            for k in steps:
-                got = measure_in(tree, measure, requests=ns.requests, steps=k, polls=ns.polls)
-                keep_minimum(best[name].setdefault(k, {}), got)
+    named = trees(ns.baseline_tree)
+    best = best_of_rounds(named, steps, ns.rounds, measure, requests=ns.requests, polls=ns.polls)
     print(f"{ns.requests} requests a step")
-    header = f"{'tree':<11}{'steps':>6}{'worker µs':>11}{'router µs':>11}{'bytes':>8}"
-    print(f"{header}{'worker ÷ base':>15}")
-    for k in steps:
-        base = best.get("baseline", {}).get(k)
-        for name in trees:
-            r = best[name][k]
-            ratio = f"{r['worker_us'] / base['worker_us']:.2f}" if base else "-"
-            print(
-                f"{name:<11}{k:>6}{r['worker_us']:>11.1f}{r['router_us']:>11.1f}"
-                f"{r['bytes']:>8.0f}{ratio:>15}"
-            )
-    if ns.out is not None:
-        write_result(
-            ns.out,
-            "bench.token_batch",
-            argv,
-            trees={name: str(tree) for name, tree in trees.items()},
-            results={name: {str(k): r for k, r in rows.items()} for name, rows in best.items()},
-        )
+    columns = [
+        ("worker µs", "worker_us", ".1f"),
+        ("router µs", "router_us", ".1f"),
+        ("bytes", "bytes", ".0f"),
+    ]
+    print_ab_table(named, best, "steps", columns, ratio_of="worker_us")
+    write_ab_result(ns.out, "bench.token_batch", argv, named, best)
     return 0
 
 

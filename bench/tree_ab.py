@@ -9,9 +9,11 @@ import json
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from bench.report import write_result
 
 THIS_TREE = Path(__file__).resolve().parent.parent
 
@@ -38,3 +40,69 @@ def keep_minimum(best: dict[str, float], got: dict[str, float]) -> None:
     adds time."""
     for key, value in got.items():
         best[key] = min(best.get(key, value), value)
+
+
+Best = dict[str, dict[int, dict[str, float]]]  # tree name → point → each measure's minimum
+
+
+def trees(baseline: Path | None) -> dict[str, Path]:
+    """This tree, and the baseline checkout when one is given."""
+    named = {"this tree": THIS_TREE}
+    if baseline is not None:
+        named["baseline"] = baseline.resolve()
+    return named
+
+
+def best_of_rounds(
+    named: dict[str, Path],
+    points: Sequence[int],
+    rounds: int,
+    measure: Callable[..., Any],
+    **kwargs: Any,
+) -> Best:
+    """`measure(point, **kwargs)` at every point on every tree, the trees in turn, for
+    `rounds` rounds; the minimum of each measure."""
+    best: Best = {name: {} for name in named}
+    for _ in range(rounds):
+        for name, tree in named.items():
+            for point in points:
+                got = measure_in(tree, measure, point=point, **kwargs)
+                keep_minimum(best[name].setdefault(point, {}), got)
+    return best
+
+
+def write_ab_result(
+    out: Path | None, script: str, argv: list[str] | None, named: dict[str, Path], best: Best
+) -> None:
+    """The results as JSON at `out` (nothing when None), with the trees they came from."""
+    if out is not None:
+        write_result(
+            out,
+            script,
+            argv,
+            trees={name: str(tree) for name, tree in named.items()},
+            results={name: {str(k): r for k, r in rows.items()} for name, rows in best.items()},
+        )
+
+
+def print_ab_table(
+    named: dict[str, Path],
+    best: Best,
+    point_title: str,
+    columns: Sequence[tuple[str, str, str]],
+    ratio_of: str,
+) -> None:
+    """One row per point and tree: the point, each (title, measure, format) column, and
+    `ratio_of` divided by the baseline's (when there is one)."""
+    widths = [max(len(title) + 2, 9) for title, _, _ in columns]
+    header = "".join(f"{title:>{w}}" for (title, _, _), w in zip(columns, widths, strict=True))
+    print(f"{'tree':<11}{point_title:>6}{header}{'÷ base':>8}")
+    for point in next(iter(best.values())):
+        base = best.get("baseline", {}).get(point)
+        for name in named:
+            r = best[name][point]
+            cells = "".join(
+                f"{r[key]:>{w}{fmt}}" for (_, key, fmt), w in zip(columns, widths, strict=True)
+            )
+            ratio = f"{r[ratio_of] / base[ratio_of]:.2f}" if base else "-"
+            print(f"{name:<11}{point:>6}{cells}{ratio:>8}")

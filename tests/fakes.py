@@ -113,6 +113,7 @@ def make_engine(
     async_scheduling: bool = False,
     speculative: SpeculativeConfig | None = None,
     runner: FakeRunner | None = None,
+    max_model_len: int = 100_000,
     **sched: object,
 ) -> tuple[EngineCore, FakeRunner]:
     """An engine core on the fake runner: `sched` are SchedulerConfig fields."""
@@ -121,7 +122,7 @@ def make_engine(
         runner,
         SchedulerConfig(**sched),  # type: ignore[arg-type]
         CacheConfig(num_blocks=num_blocks, block_size=block_size),
-        max_model_len=100_000,
+        max_model_len=max_model_len,
         vocab_size=1000,
         eos_token_ids=eos,
         role=EngineRole.PREFILL if handoff else EngineRole.COLOCATED,

@@ -158,13 +158,7 @@ def test_stop_token_and_eos_finish_with_stop() -> None:
 def test_a_request_past_the_validation_stops_where_the_models_context_ends() -> None:
     """The edge validated it (or it moved here mid-generation): if its max_tokens would
     run past the model's context, it still ends with LENGTH at the last position."""
-    core = EngineCore(
-        FakeRunner(),
-        SchedulerConfig(),
-        CacheConfig(num_blocks=64),
-        max_model_len=40,
-        vocab_size=1000,
-    )
+    core, _ = make_engine(num_blocks=64, max_model_len=40)
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     core.add_request(GenerationInput("long", tuple(range(10, 40)), params), validate=False)
     outputs: list[int] = []
