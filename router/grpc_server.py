@@ -340,7 +340,9 @@ async def serve(
     """Run until SIGTERM/SIGINT has drained the server; the caller then stops the workers.
 
     The server listens (NOT_SERVING) while `warm_up` runs, so probes see the
-    process early; SERVING follows once `warm_up` completes.
+    process early; SERVING follows once `warm_up` completes, after the process's heap is
+    frozen out of the garbage collector's sight (`engine.heap`). Like the signal
+    handlers, that is the whole process's: this runs a service process.
     """
     server = GrpcServer(
         generator,
