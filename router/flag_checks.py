@@ -5,14 +5,13 @@ one line naming the flags; the CLI reports it as a usage error before anything s
 from __future__ import annotations
 
 import argparse
-import errno
 import json
-import socket
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from engine.model.model_spec import check_architecture
 from engine.wire import POOLS
+from router import port_holds
 from router.engine_flags import add_engine_args, add_model_args
 
 
@@ -191,17 +190,4 @@ def check_scale_flags(ns: argparse.Namespace) -> None:
 
 def port_problem(host: str, port: int) -> str | None:
     """Why a server could not listen on host:port, checked before Ray starts (fail fast)."""
-    if port == 0:
-        return None
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        # As grpc does: a port held only by TIME_WAIT connections of a past run is free.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            if exc.errno == errno.EADDRINUSE:
-                return f"{where} is in use"
-            return f"cannot listen on {where}: {exc.strerror or exc}"
-    return None
+    return port_holds.check(host, port)

@@ -43,6 +43,16 @@ def hold(host: str, port: int) -> str | None:
     return None
 
 
+def check(host: str, port: int) -> str | None:
+    """Why host:port could not be had now, or None; holds nothing (a flag's check)."""
+    if (host, port) in _held:
+        return None
+    problem = hold(host, port)
+    if problem is None:
+        release(host, port)
+    return problem
+
+
 def release(host: str, port: int) -> None:
     """Let go of a held port (its server binds it next); nothing when it is not held."""
     sock = _held.pop((host, port), None)
