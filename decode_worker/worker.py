@@ -303,8 +303,10 @@ class DecodeWorker(KVExporter, WorkerBase):
         """Long-poll: every update produced since the last call (empty after wait_s)."""
         if not self._outbox:
             self._outbox_ready.clear()
+            # A timeout scope, not `wait_for`: no task of its own for every poll.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._outbox_ready.wait(), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await self._outbox_ready.wait()
         out, self._outbox = self._outbox, []
         # Steps that piled up since the last poll travel as one update per request.
         return TokenBatch(tuple(coalesce(out)), self.take_kv_events(), self.latest_stats())
