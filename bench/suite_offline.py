@@ -97,6 +97,7 @@ def run_engine(
     from bench.offline import StepProfile
     from engine.core.config import SchedulerConfig
     from engine.factory import EngineArgs
+    from engine.heap import freeze_startup_heap
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
@@ -133,6 +134,9 @@ def run_engine(
             make_prompts(1, length, geo.vocab_size, seed=98),
             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
         )
+    # Warm, as a worker is before its first step: the same start-up heap, frozen, so
+    # the baseline pays no full collection the service's workers do not.
+    freeze_startup_heap()
     params = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
     runs = []
     for spec in plan_from_args(ns):
