@@ -16,22 +16,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-from bench.tree_ab import best_of_rounds, print_ab_table, trees, write_ab_result
+from bench.tree_ab import add_ab_args, best_of_rounds, print_ab_table, trees, write_ab_result
 
 
 def measure(point: int, steps: int, prompt_len: int) -> dict[str, float]:
     """Microseconds per step of schedule() and update() at `point` running requests,
     async scheduling as on GPUs (a step's results are applied after the next launch)."""
-    batch = point
     import time
 
     from engine.core.config import CacheConfig, SchedulerConfig
     from engine.core.engine_core import EngineCore
     from engine.sampling_params import SamplingParams
     from engine.wire import GenerationInput
+
+    batch = point  # running requests
 
     class Answered:
         def __init__(self, tokens: dict[str, int]) -> None:
@@ -77,7 +77,11 @@ def measure(point: int, steps: int, prompt_len: int) -> dict[str, float]:
             update_s += time.perf_counter() - t2
         schedule_s += t1 - t0
         in_flight = (scheduled, launched)
-    return {"schedule_us": 1e6 * schedule_s / steps, "update_us": 1e6 * update_s / steps}
+    return {
+        "schedule_us": 1e6 * schedule_s / steps,
+        "update_us": 1e6 * update_s / steps,
+        "step_us": 1e6 * (schedule_s + update_s) / steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,18 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="32,128,256", help="running requests, comma-separated")
     p.add_argument("--steps", type=int, default=300, help="decode steps timed per round")
     p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--rounds", type=int, default=5, help="rounds per tree (minimum kept)")
-    p.add_argument("--baseline-tree", type=Path, help="another checkout, measured in turn")
-    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    add_ab_args(p)
     ns = p.parse_args(argv)
     batches = [int(b) for b in ns.batch.split(",") if b.strip()]
     named = trees(ns.baseline_tree)
     best = best_of_rounds(
         named, batches, ns.rounds, measure, steps=ns.steps, prompt_len=ns.prompt_len
     )
-    for rows in best.values():
-        for r in rows.values():
-            r["step_us"] = r["schedule_us"] + r["update_us"]
     columns = [
         ("schedule µs", "schedule_us", ".1f"),
         ("update µs", "update_us", ".1f"),

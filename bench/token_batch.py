@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from bench.tree_ab import best_of_rounds, print_ab_table, trees, write_ab_result
+from bench.tree_ab import add_ab_args, best_of_rounds, print_ab_table, trees, write_ab_result
 
 
 def measure(point: int, requests: int, polls: int) -> dict[str, float]:
@@ -60,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=128, help="running requests")
     p.add_argument("--steps", default="1,2", help="steps a poll finds, comma-separated")
     p.add_argument("--polls", type=int, default=500, help="polls timed per round")
-    p.add_argument("--rounds", type=int, default=5, help="rounds per tree (minimum kept)")
-    p.add_argument("--baseline-tree", type=Path, help="another checkout, measured in turn")
-    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    add_ab_args(p)
     ns = p.parse_args(argv)
     steps = [int(s) for s in ns.steps.split(",") if s.strip()]
     named = trees(ns.baseline_tree)

@@ -4,6 +4,7 @@ one in the same run (`--baseline-tree`)."""
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
 import subprocess
@@ -43,6 +44,13 @@ def keep_minimum(best: dict[str, float], got: dict[str, float]) -> None:
 
 
 Best = dict[str, dict[int, dict[str, float]]]  # tree name → point → each measure's minimum
+
+
+def add_ab_args(p: argparse.ArgumentParser) -> None:
+    """The flags every baseline-tree benchmark takes: rounds, the other tree, the JSON."""
+    p.add_argument("--rounds", type=int, default=5, help="rounds per tree (minimum kept)")
+    p.add_argument("--baseline-tree", type=Path, help="another checkout, measured in turn")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
 
 
 def trees(baseline: Path | None) -> dict[str, Path]:

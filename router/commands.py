@@ -112,7 +112,7 @@ def serve(config: ServeConfig) -> int:
     # The service's ports are bound now and kept through Ray's start, whose processes
     # would otherwise be free to take them (router/port_holds.py).
     for host, port in ((config.host, config.port), (config.metrics_host, config.metrics_port)):
-        problem = port_holds.hold(host, port) if port else None
+        problem = port_holds.hold(host, port)
         if problem is not None:
             port_holds.release_all()
             print(f"pdserve: startup failed: {problem}", file=sys.stderr)

@@ -108,7 +108,7 @@ def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
         raise ValueError("--colocated-resources applies only with --colocated-workers N")
     check_planner_flags(ns, given)
     if ns.metrics_port:
-        problem = port_problem(ns.metrics_host, ns.metrics_port)
+        problem = port_holds.check(ns.metrics_host, ns.metrics_port)
         if problem is not None:
             raise ValueError(f"--metrics-port {ns.metrics_port}: {problem}")
     if ns.metrics_port == 0 and "--metrics-host" in given:
@@ -186,8 +186,3 @@ def check_scale_flags(ns: argparse.Namespace) -> None:
         raise ValueError("give --prefill, --decode, --colocated, --drain or --migrate")
     if ns.max_requests is not None and not ns.migrate:
         raise ValueError("--max-requests: only with --migrate")
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why a server could not listen on host:port, checked before Ray starts (fail fast)."""
-    return port_holds.check(host, port)

@@ -16,10 +16,10 @@ import socket
 _held: dict[tuple[str, int], socket.socket] = {}
 
 
-def hold(host: str, port: int) -> str | None:
+def hold(host: str, port: int | None) -> str | None:
     """Bind host:port and keep it until `release`; why it cannot be had, or None.
-    Port 0 (any free port, picked when the server binds) holds nothing."""
-    if port == 0 or (host, port) in _held:
+    Port 0 (any free port, picked when the server binds) or none holds nothing."""
+    if not port or (host, port) in _held:
         return None
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)

@@ -188,7 +188,7 @@ class Request:
             return None
         if self.all_token_ids[self.num_prompt_tokens + num_outputs - 1] in self.stop_ids:
             return FinishReason.STOP
-        return FinishReason.LENGTH if num_outputs >= self.max_outputs else None
+        return self.length_stop(num_outputs)
 
     def length_stop(self, num_outputs: int) -> FinishReason | None:
         """LENGTH once `num_outputs` outputs reach max_tokens or the model's context."""
