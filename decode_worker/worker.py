@@ -26,6 +26,7 @@ import torch
 from decode_worker.export import KVExporter
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
+from engine.model.staging import to_device
 from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import Reservation
 from engine.transfer.receiver import ChannelReceiver, KVArrival
@@ -187,7 +188,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         after: list[Any],
     ) -> None:
         if row_ids is not None:
-            rows = rows.index_select(0, torch.tensor(row_ids, device=rows.device))
+            rows = rows.index_select(0, to_device(row_ids, torch.long, rows.device))
         self.runner.scatter_blocks(block_ids, rows, layers, after=after)
 
     def admit(self, inp: GenerationInput, first_token: int) -> None:

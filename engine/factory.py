@@ -30,7 +30,8 @@ DEFAULT_CPU_KV_CACHE_GIB = 1.0
 # a fifth, for ~3 % on the pass. Smaller hand-offs come from passes bound by the host
 # launching kernels (shorter prompts, smaller models), where posting the parts costs more
 # than the transfer it hides (docs/benchmarks.md, "Layer-wise KV streaming").
-# `kv_stream_min_tokens="auto"` turns it into a prompt length for the model being served.
+# `kv_stream_min_tokens="auto"` turns it into a token count for the model being served,
+# compared with a message's (one pass's prompts to one decode worker), not a prompt's.
 KV_STREAM_MIN_BYTES = 256 << 20
 DEFAULT_KV_STREAM_MIN_TOKENS: int | Literal["auto"] = "auto"
 
@@ -42,8 +43,9 @@ DEFAULT_PROMPT_GRAPH_MAX_TOKENS = 2048
 
 
 def kv_stream_min_tokens(setting: int | Literal["auto"], kv_bytes_per_token: float) -> int:
-    """The shortest prompt whose hand-off streams: `setting` itself, or for "auto" the
-    length whose KV reaches KV_STREAM_MIN_BYTES (2048 tokens at 8B, 8192 at 1B)."""
+    """The fewest prompt tokens a hand-off message (one pass's prompts to one receiver)
+    carries to stream: `setting` itself, or for "auto" the count whose KV reaches
+    KV_STREAM_MIN_BYTES (2048 tokens at 8B, 8192 at 1B)."""
     if setting != "auto":
         return setting
     return max(1, math.ceil(KV_STREAM_MIN_BYTES / kv_bytes_per_token))

@@ -8,12 +8,12 @@ pair's channel → the reply to the router carries the first token without waiti
 the bytes: the receiver checks each entry against its reservation and reports arrival,
 refusal or a broken transfer in its own token stream.
 
-Prompts of at least `stream_min_tokens` (`--kv-stream-min-tokens`; by default the length
-whose KV reaches 256 MiB; with that default, not a prompt that runs alone from a prompt
-CUDA graph, engine.model.prompt_graphs) stream instead (engine.transfer.streaming):
-their message opens before the pass that completes them, each group of layers leaves
-as soon as the pass has written it, and the step boundary only adds the trailer with
-the first tokens.
+A message of at least `stream_min_tokens` prompt tokens (`--kv-stream-min-tokens`; by
+default the count whose KV reaches 256 MiB: one long prompt, or a pass's worth of short
+ones; with that default, not a prompt that runs alone from a prompt CUDA graph,
+engine.model.prompt_graphs) streams instead (engine.transfer.streaming): it opens
+before the pass that completes its prompts, each group of layers leaves as soon as the
+pass has written it, and the step boundary only adds the trailer with the first tokens.
 """
 
 from __future__ import annotations
@@ -87,14 +87,15 @@ class PrefillWorker(WorkerBase):
         if not self.core.async_scheduling:
             self.runner.step_observer = self._stream_step
             startup_log.info(  # a start-up fact: shown where the start-up lines are
-                "%s: hand-offs of %d tokens or more stream layer by layer",
+                "%s: hand-offs of %d prompt tokens or more (one pass's, to one decode worker) "
+                "stream layer by layer",
                 self.worker_id,
                 self.stream_min_tokens,
             )
 
     def _stream_step(self, batch: Batch) -> StepStream | None:
-        """Engine thread, before a pass: open streamed messages for the long prompts it
-        completes that go on to a decode worker."""
+        """Engine thread, before a pass: open streamed messages for the prompts it
+        completes that go on to a decode worker, where a message is large enough."""
         graphs = self.runner.prompt_graphs
         if self._graphs_over_streaming and graphs is not None and graphs.can_run(batch):
             # A lone prompt a CUDA graph runs sends its KV in one message after the pass:
@@ -108,7 +109,7 @@ class PrefillWorker(WorkerBase):
             if destination is None:
                 continue
             target, num_tokens = destination
-            if seq.end_position != num_tokens or num_tokens < self.stream_min_tokens:
+            if seq.end_position != num_tokens:
                 continue
             num_blocks = -(-num_tokens // batch.block_size)
             ready.append(
@@ -116,6 +117,11 @@ class PrefillWorker(WorkerBase):
             )
         messages: list[tuple[Message, KVSender]] = []
         for message in plan_messages(ready, self.block_bytes):
+            # The message's size decides, not a prompt's: a burst of short prompts that
+            # finish in one pass makes one large message, and that pass is long enough
+            # to hide most of it.
+            if message.num_tokens < self.stream_min_tokens:
+                continue  # sent whole after the pass
             channel = self.channels.get(message.target.worker_id)
             if channel is not None and not channel.closed:  # else: fails after the step
                 messages.append((message, channel))

@@ -226,3 +226,43 @@ def test_requests_prefilled_in_one_step_travel_in_one_message(
         await pair.wait_zero()
 
     run(loop, body())
+
+
+def test_a_burst_of_short_prompts_streams_once_their_kv_adds_up(
+    loop: asyncio.AbstractEventLoop, pair: Pair
+) -> None:
+    """The streaming threshold counts a pass's message, not each prompt: six prompts
+    far below it that finish in one pass stream together; a lone one goes whole."""
+
+    async def body() -> None:
+        prefill = pair.prefill
+        saved, prefill.stream_min_tokens = prefill.stream_min_tokens, 30
+        try:
+            lone = _input("lone", 20)
+            before = prefill.num_streamed_messages
+            [res] = await asyncio.gather(pair.decode.reserve(lone))
+            assert (await prefill.prefill(lone, res)).finish_reason is None
+            assert prefill.num_streamed_messages == before  # 20 tokens < 30: whole
+            # 12-17 tokens each, 87 in all: queued together, they share a pass (any
+            # three of them reach the threshold).
+            inputs = [_input(f"short-{i}", 12 + i) for i in range(6)]
+            reservations = await asyncio.gather(*(pair.decode.reserve(i) for i in inputs))
+            results = await asyncio.gather(
+                *(prefill.prefill(i, r) for i, r in zip(inputs, reservations, strict=True))
+            )
+            assert all(r.finish_reason is None for r in results), results
+            assert prefill.num_streamed_messages > before
+            want = {i.req_id for i in inputs} | {"lone"}
+            finished: set[str] = set()
+            deadline = loop.time() + 20
+            while loop.time() < deadline and finished != want:
+                for u in (await pair.decode.next_tokens(0.2)).updates:
+                    if u.finish_reason is not None:
+                        assert u.finish_reason is FinishReason.LENGTH, u
+                        finished.add(u.req_id)
+            assert finished == want
+        finally:
+            prefill.stream_min_tokens = saved
+        await pair.wait_zero()
+
+    run(loop, body())

@@ -92,10 +92,17 @@ class KVReceiver(Protocol):
         """Block until the next header; raises ChannelClosed when the peer left."""
         ...
 
-    def recv_into(self, buffer: Any, then: Callable[[], None] | None = None) -> None:
+    def recv_into(
+        self, buffer: Any, then: Callable[[], None] | None = None, *, wait: bool = True
+    ) -> None:
         """Receive the payload (or the next part of a streamed one) that follows a header
         into `buffer`; `then` (the scatter into the cache) runs right after it on the
-        same stream, before the one wait."""
+        same stream. With `wait=False` a backend may return once both are posted (the
+        next receive may reuse `buffer`: it is ordered after `then`); `settle()` waits."""
+        ...
+
+    def settle(self) -> None:
+        """Block until every receive posted on this end is done."""
         ...
 
     def close(self, notify_peer: bool) -> None: ...

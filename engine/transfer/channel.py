@@ -20,6 +20,7 @@ import datetime
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -103,6 +104,10 @@ class KVChannel:
         self._seq = 0
         self._closed = threading.Event()
         self._stream: torch.cuda.Stream | None = None
+        # Sending: streamed parts on their way, each with the event that marks it sent;
+        # the payload is held until then. Receiving: buffers with receives posted.
+        self._unsettled: deque[tuple[torch.cuda.Event, torch.Tensor, FutureHandle]] = deque()
+        self._posted: list[torch.Tensor] = []
 
     @property
     def peer_id(self) -> str:
@@ -202,11 +207,22 @@ class KVChannel:
                             self._stream.wait_event(ready)
                         if payload is not None:
                             pg.send([payload], self.peer, 0).wait()
+                    if header is None and payload is not None:
+                        # A streamed part: not waited for here, so the lane is free for
+                        # the next part at once; the trailer's wait settles it.
+                        sent = torch.cuda.Event()
+                        sent.record(self._stream)
+                        self._unsettled.append((sent, payload, handle))
+                        self._reap_sent()
+                        return
                     # The payload must outlive the transfer: hold it until it is sent.
                     self._stream.synchronize()
             except Exception as exc:  # noqa: BLE001 - reported as the handle's state
-                handle.finish(f"{type(exc).__name__}: {exc}")
+                failure = f"{type(exc).__name__}: {exc}"
+                self._settle_sent(failure)
+                handle.finish(failure)
                 return
+            self._settle_sent()
             handle.finish()
 
         try:
@@ -214,6 +230,17 @@ class KVChannel:
         except RuntimeError as exc:  # the lane was shut down: the channel is closed
             handle.finish(f"channel to {self.peer_id} is closed ({exc})")
         return handle
+
+    def _reap_sent(self) -> None:
+        """Finish the streamed parts that have left (lane thread)."""
+        while self._unsettled and self._unsettled[0][0].query():
+            self._unsettled.popleft()[2].finish()
+
+    def _settle_sent(self, failure: str | None = None) -> None:
+        """Every streamed part posted before is done: the stream was waited for, or the
+        message failed with `failure` (lane thread)."""
+        while self._unsettled:
+            self._unsettled.popleft()[2].finish(failure)
 
     # ---------------------------------------------------------------- receiving (decode end)
     def recv_header(self) -> HandoffHeader:
@@ -226,12 +253,13 @@ class KVChannel:
             raise ChannelClosed(f"{self.peer_id} closed the channel")
         return header
 
-    def recv_into(self, buffer: torch.Tensor, then: Callable[[], None] | None = None) -> None:
+    def recv_into(
+        self, buffer: torch.Tensor, then: Callable[[], None] | None = None, *, wait: bool = True
+    ) -> None:
         """Receive the payload that follows a header; `then` (e.g. the scatter into the
-        cache) runs on this channel's stream right after it, before the one wait."""
-        self._recv(buffer, then)
-
-    def _recv(self, buffer: torch.Tensor, then: Callable[[], None] | None = None) -> None:
+        cache) runs on this channel's stream right after it. `wait=False` only posts
+        both (between GPUs): the next receive may reuse `buffer`, as the stream orders
+        it after `then`, and `settle()` waits for everything posted."""
         pg = self._group()
         if self._stream is None:
             pg.recv([buffer], self.peer, 0).wait()
@@ -243,7 +271,15 @@ class KVChannel:
             pg.recv([buffer], self.peer, 0).wait()
             if then is not None:
                 then()
-        self._stream.synchronize()
+        self._posted.append(buffer)  # held until its receive is done
+        if wait:
+            self.settle()
+
+    def settle(self) -> None:
+        """Block until every receive posted on this end, and what runs after it, is done."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._posted.clear()
 
     # ---------------------------------------------------------------- teardown
     def close(self, notify_peer: bool, timeout_s: float = 5.0) -> None:

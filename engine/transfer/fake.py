@@ -131,7 +131,9 @@ class FakeChannel:
             raise ChannelClosed(f"{self._peer_id} closed the channel")
         return header
 
-    def recv_into(self, buffer: Any, then: Callable[[], None] | None = None) -> None:
+    def recv_into(
+        self, buffer: Any, then: Callable[[], None] | None = None, *, wait: bool = True
+    ) -> None:
         item = None if self._link.broken else self._link.messages.get()
         if item is None or item is _BROKEN or self._link.broken:
             raise ConnectionResetError(f"{self._peer_id} is gone")
@@ -141,6 +143,9 @@ class FakeChannel:
         buffer.copy_(payload.reshape(buffer.shape))
         if then is not None:
             then()
+
+    def settle(self) -> None:
+        """Every receive here completes before recv_into returns."""
 
     # ---------------------------------------------------------------- teardown
     def close(self, notify_peer: bool) -> None:

@@ -19,6 +19,7 @@ tested without process groups or a model.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -120,6 +121,16 @@ class ImportTarget(Protocol):
         ...
 
 
+def _part_of(buffer: Any, layers: tuple[int, int]) -> Any:
+    """The front of a staging buffer ([blocks, widest part's layers, ...]) shaped for the
+    part `layers`: contiguous, as a receive wants it."""
+    width = layers[1] - layers[0]
+    if buffer.shape[1] == width:
+        return buffer
+    shape = (buffer.shape[0], width, *buffer.shape[2:])
+    return buffer.view(-1)[: math.prod(shape)].view(shape)
+
+
 class ChannelReceiver:
     """Drives one KVReceiver until the peer leaves or the channel breaks."""
 
@@ -195,12 +206,19 @@ class ChannelReceiver:
                     after.append(held.writable_after)
             row += entry.num_blocks
         posted = time.perf_counter()
+        parts = header.parts(self.target.num_layers)
         try:
             # Drained even when refused (the channel stays in step); scattered into the
-            # reserved blocks right behind each receive when accepted.
-            for layers in header.parts(self.target.num_layers):
-                self._receive_part(header.num_blocks, layers, block_ids, row_ids, after)
+            # reserved blocks right behind each receive when accepted. Every part is
+            # posted at once, through one buffer sized for the widest (each receive is
+            # ordered after the scatter before it), and waited for once: no wake-up of
+            # this thread per part, which under load waits for the interpreter's lock.
+            buffer = self.target.staging(header.num_blocks, (0, max(b - a for a, b in parts)))
+            for layers in parts:
+                part = _part_of(buffer, layers)
+                self._receive_part(part, layers, block_ids, row_ids, after, wait=False)
             first_tokens, posted_at_us = self._first_tokens(header)
+            self.channel.settle()
         except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
             for entry, held, _ in claims:
                 if held is not None:
@@ -274,9 +292,9 @@ class ChannelReceiver:
                     self.target.release(entry.req_id)
             row += entry.num_blocks
         try:
-            self._receive_part(
-                header.num_blocks, (0, self.target.num_layers), block_ids, row_ids, after
-            )
+            layers = (0, self.target.num_layers)
+            buffer = self.target.staging(header.num_blocks, layers)
+            self._receive_part(buffer, layers, block_ids, row_ids, after)
         except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
             log.warning("pre-copy from %s broke off: %s", self.channel.peer_id, exc)
             for req_id in held:
@@ -290,20 +308,19 @@ class ChannelReceiver:
 
     def _receive_part(
         self,
-        num_blocks: int,
+        staging: Any,
         layers: tuple[int, int],
         block_ids: list[int],
         row_ids: list[int],
         after: list[Any],
+        wait: bool = True,
     ) -> None:
-        staging = self.target.staging(num_blocks, layers)
-
         def scatter() -> None:
             if block_ids:
-                rows = None if len(row_ids) == num_blocks else row_ids
+                rows = None if len(row_ids) == staging.shape[0] else row_ids
                 self.target.scatter(block_ids, staging, rows, layers, after)
 
-        self.channel.recv_into(staging, scatter)
+        self.channel.recv_into(staging, scatter, wait=wait)
 
     def _first_tokens(self, header: HandoffHeader) -> tuple[list[int], int]:
         """Each entry's first token and when the sender had the KV ready: from the

@@ -45,6 +45,11 @@ class Message:
         return [b for item in self.items for b in item.block_ids]
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt tokens whose KV it carries."""
+        return sum(item.num_tokens for item in self.items)
+
+    @property
     def entries(self) -> tuple[HandoffEntry, ...]:
         return tuple(item.entry() for item in self.items)
 
