@@ -328,10 +328,16 @@ class DecodeWorker(KVExporter, WorkerBase):
         running → finished and freed at the next step boundary."""
         self.bury(req_id)
         self._starting.pop(req_id, None)
-        if self._book is not None and self.book.abort(req_id):
-            self._sources.pop(req_id, None)
-            await self.on_engine(lambda: self.core.release(req_id))
-            return
+        if self._book is not None:
+            if self.book.abort(req_id):
+                self._sources.pop(req_id, None)
+                await self.on_engine(lambda: self.core.release(req_id))
+                return
+            if self.book.holds(req_id):
+                # Importing: its bytes may still be landing in its blocks. The receiver
+                # frees them once nothing writes into them any more (a block freed now
+                # could go to another request and be overwritten by this one's KV).
+                return
         await self.on_engine(lambda: self._abort_on_engine(req_id))
 
     def _abort_on_engine(self, req_id: str) -> None:

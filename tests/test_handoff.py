@@ -25,7 +25,7 @@ from engine.core.request import FinishReason
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
 from engine.transfer.channel import ChannelSpec
-from engine.transfer.handoff import Reservation
+from engine.transfer.handoff import NO_TOKEN, HandoffEntry, Reservation
 from engine.wire import GenerationInput, TokenUpdate
 from prefill_worker.worker import PrefillWorker
 
@@ -263,6 +263,34 @@ def test_a_burst_of_short_prompts_streams_once_their_kv_adds_up(
             assert finished == want
         finally:
             prefill.stream_min_tokens = saved
+        await pair.wait_zero()
+
+    run(loop, body())
+
+
+def test_an_abort_while_the_kv_lands_keeps_its_blocks_until_the_receiver_lets_go(
+    loop: asyncio.AbstractEventLoop, pair: Pair
+) -> None:
+    """Freed mid-import, a reservation's blocks could go to another request while the
+    import still writes into them: the abort only marks it, and the receiving thread
+    frees them once its bytes have landed (or broken off)."""
+
+    async def body() -> None:
+        decode = pair.decode
+        inp = _input("landing", 40)
+        res = await decode.reserve(inp)
+        assert res is not None
+        # What the receiving thread does when this request's header arrives.
+        entry = HandoffEntry("landing", 40, len(res.block_ids), NO_TOKEN)
+        held, problem = decode.book.claim(entry, res.epoch)
+        assert held is not None, problem
+        await decode.abort("landing")
+        await asyncio.sleep(0.05)  # a few engine steps
+        assert (await pair.blocks_in_use())[1] == len(res.block_ids)
+        # The bytes landed: the book says the request was aborted meanwhile, and the
+        # receiver gives the blocks back.
+        assert not decode.book.complete("landing", lambda: None)
+        decode.release("landing")
         await pair.wait_zero()
 
     run(loop, body())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -551,3 +552,39 @@ def test_by_default_a_hand_off_streams_from_256_mib_of_kv_whatever_the_model() -
     assert EngineArgs().kv_stream_min_tokens == "auto"
     with pytest.raises(ValueError, match="kv_stream_min_tokens must be 'auto' or >= 0"):
         EngineArgs(kv_stream_min_tokens=-1)
+
+
+def test_a_message_that_breaks_off_frees_its_blocks_only_once_its_posted_parts_landed() -> None:
+    # The receiver posts every part of a streamed message at once and waits once; on a
+    # device those parts may still be landing when the message breaks off. A block
+    # freed before then could go to another request and be overwritten by them.
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    recv.defer_posted()
+    worker = Worker()
+    worker.reserve("a", 4)
+    order: list[str] = []
+    scatter, release = worker.scatter, worker.release
+
+    def scatter_logged(*args: Any) -> None:
+        order.append("scatter")
+        scatter(*args)
+
+    def release_logged(req_id: str) -> None:
+        order.append("release")
+        release(req_id)
+
+    worker.scatter = scatter_logged  # type: ignore[method-assign]
+    worker.release = release_logged  # type: ignore[method-assign]
+    thread = _run_receiver(recv, worker)
+    sender = SenderCache(1)
+    stream = _open(send, sender, _message(("a", 4, (0,))), part_bytes=1)
+    for layer in range(LAYERS):
+        stream.layer_written(layer)
+    # A trailer out of step: the message breaks off after all its parts were posted.
+    send.send(
+        HandoffHeader(HeaderKind.TRAILER, 99, entries=stream.messages[0].header.entries), None
+    )
+    thread.join(5)
+    assert recv.closed and "broke off" in worker.errors["a"]
+    assert order == ["scatter"] * LAYERS + ["release"]
+    assert worker.blocks_in_use == 0 and len(worker.book) == 0

@@ -4,7 +4,8 @@ It keeps the channel's contract (order, CLOSE, a broken peer fails the pending r
 so hand-off, abort, epoch and routing logic can be tested in milliseconds, with no
 process group. Tests steer it: `hold()` keeps posted messages WAITING until `release()`,
 `fail_next(reason)` fails the next send, `break_()` fails every pending and later
-operation as a dead peer would.
+operation as a dead peer would, and `defer_posted()` makes a receive posted without
+waiting land only at `settle()`, as on a device.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class FakeChannel:
         self._sending = sending
         self._seq = 0
         self._closed = threading.Event()
+        self._defer_posted = False
+        self._posted: list[tuple[Any, Any, Callable[[], None] | None]] = []
 
     @classmethod
     def pair(cls, sender_id: str, receiver_id: str) -> tuple[FakeChannel, FakeChannel]:
@@ -77,6 +80,11 @@ class FakeChannel:
     def fail_next(self, reason: str) -> None:
         """The next send fails before anything reaches the receiver."""
         self._link.fail_next = reason
+
+    def defer_posted(self) -> None:
+        """Receives posted with `wait=False` from now on land (bytes, then their `then`)
+        only at settle(), in order: a device channel's stream runs them after the call."""
+        self._defer_posted = True
 
     def break_(self) -> None:
         """The peer died: pending and later operations on both ends fail."""
@@ -140,12 +148,16 @@ class FakeChannel:
         header, payload = item
         if header is not None:
             raise ValueError("a header where a payload was expected: out of step")
-        buffer.copy_(payload.reshape(buffer.shape))
-        if then is not None:
-            then()
+        self._posted.append((buffer, payload, then))
+        if wait or not self._defer_posted:
+            self.settle()
 
     def settle(self) -> None:
-        """Every receive here completes before recv_into returns."""
+        posted, self._posted = self._posted, []
+        for buffer, payload, then in posted:
+            buffer.copy_(payload.reshape(buffer.shape))
+            if then is not None:
+                then()
 
     # ---------------------------------------------------------------- teardown
     def close(self, notify_peer: bool) -> None:

@@ -220,11 +220,13 @@ class ChannelReceiver:
             first_tokens, posted_at_us = self._first_tokens(header)
             self.channel.settle()
         except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
-            for entry, held, _ in claims:
-                if held is not None:
-                    self.book.fail(entry.req_id)
-                    self.target.release(entry.req_id)
-                    self.target.fail(entry.req_id, f"KV hand-off broke off: {exc}")
+            failed = [entry.req_id for entry, held, _ in claims if held is not None]
+            for req_id in failed:
+                self.book.fail(req_id)
+                self.target.fail(req_id, f"KV hand-off broke off: {exc}")
+            self._drain_broken()
+            for req_id in failed:
+                self.target.release(req_id)
             return False
         wire_s = time.perf_counter() - posted
         received_at = time.monotonic()
@@ -299,12 +301,24 @@ class ChannelReceiver:
             log.warning("pre-copy from %s broke off: %s", self.channel.peer_id, exc)
             for req_id in held:
                 self.book.fail(req_id)
+            self._drain_broken()
+            for req_id in held:
                 self.target.release(req_id)
             return False
         for req_id in held:
             if not self.book.precopy_landed(req_id):  # aborted while landing
                 self.target.release(req_id)
         return True
+
+    def _drain_broken(self) -> None:
+        """After a message broke off: close the channel (which ends the receives still
+        pending on it) and wait for what was posted, so no part lands in blocks after
+        they went back to the pool and on to another request."""
+        self.channel.close(notify_peer=False)
+        try:
+            self.channel.settle()
+        except Exception as exc:  # noqa: BLE001 - the device reports the aborted receive
+            log.warning("channel from %s: draining its receives: %s", self.channel.peer_id, exc)
 
     def _receive_part(
         self,
