@@ -140,8 +140,11 @@ class FutureHandle:
         self._state = KVPoll.TRANSFERRING
 
     def finish(self, failure: str | None = None) -> None:
-        """Mark it done (SUCCESS, or FAILED with the reason) and run the callbacks."""
+        """Mark it done (SUCCESS, or FAILED with the reason) and run the callbacks; the
+        first call decides (a closing channel and its lane may both finish one)."""
         with self._lock:
+            if self._done.is_set():
+                return
             self._failure = failure
             self._state = KVPoll.FAILED if failure is not None else KVPoll.SUCCESS
             self._done.set()

@@ -104,8 +104,12 @@ class KVChannel:
         self._seq = 0
         self._closed = threading.Event()
         self._stream: torch.cuda.Stream | None = None
-        # Sending: streamed parts on their way, each with the event that marks it sent;
-        # the payload is held until then. Receiving: buffers with receives posted.
+        # Sending: messages posted and not yet started on the lane (close() fails them:
+        # a closed lane drops its queue), and streamed parts on their way, each with the
+        # event that marks it sent (the payload is held until then). Receiving: buffers
+        # with receives posted.
+        self._jobs = threading.Lock()
+        self._queued: set[FutureHandle] = set()
         self._unsettled: deque[tuple[torch.cuda.Event, torch.Tensor, FutureHandle]] = deque()
         self._posted: list[torch.Tensor] = []
 
@@ -192,6 +196,10 @@ class KVChannel:
         handle = FutureHandle()
 
         def run() -> None:
+            with self._jobs:
+                if handle not in self._queued:  # failed by close() meanwhile
+                    return
+                self._queued.discard(handle)
             try:
                 pg = self._group()
                 handle.started()
@@ -212,7 +220,8 @@ class KVChannel:
                         # the next part at once; the trailer's wait settles it.
                         sent = torch.cuda.Event()
                         sent.record(self._stream)
-                        self._unsettled.append((sent, payload, handle))
+                        with self._jobs:
+                            self._unsettled.append((sent, payload, handle))
                         self._reap_sent()
                         return
                     # The payload must outlive the transfer: hold it until it is sent.
@@ -225,22 +234,33 @@ class KVChannel:
             self._settle_sent()
             handle.finish()
 
+        with self._jobs:
+            self._queued.add(handle)
         try:
             self._lane.submit(run)
         except RuntimeError as exc:  # the lane was shut down: the channel is closed
+            with self._jobs:
+                self._queued.discard(handle)
             handle.finish(f"channel to {self.peer_id} is closed ({exc})")
         return handle
 
     def _reap_sent(self) -> None:
         """Finish the streamed parts that have left (lane thread)."""
-        while self._unsettled and self._unsettled[0][0].query():
-            self._unsettled.popleft()[2].finish()
+        with self._jobs:
+            done = []
+            while self._unsettled and self._unsettled[0][0].query():
+                done.append(self._unsettled.popleft()[2])
+        for handle in done:
+            handle.finish()
 
     def _settle_sent(self, failure: str | None = None) -> None:
         """Every streamed part posted before is done: the stream was waited for, or the
-        message failed with `failure` (lane thread)."""
-        while self._unsettled:
-            self._unsettled.popleft()[2].finish(failure)
+        message failed with `failure`."""
+        with self._jobs:
+            handles = [handle for _, _, handle in self._unsettled]
+            self._unsettled.clear()
+        for handle in handles:
+            handle.finish(failure)
 
     # ---------------------------------------------------------------- receiving (decode end)
     def recv_header(self) -> HandoffHeader:
@@ -304,6 +324,14 @@ class KVChannel:
             _ABORTS.add(thread)
             thread.start()
         self._lane.shutdown(wait=False, cancel_futures=True)
+        # Whoever waits on a message that will never leave hears so now, not never (a
+        # drain's move waits for its transfer).
+        with self._jobs:
+            never_sent, self._queued = list(self._queued), set()
+        failure = f"channel to {self.peer_id} closed before it was sent"
+        for handle in never_sent:
+            handle.finish(failure)
+        self._settle_sent(failure)
 
     def _abort(self, pg: Any) -> None:
         try:
