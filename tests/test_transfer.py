@@ -434,8 +434,13 @@ def _open(send: FakeChannel, sender: SenderCache, message: Message, part_bytes: 
     )
 
 
-def test_a_streamed_message_lands_part_by_part_and_its_trailer_admits() -> None:
+@pytest.mark.parametrize("posted_ahead", [False, True], ids=["in-turn", "posted-ahead"])
+def test_a_streamed_message_lands_part_by_part_and_its_trailer_admits(posted_ahead: bool) -> None:
+    # posted-ahead: the parts' receives land only when waited for, in order, as on a
+    # device (all through one staging buffer).
     send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    if posted_ahead:
+        recv.defer_posted()
     worker = Worker()
     a, b = worker.reserve("a", 8), worker.reserve("b", 4)
     thread = _run_receiver(recv, worker)
@@ -455,10 +460,15 @@ def test_a_streamed_message_lands_part_by_part_and_its_trailer_admits() -> None:
     assert b.block_ids[0] in worker.free
 
 
-def test_parts_merge_layers_below_the_part_size_and_missed_ones_go_at_close() -> None:
+@pytest.mark.parametrize("posted_ahead", [False, True], ids=["in-turn", "posted-ahead"])
+def test_parts_merge_layers_below_the_part_size_and_missed_ones_go_at_close(
+    posted_ahead: bool,
+) -> None:
     assert layers_per_part(message_bytes=300, num_layers=3, min_part_bytes=150) == 2
     assert layers_per_part(message_bytes=300, num_layers=3, min_part_bytes=10**9) == 3
     send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    if posted_ahead:  # the narrower last part lands through the front of one buffer
+        recv.defer_posted()
     worker = Worker()
     res = worker.reserve("a", 4)
     thread = _run_receiver(recv, worker)
