@@ -1,5 +1,6 @@
 """The GPU suite's tables, from its JSON: throughput and latency of every system, the
-decode step against the memory floor, the KV hand-off against raw sends, TTFT at
+decode step against the memory floor, the KV hand-off against raw sends and under load
+against alone, TTFT at
 concurrency 1 (engine, colocated service, 1P1D), burst against steady-state throughput,
 and goodput at each TPOT SLO.
 
@@ -61,6 +62,7 @@ def format_tables(result: dict) -> str:
         _throughput(shapes, main_len),
         _floor(shapes, main_len),
         _handoff(result),
+        _handoff_under_load(shapes, main_len),
         _tpot_over_step(shapes, main_len),
         _ttft_c1(shapes, main_len),
         _phases(shapes, main_len),
@@ -144,6 +146,35 @@ def _handoff(result: dict) -> list[str]:
                 f"{_fmt((h.get('seconds_p50') or 0) * 1000, 2):>9}{_fmt(h.get('gib_s_p50')):>8}"
                 f"{_fmt(wire):>11}{_fmt(r.get('gib_s')):>11}{_fmt(ratio, 2):>7}"
                 f"{_fmt(wire_ratio, 2):>11}"
+            )
+    return lines
+
+
+def _handoff_under_load(shapes: dict, main_len: int) -> list[str]:
+    """c's hand-off p50 (the requests' timings.kv_transfer_seconds) in each run against
+    the same prompt length's run at concurrency 1: how much hand-offs wait on a busy pair
+    (rounds 1 at concurrency > 1 is the burst)."""
+    lines = [
+        "",
+        "== KV hand-off p50 in the 1P1D service (c) against the same hand-off alone "
+        "(concurrency 1); rounds 1 above concurrency 1 is the burst ==",
+        f"{'shape':<6}{'conc':>5}{'rnds':>5}{'prompt':>7}{'ms p50':>9}{'alone':>8}{'÷ alone':>9}",
+    ]
+    for shape, rec in shapes.items():
+        runs = runs_of(rec.get("service"))
+        alone = {
+            run_key(r, main_len)[2]: r.get("kv_transfer_ms_p50")
+            for r in runs
+            if r["concurrency"] == 1
+        }
+        for r in runs:
+            conc, rounds, plen = run_key(r, main_len)
+            ms, base = r.get("kv_transfer_ms_p50"), alone.get(plen)
+            if conc == 1 or ms is None:
+                continue
+            lines.append(
+                f"{shape:<6}{conc:>5}{rounds:>5}{plen:>7}{_fmt(ms, 2):>9}{_fmt(base, 2):>8}"
+                f"{_ratio(ms, base):>9}"
             )
     return lines
 

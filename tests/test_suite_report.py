@@ -84,3 +84,18 @@ def test_the_phase_table_shows_each_pools_phases_per_run() -> None:
     assert row[5:8] == ["34.09", "40.19", "4.93"]  # prefill queue, compute, KV
     assert row[8:14] == ["-"] * 6  # no local prefill, decode admission or step; no colocated
     assert row[14] == "25%"  # 10 of 40 prompts prefilled on the decode worker
+
+
+def test_the_hand_off_under_load_is_read_against_the_same_hand_off_alone() -> None:
+    from bench.suite_report import _handoff_under_load
+
+    def c_run(conc: int, rounds: int, ms: float | None) -> dict:
+        return {"system": "c", "concurrency": conc, "rounds": rounds, "prompt_len": 512,
+                "kv_transfer_ms_p50": ms}  # fmt: skip
+
+    runs = [c_run(1, 12, 1.25), c_run(128, 1, 3.0), c_run(128, 4, 5.0), c_run(32, 4, None)]
+    rows = _handoff_under_load({"1b": {"service": {"runs": runs}}}, 512)[3:]
+    assert [row.split() for row in rows] == [
+        ["1b", "128", "1", "512", "3.00", "1.25", "2.40"],  # the burst
+        ["1b", "128", "4", "512", "5.00", "1.25", "4.00"],
+    ]
