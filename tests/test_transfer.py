@@ -598,3 +598,21 @@ def test_a_message_that_breaks_off_frees_its_blocks_only_once_its_posted_parts_l
     assert recv.closed and "broke off" in worker.errors["a"]
     assert order == ["scatter"] * LAYERS + ["release"]
     assert worker.blocks_in_use == 0 and len(worker.book) == 0
+
+
+def test_a_trailer_that_never_comes_fails_the_message_and_frees_its_blocks() -> None:
+    # A sender that hangs mid-stream (alive, its connection open) must not hold the
+    # receiver's blocks for as long as it lives.
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    worker.reserve("a", 4)
+    receiver = ChannelReceiver(recv, worker.book, worker, trailer_timeout_s=0.3)
+    thread = threading.Thread(target=receiver.run, daemon=True)
+    thread.start()
+    stream = _open(send, SenderCache(1), _message(("a", 4, (0,))), part_bytes=1)
+    for layer in range(LAYERS):
+        stream.layer_written(layer)  # every part sent; the pass never ends
+    thread.join(5)
+    assert not thread.is_alive() and recv.closed
+    assert "trailer" in worker.errors["a"] and "0.3 s" in worker.errors["a"]
+    assert worker.blocks_in_use == 0 and len(worker.book) == 0

@@ -88,8 +88,9 @@ class KVReceiver(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    def recv_header(self) -> HandoffHeader:
-        """Block until the next header; raises ChannelClosed when the peer left."""
+    def recv_header(self, timeout_s: float | None = None) -> HandoffHeader:
+        """Block until the next header (at most `timeout_s`, else an error); raises
+        ChannelClosed when the peer left."""
         ...
 
     def recv_into(

@@ -263,11 +263,13 @@ class KVChannel:
             handle.finish(failure)
 
     # ---------------------------------------------------------------- receiving (decode end)
-    def recv_header(self) -> HandoffHeader:
-        """Block until the next header arrives (call from the one receiving thread)."""
+    def recv_header(self, timeout_s: float | None = None) -> HandoffHeader:
+        """Block until the next header arrives, or `timeout_s` passes (an error; None:
+        no practical limit); call from the one receiving thread."""
         raw = torch.empty(HandoffHeader.size(), dtype=torch.int64)
         self._group()  # raises when closed
-        self._ctrl.recv([raw], self.peer, 0).wait(_NEXT_HEADER_WAIT)
+        wait = _NEXT_HEADER_WAIT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        self._ctrl.recv([raw], self.peer, 0).wait(wait)
         header = HandoffHeader.decode(raw)
         if header.kind is HeaderKind.CLOSE:
             raise ChannelClosed(f"{self.peer_id} closed the channel")

@@ -126,10 +126,13 @@ class FakeChannel:
         handle.finish()
 
     # ---------------------------------------------------------------- receiving
-    def recv_header(self) -> HandoffHeader:
+    def recv_header(self, timeout_s: float | None = None) -> HandoffHeader:
         if self.closed:
             raise ChannelClosed(f"channel from {self._peer_id} is closed")
-        item = self._link.messages.get()
+        try:
+            item = self._link.messages.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no header from {self._peer_id} in {timeout_s:g} s") from None
         if item is _BROKEN or self._link.broken:
             raise ConnectionResetError(f"{self._peer_id} is gone")
         header, _ = item

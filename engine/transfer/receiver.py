@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 # reservation call, sent at the same time, is still on its way here: an entry with no
 # reservation waits this long for it (or for the request's abort) before it is refused.
 RESERVATION_GRACE_S = 2.0
+# A streamed message's trailer follows the pass that completes its prompts. A sender
+# that has not sent it by then is hung: the message is given up (its requests fail and
+# their blocks come back) instead of holding them while the sender lives.
+TRAILER_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -140,11 +144,13 @@ class ChannelReceiver:
         book: ReservationBook,
         target: ImportTarget,
         reservation_grace_s: float = RESERVATION_GRACE_S,
+        trailer_timeout_s: float = TRAILER_TIMEOUT_S,
     ) -> None:
         self.channel = channel
         self.book = book
         self.target = target
         self.reservation_grace_s = reservation_grace_s
+        self.trailer_timeout_s = trailer_timeout_s
         self.expected_seq = 0
 
     def run(self) -> None:
@@ -341,7 +347,14 @@ class ChannelReceiver:
         header, or for a streamed message from its trailer (checked against it)."""
         if header.kind is not HeaderKind.STREAM:
             return [e.first_token for e in header.entries], header.posted_at_us
-        trailer = self.channel.recv_header()
+        try:
+            trailer = self.channel.recv_header(self.trailer_timeout_s)
+        except ChannelClosed:
+            raise
+        except Exception as exc:
+            raise RuntimeError(
+                f"waiting for its trailer (at most {self.trailer_timeout_s:g} s): {exc}"
+            ) from exc
         ids = [e.req_id for e in trailer.entries]
         if (
             trailer.kind is not HeaderKind.TRAILER
