@@ -10,7 +10,7 @@
 # each runs, base first. Each run gets what is left of RUN_GPU_DEADLINE_S (default 570)
 # divided by the runs still to go, and a run with less than 80 s left is skipped.
 # Everything lands in one file, $OUT/ab.tgz (the results JSON and log of each run), and
-# each run's throughput line is printed as it ends, e.g.
+# each run's throughput lines (and 1P1D hand-offs against alone) print as it ends, e.g.
 #
 #   bench/ab_suite.sh .gpux/base.tgz .gpux/new.tgz 2 -- --shapes 1b --parts c \
 #       --concurrency 128 --rounds 32 --no-burst --ttft-lens ""
@@ -47,7 +47,8 @@ for ((i = 0; i < runs; i++)); do
     --time-budget "$budget" "$@" >"$work/$tag.log" 2>&1)
   echo "$tag ($dir) ended at $SECONDS s"
   python3 -m bench.suite_report "$work/$tag.json" 2>/dev/null |
-    sed -n '/throughput and latency/,/^$/p' | grep -v '^==\|^shape\|^$' || tail -3 "$work/$tag.log"
+    sed -n '/throughput and latency/,/^$/p;/KV hand-off p50 in the 1P1D/,/^$/p' |
+    grep -v '^==\|^shape\|^$' || tail -3 "$work/$tag.log"
 done
 (cd "$work" && tar czf "$OUT/ab.tgz" ./*.json ./*.log 2>/dev/null)
 cd "$here" && ls -la "$OUT"
