@@ -6,24 +6,16 @@ import threading
 import time
 
 import torch
-from torch.distributed import TCPStore
 
 from engine.transfer.base import KVPoll
-from engine.transfer.channel import RECEIVER_RANK, SENDER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
+from tests.channels import open_cpu_pair
 
 
 def test_a_channel_idle_past_its_timeout_still_delivers_the_next_hand_off() -> None:
     # The timeout bounds pairing and each transfer; waiting for the next header is not a
     # transfer: a receiver idle for longer must still be there when a header comes.
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    spec = ChannelSpec("127.0.0.1", store.port, "prefill-0", 1, "decode-0", 2, timeout_s=1.0)
-    sender = KVChannel(spec, SENDER_RANK, torch.device("cpu"))
-    receiver = KVChannel(spec, RECEIVER_RANK, torch.device("cpu"))
-    opener = threading.Thread(target=receiver.open)
-    opener.start()
-    sender.open()
-    opener.join()
+    _store, sender, receiver = open_cpu_pair("prefill-0", "decode-0", timeout_s=1.0)
     received: list[object] = []
     payload = torch.empty(4)
 
