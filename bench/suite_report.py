@@ -250,6 +250,7 @@ PHASE_COLUMNS = (
     ("prefill.queue", "P queue"),
     ("prefill.compute", "P compute"),
     ("decode.kv_transfer", "KV"),
+    ("decode.kv_signal", "KV sig"),  # of KV: the last header's way, not the bytes
     ("decode.queue", "D queue"),  # prompts the decode worker prefilled itself
     ("decode.compute", "D prefill"),
     ("decode.decode_admission", "D admit"),

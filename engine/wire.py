@@ -78,6 +78,10 @@ class PhaseReport:
     queue_s: float | None = None  # waiting in the worker's engine queue for a first step
     compute_s: float | None = None  # its prompt: first step to first token (cached or not)
     transfer_s: float | None = None  # its KV: ready on the sender to in place here
+    # Of transfer_s: the sender posting the message's last header (a streamed message's
+    # trailer) to this worker reading it (the sending lane, the control channel and the
+    # receiving thread's wake-up); the rest is the payload's last bytes landing.
+    kv_signal_s: float | None = None
     # Bytes of its KV received in a whole message (0 for a streamed one, whose receive
     # waits on the sender's pass), and its share by bytes of that message's receive
     # time: summed, the time the channel spent receiving, the true bandwidth's divisor.

@@ -93,6 +93,7 @@ def arrival_phases(worker_id: str, arrival: KVArrival) -> PhaseReport:
                 "pdserve.kv.streamed": arrival.streamed,
                 "pdserve.kv.wire_s": arrival.wire_s,
                 "pdserve.kv.handoff_s": arrival.handoff_s,
+                "pdserve.kv.signal_s": arrival.signal_s,
             },
         )
         wire_ns = int(arrival.wire_s * 1e9)
@@ -105,9 +106,12 @@ def arrival_phases(worker_id: str, arrival: KVArrival) -> PhaseReport:
         )
         span.end(end_time=end_ns)
     if arrival.streamed:  # its receive time is mostly the sender's pass, not the wire's
-        return PhaseReport(transfer_s=arrival.handoff_s)
+        return PhaseReport(transfer_s=arrival.handoff_s, kv_signal_s=arrival.signal_s)
     return PhaseReport(
-        transfer_s=arrival.handoff_s, wire_bytes=arrival.num_bytes, wire_s=arrival.active_s
+        transfer_s=arrival.handoff_s,
+        kv_signal_s=arrival.signal_s,
+        wire_bytes=arrival.num_bytes,
+        wire_s=arrival.active_s,
     )
 
 

@@ -49,6 +49,12 @@ class PhaseMetrics:
             "Time from a request's KV ready on the prefill worker to in place on this "
             "decode worker.",
         )
+        self.kv_signal = histogram(
+            "pdserve_phase_kv_signal_seconds",
+            "Of the KV transfer: time from the prefill worker posting a hand-off's last "
+            "header (a streamed one's trailer) to this decode worker reading it; the rest "
+            "of the transfer waited for the last bytes.",
+        )
         self.decode_admission = histogram(
             "pdserve_phase_decode_admission_seconds",
             "Time from a request's KV in place on a decode worker to its first decode step.",
@@ -79,6 +85,7 @@ class PhaseMetrics:
             (self.queue, phases.queue_s),
             (self.prefill, phases.compute_s),
             (self.kv_transfer, phases.transfer_s),
+            (self.kv_signal, phases.kv_signal_s),
             (self.decode_admission, phases.admission_s),
             (self.first_decode_step, phases.first_step_s),
         ):

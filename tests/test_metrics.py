@@ -71,7 +71,14 @@ MIGRATION_SERIES = {"pdserve_request_migrations_total"}
 
 PHASE_AND_FLEET_SERIES = {
     f"pdserve_phase_{phase}_seconds_{part}"
-    for phase in ("queue", "prefill", "kv_transfer", "decode_admission", "first_decode_step")
+    for phase in (
+        "queue",
+        "prefill",
+        "kv_transfer",
+        "kv_signal",
+        "decode_admission",
+        "first_decode_step",
+    )
     for part in ("bucket", "sum", "count")
 } | {
     "pdserve_kv_wire_bytes_total",

@@ -351,7 +351,7 @@ def test_metrics_endpoint_shows_requests_and_every_worker(service: ServiceProces
     prefill_0, decode_0 = {"pool": "prefill", "worker": "0"}, {"pool": "decode", "worker": "0"}
     assert delta("pdserve_phase_queue_seconds_count", **prefill_0) == 3
     assert delta("pdserve_phase_prefill_seconds_count", **prefill_0) == 3
-    for phase in ("kv_transfer", "decode_admission", "first_decode_step"):
+    for phase in ("kv_transfer", "kv_signal", "decode_admission", "first_decode_step"):
         assert delta(f"pdserve_phase_{phase}_seconds_count", **decode_0) == 3, phase
     assert delta("pdserve_kv_wire_bytes_total", **decode_0) > 0
     assert 0 < delta("pdserve_kv_wire_seconds_total", **decode_0) < 10

@@ -76,14 +76,20 @@ def test_prefill_paths_count_the_requests_between_two_scrapes() -> None:
 def test_the_phase_table_shows_each_pools_phases_per_run() -> None:
     from bench.suite_report import _phases
 
-    phases = {"prefill.queue": 34.09, "prefill.compute": 40.19, "decode.kv_transfer": 4.93}
+    phases = {
+        "prefill.queue": 34.09,
+        "prefill.compute": 40.19,
+        "decode.kv_transfer": 4.93,
+        "decode.kv_signal": 1.5,
+    }
     paths = {"remote/prefill_within_slo": 30, "local/short_prompt": 6, "local/prefill_saturated": 4}
     shapes = {"1b": {"service": {"runs": [run("c", 21.0, phases_ms=phases, prefill_paths=paths)]}}}
     row = _phases(shapes, 512)[-1].split()
     assert row[:3] == ["1b", "c", "1"]
-    assert row[5:8] == ["34.09", "40.19", "4.93"]  # prefill queue, compute, KV
-    assert row[8:14] == ["-"] * 6  # no local prefill, decode admission or step; no colocated
-    assert row[14] == "25%"  # 10 of 40 prompts prefilled on the decode worker
+    # prefill queue, compute, KV, of it the last header's way
+    assert row[5:9] == ["34.09", "40.19", "4.93", "1.50"]
+    assert row[9:15] == ["-"] * 6  # no local prefill, decode admission or step; no colocated
+    assert row[15] == "25%"  # 10 of 40 prompts prefilled on the decode worker
 
 
 def test_the_hand_off_under_load_is_read_against_the_same_hand_off_alone() -> None:

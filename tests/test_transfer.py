@@ -45,6 +45,7 @@ class Worker:
         self.admitted: dict[str, int] = {}
         self.errors: dict[str, str] = {}
         self.arrivals: list[str] = []
+        self.signal_s: dict[str, float] = {}  # each arrival's last header's way
         self.buried: set[str] = set()
         # Set once the receiver found no reservation for an entry and asked about it.
         self.asked_if_buried = threading.Event()
@@ -118,8 +119,10 @@ class Worker:
 
     def arrived(self, arrival: KVArrival) -> None:
         assert arrival.handoff_s >= 0 and arrival.wire_s >= 0
+        assert 0 <= arrival.signal_s <= arrival.handoff_s  # a part of the hand-off
         assert 0 < arrival.num_bytes <= arrival.header.num_bytes
         self.arrivals.append(arrival.inp.req_id)
+        self.signal_s[arrival.inp.req_id] = arrival.signal_s
 
     def release(self, req_id: str) -> None:
         self.free += self.held.pop(req_id, [])
@@ -616,3 +619,24 @@ def test_a_trailer_that_never_comes_fails_the_message_and_frees_its_blocks() -> 
     assert not thread.is_alive() and recv.closed
     assert "trailer" in worker.errors["a"] and "0.3 s" in worker.errors["a"]
     assert worker.blocks_in_use == 0 and len(worker.book) == 0
+
+
+def test_a_trailer_held_up_on_its_way_shows_as_the_hand_offs_signal_time() -> None:
+    # The hand-off's time splits into the last header's way (sending lane, control
+    # channel, the receiving thread's wake-up) and the last bytes' landing: a trailer
+    # held up after it was posted is the first kind.
+    send, recv = FakeChannel.pair("prefill-0", "decode-0")
+    worker = Worker()
+    worker.reserve("a", 4)
+    thread = _run_receiver(recv, worker)
+    stream = _open(send, SenderCache(1), _message(("a", 4, (0,))), part_bytes=1)
+    for layer in range(LAYERS):
+        stream.layer_written(layer)
+    send.hold()
+    stream.close({"a": 3})  # the trailer is posted now, and held on its way
+    time.sleep(0.2)
+    send.release()
+    assert wait_until(lambda: "a" in worker.signal_s, timeout=5)
+    assert worker.signal_s["a"] >= 0.2
+    send.close(notify_peer=True)
+    thread.join(5)

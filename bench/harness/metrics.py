@@ -36,6 +36,7 @@ PHASES = {
     "queue": "pdserve_phase_queue_seconds",
     "compute": "pdserve_phase_prefill_seconds",
     "kv_transfer": "pdserve_phase_kv_transfer_seconds",
+    "kv_signal": "pdserve_phase_kv_signal_seconds",
     "decode_admission": "pdserve_phase_decode_admission_seconds",
     "first_decode_step": "pdserve_phase_first_decode_step_seconds",
 }

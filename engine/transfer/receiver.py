@@ -52,6 +52,9 @@ class KVArrival:
     wire_s: float  # the message's receive, header read to rows scattered
     handoff_s: float  # from the KV ready on the sender to in place here
     received_at: float  # time.monotonic() here when it was in place
+    # Of handoff_s: the sender posting the message's last header (a streamed message's
+    # trailer) to this thread reading it; the rest waited for the payload's last bytes.
+    signal_s: float = 0.0
 
     @property
     def streamed(self) -> bool:
@@ -152,12 +155,14 @@ class ChannelReceiver:
         self.reservation_grace_s = reservation_grace_s
         self.trailer_timeout_s = trailer_timeout_s
         self.expected_seq = 0
+        self._last_header_at = 0.0  # time.time() when the last header was read
 
     def run(self) -> None:
         """Receive until the channel ends; then close this end."""
         while not self.channel.closed:
             try:
                 header = self.channel.recv_header()
+                self._last_header_at = time.time()
             except ChannelClosed:
                 break
             except Exception as exc:  # noqa: BLE001 - the peer died or the channel broke
@@ -242,6 +247,7 @@ class ChannelReceiver:
         since_ready = time.time() - posted_at_us / 1e6
         streamed = header.kind is HeaderKind.STREAM
         handoff_s = max(0.0, since_ready) if streamed else max(wire_s, since_ready)
+        signal_s = min(handoff_s, max(0.0, self._last_header_at - posted_at_us / 1e6))
         for (entry, held, problem), first_token in zip(claims, first_tokens, strict=True):
             if held is None:
                 log.warning("refused hand-off of %s: %s", entry.req_id, problem)
@@ -260,6 +266,7 @@ class ChannelReceiver:
                     wire_s,
                     handoff_s,
                     received_at,
+                    signal_s,
                 )
                 self._admit(held, replace(entry, first_token=first_token), arrival)
         return True
@@ -349,6 +356,7 @@ class ChannelReceiver:
             return [e.first_token for e in header.entries], header.posted_at_us
         try:
             trailer = self.channel.recv_header(self.trailer_timeout_s)
+            self._last_header_at = time.time()
         except ChannelClosed:
             raise
         except Exception as exc:
