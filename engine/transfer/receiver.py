@@ -223,7 +223,7 @@ class ChannelReceiver:
             # reserved blocks right behind each receive when accepted. Every part is
             # posted at once, through one buffer sized for the widest (each receive is
             # ordered after the scatter before it), and waited for once: no wake-up of
-            # this thread per part, which under load waits for the interpreter's lock.
+            # this thread per part (each may wait for the interpreter's lock under load).
             buffer = self.target.staging(header.num_blocks, (0, max(b - a for a, b in parts)))
             for layers in parts:
                 part = _part_of(buffer, layers)
