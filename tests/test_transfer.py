@@ -166,8 +166,12 @@ def _send(
     return channel.send(header, payload).poll()
 
 
-def _run_receiver(channel: FakeChannel, worker: Worker) -> threading.Thread:
-    receiver = ChannelReceiver(channel, worker.book, worker, reservation_grace_s=0.3)
+def _run_receiver(
+    channel: FakeChannel, worker: Worker, trailer_timeout_s: float = 60.0
+) -> threading.Thread:
+    receiver = ChannelReceiver(
+        channel, worker.book, worker, reservation_grace_s=0.3, trailer_timeout_s=trailer_timeout_s
+    )
     thread = threading.Thread(target=receiver.run, daemon=True)
     thread.start()
     return thread
@@ -437,6 +441,15 @@ def _open(send: FakeChannel, sender: SenderCache, message: Message, part_bytes: 
     )
 
 
+def _stream_one_block(send: FakeChannel) -> StepStream:
+    """Request "a" (4 tokens, one block) streamed layer by layer, every part sent; its
+    trailer not yet."""
+    stream = _open(send, SenderCache(1), _message(("a", 4, (0,))), part_bytes=1)
+    for layer in range(LAYERS):
+        stream.layer_written(layer)
+    return stream
+
+
 @pytest.mark.parametrize("posted_ahead", [False, True], ids=["in-turn", "posted-ahead"])
 def test_a_streamed_message_lands_part_by_part_and_its_trailer_admits(posted_ahead: bool) -> None:
     # posted-ahead: the parts' receives land only when waited for, in order, as on a
@@ -589,10 +602,7 @@ def test_a_message_that_breaks_off_frees_its_blocks_only_once_its_posted_parts_l
     worker.scatter = scatter_logged  # type: ignore[method-assign]
     worker.release = release_logged  # type: ignore[method-assign]
     thread = _run_receiver(recv, worker)
-    sender = SenderCache(1)
-    stream = _open(send, sender, _message(("a", 4, (0,))), part_bytes=1)
-    for layer in range(LAYERS):
-        stream.layer_written(layer)
+    stream = _stream_one_block(send)
     # A trailer out of step: the message breaks off after all its parts were posted.
     send.send(
         HandoffHeader(HeaderKind.TRAILER, 99, entries=stream.messages[0].header.entries), None
@@ -609,12 +619,8 @@ def test_a_trailer_that_never_comes_fails_the_message_and_frees_its_blocks() -> 
     send, recv = FakeChannel.pair("prefill-0", "decode-0")
     worker = Worker()
     worker.reserve("a", 4)
-    receiver = ChannelReceiver(recv, worker.book, worker, trailer_timeout_s=0.3)
-    thread = threading.Thread(target=receiver.run, daemon=True)
-    thread.start()
-    stream = _open(send, SenderCache(1), _message(("a", 4, (0,))), part_bytes=1)
-    for layer in range(LAYERS):
-        stream.layer_written(layer)  # every part sent; the pass never ends
+    thread = _run_receiver(recv, worker, trailer_timeout_s=0.3)
+    _stream_one_block(send)  # every part sent; the pass never ends
     thread.join(5)
     assert not thread.is_alive() and recv.closed
     assert "trailer" in worker.errors["a"] and "0.3 s" in worker.errors["a"]
@@ -629,9 +635,7 @@ def test_a_trailer_held_up_on_its_way_shows_as_the_hand_offs_signal_time() -> No
     worker = Worker()
     worker.reserve("a", 4)
     thread = _run_receiver(recv, worker)
-    stream = _open(send, SenderCache(1), _message(("a", 4, (0,))), part_bytes=1)
-    for layer in range(LAYERS):
-        stream.layer_written(layer)
+    stream = _stream_one_block(send)
     send.hold()
     stream.close({"a": 3})  # the trailer is posted now, and held on its way
     time.sleep(0.2)
