@@ -482,6 +482,9 @@ def test_parts_merge_layers_below_the_part_size_and_missed_ones_go_at_close(
 ) -> None:
     assert layers_per_part(message_bytes=300, num_layers=3, min_part_bytes=150) == 2
     assert layers_per_part(message_bytes=300, num_layers=3, min_part_bytes=10**9) == 3
+    # Many layers of large KV: a few parts of several layers, not one part a layer.
+    assert layers_per_part(message_bytes=16 << 24, num_layers=16, min_part_bytes=1) == 4
+    assert layers_per_part(16 << 24, 16, min_part_bytes=1, max_parts=16) == 1
     send, recv = FakeChannel.pair("prefill-0", "decode-0")
     if posted_ahead:  # the narrower last part lands through the front of one buffer
         recv.defer_posted()

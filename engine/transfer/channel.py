@@ -3,11 +3,17 @@
 There is no global `init_process_group`. Both ends build the group directly from a
 rendezvous store (the router's `TCPStore`) under a prefix that names both workers and
 both epochs, so a restarted worker pairs afresh and nothing of the old pair is reused.
-Payloads go over NCCL between GPUs and gloo on CPU; headers always over gloo, so the
-decode end waits for the next hand-off on the CPU and posts a GPU receive only for a
-payload that is on its way. The prefill end (rank 0) only sends and the decode end
-(rank 1) only receives, each from one thread, so messages arrive in the order they were
-posted; every pair has its own CUDA stream, so pairs move data concurrently.
+Payloads go over NCCL between GPUs and gloo on CPU; headers always over a gloo group of
+their own, so the decode end waits for the next hand-off on the CPU and posts a receive
+only for a payload that is on its way. The prefill end (rank 0) only sends and the decode
+end (rank 1) only receives, so messages arrive in the order they were posted; every pair
+has its own CUDA stream, so pairs move data concurrently.
+
+Payloads leave from one sending thread per channel (the lane). A header leaves from the
+thread that posts it when no earlier header waits on the lane: under load the lane
+wakes late (it waits for the interpreter's lock while the engine thread launches the
+next pass), and a streamed message's trailer, the last thing its receiver waits for,
+would wait with it. Headers stay in posting order; a payload always follows its header.
 
 `KVChannel` is the process-group backend of `engine.transfer.base`'s `KVSender` (rank 0)
 and `KVReceiver` (rank 1).
@@ -99,7 +105,7 @@ class KVChannel:
         self.is_cuda = device.type == "cuda"
         # ProcessGroupNCCL or ProcessGroupGloo: built directly, no global world.
         self._pg: Any = None
-        self._ctrl: Any = None  # gloo group for headers (the same group as _pg on CPU)
+        self._ctrl: Any = None  # gloo group for headers
         self._lane = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{spec.decode_id}")
         self._seq = 0
         self._closed = threading.Event()
@@ -112,6 +118,10 @@ class KVChannel:
         self._queued: set[FutureHandle] = set()
         self._unsettled: deque[tuple[torch.cuda.Event, torch.Tensor, FutureHandle]] = deque()
         self._posted: list[torch.Tensor] = []
+        # Headers leave in posting order: one posted from the caller's thread must not
+        # pass one still waiting on the lane.
+        self._header_order = threading.Lock()
+        self._headers_on_lane = 0
 
     @property
     def peer_id(self) -> str:
@@ -148,7 +158,11 @@ class KVChannel:
             )
             self._connect()
         else:
-            self._pg = self._ctrl
+            # A group of its own for payloads on CPU too: a header posted while an earlier
+            # payload waits on the lane must not land in that payload's receive.
+            self._pg = dist.ProcessGroupGloo(
+                dist.PrefixStore("data/", prefixed), self.rank, 2, timeout
+            )
 
     def _connect(self) -> None:
         """Exchange one element over NCCL. NCCL makes the pair's communicator at its first
@@ -194,6 +208,15 @@ class KVChannel:
         """
         encoded = None if header is None else header.encode()
         handle = FutureHandle()
+        header_sent = None  # the header's send, when it left from this thread
+        if header is not None and header.kind is not HeaderKind.CLOSE:
+            # (CLOSE goes after every payload already queued: on the lane.)
+            header_sent = self._send_header_now(encoded)
+            if header_sent is not None:
+                encoded = None
+        if encoded is not None:
+            with self._header_order:
+                self._headers_on_lane += 1
 
         def run() -> None:
             with self._jobs:
@@ -203,8 +226,13 @@ class KVChannel:
             try:
                 pg = self._group()
                 handle.started()
+                if header_sent is not None:
+                    header_sent.wait()
                 if encoded is not None:
-                    self._ctrl.send([encoded], self.peer, 0).wait()
+                    with self._header_order:
+                        self._headers_on_lane -= 1
+                        work = self._ctrl.send([encoded], self.peer, 0)
+                    work.wait()
                 if self._stream is None:
                     if payload is not None:
                         pg.send([payload], self.peer, 0).wait()
@@ -243,6 +271,17 @@ class KVChannel:
                 self._queued.discard(handle)
             handle.finish(f"channel to {self.peer_id} is closed ({exc})")
         return handle
+
+    def _send_header_now(self, encoded: torch.Tensor | None) -> Any:
+        """Post a header from this thread unless one waits on the lane; its send (to
+        wait for on the lane), or None: the lane sends it."""
+        with self._header_order:
+            if self._headers_on_lane or self._ctrl is None or self.closed:
+                return None
+            try:
+                return self._ctrl.send([encoded], self.peer, 0)
+            except Exception:  # noqa: BLE001 - the lane tries again and reports it
+                return None
 
     def _reap_sent(self) -> None:
         """Finish the streamed parts that have left (lane thread)."""

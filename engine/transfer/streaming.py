@@ -31,16 +31,27 @@ from engine.transfer.sender import Message
 # A part smaller than this is merged with the next layers: point-to-point messages of
 # a few hundred KiB run far below the link, and each part costs a fixed few tens of µs.
 MIN_PART_BYTES = 2 << 20
+# At most this many parts a message. Each part costs both workers' sending and receiving
+# threads a few calls that give up the interpreter's lock, and under load each call may
+# wait milliseconds to take it back from a busy engine thread (a burst's 16 one-layer
+# parts of 16 MiB took the receiving thread 20-50 ms to post, against 4-10 ms for 4),
+# while the last part, the one left after the pass, moves at ~300 GB/s (64 MiB: 0.2 ms).
+MAX_PARTS = 4
 
 # gather(index, (first layer, stop layer)) -> (payload, ready event or None), where
 # index = index_of(block_ids) was made once per message, before the pass.
 Gather = Callable[[Any, tuple[int, int]], tuple[Any, Any]]
 
 
-def layers_per_part(message_bytes: int, num_layers: int, min_part_bytes: int) -> int:
-    """Layers in each part so that a part carries at least `min_part_bytes`."""
+def layers_per_part(
+    message_bytes: int, num_layers: int, min_part_bytes: int, max_parts: int = MAX_PARTS
+) -> int:
+    """Layers in each part so that a part carries at least `min_part_bytes` and the
+    message has at most `max_parts` parts."""
     per_layer = max(1, message_bytes // num_layers)
-    return max(1, min(num_layers, -(-min_part_bytes // per_layer)))
+    by_size = -(-min_part_bytes // per_layer)
+    by_count = -(-num_layers // max(1, max_parts))
+    return max(1, min(num_layers, max(by_size, by_count)))
 
 
 class _AllOf(FutureHandle):
@@ -150,6 +161,7 @@ def open_stream(
     gather: Gather,
     index_of: Callable[[list[int]], Any] = lambda block_ids: block_ids,
     min_part_bytes: int = MIN_PART_BYTES,
+    max_parts: int = MAX_PARTS,
 ) -> StepStream:
     """Post one STREAM header per message (on the thread that posts every message of
     these channels, so sequence numbers follow posting order) and return the step's
@@ -157,7 +169,7 @@ def open_stream(
     streamed: list[StreamedMessage] = []
     for message, channel in messages:
         num_bytes = len(message.block_ids) * block_bytes
-        per_part = layers_per_part(num_bytes, num_layers, min_part_bytes)
+        per_part = layers_per_part(num_bytes, num_layers, min_part_bytes, max_parts)
         header = HandoffHeader(
             kind=HeaderKind.STREAM,
             seq_no=channel.next_seq(),
