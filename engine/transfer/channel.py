@@ -13,7 +13,10 @@ Payloads leave from one sending thread per channel (the lane). A header leaves f
 thread that posts it when no earlier header waits on the lane: under load the lane
 wakes late (it waits for the interpreter's lock while the engine thread launches the
 next pass), and a streamed message's trailer, the last thing its receiver waits for,
-would wait with it. Headers stay in posting order; a payload always follows its header.
+would wait with it. Headers stay in posting order; a payload always follows its header
+(its receive may wait on the decode GPU for the lane's send: a millisecond or so under
+load, no longer than the lane's own wake-up, which it used to wait for before the
+header left).
 
 `KVChannel` is the process-group backend of `engine.transfer.base`'s `KVSender` (rank 0)
 and `KVReceiver` (rank 1).
