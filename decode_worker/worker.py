@@ -30,7 +30,7 @@ from engine.model.staging import to_device
 from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import Reservation
 from engine.transfer.receiver import ChannelReceiver, KVArrival
-from engine.transfer.reservations import ReservationBook
+from engine.transfer.reservations import AbortOutcome, ReservationBook
 from engine.wire import GenerationInput, TokenBatch, TokenUpdate, coalesce
 from engine.worker import WorkerBase
 from engine.worker_phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
@@ -265,7 +265,7 @@ class DecodeWorker(KVExporter, WorkerBase):
 
     def _fail_waiting_on(self, peer_id: str) -> None:
         for req_id, source in list(self._sources.items()):
-            if source == peer_id and self.book.abort(req_id):
+            if source == peer_id and self.book.abort(req_id) is AbortOutcome.DROPPED:
                 self.release(req_id)
                 self.fail(req_id, f"KV hand-off refused: the channel from {peer_id} closed")
 
@@ -328,16 +328,16 @@ class DecodeWorker(KVExporter, WorkerBase):
         running → finished and freed at the next step boundary."""
         self.bury(req_id)
         self._starting.pop(req_id, None)
-        if self._book is not None:
-            if self.book.abort(req_id):
-                self._sources.pop(req_id, None)
-                await self.on_engine(lambda: self.core.release(req_id))
-                return
-            if self.book.holds(req_id):
-                # Importing: its bytes may still be landing in its blocks. The receiver
-                # frees them once nothing writes into them any more (a block freed now
-                # could go to another request and be overwritten by this one's KV).
-                return
+        outcome = AbortOutcome.NOT_HELD if self._book is None else self.book.abort(req_id)
+        if outcome is AbortOutcome.DROPPED:
+            self._sources.pop(req_id, None)
+            await self.on_engine(lambda: self.core.release(req_id))
+            return
+        if outcome is AbortOutcome.IMPORTING:
+            # Its bytes may still be landing in its blocks. The receiver frees them once
+            # nothing writes into them any more (a block freed now could go to another
+            # request and be overwritten by this one's KV).
+            return
         await self.on_engine(lambda: self._abort_on_engine(req_id))
 
     def _abort_on_engine(self, req_id: str) -> None:

@@ -16,7 +16,7 @@ from engine.transfer.handoff import (
     HeaderKind,
     Reservation,
 )
-from engine.transfer.reservations import ReservationBook
+from engine.transfer.reservations import AbortOutcome, ReservationBook
 from engine.wire import GenerationInput
 
 EPOCH = 0xABC
@@ -70,7 +70,7 @@ def test_a_stale_or_mismatched_entry_is_refused_and_the_reservation_kept(
 def test_abort_while_importing_drops_the_admission() -> None:
     book = _book_with()
     book.claim(_entry(), EPOCH)
-    assert not book.abort("r")  # importing: only marked, the bytes are still coming
+    assert book.abort("r") is AbortOutcome.IMPORTING  # only marked: bytes still coming
     admitted: list[str] = []
     assert not book.complete("r", lambda: admitted.append("r"))
     assert admitted == [] and not book.holds("r")  # the caller releases the blocks
@@ -78,8 +78,8 @@ def test_abort_while_importing_drops_the_admission() -> None:
 
 def test_abort_of_an_idle_reservation_and_lease_expiry() -> None:
     book = _book_with("a")
-    assert book.abort("a") and not book.holds("a")
-    assert not book.abort("a")  # idempotent
+    assert book.abort("a") is AbortOutcome.DROPPED and not book.holds("a")
+    assert book.abort("a") is AbortOutcome.NOT_HELD  # idempotent
     book.add(_inp("b", 40), Reservation("decode-0", EPOCH, (1, 2, 3)), lease_s=0.0)
     book.add(_inp("c", 40), Reservation("decode-0", EPOCH, (4, 5, 6)), lease_s=0.0)
     book.claim(_entry("c"), EPOCH)

@@ -23,7 +23,7 @@ from engine.transfer.handoff import (
     Reservation,
 )
 from engine.transfer.receiver import ChannelReceiver, KVArrival
-from engine.transfer.reservations import PRECOPY_LEASE_S, ReservationBook
+from engine.transfer.reservations import PRECOPY_LEASE_S, AbortOutcome, ReservationBook
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, layers_per_part, open_stream
 from engine.wire import GenerationInput
@@ -293,7 +293,7 @@ def test_abort_while_the_bytes_are_on_the_wire_frees_the_blocks() -> None:
     def claim_then_abort(entry, epoch):  # type: ignore[no-untyped-def]
         out = original_claim(entry, epoch)
         claimed.set()
-        assert not worker.book.abort(entry.req_id)  # importing: only marked
+        assert worker.book.abort(entry.req_id) is AbortOutcome.IMPORTING  # only marked
         return out
 
     worker.book.claim = claim_then_abort  # type: ignore[method-assign]

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from engine.transfer.handoff import HandoffEntry, Reservation
@@ -32,6 +33,14 @@ class HeldReservation:
     # when it handed them out (a CUDA event; None on CPU). A step launched later never
     # touches them, so the import waits for that one step, not for whatever runs now.
     writable_after: Any = None
+
+
+class AbortOutcome(Enum):
+    """What aborting a request did to its reservation, and so who frees its blocks."""
+
+    DROPPED = "dropped"  # it was idle and is gone: the caller releases its blocks
+    IMPORTING = "importing"  # its bytes are landing: marked, the receiver releases them
+    NOT_HELD = "not held"  # nothing reserved under that id (never, or no longer)
 
 
 NO_RESERVATION = "no reservation (expired, aborted or never made)"
@@ -159,18 +168,18 @@ class ReservationBook:
         with self._lock:
             self._held.pop(req_id, None)
 
-    def abort(self, req_id: str) -> bool:
-        """True when the reservation was idle and is now dropped (the caller releases its
-        blocks); an importing one is only marked and dropped when its payload lands."""
+    def abort(self, req_id: str) -> AbortOutcome:
+        """Drop an idle reservation (the caller releases its blocks); an importing one is
+        only marked, and dropped when its payload lands (the receiver releases them)."""
         with self._lock:
             held = self._held.get(req_id)
             if held is None:
-                return False
+                return AbortOutcome.NOT_HELD
             if held.importing:
                 held.aborted = True
-                return False
+                return AbortOutcome.IMPORTING
             del self._held[req_id]
-            return True
+            return AbortOutcome.DROPPED
 
     def renew(self, req_ids: list[str], lease_s: float, now: float | None = None) -> int:
         """Push these idle reservations' leases to `lease_s` from now; how many were held."""
