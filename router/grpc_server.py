@@ -9,7 +9,7 @@ import logging
 import signal
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -68,8 +68,8 @@ class RequestIdInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-async def _enter(request: Any, context: grpc.aio.ServicerContext, header: str) -> Any:
-    """Resolve, validate, publish and echo the request id; returns the contextvar token."""
+async def _resolve_id(request: Any, context: grpc.aio.ServicerContext, header: str) -> str:
+    """The call's request id: body, else header, else a new one; INVALID_ARGUMENT if bad."""
     body_id = getattr(request, "request_id", "")
     request_id = body_id or header or uuid.uuid4().hex
     if not is_valid_request_id(request_id):
@@ -78,15 +78,15 @@ async def _enter(request: Any, context: grpc.aio.ServicerContext, header: str) -
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{field}: 1-128 printable ASCII characters, no spaces",
         )
-    token = request_id_var.set(request_id)
-    await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
-    return token
+    return request_id
 
 
 def _wrap_unary(behavior: Callable[..., Any], header: str) -> Callable[..., Any]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        token = await _enter(request, context, header)
+        request_id = await _resolve_id(request, context, header)
+        token = request_id_var.set(request_id)
         try:
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
             return await behavior(request, context)
         finally:
             request_id_var.reset(token)
@@ -100,15 +100,68 @@ def _wrap_stream(behavior: Callable[..., Any], header: str) -> Callable[..., Any
     if inspect.isasyncgenfunction(behavior):
 
         async def wrapped_gen(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            token = await _enter(request, context, header)
+            request_id = await _resolve_id(request, context, header)
+            token = request_id_var.set(request_id)
             try:
+                await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
                 async for response in behavior(request, context):
                     yield response
             finally:
                 request_id_var.reset(token)
 
         return wrapped_gen
-    return _wrap_unary(behavior, header)
+
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
+        request_id = await _resolve_id(request, context, header)
+        token = request_id_var.set(request_id)
+        ahead = _HeadersAhead(context, ((REQUEST_ID_HEADER, request_id),))
+        try:
+            await behavior(request, ahead)
+        finally:
+            await ahead.sent()
+            request_id_var.reset(token)
+
+    return wrapped
+
+
+class _HeadersAhead:
+    """A writing handler's context while its response headers are on their way.
+
+    Sending headers is a round of the call's own (through gRPC's poller thread and
+    back to the event loop, about 0.2 ms on an idle router). A Generate call's handler
+    needs them only with its first token, so they leave while it admits, routes and
+    submits the request; a write or an abort waits for them first, since gRPC sends
+    headers once, before any message or status, and the handler's end waits too."""
+
+    def __init__(self, inner: grpc.aio.ServicerContext, headers: tuple[tuple[str, str], ...]):
+        self._inner = inner
+        self._sending = asyncio.ensure_future(inner.send_initial_metadata(headers))
+        # Read its failure (the call gone meanwhile) even if no one waits for it.
+        self._sending.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def sent(self) -> None:
+        """Wait for the headers to leave; a call gone meanwhile is the next write's to say."""
+        with contextlib.suppress(Exception):
+            # Shielded: a cancelled handler must not cancel the headers' send in flight,
+            # or gRPC would send them again with the status.
+            await asyncio.shield(self._sending)
+
+    async def write(self, message: Any) -> None:
+        await self.sent()
+        await self._inner.write(message)
+
+    async def abort(self, *args: Any, **kwargs: Any) -> NoReturn:
+        await self.sent()
+        await self._inner.abort(*args, **kwargs)
+        raise AssertionError("abort() returned")  # it raises AbortError
+
+    async def abort_with_status(self, status: Any) -> NoReturn:
+        await self.sent()
+        await self._inner.abort_with_status(status)
+        raise AssertionError("abort_with_status() returned")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 def _host_port(host: str, port: int) -> str:

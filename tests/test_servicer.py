@@ -273,6 +273,35 @@ def test_request_id_from_header_body_or_assigned() -> None:
     run_with_server(FakeCore(), body)
 
 
+def test_request_id_header_comes_with_a_refusal_or_a_cancel_at_once() -> None:
+    """The response headers leave while the handler starts: a call refused before they
+    are out still gets them, then its status; one cancelled as it reaches the core leaves
+    the server serving and the core's stream closed."""
+
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        core.raise_sync = QueueFullError("queue full")
+        call = stub.Generate(pb.GenerateRequest(prompt="a"), metadata=(("x-request-id", "r-1"),))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _ = [r async for r in call]
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(await call.initial_metadata())["x-request-id"] == "r-1"
+        core.raise_sync = None
+
+        core.delay_s = 0.5
+        call = stub.Generate(pb.GenerateRequest(prompt="b"))
+        while len(core.calls) < 2:
+            await asyncio.sleep(0.001)
+        call.cancel()
+        await asyncio.wait_for(core.closed.wait(), timeout=5)
+        core.delay_s = 0.0
+        responses = await collect(channel, prompt="c")
+        assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert core.num_aclose == 2  # b and c: a was refused before it had a stream
+
+    run_with_server(FakeCore(), body)
+
+
 def test_server_info_and_pool_stats() -> None:
     async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
         stub = pb_grpc.GenerationServiceStub(channel)
