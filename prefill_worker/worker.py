@@ -1,12 +1,13 @@
 """Prefill pool worker: runs prompts, samples the first token, sends the KV on.
 
 A request's life here: queued → prefilling (chunks, prefix cache) → first token sampled
-→ at that step boundary, on the engine thread, every request of the step that goes to
-the same receiver is gathered into one send buffer (one `index_select`), its blocks are
-released at once (into the prefix cache), and one header + payload is posted on the
+→ at that step boundary, on the engine thread, the step's hand-offs are planned (every
+request that goes to the same receiver in one message), their blocks released (into
+the prefix cache), the first tokens handed to the event loop, and then each message
+gathered into one send buffer (one `index_select`) and posted, header + payload, on the
 pair's channel → the reply to the router carries the first token without waiting for
-the bytes: the receiver checks each entry against its reservation and reports arrival,
-refusal or a broken transfer in its own token stream.
+the post or the bytes: the receiver checks each entry against its reservation and
+reports arrival, refusal or a broken transfer in its own token stream.
 
 A message of at least `stream_min_tokens` prompt tokens (`--kv-stream-min-tokens`; by
 default the count whose KV reaches 256 MiB: one long prompt, or a pass's worth of short
@@ -34,7 +35,7 @@ from engine.core.role import EngineRole
 from engine.factory import kv_stream_min_tokens
 from engine.model.startup_log import log as startup_log
 from engine.transfer.base import KVPoll, KVSender, TransferHandle
-from engine.transfer.channel import SENDER_RANK, ChannelSpec
+from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import NO_TOKEN, HandoffHeader
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, open_stream
@@ -49,14 +50,46 @@ class PrefillAborted(Exception):
     pass
 
 
+class _Posting:
+    """The message that carries a request's KV, as the event loop learns of it: the
+    engine thread hands a step's first tokens over before it posts the step's
+    messages, so the reply may leave before the message's handle is here."""
+
+    def __init__(self) -> None:
+        self.handle: TransferHandle | None = None
+        self.header: HandoffHeader | None = None
+        self._callbacks: list[Callable[[KVPoll], None]] = []
+
+    def posted(self, handle: TransferHandle, header: HandoffHeader | None = None) -> _Posting:
+        """Event loop: the message is on the channel."""
+        self.handle, self.header = handle, header
+        for fn in self._callbacks:
+            handle.add_done_callback(fn)
+        self._callbacks.clear()
+        return self
+
+    @property
+    def failure(self) -> str | None:
+        """Why the send failed, once it has; None while it has not (or is not posted)."""
+        if self.handle is None or self.handle.poll() is not KVPoll.FAILED:
+            return None
+        return self.handle.failure or "failed"
+
+    def add_done_callback(self, fn: Callable[[KVPoll], None]) -> None:
+        """fn(state) when the send ends, posted now or later."""
+        if self.handle is None:
+            self._callbacks.append(fn)
+        else:
+            self.handle.add_done_callback(fn)
+
+
 @dataclass(frozen=True)
 class _Prefilled:
     """A finished prefill for one request, and what became of its KV."""
 
     update: TokenUpdate
     ready_at: float  # time.monotonic() when its step's tokens were out (the KV ready)
-    handle: TransferHandle | None = None  # the message that carries its KV
-    header: HandoffHeader | None = None
+    message: _Posting | None = None  # the message that carries its KV
     num_bytes: int = 0
     error: str = ""  # the KV could not be posted
 
@@ -173,9 +206,12 @@ class PrefillWorker(WorkerBase):
         return spec.receiver_id
 
     def _updates_from_thread(self, updates: list[TokenUpdate]) -> None:
-        # Engine thread, between two steps: post this step's hand-offs right here
-        # (ordered after the step that wrote the KV) and give the blocks back at once:
-        # later kernels on the engine's stream run after the gather.
+        # Engine thread, between two steps. The step's first tokens go to the event loop
+        # before its hand-offs are posted, so the replies to the router do not wait for
+        # the gathers and headers. The blocks are released before the posts (into the
+        # prefix cache, so the replies carry those cache changes): no kernel runs
+        # between a release and its message's gather, which follows on this thread and
+        # stream before the next step, so nothing overwrites the blocks first.
         ready_at = time.monotonic()
         outcome: dict[str, _Prefilled] = {}
         streamed = self._close_streams(updates)
@@ -193,38 +229,34 @@ class PrefillWorker(WorkerBase):
                 num_blocks = len(self.core.block_ids(upd.req_id))
                 self.core.release(upd.req_id)
                 outcome[upd.req_id] = _Prefilled(
-                    upd, ready_at, handle, num_bytes=num_blocks * self.block_bytes
+                    upd, ready_at, _Posting().posted(handle), num_blocks * self.block_bytes
                 )
                 continue
             block_ids = tuple(self.core.block_ids(upd.req_id))
             ready.append(ReadyKV(upd.req_id, target, block_ids, num_tokens, upd.new_token_ids[0]))
         by_id = {u.req_id: u for u in updates}
+        to_post: list[tuple[Message, KVChannel, _Posting]] = []
         for message in plan_messages(ready, self.block_bytes):
             channel = self.channels.get(message.target.worker_id)
-            if channel is None or channel.closed:
-                for item in message.items:
-                    self.core.release(item.req_id)
-                    outcome[item.req_id] = _Prefilled(
-                        by_id[item.req_id],
-                        ready_at,
-                        error=f"no channel to {message.target.worker_id}",
-                    )
-                continue
-            header, handle = self.post_message(channel, message)
+            posting = None if channel is None or channel.closed else _Posting()
             for item in message.items:
                 self.core.release(item.req_id)
-            for item in message.items:
-                outcome[item.req_id] = _Prefilled(
-                    by_id[item.req_id],
-                    ready_at,
-                    handle,
-                    header,
-                    len(item.block_ids) * self.block_bytes,
-                )
+                if posting is None:
+                    error = f"no channel to {message.target.worker_id}"
+                    outcome[item.req_id] = _Prefilled(by_id[item.req_id], ready_at, error=error)
+                else:
+                    num_bytes = len(item.block_ids) * self.block_bytes
+                    outcome[item.req_id] = _Prefilled(
+                        by_id[item.req_id], ready_at, posting, num_bytes
+                    )
+            if channel is not None and posting is not None:
+                to_post.append((message, channel, posting))
         prefilled = [outcome.get(u.req_id) or _Prefilled(u, ready_at) for u in updates]
-        # After the releases above, so the freed blocks' cache entries are included.
         events = self.core.take_kv_events()
         self._loop.call_soon_threadsafe(self._deliver, prefilled, events)
+        posted = [(p, *self.post_message(c, m)) for m, c, p in to_post]
+        if posted:
+            self._loop.call_soon_threadsafe(_mark_posted, posted)
 
     def _deliver(self, prefilled: list[_Prefilled], events: KVEvents) -> None:
         self.add_kv_events(events)  # before any reply these wake up
@@ -272,11 +304,9 @@ class PrefillWorker(WorkerBase):
             return PrefillResult(token, upd.finish_reason, cached, prefill_s, phases=phases)
         if target is None:
             return PrefillResult(token, FinishReason.ABORT, cached, prefill_s)
-        handle = done.handle
-        failure = done.error or (
-            (handle.failure or "failed") if handle and handle.poll() is KVPoll.FAILED else ""
-        )
-        if handle is None or failure:
+        message = done.message
+        failure = done.error or (message.failure if message else None)
+        if message is None or failure:
             log.warning("hand-off of %s to %s failed: %s", inp.req_id, target.worker_id, failure)
             return PrefillResult(
                 token,
@@ -287,22 +317,22 @@ class PrefillWorker(WorkerBase):
                 phases=phases,
             )
         req_id, peer = inp.req_id, target.worker_id
-        handle.add_done_callback(lambda state: _log_failure(state, handle, req_id, peer))
+        message.add_done_callback(lambda state: _log_failure(state, message, req_id, peer))
         if inp.trace_context:
-            handle.add_done_callback(self._kv_send_tracer(inp, target, done, handle))
+            message.add_done_callback(self._kv_send_tracer(inp, target, done, message))
         return PrefillResult(token, None, cached, prefill_s, done.num_bytes, phases=phases)
 
     def _kv_send_tracer(
-        self, inp: GenerationInput, target: HandoffTarget, done: _Prefilled, handle: TransferHandle
+        self, inp: GenerationInput, target: HandoffTarget, done: _Prefilled, message: _Posting
     ) -> Callable[[KVPoll], None]:
         """Records a traced request's `kv.send` span when its message is sent (for a
         streamed one: its last parts and trailer, the rest left during the pass)."""
 
         def record(state: KVPoll) -> None:
             span = (done.ready_at, time.monotonic())
-            failure = handle.failure or ""
+            failure = message.failure or ""
             record_kv_send(
-                self.worker_id, inp, target, done.header, done.num_bytes, span, state, failure
+                self.worker_id, inp, target, message.header, done.num_bytes, span, state, failure
             )
 
         return record
@@ -318,8 +348,14 @@ class PrefillWorker(WorkerBase):
             waiter.set_exception(PrefillAborted(req_id))
 
 
-def _log_failure(state: KVPoll, handle: TransferHandle, req_id: str, peer: str) -> None:
+def _log_failure(state: KVPoll, message: _Posting, req_id: str, peer: str) -> None:
     # The receiver ends the request (a broken channel, or an unfilled reservation's
     # lease); this side only records what it saw.
     if state is KVPoll.FAILED:
-        log.warning("hand-off of %s to %s failed after posting: %s", req_id, peer, handle.failure)
+        log.warning("hand-off of %s to %s failed after posting: %s", req_id, peer, message.failure)
+
+
+def _mark_posted(posted: list[tuple[_Posting, HandoffHeader, TransferHandle]]) -> None:
+    """Event loop: a step's messages are on their channels."""
+    for posting, header, handle in posted:
+        posting.posted(handle, header)

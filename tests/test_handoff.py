@@ -10,9 +10,11 @@ the prefill pass, and streamed layer by layer during it.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -291,6 +293,47 @@ def test_an_abort_while_the_kv_lands_keeps_its_blocks_until_the_receiver_lets_go
         # receiver gives the blocks back.
         assert not decode.book.complete("landing", lambda: None)
         decode.release("landing")
+        await pair.wait_zero()
+
+    run(loop, body())
+
+
+def test_the_first_token_does_not_wait_for_its_hand_off_to_be_posted(
+    loop: asyncio.AbstractEventLoop, pair: Pair
+) -> None:
+    """The prefill worker's reply (the request's first token, for the router to stream)
+    leaves before the step's KV message is posted: a post held up on the engine thread
+    does not hold the reply, and the KV still arrives once it goes."""
+    if pair.streamed:
+        pytest.skip("a streamed message is posted during the pass, before the first token")
+
+    async def body() -> None:
+        prefill = pair.prefill
+        release = threading.Event()
+        held: list[bool] = []
+        post = prefill.post_message
+
+        def held_post(*args: Any, **kwargs: Any) -> Any:
+            held.append(release.wait(timeout=10))  # engine thread, until the reply is in
+            return post(*args, **kwargs)
+
+        inp = _input("not-held", 40)
+        res = await pair.decode.reserve(inp)
+        assert res is not None
+        prefill.post_message = held_post  # type: ignore[method-assign]
+        try:
+            result = await asyncio.wait_for(prefill.prefill(inp, res), timeout=5)
+            assert not held  # the reply came while the post waited
+            release.set()
+        finally:
+            release.set()
+            del prefill.post_message
+        assert result.finish_reason is None and result.first_token is not None, result
+        assert result.transfer_bytes == 3 * prefill.block_bytes
+        updates = await pair.updates_for("not-held")
+        assert held == [True]
+        assert updates[0].kv_wire_s > 0
+        assert sum(len(u.new_token_ids) for u in updates) == 3
         await pair.wait_zero()
 
     run(loop, body())
