@@ -8,7 +8,7 @@ import inspect
 import logging
 import signal
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -68,8 +68,12 @@ class RequestIdInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-async def _resolve_id(request: Any, context: grpc.aio.ServicerContext, header: str) -> str:
-    """The call's request id: body, else header, else a new one; INVALID_ARGUMENT if bad."""
+@contextlib.asynccontextmanager
+async def _request_id(
+    request: Any, context: grpc.aio.ServicerContext, header: str
+) -> AsyncIterator[tuple[tuple[str, str], ...]]:
+    """Resolve, validate and publish the call's request id (body, else header, else a new
+    one; INVALID_ARGUMENT if bad) for the block; gives the response headers echoing it."""
     body_id = getattr(request, "request_id", "")
     request_id = body_id or header or uuid.uuid4().hex
     if not is_valid_request_id(request_id):
@@ -78,18 +82,18 @@ async def _resolve_id(request: Any, context: grpc.aio.ServicerContext, header: s
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{field}: 1-128 printable ASCII characters, no spaces",
         )
-    return request_id
+    token = request_id_var.set(request_id)
+    try:
+        yield ((REQUEST_ID_HEADER, request_id),)
+    finally:
+        request_id_var.reset(token)
 
 
 def _wrap_unary(behavior: Callable[..., Any], header: str) -> Callable[..., Any]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        request_id = await _resolve_id(request, context, header)
-        token = request_id_var.set(request_id)
-        try:
-            await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
+        async with _request_id(request, context, header) as headers:
+            await context.send_initial_metadata(headers)
             return await behavior(request, context)
-        finally:
-            request_id_var.reset(token)
 
     return wrapped
 
@@ -100,26 +104,20 @@ def _wrap_stream(behavior: Callable[..., Any], header: str) -> Callable[..., Any
     if inspect.isasyncgenfunction(behavior):
 
         async def wrapped_gen(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            request_id = await _resolve_id(request, context, header)
-            token = request_id_var.set(request_id)
-            try:
-                await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
+            async with _request_id(request, context, header) as headers:
+                await context.send_initial_metadata(headers)
                 async for response in behavior(request, context):
                     yield response
-            finally:
-                request_id_var.reset(token)
 
         return wrapped_gen
 
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
-        request_id = await _resolve_id(request, context, header)
-        token = request_id_var.set(request_id)
-        ahead = _HeadersAhead(context, ((REQUEST_ID_HEADER, request_id),))
-        try:
-            await behavior(request, ahead)
-        finally:
-            await ahead.sent()
-            request_id_var.reset(token)
+        async with _request_id(request, context, header) as headers:
+            ahead = _HeadersAhead(context, headers)
+            try:
+                await behavior(request, ahead)
+            finally:
+                await ahead.sent()
 
     return wrapped
 
