@@ -90,6 +90,15 @@ class PrometheusServer:
         active = self._get("/api/v1/targets")["data"]["activeTargets"]
         return bool(active) and all(t["health"] == "up" for t in active)
 
+    def scrapes(self) -> list[str]:
+        """Each target's last scrape: health, duration and error, for failure messages."""
+        active = self._get("/api/v1/targets")["data"]["activeTargets"]
+        return [
+            f"{t['scrapeUrl']}: {t['health']} in {t.get('lastScrapeDuration', 0):.3f} s"
+            + (f" ({t['lastError']})" if t.get("lastError") else "")
+            for t in active
+        ]
+
     def rules(self) -> list[dict[str, Any]]:
         """Every loaded rule with its health, state and last error."""
         groups = self._get("/api/v1/rules")["data"]["groups"]
