@@ -212,14 +212,11 @@ class KVChannel:
         encoded = None if header is None else header.encode()
         handle = FutureHandle()
         header_sent = None  # the header's send, when it left from this thread
-        if header is not None and header.kind is not HeaderKind.CLOSE:
-            # (CLOSE goes after every payload already queued: on the lane.)
-            header_sent = self._send_header_now(encoded)
+        if header is not None and encoded is not None:
+            # CLOSE goes after every payload already queued: on the lane.
+            header_sent = self._send_or_queue_header(encoded, header.kind is not HeaderKind.CLOSE)
             if header_sent is not None:
                 encoded = None
-        if encoded is not None:
-            with self._header_order:
-                self._headers_on_lane += 1
 
         def run() -> None:
             with self._jobs:
@@ -275,16 +272,18 @@ class KVChannel:
             handle.finish(f"channel to {self.peer_id} is closed ({exc})")
         return handle
 
-    def _send_header_now(self, encoded: torch.Tensor | None) -> Any:
-        """Post a header from this thread unless one waits on the lane; its send (to
-        wait for on the lane), or None: the lane sends it."""
+    def _send_or_queue_header(self, encoded: torch.Tensor, now: bool) -> Any:
+        """Post a header from this thread when `now` and no earlier header waits on the
+        lane: its send, for the lane to wait for. Otherwise count it as waiting on the
+        lane, in the same hold of the lock (no header posted meanwhile passes it): None."""
         with self._header_order:
-            if self._headers_on_lane or self._ctrl is None or self.closed:
-                return None
-            try:
-                return self._ctrl.send([encoded], self.peer, 0)
-            except Exception:  # noqa: BLE001 - the lane tries again and reports it
-                return None
+            if now and not self._headers_on_lane and self._ctrl is not None and not self.closed:
+                try:
+                    return self._ctrl.send([encoded], self.peer, 0)
+                except Exception:  # noqa: BLE001, S110 - the lane tries again and reports it
+                    pass
+            self._headers_on_lane += 1
+            return None
 
     def _reap_sent(self) -> None:
         """Finish the streamed parts that have left (lane thread)."""
