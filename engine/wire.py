@@ -46,6 +46,22 @@ class GenerationInput:
 
 
 @dataclass(frozen=True)
+class TPGroupSpec:
+    """How the processes of one tensor-parallel worker find each other on their node: a
+    file the ranks' process group meets at, and the Unix socket (abstract namespace)
+    rank 0 hands each step's plan to the others through, with its key."""
+
+    size: int
+    rendezvous_file: str
+    step_address: str
+    authkey: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if self.size < 2:
+            raise ValueError(f"a tensor-parallel group has 2 or more ranks, got {self.size}")
+
+
+@dataclass(frozen=True)
 class HandoffTarget:
     """Where a request's KV goes: the receiving worker and its incarnation."""
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from engine.model.model_spec import DTYPE_NAMES, ModelSpec, read_generation_eos
+from engine.model.tensor_parallel import SINGLE, TPRank
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,8 +71,10 @@ def load_model(
     dtype: str | None = None,
     device: str | torch.device = "cpu",
     load_format: LoadFormat = "auto",
+    tp: TPRank = SINGLE,
 ) -> tuple[torch.nn.Module, ModelSpec]:
-    """Load the model in `path` for inference on `device`; returns it with its ModelSpec."""
+    """Load the model in `path` for inference on `device`; returns it with its ModelSpec.
+    With `tp` of more than one rank, this rank's share only (engine.model.sharded_loader)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import is_accelerate_available
 
@@ -87,7 +90,10 @@ def load_model(
         name=path.resolve().name,
         dtype=dtype_name(torch_dtype),
         extra_eos_token_ids=read_generation_eos(path),
+        tensor_parallel_size=tp.size,
     )
+    if tp.size > 1:
+        return _load_shard(path, config, tp, torch_dtype, device, load_format), spec
     if load_format == "dummy":
         # Allocating and initialising under the target device keeps big shapes off
         # the CPU (an 8B model's init on 2 cores would take minutes). A fixed seed gives
@@ -117,6 +123,26 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     return model, spec
+
+
+def _load_shard(
+    path: Path,
+    config: object,
+    tp: TPRank,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: LoadFormat,
+) -> torch.nn.Module:
+    from engine.model import sharded_loader
+
+    if load_format == "dummy":
+        return sharded_loader.build_sharded_model(
+            config, tp, dtype, device, sharded_loader.dummy_reader(config, dtype, device)
+        )
+    if load_format != "auto":
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    with sharded_loader.safetensors_reader(path) as read:
+        return sharded_loader.build_sharded_model(config, tp, dtype, device, read)
 
 
 def has_tokenizer(path: str | Path) -> bool:

@@ -29,8 +29,10 @@ from engine.model.model_spec import ModelSpec
 from engine.model.prompt_graphs import PromptGraphs, within_context
 from engine.model.staging import to_device
 from engine.model.startup_log import startup_phase
+from engine.model.step_broadcast import StepPublisher
 from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
 from engine.model.triton_attention import triton_available
+from engine.model.tensor_parallel import SINGLE, TPRank, min_over_group
 from engine.model.triton_gemv import use_gemv
 from engine.model.verify_graphs import VerifyGraphs, capture_verify_graphs
 from engine.model.verify_graphs import logits_rows as verify_logits_rows
@@ -65,6 +67,7 @@ class ModelRunner(KVBlocks):
         verify_graph_max_seqs: int = 0,
         decode_graphs: bool = True,
         prompt_graph_tokens: Sequence[int] = (),
+        tp: TPRank = SINGLE,
     ) -> None:
         """`enforce_eager` turns CUDA graphs off; they are captured here (CUDA only) for
         decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`).
@@ -82,7 +85,9 @@ class ModelRunner(KVBlocks):
         `verify_graph_max_seqs` sequences (engine.model.verify_graphs). `decode_graphs`
         False captures no decode graphs (an engine that never decodes).
         `prompt_graph_tokens` also captures graphs of one prompt chunk alone, padded to
-        these token counts (engine.model.prompt_graphs)."""
+        these token counts (engine.model.prompt_graphs). `tp`: this process's rank in its
+        worker's tensor-parallel group; it loads and caches its share of the model (every
+        rank builds its runner with the same arguments, at the same time)."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         if block_size < 1:
@@ -92,9 +97,10 @@ class ModelRunner(KVBlocks):
         # None: pad attention shapes to buckets on CUDA only (see engine.model.attention).
         self.bucket_shapes = bucket_shapes
         self.paged_decode = paged_decode
+        self.tp = tp
         with startup_phase("weights", f"{model_path}, {load_format}"):
             self.model, self.spec = preloaded or load_model(
-                model_path, dtype, self.device, load_format
+                model_path, dtype, self.device, load_format, tp
             )
         # nn.Module's __getattr__ types every attribute as Tensor | Module.
         self.model.set_attn_implementation(register_paged_attention())  # type: ignore[operator]
@@ -125,6 +131,8 @@ class ModelRunner(KVBlocks):
                     f"a KV cache budget of {kv_cache_bytes} bytes holds no block of "
                     f"{per_block} bytes; raise the budget or lower block_size"
                 )
+        # Every rank's cache holds the same blocks (its heads of each): the fewest any fits.
+        num_blocks = min_over_group(num_blocks, tp, self.device)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -155,6 +163,9 @@ class ModelRunner(KVBlocks):
         self.prompt_graphs: PromptGraphs | None = None
         # Fills proposal slots before a verifying step (speculative decoding's draft model).
         self.drafter: Proposer | None = None
+        # Rank 0 of a tensor-parallel worker: the other ranks, told of every model call
+        # before it runs here (engine.model.step_broadcast).
+        self.followers: StepPublisher | None = None
         if is_compiled(self.model):
             # The same first shapes in every engine, whether it captures graphs or not:
             # the compiler's choices may follow the shapes it first sees.
@@ -224,8 +235,9 @@ class ModelRunner(KVBlocks):
 
     @staticmethod
     def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
-        return (num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
+        """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (this rank's
+        KV heads)."""
+        return (num_blocks, spec.num_layers, 2, block_size, spec.num_local_kv_heads, spec.head_dim)
 
     @property
     def block_bytes(self) -> int:
@@ -260,6 +272,10 @@ class ModelRunner(KVBlocks):
             raise ValueError(f"batch block_size {batch.block_size} != cache's {self.block_size}")
         if batch.num_draft_tokens:
             batch = fill_proposals(batch, self.drafter)
+        if self.followers is not None:
+            self.followers.publish(
+                "launch", batch, use_cuda_graphs=use_cuda_graphs, paged_decode=paged_decode
+            )
         sources = self._placeholder_sources(batch)
         sampled_seqs = [s for s in batch.seqs if s.sample]
         graphs = self.cuda_graphs if use_cuda_graphs else None

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.core.tp_heads import check_tp_size, num_local_kv_heads
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -68,6 +70,9 @@ class ModelSpec:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     dtype: str  # the dtype weights and KV cache run in, e.g. "bfloat16"
+    # Ranks the model is split over (engine.model.tensor_parallel); each holds
+    # `num_local_kv_heads` of the KV heads, and the KV sizes below are one rank's.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -83,6 +88,7 @@ class ModelSpec:
             )
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        check_tp_size(self.num_q_heads, self.num_kv_heads, self.tensor_parallel_size)
         object.__setattr__(self, "eos_token_ids", _as_id_tuple(self.eos_token_ids))
 
     @classmethod
@@ -93,6 +99,7 @@ class ModelSpec:
         name: str = "",
         dtype: str | None = None,
         extra_eos_token_ids: tuple[int, ...] = (),
+        tensor_parallel_size: int = 1,
     ) -> ModelSpec:
         """Build from a transformers config object (or anything with the same attributes)."""
         architectures = list(getattr(config, "architectures", None) or [])
@@ -125,6 +132,7 @@ class ModelSpec:
             max_model_len=max_model_len,
             eos_token_ids=tuple(eos),
             dtype=resolved,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
     @classmethod
@@ -142,10 +150,15 @@ class ModelSpec:
         )
 
     @property
+    def num_local_kv_heads(self) -> int:
+        """The KV heads one rank's cache holds."""
+        return num_local_kv_heads(self.num_kv_heads, self.tensor_parallel_size)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers, in this spec's dtype."""
+        """Bytes of K and V for one token over all layers on one rank, in this spec's dtype."""
         return kv_bytes_per_token(
-            self.num_layers, self.num_kv_heads, self.head_dim, DTYPE_SIZES[self.dtype]
+            self.num_layers, self.num_local_kv_heads, self.head_dim, DTYPE_SIZES[self.dtype]
         )
 
     def kv_block_bytes(self, block_size: int) -> int:
