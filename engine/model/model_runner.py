@@ -31,8 +31,8 @@ from engine.model.staging import to_device
 from engine.model.startup_log import startup_phase
 from engine.model.step_broadcast import StepPublisher
 from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
-from engine.model.triton_attention import triton_available
 from engine.model.tensor_parallel import SINGLE, TPRank, min_over_group
+from engine.model.triton_attention import triton_available
 from engine.model.triton_gemv import use_gemv
 from engine.model.verify_graphs import VerifyGraphs, capture_verify_graphs
 from engine.model.verify_graphs import logits_rows as verify_logits_rows

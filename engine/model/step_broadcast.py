@@ -84,7 +84,9 @@ def connect(address: str, authkey: bytes, timeout_s: float = 300.0) -> Connectio
             return Client(address, family="AF_UNIX", authkey=authkey)
         except (FileNotFoundError, ConnectionRefusedError):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 0 of the group did not listen within {timeout_s:.0f}s")
+                raise TimeoutError(
+                    f"rank 0 of the group did not listen within {timeout_s:.0f}s"
+                ) from None
             time.sleep(0.05)
 
 
