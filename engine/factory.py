@@ -15,6 +15,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.role import EngineRole
 from engine.core.spec_config import SpeculativeConfig
 from engine.model.model_spec import ModelSpec
+from engine.model.tensor_parallel import SINGLE, TPRank
 from engine.transfer.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class EngineArgs:
     kv_stream_min_tokens: int | Literal["auto"] = DEFAULT_KV_STREAM_MIN_TOKENS
     # Speculative decoding (decode and colocated engines; a prefill engine ignores it).
     speculative: SpeculativeConfig | None = None
+    # GPUs (processes) one worker's model is split over (engine.model.tensor_parallel).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -92,6 +95,8 @@ class EngineArgs:
             raise ValueError(
                 f"prompt_graph_max_tokens must be >= 0, got {self.prompt_graph_max_tokens}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         stream_from = self.kv_stream_min_tokens
         if stream_from != "auto" and not (isinstance(stream_from, int) and stream_from >= 0):
             raise ValueError(f"kv_stream_min_tokens must be 'auto' or >= 0, got {stream_from!r}")
@@ -164,23 +169,10 @@ def longest_graph_chunk(args: EngineArgs, device: torch.device) -> int:
     return min(bounds)
 
 
-def build_engine(
-    args: EngineArgs, *, role: EngineRole = EngineRole.COLOCATED, index: int = 0
-) -> BuiltEngine:
-    """Load the model, size and allocate the KV cache, and wire the scheduler to it;
-    `index` names the engine among its pool's in its stats."""
-    from engine.model.model_loader import has_tokenizer, load_tokenizer
-    from engine.model.model_runner import ModelRunner
-    from engine.model.prompt_graphs import prompt_graph_sizes
-
-    path = args.resolve_model_path()
-    device = args.resolve_device()
+def _runner_kwargs(args: EngineArgs, role: EngineRole, device: torch.device) -> dict[str, Any]:
+    """What every rank's runner (and a draft model's) is built with."""
     speculative = args.speculative if role.decodes else None
-    # A draft model is loaded first, so that a GPU budget sees its weights, and its
-    # cache takes its share of the budget: the same blocks at its bytes per block.
-    draft = _load_draft(args, path, device) if speculative and speculative.model else None
-    share = 1.0 if draft is None else draft[1]
-    runner_kw: dict[str, Any] = dict(
+    kw: dict[str, Any] = dict(
         dtype=args.dtype,
         device=str(device),
         load_format=args.load_format,
@@ -195,24 +187,71 @@ def build_engine(
     if speculative is not None:
         # Verifying steps (and a draft model's first pass) replay graphs of their own,
         # for the batch sizes that speculate.
-        runner_kw["verify_graph_tokens"] = 1 + speculative.num_speculative_tokens
-        runner_kw["verify_graph_max_seqs"] = speculative.disable_by_batch_size or 0
-    runner = ModelRunner(
-        str(path),
+        kw["verify_graph_tokens"] = 1 + speculative.num_speculative_tokens
+        kw["verify_graph_max_seqs"] = speculative.disable_by_batch_size or 0
+    return kw
+
+
+def build_runner(
+    args: EngineArgs,
+    role: EngineRole,
+    tp: TPRank = SINGLE,
+    *,
+    budget_share: float = 1.0,
+) -> Any:
+    """One rank's model runner (a tensor-parallel worker's other ranks build only this;
+    every rank must build it with the same arguments, at the same time)."""
+    from engine.model.model_runner import ModelRunner
+    from engine.model.prompt_graphs import prompt_graph_sizes
+
+    device = args.resolve_device()
+    return ModelRunner(
+        str(args.resolve_model_path()),
         prompt_graph_tokens=prompt_graph_sizes(longest_graph_chunk(args, device)),
         num_blocks=args.num_blocks,
         kv_cache_bytes=(
-            None if args.num_blocks else (lambda: int(_kv_budget_bytes(args, device) * share))
+            None
+            if args.num_blocks
+            else (lambda: int(_kv_budget_bytes(args, device) * budget_share))
         ),
-        **runner_kw,
+        tp=tp,
+        **_runner_kwargs(args, role, device),
     )
+
+
+def build_engine(
+    args: EngineArgs,
+    *,
+    role: EngineRole = EngineRole.COLOCATED,
+    index: int = 0,
+    tp: TPRank = SINGLE,
+) -> BuiltEngine:
+    """Load the model, size and allocate the KV cache, and wire the scheduler to it;
+    `index` names the engine among its pool's in its stats. With `tp` (rank 0 of a
+    tensor-parallel group) the runner holds this rank's share; the scheduler plans for
+    the group."""
+    from engine.model.model_loader import has_tokenizer, load_tokenizer
+    from engine.model.model_runner import ModelRunner
+
+    path = args.resolve_model_path()
+    device = args.resolve_device()
+    speculative = args.speculative if role.decodes else None
+    # A draft model is loaded first, so that a GPU budget sees its weights, and its
+    # cache takes its share of the budget: the same blocks at its bytes per block. It
+    # runs whole on rank 0 (its proposals reach the other ranks inside the step).
+    draft = _load_draft(args, path, device) if speculative and speculative.model else None
+    share = 1.0 if draft is None else draft[1]
+    runner = build_runner(args, role, tp, budget_share=share)
     if draft is not None:
         from engine.model.draft_model import DraftModel
 
         assert speculative is not None and speculative.model is not None
         runner.drafter = DraftModel(
             ModelRunner(
-                speculative.model, num_blocks=runner.num_blocks, preloaded=draft[0], **runner_kw
+                speculative.model,
+                num_blocks=runner.num_blocks,
+                preloaded=draft[0],
+                **_runner_kwargs(args, role, device),
             )
         )
     spec: ModelSpec = runner.spec
@@ -242,6 +281,7 @@ def build_engine(
         num_layers=spec.num_layers,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
+        tensor_parallel_size=spec.tensor_parallel_size,
     )
     log.info(
         "engine ready: %s (%s) on %s, %d KV blocks of %d tokens",

@@ -27,12 +27,14 @@ from engine.core.role import EngineRole
 from engine.factory import BuiltEngine, EngineArgs, build_engine
 from engine.heap import freeze_startup_heap
 from engine.model.startup_log import show_startup_lines, startup_phase
+from engine.model.step_broadcast import StepPublisher
+from engine.model.tensor_parallel import SINGLE, join_tp_group
 from engine.tracing import TracingConfig
 from engine.transfer.channel import ChannelSpec, KVChannel
 from engine.transfer.handoff import HandoffHeader, HeaderKind
 from engine.transfer.layout import KVLayout
 from engine.transfer.sender import Message
-from engine.wire import TokenUpdate, WorkerStats
+from engine.wire import TokenUpdate, TPGroupSpec, WorkerStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,6 +61,9 @@ class WorkerInfo:
     # "host:port" of the worker's call connection (engine/calls.py); "" when the router
     # calls it through Ray only.
     call_address: str = ""
+    # GPUs (processes) the worker's model is split over, and the GPUs it holds (rank order).
+    tensor_parallel_size: int = 1
+    gpu_ids: tuple[int, ...] = ()
 
 
 class WorkerBase:
@@ -68,9 +73,16 @@ class WorkerBase:
     role = EngineRole.COLOCATED
 
     def __init__(
-        self, args: EngineArgs, index: int, tracing_config: TracingConfig | None = None
+        self,
+        args: EngineArgs,
+        index: int,
+        tracing_config: TracingConfig | None = None,
+        tp_group: TPGroupSpec | None = None,
     ) -> None:
         self.args = args
+        # Rank 0 of a tensor-parallel worker: the other ranks (engine.tp_follower) run
+        # every model call this one publishes.
+        self.tp_group = tp_group
         self.index = index
         self.tracing_config = tracing_config  # spans of traced requests go where it says
         self.worker_id = f"{self.pool}-{index}"
@@ -96,11 +108,19 @@ class WorkerBase:
         if threads > 0:
             torch.set_num_threads(threads)
         show_startup_lines()
+        group = self.tp_group
+        # Listening before the model loads: the other ranks connect once theirs has.
+        publisher = (
+            None
+            if group is None
+            else StepPublisher(group.step_address, group.authkey, group.size - 1)
+        )
         with startup_phase("engine", f"{self.worker_id}, every phase above"):
-            built = await loop.run_in_executor(
-                None,
-                lambda: build_engine(self.args, role=self.role, index=self.index),
-            )
+            built = await loop.run_in_executor(None, self._build_engine)
+        if publisher is not None:
+            await loop.run_in_executor(None, publisher.accept_all)
+            built.runner.followers = publisher
+            publisher.watch(self._on_rank_lost)
         self.built = built
         freeze_startup_heap()  # before the first step: no full collection walks the model
         self.loop_thread = EngineLoop(built.core, self._updates_from_thread, name=self.worker_id)
@@ -125,7 +145,24 @@ class WorkerBase:
             pid=os.getpid(),
             node_ip=node_ip,
             call_address=call_address,
+            tensor_parallel_size=built.spec.tensor_parallel_size,
+            gpu_ids=_gpu_ids(),
         )
+
+    def _build_engine(self) -> BuiltEngine:
+        tp = SINGLE
+        if self.tp_group is not None:
+            device = self.args.resolve_device()
+            tp = join_tp_group(self.tp_group.rendezvous_file, 0, self.tp_group.size, device)
+        return build_engine(self.args, role=self.role, index=self.index, tp=tp)
+
+    def _on_rank_lost(self, rank: int) -> None:
+        """Another rank of this worker died: the next collective would hang, so the
+        worker dies now, as a whole, and the router replaces it (its requests move as
+        they do when a one-GPU worker dies)."""
+        log.error("%s: rank %d of its tensor-parallel group died; exiting", self.worker_id, rank)
+        logging.shutdown()
+        os._exit(1)
 
     def on_started(self) -> None:
         """Hook for a pool's own set-up once the engine runs."""
@@ -271,6 +308,16 @@ class WorkerBase:
     async def read_blocks(self, block_ids: list[int]) -> Any:
         """A copy of these blocks' KV as a CPU tensor (for hand-off verification)."""
         return await self.on_engine(lambda: self.runner.gather_blocks(block_ids).cpu())
+
+
+def _gpu_ids() -> tuple[int, ...]:
+    """The GPUs Ray gave this process (none outside Ray or on CPU)."""
+    try:
+        import ray
+
+        return tuple(int(i) for i in ray.get_gpu_ids())
+    except Exception:  # noqa: BLE001 - outside Ray
+        return ()
 
 
 def _node_ip() -> str:

@@ -8,9 +8,11 @@ What to run where (how many workers, restarts, scaling, pairing) lives in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
+import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -24,8 +26,9 @@ from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine.calls import TOKEN_BYTES, CallSpec
 from engine.factory import EngineArgs
+from engine.tp_follower import TPFollower
 from engine.tracing import TracingConfig
-from engine.wire import POOLS  # noqa: F401 - the pools, named once
+from engine.wire import POOLS, TPGroupSpec
 from engine.worker import WorkerInfo
 from prefill_worker.worker import PrefillWorker
 from router.clients import DirectWorkerClient, WorkerClient
@@ -89,6 +92,14 @@ class ClusterConfig:
             "colocated": 0,
         }
 
+    @property
+    def initial_gpus(self) -> int:
+        """GPUs the initial pools take: each worker holds its tensor-parallel size."""
+        return sum(
+            size * self.args_for(pool).tensor_parallel_size
+            for pool, size in self.initial_sizes.items()
+        )
+
     def args_for(self, pool: str) -> EngineArgs:
         return self.prefill_args if pool == "prefill" else self.decode_args
 
@@ -104,6 +115,9 @@ class SpawnedWorker:
     pg: PlacementGroup
     # Its verbs over its call connection; None: as Ray actor calls on `handle`.
     client: WorkerClient | None = None
+    # A tensor-parallel worker's other ranks (engine.tp_follower), held here: Ray ends
+    # an actor once no handle to it is left.
+    followers: tuple[Any, ...] = ()
 
 
 class Cluster:
@@ -160,22 +174,26 @@ class Cluster:
     @property
     def use_gpus(self) -> bool:
         if self._use_gpus is None:
-            total = sum(self.config.initial_sizes.values())
-            self._use_gpus = ray.cluster_resources().get("GPU", 0) >= total
+            self._use_gpus = ray.cluster_resources().get("GPU", 0) >= self.config.initial_gpus
         return self._use_gpus
 
     async def spawn(self, pool: str, index: int) -> SpawnedWorker:
-        """Create one worker actor in its own placement group and start it."""
+        """Create one worker in its own placement group and start it: one actor, or for a
+        tensor-parallel worker one actor per GPU (rank 0 the worker, the others
+        engine.tp_follower), every bundle packed on one node."""
         cfg = self.config
+        args = cfg.args_for(pool)
+        tp_size = args.tensor_parallel_size
         bundle = {"GPU": 1.0, "CPU": 1.0} if self.use_gpus else {"CPU": 1.0}
         extra = dict(cfg.pool_resources.get(pool, {}))
-        pg = placement_group([{**bundle, **extra}], strategy="STRICT_PACK")
+        pg = placement_group([{**bundle, **extra}] * tp_size, strategy="STRICT_PACK")
         try:
             await asyncio.wait_for(pg.ready(), cfg.placement_timeout_s)
         except TimeoutError as exc:
             remove_placement_group(pg)
             raise StartupError(
-                f"could not place {pool} worker {index} with { ({**bundle, **extra}) } within "
+                f"could not place {pool} worker {index} with {tp_size} x "
+                f"{ ({**bundle, **extra}) } on one node within "
                 f"{cfg.placement_timeout_s:.0f}s; available: {ray.available_resources()}"
             ) from exc
         total = max(1, sum(cfg.initial_sizes.values()))
@@ -184,25 +202,43 @@ class Cluster:
         # The OpenTelemetry SDK's own settings (batching, exporter headers, TLS) reach
         # the workers' exporters as they reach the router's.
         env |= {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
-        handle: Any = (
-            ray.remote(_CLASSES[pool])
-            .options(  # type: ignore[attr-defined]
+
+        def actor_options(bundle_index: int) -> dict[str, Any]:
+            return dict(
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
                 resources=extra,
                 max_restarts=0,  # the router replaces a dead worker itself, with a new epoch
                 runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=0
+                    placement_group=pg, placement_group_bundle_index=bundle_index
                 ),
             )
-            .remote(cfg.args_for(pool), index, cfg.tracing)
+
+        group = new_tp_group(tp_size)
+        handle: Any = (
+            ray.remote(_CLASSES[pool])
+            .options(**actor_options(0))  # type: ignore[attr-defined]
+            .remote(args, index, cfg.tracing, group)
         )
+        followers = [
+            ray.remote(TPFollower)
+            .options(**actor_options(rank))  # type: ignore[attr-defined]
+            .remote(args, _CLASSES[pool].role, group, rank)
+            for rank in range(1, tp_size)
+        ]
         try:
             calls = None
             if cfg.worker_calls == "direct":
                 calls = CallSpec(self._call_token, str(ray.util.get_node_ip_address()))
-            info = await asyncio.wait_for(handle.start.remote(calls), cfg.startup_timeout_s)
+            started = await asyncio.wait_for(
+                asyncio.gather(handle.start.remote(calls), *(f.start.remote() for f in followers)),
+                cfg.startup_timeout_s,
+            )
+            info = started[0]
+            if followers:
+                gpus = info.gpu_ids + tuple(g for ids in started[1:] for g in ids)
+                info = dataclasses.replace(info, gpu_ids=gpus)
         except Exception as exc:
             self.remove(handle, pg)
             if isinstance(exc, TimeoutError):
@@ -213,7 +249,7 @@ class Cluster:
         client = None
         if info.call_address:
             client = DirectWorkerClient(info.call_address, self._call_token)
-        return SpawnedWorker(handle, info, pg, client)
+        return SpawnedWorker(handle, info, pg, client, tuple(followers))
 
     def remove(self, handle: Any, pg: PlacementGroup | None) -> None:
         """Kill a worker's actor and give back its placement group (idempotent)."""
@@ -244,6 +280,21 @@ class Cluster:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+def new_tp_group(size: int) -> TPGroupSpec | None:
+    """Fresh meeting points for the ranks of one tensor-parallel worker (None for one GPU):
+    a rendezvous file in the node's temporary folder and an abstract Unix socket, both
+    named by a random token, so a replacement never meets its predecessor's ranks."""
+    if size == 1:
+        return None
+    token = secrets.token_hex(8)
+    return TPGroupSpec(
+        size=size,
+        rendezvous_file=os.path.join(tempfile.gettempdir(), f"pdserve-tp-{token}"),
+        step_address=f"\0pdserve-tp-{token}",
+        authkey=secrets.token_bytes(32),
+    )
 
 
 def root_cause(exc: BaseException) -> str:

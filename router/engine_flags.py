@@ -72,6 +72,38 @@ def add_model_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
     ]
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """How many GPUs one worker's model is split over (`pdserve serve`)."""
+    g = p.add_argument_group("tensor parallelism")
+    pools = [
+        g.add_argument(
+            f"--{pool}-tensor-parallel-size",
+            type=at_least(1),
+            metavar="N",
+            help=f"GPUs per {pool} worker (default: --tensor-parallel-size)",
+        )
+        for pool in ("prefill", "decode", "colocated")
+    ]
+    return [
+        g.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=at_least(1),
+            default=1,
+            metavar="N",
+            help="GPUs (processes) each worker's model is split over, in every pool; the "
+            "attention heads must divide by N and the KV heads divide by N or N by them",
+        ),
+        *pools,
+    ]
+
+
+def tensor_parallel_size(ns: argparse.Namespace, pool: str) -> int:
+    """The TP size of `pool`'s workers: its own flag, else --tensor-parallel-size."""
+    own = getattr(ns, f"{pool}_tensor_parallel_size", None)
+    return int(own if own is not None else getattr(ns, "tensor_parallel_size", 1))
+
+
 def add_engine_args(p: argparse.ArgumentParser, prefix: str = "") -> list[argparse.Action]:
     """The scheduler and KV cache knobs of one engine (`--prefill-*`, `--decode-*`, or bare)."""
     dash = f"{prefix}-" if prefix else ""
@@ -160,6 +192,9 @@ def engine_args(ns: argparse.Namespace, prefix: str = "") -> EngineArgs:
         async_scheduling=None if ns.async_scheduling else False,
         # The prefill pool stops at the first token: nothing to speculate.
         speculative=None if prefix == "prefill" else ns.speculative_config,
+        tensor_parallel_size=tensor_parallel_size(
+            ns, "colocated" if getattr(ns, "colocated_workers", 0) else prefix or "decode"
+        ),
         num_blocks=get("num_blocks"),  # type: ignore[arg-type]
         kv_cache_gib=get("kv_cache_gib"),  # type: ignore[arg-type]
         gpu_memory_utilization=get("gpu_memory_utilization"),  # type: ignore[arg-type]

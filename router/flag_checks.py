@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from engine.core.tp_heads import tp_size_problem
 from engine.model.model_spec import check_architecture
 from engine.wire import POOLS
 from router import port_holds
@@ -104,8 +105,10 @@ def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
                 f"{', '.join(pool_only)} and --colocated-workers cannot both apply: colocated "
                 "replicas replace both pools and take the --decode-* knobs"
             )
-    elif "--colocated-resources" in given:
-        raise ValueError("--colocated-resources applies only with --colocated-workers N")
+    else:
+        for flag in ("--colocated-resources", "--colocated-tensor-parallel-size"):
+            if flag in given:
+                raise ValueError(f"{flag} applies only with --colocated-workers N")
     check_planner_flags(ns, given)
     if ns.metrics_port:
         problem = port_holds.check(ns.metrics_host, ns.metrics_port)
@@ -117,6 +120,42 @@ def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
         raise ValueError(f"--port and --metrics-port are both {ns.port}")
     check_model_folder(ns.model)
     check_speculative_config(ns)
+    check_tensor_parallel(ns)
+
+
+def check_tensor_parallel(ns: argparse.Namespace) -> None:
+    """Each pool's TP size must split the model's heads; pools that hand KV off run one
+    GPU per worker (the hand-off between tensor-parallel groups is not built)."""
+    from router.engine_flags import tensor_parallel_size
+
+    pools = ("colocated",) if ns.colocated_workers else ("prefill", "decode")
+    sizes = {pool: tensor_parallel_size(ns, pool) for pool in pools}
+    if all(size == 1 for size in sizes.values()):
+        return
+    if not ns.colocated_workers:
+        raise ValueError(
+            "tensor parallelism (" + ", ".join(f"{p} {s}" for p, s in sizes.items()) + ") "
+            "runs in colocated workers only: the KV hand-off between tensor-parallel "
+            "groups is not built yet; use --colocated-workers N --tensor-parallel-size M"
+        )
+    folder = Path(ns.model) if ns.model else _embedded_folder()
+    config = _config_json(folder) if folder is not None else None
+    if config is None:
+        return  # the worker refuses it at start-up, naming the numbers the same way
+    num_q = int(config.get("num_attention_heads", 0))  # type: ignore[call-overload]
+    num_kv = int(config.get("num_key_value_heads") or num_q)  # type: ignore[call-overload]
+    for pool, size in sizes.items():
+        problem = tp_size_problem(num_q, num_kv, size)
+        if problem:
+            raise ValueError(f"--{pool}-tensor-parallel-size / -tp: {problem}")
+
+
+def _embedded_folder() -> Path | None:
+    """The embedded model's folder when it has been converted (its heads: 9 and 3)."""
+    from engine.model.embedded import EMBEDDED_MODEL_NAME, default_cache_dir
+
+    folder = default_cache_dir() / EMBEDDED_MODEL_NAME
+    return folder if (folder / "config.json").is_file() else None
 
 
 PLANNER_ONLY = (

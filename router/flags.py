@@ -15,7 +15,7 @@ import argparse
 from engine.factory import DEFAULT_KV_STREAM_MIN_TOKENS
 from engine.wire import POOLS
 from router.config import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterConfig
-from router.engine_flags import add_engine_args, add_model_args
+from router.engine_flags import add_engine_args, add_model_args, add_parallel_args
 from router.flag_types import (
     LOG_LEVELS,
     HelpFormatter,
@@ -239,6 +239,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add_planner_args(serve)
     add_deploy_args(serve)
     add_model_args(serve)
+    add_parallel_args(serve)
     add_engine_args(serve, "prefill")
     add_engine_args(serve, "decode")
 

@@ -54,6 +54,9 @@ class WorkerRef:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # The worker's verbs (tests give a fake; None: the Ray actor behind `handle`).
     client_impl: WorkerClient | None = None
+    # A tensor-parallel worker's other ranks: kept alive by this reference, ended with
+    # the placement group when the worker is removed.
+    followers: tuple[Any, ...] = ()
 
     @property
     def client(self) -> WorkerClient:
@@ -210,7 +213,7 @@ class Pools:
             self._starting[pool].discard(index)
         ref = WorkerRef(
             pool, index, spawned.handle, spawned.info, spawned.pg, "starting",
-            client_impl=spawned.client,
+            client_impl=spawned.client, followers=spawned.followers,
         )  # fmt: skip
         reference = self.reference
         if reference is not None:

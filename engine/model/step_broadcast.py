@@ -91,11 +91,15 @@ def connect(address: str, authkey: bytes, timeout_s: float = 300.0) -> Connectio
 
 
 def replay(conn: Connection, target: object) -> None:
-    """Run every call rank 0 publishes on `target`, in order, until rank 0 goes away."""
+    """Run every call rank 0 publishes on `target`, in order, until rank 0 goes away. A
+    call that raises (a batch rank 0 refuses too) is logged and the next one runs."""
     while True:
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):
             return
         method, args, kwargs = pickle.loads(data)
-        getattr(target, method)(*args, **kwargs)
+        try:
+            getattr(target, method)(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - rank 0 meets the same error in the same call
+            log.exception("a published %s failed on this rank as on rank 0", method)

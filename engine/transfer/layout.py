@@ -15,10 +15,21 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # Ranks each worker's KV heads are split over; the hand-off moves one rank's cache
+    # to one rank's, so both sides must split the same way.
+    tensor_parallel_size: int = 1
 
     def mismatch(self, other: KVLayout) -> str | None:
         """A message naming the first field that differs, or None if compatible."""
-        for name in ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim"):
+        for name in (
+            "model",
+            "dtype",
+            "block_size",
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "tensor_parallel_size",
+        ):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name} differs: {mine!r} vs {theirs!r}"

@@ -1,0 +1,69 @@
+"""The other ranks of a tensor-parallel worker: a model runner each, replaying the calls
+rank 0 publishes (engine.model.step_broadcast).
+
+Rank 0 is the worker the router sees (`engine.worker.WorkerBase`: scheduler, calls,
+channels); a follower holds only its share of the model and of the KV cache, and runs
+every step rank 0 runs, in the same order, so that their collectives pair up. When rank 0
+goes away (its socket closes) a follower exits: the group lives and dies as a whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+
+import torch
+
+from engine.core.role import EngineRole
+from engine.factory import EngineArgs, build_runner
+from engine.model.step_broadcast import connect, replay
+from engine.model.tensor_parallel import join_tp_group
+from engine.wire import TPGroupSpec
+
+log = logging.getLogger(__name__)
+
+
+class TPFollower:
+    """Rank `rank` (>= 1) of a tensor-parallel worker."""
+
+    def __init__(self, args: EngineArgs, role: EngineRole, group: TPGroupSpec, rank: int) -> None:
+        if not 1 <= rank < group.size:
+            raise ValueError(f"a follower's rank is in [1, {group.size}), got {rank}")
+        self.args = args
+        self.role = role
+        self.group = group
+        self.rank = rank
+
+    async def start(self) -> tuple[int, ...]:
+        """Join the group, build this rank's runner, connect to rank 0 and start
+        replaying; returns the GPUs this rank holds."""
+        threads = int(os.environ.get("PDSERVE_TORCH_THREADS", "0"))
+        if threads > 0:
+            torch.set_num_threads(threads)
+        loop = asyncio.get_running_loop()
+        runner = await loop.run_in_executor(None, self._build_runner)
+        conn = await loop.run_in_executor(
+            None, connect, self.group.step_address, self.group.authkey
+        )
+        threading.Thread(
+            target=self._replay, args=(conn, runner), daemon=True, name=f"tp-rank-{self.rank}"
+        ).start()
+        from engine.worker import _gpu_ids
+
+        return _gpu_ids()
+
+    def _build_runner(self) -> object:
+        device = self.args.resolve_device()
+        tp = join_tp_group(self.group.rendezvous_file, self.rank, self.group.size, device)
+        return build_runner(self.args, self.role, tp)
+
+    def _replay(self, conn: object, runner: object) -> None:
+        replay(conn, runner)  # type: ignore[arg-type]
+        log.info("rank %d: rank 0 is gone; exiting", self.rank)
+        logging.shutdown()
+        os._exit(0)
+
+    async def ping(self) -> int:
+        return os.getpid()
