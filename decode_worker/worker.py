@@ -45,8 +45,10 @@ class DecodeWorker(KVExporter, WorkerBase):
     pool = "decode"
     role = EngineRole.DECODE
 
-    def __init__(self, args: Any, index: int, tracing_config: Any = None) -> None:
-        super().__init__(args, index, tracing_config)
+    def __init__(
+        self, args: Any, index: int, tracing_config: Any = None, tp_group: Any = None
+    ) -> None:
+        super().__init__(args, index, tracing_config, tp_group)
         self._book: ReservationBook | None = None
         # Requests with no token out yet (a prompt submitted, or KV landed): their first
         # token closes their phases here (worker_phases). Written from the receiving

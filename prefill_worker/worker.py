@@ -98,8 +98,10 @@ class PrefillWorker(WorkerBase):
     pool = "prefill"
     role = EngineRole.PREFILL
 
-    def __init__(self, args: Any, index: int, tracing_config: Any = None) -> None:
-        super().__init__(args, index, tracing_config)
+    def __init__(
+        self, args: Any, index: int, tracing_config: Any = None, tp_group: Any = None
+    ) -> None:
+        super().__init__(args, index, tracing_config, tp_group)
         self._waiters: dict[str, asyncio.Future[_Prefilled]] = {}
         # Where each request's KV goes, and how many tokens of it (read on the engine
         # thread, set before the request reaches it).

@@ -27,8 +27,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-# Seed of `load_format="dummy"` weights (fixed: see load_model).
-DUMMY_WEIGHTS_SEED = 0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -95,19 +93,18 @@ def load_model(
     if tp.size > 1:
         return _load_shard(path, config, tp, torch_dtype, device, load_format), spec
     if load_format == "dummy":
-        # Allocating and initialising under the target device keeps big shapes off
-        # the CPU (an 8B model's init on 2 cores would take minutes). A fixed seed gives
-        # every process the same weights on the same device type: prefill and decode
-        # workers must agree, and tests compare a service with a colocated engine.
-        # (CPU and CUDA generators differ: a CPU and a CUDA model still differ.)
-        rng_devices = (
-            [device.index if device.index is not None else torch.cuda.current_device()]
-            if device.type == "cuda"
-            else []
-        )
-        with torch.random.fork_rng(devices=rng_devices), torch.device(device):
-            torch.manual_seed(DUMMY_WEIGHTS_SEED)
+        from engine.model.sharded_loader import fill_dummy_weights
+
+        # Allocated and drawn on the target device: big shapes stay off the CPU (an 8B
+        # model's init on 2 cores would take minutes). The weights are drawn per tensor
+        # from a seed of its name (engine.model.sharded_loader), so every process on the
+        # same device type holds the same model, whatever its tensor-parallel size:
+        # prefill and decode workers must agree, and tests compare a service with a
+        # colocated engine. (CPU and CUDA generators differ: a CPU and a CUDA model
+        # still differ.)
+        with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        fill_dummy_weights(model, config, torch_dtype, device)
     elif load_format == "auto":
         kwargs: dict[str, object] = {}
         # transformers 5.24 demands `accelerate` for device_map; without it the

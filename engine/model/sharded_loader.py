@@ -152,3 +152,14 @@ def dummy_reader(config: Any, dtype: torch.dtype, device: torch.device) -> PartR
         return weights.mul_(std)[index]
 
     return read
+
+
+def fill_dummy_weights(
+    model: torch.nn.Module, config: Any, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Overwrite a whole (one-rank) model's parameters with `dummy_reader`'s weights."""
+    read = dummy_reader(config, dtype, device)
+    whole = (slice(None),)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(read(name, whole))

@@ -1,0 +1,98 @@
+"""Tensor parallelism on GPUs: NCCL all-reduces inside the compiled decoder and the
+captured decode graphs, and a tensor-parallel worker behind the router."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.harness import ServiceProcess, running_service
+from bench.harness.pools import assert_pools_empty
+from engine.factory import EngineArgs
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.test_gpu import CONFIG_1B, _served, needs_gpus
+from tests.test_tensor_parallel import _run_group
+
+pytestmark = pytest.mark.gpu
+
+for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    os.environ.setdefault(_name, "0" if _name == "NCCL_NVLS_ENABLE" else "1")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (4 heads, 2 KV heads) saved as safetensors, no tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_models import tiny_config
+
+    torch.manual_seed(1234)
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32).save_pretrained(
+        path
+    )
+    return path
+
+
+@needs_gpus(2)
+def test_a_split_model_with_graphs_and_the_compiled_decoder_matches_one_gpu(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    path = tiny_llama
+    whole = _run_group(1, path, "auto", tmp_path, "cuda")
+    sizes = (2, 4) if torch.cuda.device_count() >= 4 else (2,)
+    for size in sizes:
+        split = _run_group(size, path, "auto", tmp_path, "cuda")
+        torch.testing.assert_close(split["logits"], whole["logits"], rtol=1e-3, atol=1e-3)
+        assert split["tokens"] == whole["tokens"], size
+
+
+def _peaked_1b(root: Path) -> Path:
+    """Llama-3.2-1B's shape, 4 layers, weights wide enough that greedy picks are not near
+    ties (float32 sums in another order must not flip them)."""
+    config = json.loads((CONFIG_1B / "config.json").read_text())
+    config.update(num_hidden_layers=4, initializer_range=0.2)
+    path = root / "llama-1b-4l-peaked"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def tp2_service(tmp_path: Path) -> Iterator[tuple[ServiceProcess, Path]]:
+    model = _peaked_1b(tmp_path)
+    args = [
+        "--colocated-workers", "1", "--tensor-parallel-size", "2",
+        "--model", str(model), "--load-format", "dummy", "--dtype", "float32",
+        "--decode-kv-cache-gib", "2", "--drain-grace-s", "10",
+    ]  # fmt: skip
+    with running_service(args, tmp_path / "service.log", timeout=300) as svc:
+        yield svc, model
+
+
+@needs_gpus(2)
+def test_a_worker_on_two_gpus_streams_the_tokens_of_one(
+    tp2_service: tuple[ServiceProcess, Path],
+) -> None:
+    from pdserve.v1 import generation_pb2 as pb
+
+    service, model = tp2_service
+    assert "1 colocated workers on GPUs" in service.log_tail(20000)
+    engine = LLM(EngineArgs(model=str(model), load_format="dummy", dtype="float32", kv_cache_gib=2))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [
+        [(7 * i + 13 * j) % 128000 + 1 for j in range(n)] for i, n in enumerate((5, 40, 300))
+    ]
+    for prompt in prompts:
+        expected = list(engine.generate([prompt], params)[0].token_ids)
+        tokens, final = asyncio.run(_served(service.address, prompt, 16))
+        assert tokens == expected, len(prompt)
+        assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    asyncio.run(assert_pools_empty(service.address, timeout=15, pools={pb.POOL_COLOCATED}))
