@@ -55,13 +55,22 @@ def test_a_split_model_with_graphs_and_the_compiled_decoder_matches_one_gpu(
 
 
 def _peaked_1b(root: Path) -> Path:
-    """Llama-3.2-1B's shape, 4 layers, weights wide enough that greedy picks are not near
-    ties (float32 sums in another order must not flip them)."""
+    """Llama-3.2-1B's shape with 4 layers, saved as safetensors (both sides load the same
+    weights), wide enough that greedy picks are not near ties (float32 sums in another
+    order must not flip them)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = json.loads((CONFIG_1B / "config.json").read_text())
     config.update(num_hidden_layers=4, initializer_range=0.2)
+    source = root / "config-only"
+    source.mkdir(parents=True, exist_ok=True)
+    (source / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(source), dtype=torch.float32
+    )
     path = root / "llama-1b-4l-peaked"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
+    model.save_pretrained(path)
     return path
 
 
@@ -70,7 +79,7 @@ def tp2_service(tmp_path: Path) -> Iterator[tuple[ServiceProcess, Path]]:
     model = _peaked_1b(tmp_path)
     args = [
         "--colocated-workers", "1", "--tensor-parallel-size", "2",
-        "--model", str(model), "--load-format", "dummy", "--dtype", "float32",
+        "--model", str(model), "--dtype", "float32",
         "--decode-kv-cache-gib", "2", "--drain-grace-s", "10",
     ]  # fmt: skip
     with running_service(args, tmp_path / "service.log", timeout=300) as svc:

@@ -21,14 +21,20 @@ PROMPTS = ((5, 17, 300, 4000, 9, 12, 77, 1024, 31, 8, 45), (2000, 3, 49000))
 NUM_STEPS = 4
 
 
-def _generate(path: str, tp: TPRank, load_format: str) -> tuple[torch.Tensor, list[list[int]]]:
-    """The first step's logits and NUM_STEPS greedy tokens per prompt, on this rank."""
+def _generate(
+    path: str, tp: TPRank, load_format: str, device: str = "cpu"
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """The first step's logits and NUM_STEPS greedy tokens per prompt, on this rank (on
+    CUDA: the compiled decoder, decode steps from CUDA graphs)."""
     runner = ModelRunner(
         path,
         num_blocks=16,
         block_size=BLOCK_SIZE,
         tp=tp,
         load_format=load_format,  # type: ignore[arg-type]
+        device=device,
+        dtype="float32",
+        max_num_seqs=len(PROMPTS),
     )
     tables = [tuple(range(i * 4, i * 4 + 4)) for i in range(len(PROMPTS))]
     seqs = [ScheduledSeq(f"r{i}", p, 0, tables[i], True, GREEDY, 0) for i, p in enumerate(PROMPTS)]
@@ -54,20 +60,28 @@ def _generate(path: str, tp: TPRank, load_format: str) -> tuple[torch.Tensor, li
 
 
 def _rank_main(
-    rank: int, size: int, rendezvous: str, path: str, load_format: str, out: str
+    rank: int, size: int, rendezvous: str, path: str, load_format: str, out: str, device: str
 ) -> None:
     torch.set_num_threads(1)
-    tp = join_tp_group(rendezvous, rank, size, torch.device("cpu"))
-    logits, tokens = _generate(path, tp, load_format)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    tp = join_tp_group(rendezvous, rank, size, torch.device(device))
+    logits, tokens = _generate(path, tp, load_format, device)
     if rank == 0:
-        torch.save({"logits": logits, "tokens": tokens}, out)
+        torch.save({"logits": logits.cpu(), "tokens": tokens}, out)
 
 
-def _run_group(size: int, path: Path, load_format: str, tmp_path: Path) -> dict[str, object]:
+def _run_group(
+    size: int, path: Path, load_format: str, tmp_path: Path, device: str = "cpu"
+) -> dict[str, object]:
+    """Rank 0's logits and tokens of a group of `size` processes (one per GPU on CUDA)."""
     out = tmp_path / f"tp{size}.pt"
     rendezvous = str(tmp_path / f"rdv-{uuid.uuid4().hex}")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    mp.spawn(_rank_main, args=(size, rendezvous, str(path), load_format, str(out)), nprocs=size)
+    mp.spawn(
+        _rank_main, args=(size, rendezvous, str(path), load_format, str(out), device), nprocs=size
+    )
     return torch.load(out)
 
 

@@ -17,6 +17,10 @@ import torch
 from engine.model.model_spec import DTYPE_NAMES, ModelSpec, read_generation_eos
 from engine.model.tensor_parallel import SINGLE, TPRank
 
+# Seed of `load_format="dummy"` weights of a one-process model (fixed: see load_model).
+# A tensor-parallel model draws its own (engine.model.sharded_loader).
+DUMMY_WEIGHTS_SEED = 0
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -93,18 +97,19 @@ def load_model(
     if tp.size > 1:
         return _load_shard(path, config, tp, torch_dtype, device, load_format), spec
     if load_format == "dummy":
-        from engine.model.sharded_loader import fill_dummy_weights
-
-        # Allocated and drawn on the target device: big shapes stay off the CPU (an 8B
-        # model's init on 2 cores would take minutes). The weights are drawn per tensor
-        # from a seed of its name (engine.model.sharded_loader), so every process on the
-        # same device type holds the same model, whatever its tensor-parallel size:
-        # prefill and decode workers must agree, and tests compare a service with a
-        # colocated engine. (CPU and CUDA generators differ: a CPU and a CUDA model
-        # still differ.)
-        with torch.device(device):
+        # Allocating and initialising under the target device keeps big shapes off
+        # the CPU (an 8B model's init on 2 cores would take minutes). A fixed seed gives
+        # every process the same weights on the same device type: prefill and decode
+        # workers must agree, and tests compare a service with a colocated engine.
+        # (CPU and CUDA generators differ: a CPU and a CUDA model still differ.)
+        rng_devices = (
+            [device.index if device.index is not None else torch.cuda.current_device()]
+            if device.type == "cuda"
+            else []
+        )
+        with torch.random.fork_rng(devices=rng_devices), torch.device(device):
+            torch.manual_seed(DUMMY_WEIGHTS_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-        fill_dummy_weights(model, config, torch_dtype, device)
     elif load_format == "auto":
         kwargs: dict[str, object] = {}
         # transformers 5.24 demands `accelerate` for device_map; without it the

@@ -7,9 +7,9 @@ checkpoint: safetensors reads only the rows or columns asked for, one tensor at 
 so host memory peaks near one tensor's shard, never at the whole checkpoint.
 
 Random ("dummy") weights are drawn per checkpoint tensor at its full shape from a seed
-made of its name, then sliced: every TP size draws the same full model, so a hand-off
-between groups of different sizes (and a TP group against a single-GPU engine on the
-same device type) computes the same numbers.
+made of its name, then sliced: every TP size above 1 draws the same full model, so
+groups of different sizes compute the same numbers. (A one-process model draws its
+weights as transformers initialises them: a different random model.)
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def dummy_reader(config: Any, dtype: torch.dtype, device: torch.device) -> PartR
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        full = AutoModelForCausalLM.from_config(config)
+        full = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     shapes = {name: tuple(t.shape) for name, t in full.state_dict().items()}
     std = float(getattr(config, "initializer_range", 0.02))
 
@@ -152,14 +152,3 @@ def dummy_reader(config: Any, dtype: torch.dtype, device: torch.device) -> PartR
         return weights.mul_(std)[index]
 
     return read
-
-
-def fill_dummy_weights(
-    model: torch.nn.Module, config: Any, dtype: torch.dtype, device: torch.device
-) -> None:
-    """Overwrite a whole (one-rank) model's parameters with `dummy_reader`'s weights."""
-    read = dummy_reader(config, dtype, device)
-    whole = (slice(None),)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(read(name, whole))

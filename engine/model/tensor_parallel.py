@@ -68,6 +68,8 @@ def join_tp_group(rendezvous: str, rank: int, size: int, device: torch.device) -
     if device.type == "cpu":
         # Gloo's ranks connect over loopback: the group never leaves the node.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    elif device.index is None:  # NCCL wants the GPU by index ("cuda" is Ray's one GPU)
+        device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         init_method=f"file://{rendezvous}",
