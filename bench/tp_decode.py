@@ -8,6 +8,7 @@ pure-decode batch, every sequence holding `--context` tokens of random KV
 (bench.tp_decode_rank). Rank 0 reports, per (model, tp, batch):
 
 * the median step (host clock: one engine step, its tokens read back);
+* with CUDA graphs, the GPU time of the step's graph replayed alone;
 * the memory floor of one rank: its weight bytes plus the KV bytes its heads' attention
   reads, over the device copy bandwidth measured in the same run (as bench.decode_step);
 * step ÷ floor, and step ÷ the step of the same model and batch at TP 1;
@@ -294,10 +295,10 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"\n{result['device']}, context {result['context']}"
         + (f", copy {copy:.0f} GB/s (read + write)" if copy else "")
-        + "; ms per decode step (median); all-reduce of [batch, hidden], µs"
+        + "; ms per decode step (median; gpu: its graph alone); all-reduce of [batch, hidden], µs"
     )
     print(
-        f"{'model':14} {'tp':>3} {'batch':>5} {'step':>8} {'floor':>8} {'×floor':>7} "
+        f"{'model':14} {'tp':>3} {'batch':>5} {'step':>8} {'gpu':>8} {'floor':>8} {'×floor':>7} "
         f"{'÷TP1':>6} {'AR':>7} {'AR graph':>8} {'AR share':>8}"
     )
 
@@ -310,6 +311,7 @@ def print_table(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         print(
             f"{r['model']:14} {r['tp']:3d} {r['batch']:5d} {num(r, 'step_ms', 8, '.3f')} "
+            f"{num(r, 'graph_gpu_ms', 8, '.3f')} "
             f"{num(r, 'floor_ms', 8, '.3f')} {num(r, 'step_over_floor', 7, '.2f')} "
             f"{num(r, 'vs_tp1', 6, '.2f')} {num(r, 'all_reduce_us', 7, '.1f')} "
             f"{num(r, 'all_reduce_graph_us', 8, '.1f')} {num(r, 'all_reduce_share', 8, '.1%')}"

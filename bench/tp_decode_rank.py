@@ -29,7 +29,9 @@ from bench.decode_step import (
     wall_times,
 )
 from bench.device import free
+from engine.core.batch import Batch
 from engine.model.compiled import is_compiled
+from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.model_runner import ModelRunner
 from engine.model.tensor_parallel import TPRank, all_reduce, join_tp_group
 
@@ -138,6 +140,8 @@ def _measure(
             "kv_bytes": kv_bytes,
             "build_s": header["build_s"],
         }
+        if runner.cuda_graphs is not None:
+            row["graph_gpu_ms"] = _graph_replay_ms(runner.cuda_graphs, batch, job.steps)
         if copy_bytes_per_s is not None:
             floor_ms = (weight_bytes + kv_bytes) / copy_bytes_per_s * 1e3
             row["floor_ms"] = floor_ms
@@ -152,6 +156,13 @@ def _measure(
             header["rows"].append(row)
             _write_atomic(Path(job.out), header)
             log(f"{label} batch {n}: step {step_ms['median']:.3f} ms")
+
+
+def _graph_replay_ms(graphs: DecodeGraphs, batch: Batch, reps: int) -> dict[str, float]:
+    """GPU time of the step's graph alone (no host work), as the last step left its
+    inputs; every rank replays its own in lockstep."""
+    size = next(s for s in graphs.batch_sizes if s >= len(batch.seqs))
+    return time_stats(event_times(graphs._graphs[size][0].replay, reps))
 
 
 def _barrier(tp: TPRank) -> None:
