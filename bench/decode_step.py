@@ -35,7 +35,9 @@ from typing import Any
 import torch
 
 from bench.report import percentile, provenance
+from engine.core.batch import Batch, ScheduledSeq
 from engine.model.model_spec import kv_bytes_per_token
+from engine.sampling_params import GREEDY
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "deploy" / "model_configs"
@@ -47,7 +49,8 @@ def _mode_kwargs(mode: str) -> dict[str, Any]:
     return {"use_cuda_graphs": mode == "graphs", "paged_decode": False if mode == "sdpa" else None}
 
 
-def _ints(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """A comma-separated flag as integers: "1,32,128" → [1, 32, 128]."""
     return [int(x) for x in text.split(",") if x]
 
 
@@ -55,11 +58,11 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     """Bytes moved (read + written) per second by a large device-to-device copy."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    times = _event_times(lambda: dst.copy_(src), reps)
+    times = event_times(lambda: dst.copy_(src), reps)
     return 2 * nbytes / (statistics.median(times) / 1e3)
 
 
-def _event_times(fn: Any, reps: int, warmup: int = 3, calls: int = 1) -> list[float]:
+def event_times(fn: Any, reps: int, warmup: int = 3, calls: int = 1) -> list[float]:
     """Milliseconds per call of fn, timed with CUDA events, `reps` times. Each sample
     times `calls` calls back to back; with several, the host's launch of the first one
     (which the start event also times: the device waits for it) is spread over them."""
@@ -77,7 +80,7 @@ def _event_times(fn: Any, reps: int, warmup: int = 3, calls: int = 1) -> list[fl
     return times
 
 
-def _wall_times(fn: Any, reps: int, warmup: int = 3) -> list[float]:
+def wall_times(fn: Any, reps: int, warmup: int = 3) -> list[float]:
     """Milliseconds per call of fn (which must end in a host sync), by the host clock."""
     for _ in range(warmup):
         fn()
@@ -89,12 +92,44 @@ def _wall_times(fn: Any, reps: int, warmup: int = 3) -> list[float]:
     return times
 
 
-def _stats(times: list[float]) -> dict[str, float]:
+def time_stats(times: list[float]) -> dict[str, float]:
+    """Median, p10 and p90 of a list of times."""
     return {
         "median": percentile(times, 50),
         "p10": percentile(times, 10),
         "p90": percentile(times, 90),
     }
+
+
+def decode_batch(
+    n: int, context: int, num_blocks: int, vocab_size: int, rng: random.Random
+) -> Batch:
+    """A pure-decode batch of n sequences, each with `context` tokens of KV (its new
+    token's own K/V the last of them) in blocks drawn at random from the cache's
+    `num_blocks`: no two sequences share a block, and reads are not in block order."""
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    per_seq = -(-context // BLOCK_SIZE)
+    if n * per_seq > num_blocks:
+        raise ValueError(
+            f"{n} sequences of {context} tokens need {n * per_seq} blocks; the cache has "
+            f"{num_blocks}"
+        )
+    return Batch(
+        tuple(
+            ScheduledSeq(
+                f"r{i}",
+                (rng.randrange(vocab_size),),
+                context - 1,  # the new token's position: context tokens after its write
+                tuple(ids[i * per_seq : (i + 1) * per_seq]),
+                True,
+                GREEDY,
+                0,
+            )
+            for i in range(n)
+        ),
+        BLOCK_SIZE,
+    )
 
 
 def _classify(name: str) -> str:
@@ -158,10 +193,8 @@ def bench_model(
     compiled (the engine's default) or the whole stack (engine.model.compiled)."""
     from unittest import mock
 
-    from engine.core.batch import Batch, ScheduledSeq
     from engine.model import attention, triton_gemv
     from engine.model.model_runner import ModelRunner
-    from engine.sampling_params import GREEDY
 
     max_blocks = -(-(max(contexts) + 1) // BLOCK_SIZE)
     num_blocks = max(batch_sizes) * max_blocks
@@ -209,24 +242,7 @@ def bench_model(
         rows = []
         for ctx in contexts:
             for n in batch_sizes:
-                ids = list(range(num_blocks))
-                rng.shuffle(ids)
-                per_seq = -(-ctx // BLOCK_SIZE)
-                batch = Batch(
-                    tuple(
-                        ScheduledSeq(
-                            f"r{i}",
-                            (rng.randrange(vocab),),
-                            ctx - 1,  # the new token's position: ctx tokens after its write
-                            tuple(ids[i * per_seq : (i + 1) * per_seq]),
-                            True,
-                            GREEDY,
-                            0,
-                        )
-                        for i in range(n)
-                    ),
-                    BLOCK_SIZE,
-                )
+                batch = decode_batch(n, ctx, num_blocks, vocab, rng)
                 kv_bytes = n * ctx * kv_token_bytes
                 row: dict[str, Any] = {
                     "model": name,
@@ -243,8 +259,8 @@ def bench_model(
                 for mode in ("sdpa", "triton", "graphs"):
                     kw = _mode_kwargs(mode)
                     try:
-                        row[f"{mode}_ms"] = _stats(
-                            _wall_times(lambda b=batch, kw=kw: runner.execute(b, **kw), steps)
+                        row[f"{mode}_ms"] = time_stats(
+                            wall_times(lambda b=batch, kw=kw: runner.execute(b, **kw), steps)
                         )
                     except Exception as exc:  # keep the other numbers of this run
                         traceback.print_exc()
@@ -252,9 +268,9 @@ def bench_model(
                 graphs.run(batch)  # fill the static inputs for this batch
                 size = next(s for s in graphs.batch_sizes if s >= n)
                 graph = graphs._graphs[size][0]
-                row["graph_gpu_ms"] = _stats(_event_times(graph.replay, steps))
-                row["graph_gpu_back_to_back_ms"] = _stats(
-                    _event_times(graph.replay, steps, calls=10)
+                row["graph_gpu_ms"] = time_stats(event_times(graph.replay, steps))
+                row["graph_gpu_back_to_back_ms"] = time_stats(
+                    event_times(graph.replay, steps, calls=10)
                 )
                 if profile_at and (n, ctx) in profile_at and profile_log is not None:
                     for mode in ("triton", "graphs"):
@@ -308,7 +324,7 @@ def _kernel_row(n: int, context: int, block_n: int) -> dict[str, Any]:
     ctx = torch.full((n,), context, dtype=torch.int32, device="cuda")
     q = torch.randn((n, heads, head_dim), device="cuda", dtype=torch.bfloat16)
     splits = ta.num_splits_for(n, kv_heads, context, q.device)
-    times = _event_times(
+    times = event_times(
         lambda: ta.paged_decode_attention(q, cache, 0, table, ctx, head_dim**-0.5, splits), 50
     )
     ms = statistics.median(times)
@@ -332,8 +348,8 @@ def _compile_label(row: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
-    p.add_argument("--batch-sizes", type=_ints, default=[1, 32, 128])
-    p.add_argument("--contexts", type=_ints, default=[512, 2048])
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 32, 128])
+    p.add_argument("--contexts", type=int_list, default=[512, 2048])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument(
         "--compile",
