@@ -281,11 +281,46 @@ GHZ_CONFIG_KEYS = {
 }  # fmt: skip
 
 
-def test_ghz_config_uses_documented_keys_and_the_real_method() -> None:
-    config = json.loads((DEPLOY / "ghz" / "generate.json").read_text())
+GHZ_CONFIGS = ("generate-cpu.json", "generate-gpu.json")
+
+
+def ghz_config(name: str) -> tuple[dict[str, Any], pb.GenerateRequest]:
+    config = json.loads((DEPLOY / "ghz" / name).read_text())
+    request = pb.GenerateRequest()
+    json_format.ParseDict(config["data"], request)  # proto3 JSON names, as ghz sends them
+    return config, request
+
+
+def ghz_seconds(value: str) -> float:
+    """A ghz duration ("60s", "5m") in seconds."""
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", value).groups()  # type: ignore[union-attr]
+    return float(number) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+
+
+@pytest.mark.parametrize("name", GHZ_CONFIGS)
+def test_ghz_config_uses_documented_keys_and_the_real_method(name: str) -> None:
+    config, request = ghz_config(name)
     assert set(config) <= GHZ_CONFIG_KEYS, set(config) - GHZ_CONFIG_KEYS
     service, method = config["call"].rsplit(".", 1)
     assert pb.DESCRIPTOR.services_by_name[service.split(".")[-1]].methods_by_name[method]
-    request = pb.GenerateRequest()
-    json_format.ParseDict(config["data"], request)  # proto3 JSON names, as ghz sends them
-    assert request.sampling.max_tokens > 0
+    assert request.sampling.max_tokens > 0 and request.sampling.ignore_eos
+    assert config["concurrency"] <= config["total"]
+
+
+# A CPU service on the embedded model generates 20-35 tokens/s in all (2 cores); its
+# config must finish well inside its own limits at the slow end.
+CPU_TOKENS_PER_S = 20.0
+
+
+def test_ghz_cpu_config_fits_a_cpu_service() -> None:
+    config, request = ghz_config("generate-cpu.json")
+    tokens = request.sampling.max_tokens
+    run_s = config["total"] * tokens / CPU_TOKENS_PER_S
+    assert run_s <= ghz_seconds(config["max-duration"]) / 2, run_s
+    # A call shares the service with concurrency - 1 others for its whole stream.
+    call_s = config["concurrency"] * tokens / CPU_TOKENS_PER_S
+    assert call_s <= ghz_seconds(config["timeout"]) / 4, call_s
+    # The GPU config asks for more of everything.
+    gpu, gpu_request = ghz_config("generate-gpu.json")
+    assert gpu["total"] > config["total"] and gpu["concurrency"] > config["concurrency"]
+    assert gpu_request.sampling.max_tokens > tokens
