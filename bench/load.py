@@ -257,6 +257,9 @@ def summarize(outcomes: list[Outcome], args: argparse.Namespace) -> dict[str, An
         "cached_prompt_tokens": cached,
         "cached_prompt_share": cached / prompt_tokens_seen if prompt_tokens_seen else math.nan,
         "goodput": sum(meets_slo(o) for o in done) / duration,
+        # The SLOs goodput counts against; both None: goodput is the request throughput.
+        "ttft_slo_s": args.ttft_slo,
+        "tpot_slo_s": args.tpot_slo,
         "ttft_ms": distribution(ttfts, scale=1000),
         "tpot_ms": distribution(tpots, scale=1000),
         "itl_ms": distribution(itls, scale=1000),
@@ -275,6 +278,18 @@ def _lengths_line(summary: dict[str, Any]) -> str:
     )
 
 
+def _goodput_note(summary: dict[str, Any]) -> str:
+    """What goodput counted: the SLOs met, or that there were none."""
+    slos = [
+        f"{name} <= {summary[key] * 1000:g} ms"
+        for name, key in (("TTFT", "ttft_slo_s"), ("TPOT", "tpot_slo_s"))
+        if summary.get(key) is not None
+    ]
+    if not slos:
+        return "(no --ttft-slo or --tpot-slo: every completed request, = request tput)"
+    return "(completed with " + " and ".join(slos) + ")"
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """Human-readable report; every figure below the first lines counts completed requests."""
     failed = summary["not_completed"]
@@ -290,7 +305,7 @@ def format_table(summary: dict[str, Any]) -> str:
         f"duration          {summary['duration_s']:.2f} s",
         f"request tput      {summary['request_throughput']:.2f} req/s",
         f"output tok tput   {summary['output_token_throughput']:.1f} tok/s",
-        f"goodput           {summary['goodput']:.2f} req/s",
+        f"goodput           {summary['goodput']:.2f} req/s {_goodput_note(summary)}",
         "",
         f"{'metric (ms)':<16}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
@@ -307,33 +322,52 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's docstring as written, and every option's default where it has one
+    (not for switches, nor for options that are off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line of the load generator."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.load", description=__doc__, formatter_class=_HelpFormatter
+    )
     p.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
-    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--num-requests", type=int, default=100, help="requests sent in all")
     p.add_argument("--rate", type=float, help="Poisson arrival rate, req/s (inf = all at once)")
     p.add_argument("--concurrency", type=int, help="max requests in flight (alone: closed loop)")
-    p.add_argument("--prompt-len", type=parse_range, default=(128, 512), help="MIN:MAX tokens")
-    p.add_argument("--output-len", type=parse_range, default=(64, 128), help="MIN:MAX tokens")
+    p.add_argument("--prompt-len", type=parse_range, default="128:512", help="MIN:MAX tokens")
+    p.add_argument("--output-len", type=parse_range, default="64:128", help="MIN:MAX tokens")
     p.add_argument(
         "--token-ids",
         type=parse_range,
-        default=(1000, 30000),
+        default="1000:30000",
         help="MIN:MAX range random prompt token ids are drawn from (MAX exclusive); "
         "stay inside the model's vocabulary and away from special tokens",
     )
     p.add_argument("--text-prompts", action="store_true", help="random words instead of ids")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument(
         "--allow-eos",
         action="store_true",
         help="let the model stop early (default: ignore_eos, so output lengths are exact)",
     )
-    p.add_argument("--ttft-slo", type=float, help="seconds, for goodput")
+    p.add_argument(
+        "--ttft-slo",
+        type=float,
+        help="seconds, for goodput (without either SLO every completed request counts, and "
+        "goodput equals request throughput)",
+    )
     p.add_argument("--tpot-slo", type=float, help="seconds per output token, for goodput")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, s")
-    p.add_argument("--connect-timeout", type=float, default=10.0)
+    p.add_argument(
+        "--connect-timeout", type=float, default=10.0, help="wait this long for the target, s"
+    )
     p.add_argument("--channels", type=int, default=1, help="gRPC channels (connections)")
     p.add_argument(
         "--seed",

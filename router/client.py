@@ -270,8 +270,28 @@ def format_usage(final: pb.GenerateResponse, elapsed_s: float) -> str:
     """One line: finish reason, token counts, TTFT and wall time."""
     u, t = final.usage, final.timings
     reason = pb.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+    return f"[{final.request_id}] " + usage_line(
+        reason,
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        cached_tokens=u.cached_prompt_tokens,
+        ttft_s=t.time_to_first_token_seconds,
+        total_s=elapsed_s,
+    )
+
+
+def usage_line(
+    reason: str,
+    *,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    ttft_s: float,
+    total_s: float,
+) -> str:
+    """A finished request's counts and times, as `pdserve generate` prints them whether it
+    ran the engine itself or streamed from a server."""
     return (
-        f"[{final.request_id}] finish={reason} prompt={u.prompt_tokens} "
-        f"completion={u.completion_tokens} cached={u.cached_prompt_tokens} "
-        f"ttft={t.time_to_first_token_seconds:.3f}s total={elapsed_s:.3f}s"
+        f"finish={reason} prompt={prompt_tokens} completion={completion_tokens} "
+        f"cached={cached_tokens} ttft={ttft_s:.3f}s total={total_s:.3f}s"
     )

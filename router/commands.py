@@ -190,19 +190,43 @@ def generate_offline(args: EngineArgs, params: SamplingParams, ns: argparse.Name
         log.debug("loading the model failed", exc_info=exc)
         print(f"pdserve generate: cannot load the model: {one_line(exc)}", file=sys.stderr)
         return 1
-    prompt: str | list[int] = ns.prompt
-    if ns.chat:
-        from engine.frontend.prompt import encode_prompt
+    from engine.frontend.prompt import encode_prompt
+    from router.client import usage_line
 
-        prompt = encode_prompt(llm.tokenizer, messages=[("user", ns.prompt)])
     final = None
-    for event in llm.stream([prompt], params):
-        if event.chunk is not None:
-            sys.stdout.write(event.chunk.text)
-            sys.stdout.flush()
-        final = event.finish_reason or final
+    completion_tokens = cached_tokens = 0
+    start = time.perf_counter()
+    ttft_s = 0.0
+    try:
+        # Encoded here, as the engine would, so the summary can give the prompt's size.
+        if ns.chat:
+            prompt = encode_prompt(llm.tokenizer, messages=[("user", ns.prompt)])
+        else:
+            prompt = encode_prompt(llm.tokenizer, prompt=ns.prompt)
+        # The engine checks every prompt before it yields anything: a ValueError here is
+        # the prompt's, as a server's INVALID_ARGUMENT would be.
+        for event in llm.stream([prompt], params):
+            if event.chunk is not None:
+                if event.chunk.token_ids and not completion_tokens:
+                    ttft_s = time.perf_counter() - start
+                completion_tokens += len(event.chunk.token_ids)
+                sys.stdout.write(event.chunk.text)
+                sys.stdout.flush()
+            if event.finish_reason is not None:
+                final, cached_tokens = event.finish_reason, event.num_cached_tokens
+    except ValueError as exc:
+        print(f"pdserve generate: {exc}", file=sys.stderr)
+        return 1
     sys.stdout.write("\n")
-    print(f"finish={final.value if final else '?'}", file=sys.stderr)
+    summary = usage_line(
+        final.value if final else "?",
+        prompt_tokens=len(prompt),
+        completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
+        ttft_s=ttft_s,
+        total_s=time.perf_counter() - start,
+    )
+    print(summary, file=sys.stderr)
     return 0
 
 

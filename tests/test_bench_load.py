@@ -50,6 +50,46 @@ def test_report_shows_the_lengths_it_used(capsys: pytest.CaptureFixture[str]) ->
     assert "output 5-5 tokens (mean 5)" in out
 
 
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # the help's lines re-wrapped
+    assert text.startswith("usage: python -m bench.load ")
+    for default in (
+        "router HOST:PORT (default: 127.0.0.1:50051)",
+        "requests sent in all (default: 100)",
+        "MIN:MAX tokens (default: 128:512)",
+        "MIN:MAX tokens (default: 64:128)",
+        "(default: 1000:30000)",
+        "per-request deadline, s (default: 120.0)",
+        "(connections) (default: 1)",
+    ):
+        assert default in text
+    # What is off unless given says so in its own words, not "(default: None)".
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_goodput_line_says_what_it_counted(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--concurrency", "2", "--num-requests", "2", "--prompt-len", "3", "--output-len", "2"]
+    lines: dict[str, str] = {}
+
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        for name, slos in (
+            ("none", []),
+            ("both", ["--ttft-slo", "0.5", "--tpot-slo", "0.05"]),
+        ):
+            assert await run_main(["--target", server.address, *argv, *slos]) == 0
+            (lines[name],) = [
+                line for line in capsys.readouterr().out.splitlines() if line.startswith("goodput")
+            ]
+
+    run_with_server(FakeCore(num_chunks=2), body)
+    assert lines["none"].endswith(
+        "req/s (no --ttft-slo or --tpot-slo: every completed request, = request tput)"
+    )
+    assert lines["both"].endswith("req/s (completed with TTFT <= 500 ms and TPOT <= 50 ms)")
+
+
 def test_every_request_is_counted_with_exact_lengths() -> None:
     argv = ["--rate", "200", "--concurrency", "4", "--num-requests", "12"]
     argv += ["--prompt-len", "3:8", "--output-len", "5", "--ttft-slo", "5"]

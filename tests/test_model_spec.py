@@ -91,6 +91,11 @@ def test_deploy_configs_describe_the_real_models() -> None:
     assert small_shape == (16, 8, 64, 128256)
     assert (big.num_layers, big.num_kv_heads, big.head_dim, big.hidden_size) == (32, 8, 128, 4096)
     assert big.kv_bytes_per_token == 128 * 1024
+    huge = ModelSpec.from_pretrained_dir(REPO / "deploy/model_configs/llama-70b")
+    huge_shape = (huge.num_layers, huge.num_q_heads, huge.num_kv_heads, huge.head_dim)
+    assert huge_shape == (80, 64, 8, 128) and huge.hidden_size == 8192
+    assert (huge.vocab_size, huge.max_model_len, huge.dtype) == (128256, 131072, "bfloat16")
+    assert huge.kv_bytes_per_token == 320 * 1024
     assert not has_tokenizer(REPO / "deploy/model_configs/llama-3.1-8b")
     with pytest.raises(FileNotFoundError, match="prompt_token_ids"):
         load_tokenizer(REPO / "deploy/model_configs/llama-3.1-8b")

@@ -39,7 +39,9 @@ def encode_prompt(
     if prompt is not None:
         if not prompt:
             raise ValueError("prompt is empty: give at least one character")
-        return list(tokenizer.encode(prompt, add_special_tokens=True))
+        # verbose=False: a prompt longer than the model's context is refused later with the
+        # request's own error; transformers' warning about it would only add noise to the log.
+        return list(tokenizer.encode(prompt, add_special_tokens=True, verbose=False))
     assert messages is not None
     if not messages:
         raise ValueError("messages is empty: give at least one chat turn")
@@ -55,5 +57,6 @@ def encode_prompt(
         add_generation_prompt=True,
         tokenize=True,
         return_dict=False,
+        tokenizer_kwargs={"verbose": False},
     )
     return list(ids)
