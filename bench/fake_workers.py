@@ -341,32 +341,48 @@ class FakePools:
         self.on_live: list[Any] = []
         self.drain_hooks: list[Any] = []
         self.fakes: dict[str, FakeWorker] = {}
+        self.step_s, self.steps_by_clock = step_s, steps_by_clock
         self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in sizes}
         for pool, size in sizes.items():
             for index in range(size):
-                worker_id = f"{pool}-{index}"
-                fake = FakeWorker(worker_id, step_s=step_s, steps_by_clock=steps_by_clock)
-                self.fakes[worker_id] = fake
-                info = WorkerInfo(
-                    worker_id,
-                    pool,
-                    index,
-                    EPOCH,
-                    KVLayout("fake", "float32", 16, 2, 2, 8),
-                    NUM_BLOCKS,
-                    4096,
-                    2000,
-                    "fake",
-                    "cpu",
-                    0,
-                    "127.0.0.1",
-                )
-                self.workers[pool].append(WorkerRef(pool, index, None, info, client_impl=fake))
+                self.workers[pool].append(self._new_worker(pool, index, EPOCH))
         decode_ids = [w.worker_id for w in self.workers["decode"]]
         for ref in self.workers["prefill"] + self.workers["decode"]:
             if ref.pool == "prefill":
                 ref.peers.update(decode_ids)
             self.fakes[ref.worker_id].peers = {d: self.fakes[d] for d in decode_ids}
+
+    def _new_worker(self, pool: str, index: int, epoch: int) -> WorkerRef:
+        worker_id = f"{pool}-{index}"
+        fake = FakeWorker(worker_id, step_s=self.step_s, steps_by_clock=self.steps_by_clock)
+        self.fakes[worker_id] = fake
+        layout = KVLayout("fake", "float32", 16, 2, 2, 8)
+        info = WorkerInfo(
+            worker_id, pool, index, epoch, layout, NUM_BLOCKS, 4096, 2000, "fake", "cpu", 0,
+            "127.0.0.1",
+        )  # fmt: skip
+        return WorkerRef(pool, index, None, info, client_impl=fake)
+
+    def replace(self, worker_id: str) -> WorkerRef:
+        """As router.pools.Pools does for a dead worker: a new incarnation with the same id
+        and a new epoch, paired with the other pool, live, announced to the hooks."""
+        old = next(w for w in self.all() if w.worker_id == worker_id)
+        self.workers[old.pool].remove(old)
+        for callback in self.on_removed:
+            callback(old)
+        ref = self._new_worker(old.pool, old.index, old.info.epoch + 1)
+        self.workers[old.pool].append(ref)
+        if ref.pool == "decode":
+            fake = self.fakes[worker_id]
+            fake.peers = {d.worker_id: self.fakes[d.worker_id] for d in self.workers["decode"]}
+            for other in self.fakes.values():
+                if worker_id in other.peers:
+                    other.peers[worker_id] = fake
+            for prefill in self.workers["prefill"]:
+                prefill.peers.add(worker_id)
+                ref.peers.add(prefill.worker_id)
+        self.announce_live(worker_id)
+        return ref
 
     def routable(self, pool: str) -> list[WorkerRef]:
         return [w for w in self.workers[pool] if w.alive]

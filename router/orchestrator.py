@@ -95,6 +95,9 @@ class DisaggregatedGenerator(ServingPaths):
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
         inbox_of, attempts = self._inbox_of, self._attempts
         self.delivery = TokenDelivery(pools, self.indexes, inbox_of, self.signals, attempts)
+        # A worker that goes live (a replacement, a scale-up) is followed at once: a
+        # request waiting for it in `_pick` is submitted there with no other traffic due.
+        pools.on_live.append(self.delivery.follow)
         migrations_counter()  # on /metrics from the start, at zero
         self.live_migration = (
             None if self.colocated_mode else LiveMigrator(pools, attempts, self.config, self._spawn)
