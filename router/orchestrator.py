@@ -47,7 +47,7 @@ from router.paths import ServingPaths
 from router.planner.signals import ServingSignals
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
-from router.protocol import GenerateCall, PoolStats, ServerInfo
+from router.protocol import GenerateCall, PoolStats, ServerInfo, server_abort
 from router.streams import tokens_per_message
 from router.tracing import NO_TRACE, RequestTrace, start_request
 from router.worker_load import WorkerLease
@@ -291,6 +291,16 @@ class DisaggregatedGenerator(ServingPaths):
                         )
                         if not run_locally:
                             await asyncio.sleep(self.config.retry_delay_s * num_failed)
+        except asyncio.CancelledError as exc:
+            abort = server_abort(exc)
+            if abort is None:
+                raise  # the client cancelled or left: nobody to tell
+            # The server ends the call (a drain past its grace): this request's one
+            # terminal message says what it had (usage, timings), and it ends everywhere.
+            finished = True
+            if attempt is not None:
+                self._end(attempt)
+            yield final_result(request_id, base, progress, FinishReason.ABORT, abort.reason, trace)
         except (QueueFullError, NotReadyError) as exc:
             finished = True  # refused at the door: nothing to abort, not a cancellation
             log.info("request %s refused: %s", request_id, exc)
