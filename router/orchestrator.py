@@ -244,7 +244,7 @@ class DisaggregatedGenerator(ServingPaths):
             async with self.admission.slot(priority=base.priority):
                 trace.admitted()
                 for number in itertools.count():
-                    attempt = self._begin(base, number, progress, trace)
+                    attempt = self._begin(base, number, progress, trace, request_id)
                     try:
                         if self.colocated_mode:
                             chunks = self._run_colocated(attempt, progress)
@@ -324,14 +324,24 @@ class DisaggregatedGenerator(ServingPaths):
             trace.finish(None, progress.t_first, "cancelled")  # unless it finished
 
     def _begin(
-        self, base: GenerationInput, number: int, progress: Progress, trace: RequestTrace = NO_TRACE
+        self,
+        base: GenerationInput,
+        number: int,
+        progress: Progress,
+        trace: RequestTrace = NO_TRACE,
+        request_id: str = "",
     ) -> Attempt:
         # A worker that became live since the request arrived (a replacement, a scale-up)
         # may be where this attempt lands: follow it first.
         self.delivery.ensure_pollers()
         attempt_trace = trace.attempt(number, progress.num_out)
         inp = attempt_trace.bind(continuation(base, number, progress))
-        attempt = Attempt(inp, trace=attempt_trace, resumes_after=progress.num_out)
+        attempt = Attempt(
+            inp,
+            request_id or base.req_id,
+            trace=attempt_trace,
+            resumes_after=progress.num_out,
+        )
         self._attempts[attempt.req_id] = attempt
         return attempt
 
