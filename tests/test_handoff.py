@@ -309,11 +309,12 @@ def test_the_first_token_does_not_wait_for_its_hand_off_to_be_posted(
 
     async def body() -> None:
         prefill = pair.prefill
-        release = threading.Event()
+        entered, release = threading.Event(), threading.Event()
         held: list[bool] = []
         post = prefill.post_message
 
         def held_post(*args: Any, **kwargs: Any) -> Any:
+            entered.set()
             held.append(release.wait(timeout=10))  # engine thread, until the reply is in
             return post(*args, **kwargs)
 
@@ -322,9 +323,13 @@ def test_the_first_token_does_not_wait_for_its_hand_off_to_be_posted(
         assert res is not None
         prefill.post_message = held_post  # type: ignore[method-assign]
         try:
+            # The post waits for `release`: a reply that waited for the post never comes.
             result = await asyncio.wait_for(prefill.prefill(inp, res), timeout=5)
-            assert not held  # the reply came while the post waited
-            release.set()
+            assert not held
+            # The engine thread hands the reply over, then looks the post up: the held one
+            # must stay in place until it did, however late a loaded machine runs it.
+            took_it = await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+            assert took_it, "the step's KV message was never posted"
         finally:
             release.set()
             del prefill.post_message
