@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench.fake_workers import FakePools, token_at
+from bench.fake_workers import FakePools, tokens_after
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
 from engine.frontend.output_processor import OutputProcessor
@@ -31,9 +31,12 @@ from tests.test_orchestrator import PROMPT, _call, _generator, _run, _settle
 SEED = 3
 
 
+_TOKENS = tokens_after(PROMPT, SEED, 256)
+
+
 def _token(k: int) -> int:
     """The k-th output token of PROMPT under SEED, as any fake worker samples it."""
-    return token_at(SEED, len(PROMPT) + k)
+    return _TOKENS[k]
 
 
 def _text(tokens: list[int]) -> str:

@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from bench.fake_workers import FakePools, WordTokenizer, token_at
+from bench.fake_workers import FakePools, WordTokenizer, tokens_after
 from bench.harness import wait_until_async
 from engine.core.outputs import TextChunk, Usage
 from engine.core.request import FinishReason
@@ -63,7 +63,7 @@ def test_each_message_after_the_first_waits_for_the_interval_and_the_finish_flus
     assert all(size >= interval for size in sizes[1:-1]), sizes
     assert len(sizes) <= 1 + -(-9 // interval), sizes  # never more messages than that
     tokens = [t for r in chunks for t in r.token_ids]
-    assert tokens == [token_at(3, len(PROMPT) + i) for i in range(10)]
+    assert tokens == tokens_after(PROMPT, 3, 10)
     assert "".join(r.text for r in chunks) == "".join(f"<{t}>" for t in tokens)
     assert final.finish_reason == pb.FINISH_REASON_LENGTH
     assert final.usage.completion_tokens == 10
