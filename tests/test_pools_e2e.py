@@ -7,8 +7,9 @@ both pairs; two hundred requests (mixed lengths, ~20 % cancelled at random point
 with short deadlines) run while a prefill and a decode worker are SIGKILLed (the decode
 one twice) and the pools come back; seeded streams continue when their decode worker
 is killed; a stream on the only decode worker goes on once that worker's replacement is
-live; a drained decode worker hands its running generations to its peer with their KV. Every stream ends with exactly one terminal outcome, no block stays in use, and
-greedy and seeded outputs equal the in-process engine's.
+live; a drained decode worker hands its running generations to its peer with their KV.
+Every stream ends with exactly one terminal outcome, no block stays in use, and greedy
+and seeded outputs equal the in-process engine's.
 """
 
 from __future__ import annotations
