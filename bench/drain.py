@@ -1,7 +1,8 @@
 """Drain a decode worker under load: how long it takes, and what its requests notice.
 
     python -m bench.drain --out drain.json                       # CPU, small
-    python -m bench.drain --num-requests 64 --prompt-tokens 600 --max-tokens 1024 \\
+    python -m bench.drain --num-requests 64 --prompt-tokens 600 --max-tokens 4096 \\
+        --vocab-size 128256 \\
         --serve-args "--model deploy/model_configs/llama-3.2-1b --load-format dummy"   # GPUs
 
 Starts `pdserve serve` with 1 prefill and 2 decode workers (admin on), sends
@@ -14,7 +15,11 @@ drain's start to its end plus one second (the moved requests' pause), against th
 largest gap of the same streams before the drain (their ordinary step time); from the
 service's log, each moved request's pause as the router saw it, how long the moves
 took, and how long closing the peers' channels and stopping the worker took. Every
-request must then complete. Prints one summary and writes it, with provenance, as JSON.
+request must then complete, each moved one with its KV. A drain that moved nothing
+measured nothing: the run then fails, saying how many requests had ended before the drain
+began and how fast they made tokens (raise `--max-tokens`: on GPUs a 1B makes a few
+hundred tokens a second a stream, so 1024 tokens end within the wait before the drain).
+Prints one summary and writes it, with provenance, as JSON; exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ class Stream:
         self.arrivals: list[float] = []
         self.num_tokens = 0
         self.finish = ""
+        self.ended_at: float | None = None
+
+    def tokens_between(self, start: float, end: float) -> int:
+        """Token messages that arrived within [start, end] (one token each here)."""
+        return sum(start <= t <= end for t in self.arrivals)
 
     def largest_gap(self, start: float, end: float) -> float:
         """The longest wait for a message, among waits that end within [start, end]."""
@@ -69,6 +79,7 @@ async def run_one(address: str, prompt_ids: list[int], max_tokens: int, out: Str
             out.num_tokens += len(resp.token_ids)
         if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             out.finish = pb.FinishReason.Name(resp.finish_reason)
+            out.ended_at = time.monotonic()
 
 
 _PAUSED = re.compile(r"moved from \S+ to \S+ with its KV \(\d+ tokens, ([\d.]+) ms paused")
@@ -115,11 +126,11 @@ async def measure(address: str, metrics_port: int, args: argparse.Namespace) -> 
     await wait_until_async(
         lambda: all(s.num_tokens >= 3 for s in streams), args.start_timeout_s, interval=0.05
     )
+    steady_from = time.monotonic()
+    await asyncio.sleep(args.steady_s)  # ordinary gaps, to compare with
     stats = await get_pool_stats(address)
     on_worker = {w.index: w.num_running for w in stats.workers if w.pool == pb.POOL_DECODE}
     before = scrape(metrics_port)[1]
-    steady_from = time.monotonic()
-    await asyncio.sleep(args.steady_s)  # ordinary gaps, to compare with
     start = time.monotonic()
     await scale_pool(address, "decode", 1)
     drain_s = time.monotonic() - start
@@ -135,12 +146,34 @@ async def measure(address: str, metrics_port: int, args: argparse.Namespace) -> 
         "moved_with_kv": moves(after, "drained_kv") - moves(before, "drained_kv"),
         "moved_by_recompute": moves(after, "drained") - moves(before, "drained"),
         "completed": sum(s.finish == "FINISH_REASON_LENGTH" for s in streams),
+        "ended_before_drain": sum(s.ended_at is not None and s.ended_at < start for s in streams),
+        "tokens_per_s_per_stream_before": sum(s.tokens_between(steady_from, start) for s in streams)
+        / (len(streams) * (start - steady_from)),
         "largest_gap_during_drain_ms": 1e3 * max(s.largest_gap(start, window_end) for s in streams),
         "gap_during_drain_ms": distribution(
             (s.largest_gap(start, window_end) for s in streams), scale=1e3
         ),
         "largest_gap_before_ms": 1e3 * max(s.largest_gap(steady_from, start) for s in streams),
     }
+
+
+def problems(summary: dict[str, Any], num_requests: int, max_tokens: int) -> list[str]:
+    """What makes a run a failure, each said so that the next run can avoid it."""
+    found = []
+    num_moved = summary["moved_with_kv"] + summary["moved_by_recompute"]
+    if not num_moved:
+        rate = summary["tokens_per_s_per_stream_before"]
+        found.append(
+            f"the drain moved no request, so it measured nothing: "
+            f"{summary['ended_before_drain']} of {num_requests} requests had ended before "
+            f"it began (about {rate:.0f} tokens/s a stream; raise --max-tokens above "
+            f"{max_tokens} so that they outlast the wait before the drain)"
+        )
+    if summary["completed"] != num_requests:
+        found.append(f"{num_requests - summary['completed']} of {num_requests} did not complete")
+    if summary["moved_by_recompute"]:
+        found.append(f"{summary['moved_by_recompute']:g} requests moved by recompute, not KV")
+    return found
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -178,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in summary.items() if k != "provenance"}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
-    ok = summary["completed"] == args.num_requests and not summary["moved_by_recompute"]
-    return 0 if ok else 1
+    failed = problems(summary, args.num_requests, args.max_tokens)
+    for problem in failed:
+        print(f"bench.drain: FAILED: {problem}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

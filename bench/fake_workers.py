@@ -1,15 +1,18 @@
 """In-process fakes of the worker clients and the live pools, for the router's serving
 core (its unit tests, and `bench.router_load`): a prefill worker that 'sends' KV to its
 paired decode worker, decode workers that step every running request once per poll,
-and controls to make them die, refuse or run out of room. A token depends only on
-(seed, position), as with the real sampler, so a request resumed elsewhere must produce
-the same tokens as one left alone. They report each request's phases as real workers do
+and controls to make them die, refuse or run out of room. A token is a function of the
+seed and every token before it, prompt and outputs (as a real model's is of its context,
+the sampler's randomness of the seed and position), so a request resumed elsewhere
+produces the tokens of one left alone only when it continues from exactly the right
+tokens. They report each request's phases as real workers do
 (`PhaseReport`), and remember the trace context each request came with."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,14 +40,39 @@ EPOCH = 5
 NUM_BLOCKS = 1024
 
 
-def token_at(seed: int, position: int) -> int:
-    return (seed * 7 + position * 13) % 1000 + 10
+_DIGEST_MOD = (1 << 61) - 1  # a Mersenne prime: a context's digest mixes every token
+
+
+def extend_digest(digest: int, token: int) -> int:
+    """The digest of a context one token longer."""
+    return (digest * 1_000_003 + token + 1) % _DIGEST_MOD
+
+
+def context_digest(token_ids: Sequence[int]) -> int:
+    """A digest of a whole context (prompt and outputs so far), in order."""
+    digest = 0
+    for token in token_ids:
+        digest = extend_digest(digest, token)
+    return digest
+
+
+def token_after(seed: int, digest: int) -> int:
+    """The token a fake samples after the context with this digest."""
+    return (seed * 7 + digest * 13) % 1000 + 10
+
+
+def tokens_after(context: Sequence[int], seed: int, num_tokens: int) -> list[int]:
+    """The tokens a fake samples after `context`, one after the other."""
+    digest = context_digest(context)
+    tokens = []
+    for _ in range(num_tokens):
+        tokens.append(token_after(seed, digest))
+        digest = extend_digest(digest, tokens[-1])
+    return tokens
 
 
 def expected_tokens(inp: GenerationInput) -> list[int]:
-    n = len(inp.prompt_token_ids)
-    seed = inp.sampling.seed or 0
-    return [token_at(seed, n + i) for i in range(inp.sampling.max_tokens)]
+    return tokens_after(inp.prompt_token_ids, inp.sampling.seed or 0, inp.sampling.max_tokens)
 
 
 class WordTokenizer:
@@ -62,6 +90,24 @@ class _Running:
     inp: GenerationInput
     position: int  # of the next token
     remaining: int
+    outputs: list[int]  # sampled so far (a hand-off's first token included)
+    digest: int  # of the prompt and the outputs
+
+    @classmethod
+    def start(cls, inp: GenerationInput, first_token: int | None = None) -> _Running:
+        outputs = [] if first_token is None else [first_token]
+        n = len(inp.prompt_token_ids) + len(outputs)
+        digest = context_digest(inp.prompt_token_ids + tuple(outputs))
+        return cls(inp, n, inp.sampling.max_tokens - len(outputs), outputs, digest)
+
+    def sample(self) -> int:
+        """The next token; the request moves on by one."""
+        token = token_after(self.inp.sampling.seed or 0, self.digest)
+        self.digest = extend_digest(self.digest, token)
+        self.outputs.append(token)
+        self.position += 1
+        self.remaining -= 1
+        return token
 
 
 @dataclass
@@ -121,7 +167,7 @@ class FakeWorker:
         self._check()
         if inp.req_id in self.aborted:
             return PrefillResult(None, FinishReason.ABORT, 0, 0.0)
-        first = token_at(inp.sampling.seed or 0, len(inp.prompt_token_ids))
+        first = tokens_after(inp.prompt_token_ids, inp.sampling.seed or 0, 1)[0]
         phases = PhaseReport(queue_s=0.0, compute_s=self.prefill_delay_s)
         if inp.sampling.max_tokens == 1:
             return PrefillResult(first, FinishReason.LENGTH, 0, self.prefill_delay_s, phases=phases)
@@ -153,10 +199,8 @@ class FakeWorker:
             return None
         # As on a real worker, a token sampled just before the step boundary may not
         # have reached the router yet: the detached tokens are its only record.
-        run.position += 1
-        seed, prompt = run.inp.sampling.seed or 0, run.inp.prompt_token_ids
-        outputs = tuple(token_at(seed, p) for p in range(len(prompt), run.position))
-        detached = DetachedRequest(prompt + outputs, run.position - 1)
+        run.sample()
+        detached = DetachedRequest(run.inp.prompt_token_ids + tuple(run.outputs), run.position - 1)
         self.detached[req_id] = detached
         return detached
 
@@ -229,8 +273,7 @@ class FakeWorker:
                     TokenUpdate(req_id, finish_reason=FinishReason.ERROR, error=error)
                 )
             return
-        n = len(inp.prompt_token_ids)
-        self.running[req_id] = _Running(inp, n + 1, inp.sampling.max_tokens - 1)
+        self.running[req_id] = _Running.start(inp, first_token)
         self.first_token_pending[req_id] = False
         arrival = PhaseReport(transfer_s=0.002, wire_bytes=4096, wire_s=0.001)
         self.outbox.append(TokenUpdate(req_id, kv_wire_s=0.001, kv_handoff_s=0.002, phases=arrival))
@@ -242,8 +285,7 @@ class FakeWorker:
         if inp.req_id in self.aborted:
             return
         self.first_token_pending[inp.req_id] = True
-        n = len(inp.prompt_token_ids)
-        self.running[inp.req_id] = _Running(inp, n, inp.sampling.max_tokens)
+        self.running[inp.req_id] = _Running.start(inp)
 
     async def next_tokens(self) -> TokenBatch:
         await asyncio.sleep(self.step_s)
@@ -255,9 +297,7 @@ class FakeWorker:
         for req_id, run in list(self.running.items()):
             if run.position - 1 == self.hold_after_position:
                 continue
-            token = token_at(run.inp.sampling.seed or 0, run.position)
-            run.position += 1
-            run.remaining -= 1
+            token = run.sample()
             reason = FinishReason.LENGTH if run.remaining <= 0 else None
             phases = self._first_token_phases(req_id)
             updates.append(TokenUpdate(req_id, (token,), reason, phases=phases))
@@ -273,11 +313,7 @@ class FakeWorker:
         steps = 1 if last is None else max(1, int((now - last) / self.step_s))
         updates = []
         for req_id, run in list(self.running.items()):
-            n = min(steps, run.remaining)
-            seed = run.inp.sampling.seed or 0
-            tokens = tuple(token_at(seed, run.position + i) for i in range(n))
-            run.position += n
-            run.remaining -= n
+            tokens = tuple(run.sample() for _ in range(min(steps, run.remaining)))
             reason = FinishReason.LENGTH if run.remaining <= 0 else None
             phases = self._first_token_phases(req_id)
             updates.append(TokenUpdate(req_id, tokens, reason, phases=phases))
@@ -341,32 +377,48 @@ class FakePools:
         self.on_live: list[Any] = []
         self.drain_hooks: list[Any] = []
         self.fakes: dict[str, FakeWorker] = {}
+        self.step_s, self.steps_by_clock = step_s, steps_by_clock
         self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in sizes}
         for pool, size in sizes.items():
             for index in range(size):
-                worker_id = f"{pool}-{index}"
-                fake = FakeWorker(worker_id, step_s=step_s, steps_by_clock=steps_by_clock)
-                self.fakes[worker_id] = fake
-                info = WorkerInfo(
-                    worker_id,
-                    pool,
-                    index,
-                    EPOCH,
-                    KVLayout("fake", "float32", 16, 2, 2, 8),
-                    NUM_BLOCKS,
-                    4096,
-                    2000,
-                    "fake",
-                    "cpu",
-                    0,
-                    "127.0.0.1",
-                )
-                self.workers[pool].append(WorkerRef(pool, index, None, info, client_impl=fake))
+                self.workers[pool].append(self._new_worker(pool, index, EPOCH))
         decode_ids = [w.worker_id for w in self.workers["decode"]]
         for ref in self.workers["prefill"] + self.workers["decode"]:
             if ref.pool == "prefill":
                 ref.peers.update(decode_ids)
             self.fakes[ref.worker_id].peers = {d: self.fakes[d] for d in decode_ids}
+
+    def _new_worker(self, pool: str, index: int, epoch: int) -> WorkerRef:
+        worker_id = f"{pool}-{index}"
+        fake = FakeWorker(worker_id, step_s=self.step_s, steps_by_clock=self.steps_by_clock)
+        self.fakes[worker_id] = fake
+        layout = KVLayout("fake", "float32", 16, 2, 2, 8)
+        info = WorkerInfo(
+            worker_id, pool, index, epoch, layout, NUM_BLOCKS, 4096, 2000, "fake", "cpu", 0,
+            "127.0.0.1",
+        )  # fmt: skip
+        return WorkerRef(pool, index, None, info, client_impl=fake)
+
+    def replace(self, worker_id: str) -> WorkerRef:
+        """As router.pools.Pools does for a dead worker: a new incarnation with the same id
+        and a new epoch, paired with the other pool, live, announced to the hooks."""
+        old = next(w for w in self.all() if w.worker_id == worker_id)
+        self.workers[old.pool].remove(old)
+        for callback in self.on_removed:
+            callback(old)
+        ref = self._new_worker(old.pool, old.index, old.info.epoch + 1)
+        self.workers[old.pool].append(ref)
+        if ref.pool == "decode":
+            fake = self.fakes[worker_id]
+            fake.peers = {d.worker_id: self.fakes[d.worker_id] for d in self.workers["decode"]}
+            for other in self.fakes.values():
+                if worker_id in other.peers:
+                    other.peers[worker_id] = fake
+            for prefill in self.workers["prefill"]:
+                prefill.peers.add(worker_id)
+                ref.peers.add(prefill.worker_id)
+        self.announce_live(worker_id)
+        return ref
 
     def routable(self, pool: str) -> list[WorkerRef]:
         return [w for w in self.workers[pool] if w.alive]

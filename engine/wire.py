@@ -23,6 +23,17 @@ from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 
+# A worker incarnation's epoch (62 random bits) as it is shown everywhere, logs, spans,
+# errors and `pdserve workers` alike: 16 hex digits, leading zeros kept, so one epoch
+# reads the same wherever it is grepped for.
+EPOCH_HEX_DIGITS = 16
+
+
+def epoch_hex(epoch: int) -> str:
+    """An epoch as fixed-width hex (`06ca…`, never `6ca…`)."""
+    return f"{epoch:0{EPOCH_HEX_DIGITS}x}"
+
+
 PoolName = Literal["prefill", "decode", "colocated"]
 POOLS: tuple[PoolName, ...] = ("prefill", "decode", "colocated")
 

@@ -23,7 +23,7 @@ from engine import tracing
 from engine.transfer.base import KVPoll
 from engine.transfer.handoff import HandoffHeader
 from engine.transfer.receiver import KVArrival
-from engine.wire import GenerationInput, HandoffTarget, PhaseReport, TokenUpdate
+from engine.wire import GenerationInput, HandoffTarget, PhaseReport, TokenUpdate, epoch_hex
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def record_kv_send(
     start, end = span
     attributes: dict[str, tracing.AttributeValue] = {
         "pdserve.kv.pair": f"{worker_id}->{target.worker_id}",
-        "pdserve.kv.dst_epoch": f"{target.epoch:x}",
+        "pdserve.kv.dst_epoch": epoch_hex(target.epoch),
         "pdserve.kv.streamed": header is None,
         "pdserve.kv.bytes": num_bytes,
         "pdserve.kv.outcome": outcome.name.lower(),
@@ -150,8 +150,8 @@ def record_kv_send(
 def _pair(sender: str, receiver: str, header: HandoffHeader) -> dict[str, tracing.AttributeValue]:
     return {
         "pdserve.kv.pair": f"{sender}->{receiver}",
-        "pdserve.kv.src_epoch": f"{header.src_epoch:x}",
-        "pdserve.kv.dst_epoch": f"{header.dst_epoch:x}",
+        "pdserve.kv.src_epoch": epoch_hex(header.src_epoch),
+        "pdserve.kv.dst_epoch": epoch_hex(header.dst_epoch),
         "pdserve.kv.seq_no": header.seq_no,
         "pdserve.kv.message_bytes": header.num_bytes,
         "pdserve.kv.message_entries": len(header.entries),

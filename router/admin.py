@@ -15,6 +15,7 @@ from typing import Protocol
 
 import grpc
 
+from engine.wire import epoch_hex
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.cluster import POOLS
@@ -40,7 +41,7 @@ def describe(ref: WorkerRef) -> pb.WorkerDescription:
         pool=ref.pool,
         index=ref.index,
         state=_STATES.get(ref.state, pb.WORKER_STATE_UNSPECIFIED),
-        epoch=f"{ref.info.epoch:x}",
+        epoch=epoch_hex(ref.info.epoch),
         device=ref.info.device,
         node_ip=ref.info.node_ip,
         pid=ref.info.pid,

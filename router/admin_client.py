@@ -8,7 +8,7 @@ import sys
 
 import grpc
 
-from engine.wire import POOLS
+from engine.wire import EPOCH_HEX_DIGITS, POOLS
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.client import ClientSecurity, add_security_arguments, parse_target
@@ -110,11 +110,6 @@ def add_admin_arguments(
     policy.add_argument("--slo-tpot-ms", type=number_in(0, open_low=True), metavar="MS")
 
 
-# Epochs are 62 random bits in hex: padded to 16 digits, one incarnation's epoch lines up
-# with the next one's.
-EPOCH_WIDTH = 16
-
-
 def _sort_key(w: pb.WorkerDescription) -> tuple[int, str, int]:
     rank = POOLS.index(w.pool) if w.pool in POOLS else len(POOLS)
     return (rank, w.pool, w.index)
@@ -129,7 +124,9 @@ def _table(workers: list[pb.WorkerDescription]) -> str:
             (
                 w.worker_id,
                 state,
-                w.epoch.rjust(EPOCH_WIDTH, "0"),
+                w.epoch.rjust(
+                    EPOCH_HEX_DIGITS, "0"
+                ),  # as the server formats it (older ones did not pad)
                 str(w.num_in_flight),
                 w.device,
                 w.node_ip,

@@ -52,6 +52,7 @@ class Attempt:
     """One try at running a request; its id is what the workers know it by."""
 
     inp: GenerationInput
+    request_id: str = ""  # what the client knows the request by (for the log)
     inbox: UpdateInbox = field(default_factory=UpdateInbox)
     decode_ref: WorkerRef | None = None
     prefill_ref: WorkerRef | None = None

@@ -59,14 +59,25 @@ class TokenDelivery:
         self.inbox_of = inbox_of
         self.streams = streams  # the requests in flight: len() is the open streams
         self._pollers: dict[WorkerRef, asyncio.Task[None]] = {}
+        self._stopped = False
 
     def ensure_pollers(self) -> None:
         for pool in TOKEN_POOLS:
             for ref in self.pools.workers[pool]:
-                if ref.state in ("live", "draining") and ref not in self._pollers:
-                    self._pollers[ref] = asyncio.ensure_future(self._poll(ref))
+                self.follow(ref)
+
+    def follow(self, ref: WorkerRef) -> None:
+        """Poll this worker's tokens, unless that is done already. The pools call it as a
+        worker goes live (`Pools.on_live`): a request that waited for a replacement is
+        submitted to it at once, and its tokens must not wait for other traffic to start
+        the poll."""
+        if self._stopped or ref.pool not in TOKEN_POOLS or ref in self._pollers:
+            return
+        if ref.state in ("live", "draining"):
+            self._pollers[ref] = asyncio.ensure_future(self._poll(ref))
 
     async def stop(self) -> None:
+        self._stopped = True
         tasks = list(self._pollers.values())
         for task in tasks:
             task.cancel()

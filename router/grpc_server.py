@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.heap import freeze_startup_heap
@@ -21,6 +21,7 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router import port_holds
 from router.admin import ADMIN_SERVICE, AdminServicer
+from router.health import HealthServicer
 from router.metrics import RouterMetrics
 from router.metrics_edge import MetricsInterceptor
 from router.protocol import Generator
@@ -194,7 +195,7 @@ class GrpcServer:
         # readiness probes stop routing here first (set to the probe period in k8s).
         self.drain_notice_s = drain_notice_s
         self._servicer = GenerationServicer(generator)
-        self._health = health.aio.HealthServicer()
+        self._health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._port: int | None = None
         self._stop_task: asyncio.Task[None] | None = None

@@ -323,7 +323,7 @@ class LiveMigrator:
             log.info(
                 "request %s moved from %s to %s with its KV (%d tokens, %.1f ms paused; "
                 "%d bytes for the %d requests sent together)",
-                p.move.req_id,
+                p.attempt.request_id,
                 source.worker_id,
                 target.worker_id,
                 p.move.detached.num_kv_tokens,
@@ -365,7 +365,9 @@ class LiveMigrator:
         self, attempt: Attempt, source: WorkerRef, why: str, reason: MoveReason
     ) -> _Outcome:
         """Fall back: the request continues elsewhere from its streamed tokens."""
-        log.warning("request %s leaves %s by recompute: %s", attempt.req_id, source.worker_id, why)
+        log.warning(
+            "request %s leaves %s by recompute: %s", attempt.request_id, source.worker_id, why
+        )
         attempt.inbox.put(
             WorkerLost(f"{source.worker_id} {reason}; {why}", worker=source, why=reason)
         )

@@ -47,7 +47,7 @@ from router.paths import ServingPaths
 from router.planner.signals import ServingSignals
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
-from router.protocol import GenerateCall, PoolStats, ServerInfo
+from router.protocol import GenerateCall, PoolStats, ServerInfo, server_abort
 from router.streams import tokens_per_message
 from router.tracing import NO_TRACE, RequestTrace, start_request
 from router.worker_load import WorkerLease
@@ -95,6 +95,9 @@ class DisaggregatedGenerator(ServingPaths):
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
         inbox_of, attempts = self._inbox_of, self._attempts
         self.delivery = TokenDelivery(pools, self.indexes, inbox_of, self.signals, attempts)
+        # A worker that goes live (a replacement, a scale-up) is followed at once: a
+        # request waiting for it in `_pick` is submitted there with no other traffic due.
+        pools.on_live.append(self.delivery.follow)
         migrations_counter()  # on /metrics from the start, at zero
         self.live_migration = (
             None if self.colocated_mode else LiveMigrator(pools, attempts, self.config, self._spawn)
@@ -241,7 +244,7 @@ class DisaggregatedGenerator(ServingPaths):
             async with self.admission.slot(priority=base.priority):
                 trace.admitted()
                 for number in itertools.count():
-                    attempt = self._begin(base, number, progress, trace)
+                    attempt = self._begin(base, number, progress, trace, request_id)
                     try:
                         if self.colocated_mode:
                             chunks = self._run_colocated(attempt, progress)
@@ -288,6 +291,16 @@ class DisaggregatedGenerator(ServingPaths):
                         )
                         if not run_locally:
                             await asyncio.sleep(self.config.retry_delay_s * num_failed)
+        except asyncio.CancelledError as exc:
+            abort = server_abort(exc)
+            if abort is None:
+                raise  # the client cancelled or left: nobody to tell
+            # The server ends the call (a drain past its grace): this request's one
+            # terminal message says what it had (usage, timings), and it ends everywhere.
+            finished = True
+            if attempt is not None:
+                self._end(attempt)
+            yield final_result(request_id, base, progress, FinishReason.ABORT, abort.reason, trace)
         except (QueueFullError, NotReadyError) as exc:
             finished = True  # refused at the door: nothing to abort, not a cancellation
             log.info("request %s refused: %s", request_id, exc)
@@ -311,14 +324,24 @@ class DisaggregatedGenerator(ServingPaths):
             trace.finish(None, progress.t_first, "cancelled")  # unless it finished
 
     def _begin(
-        self, base: GenerationInput, number: int, progress: Progress, trace: RequestTrace = NO_TRACE
+        self,
+        base: GenerationInput,
+        number: int,
+        progress: Progress,
+        trace: RequestTrace = NO_TRACE,
+        request_id: str = "",
     ) -> Attempt:
         # A worker that became live since the request arrived (a replacement, a scale-up)
         # may be where this attempt lands: follow it first.
         self.delivery.ensure_pollers()
         attempt_trace = trace.attempt(number, progress.num_out)
         inp = attempt_trace.bind(continuation(base, number, progress))
-        attempt = Attempt(inp, trace=attempt_trace, resumes_after=progress.num_out)
+        attempt = Attempt(
+            inp,
+            request_id or base.req_id,
+            trace=attempt_trace,
+            resumes_after=progress.num_out,
+        )
         self._attempts[attempt.req_id] = attempt
         return attempt
 

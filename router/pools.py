@@ -23,6 +23,7 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from engine.transfer.channel import ChannelSpec
+from engine.wire import epoch_hex
 from engine.worker import WorkerInfo
 from router import metrics
 from router.clients import DirectWorkerClient, RayWorkerClient, WorkerClient, WorkerDied
@@ -234,7 +235,9 @@ class Pools:
         if ref.state == "starting":
             ref.state = "live"
             self.startup_times[pool].append(time.monotonic() - asked)
-            log.info("%s live (epoch %x, %s)", ref.worker_id, ref.info.epoch, ref.info.device)
+            log.info(
+                "%s live (epoch %s, %s)", ref.worker_id, epoch_hex(ref.info.epoch), ref.info.device
+            )
             for callback in self.on_live:
                 callback(ref)
         return ref

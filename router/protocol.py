@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,6 +65,22 @@ class PoolStats:
     num_queued: int
 
 
+@dataclass(frozen=True)
+class ServerAbort:
+    """Why the server ends a call in flight (a drain past its grace): the message of the
+    CancelledError the servicer delivers to the call. A core that sees it may answer with
+    its own final ABORT message (yielded; the request's usage and timings so far);
+    otherwise the servicer writes one with what the edge knows."""
+
+    reason: str
+
+
+def server_abort(exc: BaseException) -> ServerAbort | None:
+    """The ServerAbort a cancellation carries, or None (the client cancelled or left)."""
+    reason = exc.args[0] if isinstance(exc, asyncio.CancelledError) and exc.args else None
+    return reason if isinstance(reason, ServerAbort) else None
+
+
 class Generator(Protocol):
     """What the gRPC servicer needs from the serving core."""
 
@@ -73,7 +90,8 @@ class Generator(Protocol):
         Raises (possibly on the first iteration) QueueFullError, NotReadyError
         or ValueError. The servicer closes the iterator (`aclose()`) when the
         client cancels or the deadline passes: the core must then abort the
-        request and release its blocks.
+        request and release its blocks. When the server ends the call, the
+        cancellation carries a `ServerAbort` (see there).
         """
         ...
 

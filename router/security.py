@@ -16,6 +16,8 @@ from typing import Any
 
 import grpc
 
+from router.message_limit import MessageLimitInterceptor, ceiling_bytes
+
 log = logging.getLogger(__name__)
 
 AUTH_HEADER = "authorization"
@@ -77,15 +79,17 @@ class EdgeSecurity:
         )
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """The auth interceptor when a token file is set."""
+        """The message-size limit, then the auth interceptor when a token file is set."""
+        limit = MessageLimitInterceptor(self.max_message_bytes)
         if not self.auth_token_file:
-            return []
-        return [BearerTokenInterceptor(read_tokens(self.auth_token_file))]
+            return [limit]
+        return [limit, BearerTokenInterceptor(read_tokens(self.auth_token_file))]
 
     def server_options(self) -> list[tuple[str, Any]]:
-        """grpc server options that enforce the message-size limit."""
+        """grpc server options for the message-size limit: responses at the limit; requests
+        at its ceiling (router/message_limit.py refuses those over the limit, counted)."""
         return [
-            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", ceiling_bytes(self.max_message_bytes)),
             ("grpc.max_send_message_length", self.max_message_bytes),
         ]
 

@@ -17,7 +17,15 @@ from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.errors import InvalidRequestError, NotReadyError, QueueFullError
-from router.protocol import ChatMessage, GenerateCall, Generator, PoolStats, ServerInfo
+from router.protocol import (
+    ChatMessage,
+    GenerateCall,
+    Generator,
+    PoolStats,
+    ServerAbort,
+    ServerInfo,
+    server_abort,
+)
 from router.streams import close_stream
 from router.tracing import trace_parent
 
@@ -234,6 +242,31 @@ def _failure_status(exc: Exception, what: str) -> _Status:
     return grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
 
 
+def _cancelling() -> int:
+    task = asyncio.current_task()
+    return task.cancelling() if task is not None else 0
+
+
+async def _final_from_core(
+    stream: AsyncIterator[TextChunk | FinalResult], abort: ServerAbort
+) -> FinalResult | None:
+    """The core's final ABORT message for a server abort delivered while its stream was
+    suspended between items; None when it has none to give."""
+    athrow = getattr(stream, "athrow", None)
+    if athrow is None:
+        return None
+    thrown = asyncio.CancelledError(abort)
+    try:
+        out = await athrow(thrown)
+    except asyncio.CancelledError as exc:
+        if exc is not thrown:
+            raise  # a cancellation of this call's own
+        return None
+    except (StopAsyncIteration, RuntimeError):
+        return None
+    return out if isinstance(out, FinalResult) else None
+
+
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     """Edge of the router: proto in, GenerateCall to the core, proto stream out."""
 
@@ -268,7 +301,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         """
         self._abort_reason = reason
         for task in self._handlers:
-            task.cancel()
+            task.cancel(ServerAbort(reason))
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -321,16 +354,25 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         num_sent = [0]  # completion tokens the client already has, for an ABORT's usage
         try:
             async with timeout:
-                return await self._forward(stream, call, context, num_sent)
-        except asyncio.CancelledError:
-            if self._abort_reason is None:
+                status = await self._forward(stream, call, context, num_sent)
+            if self._abort_reason is not None and _cancelling():
+                # Our own cancel reached the core, which answered it with its final message.
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return status
+        except asyncio.CancelledError as exc:
+            abort = server_abort(exc)
+            if abort is None:
                 raise  # the client cancelled or went away: nobody to tell
-            # Our own cancel (abort_in_flight): the stream still gets its final message;
-            # the `finally` below closes the core's stream as on any cancel.
+            # Our own cancel (abort_in_flight) while the core's stream was waiting for this
+            # call: the core is told as if it had been cancelled itself, and its final
+            # message (usage and timings so far) goes out; a core that does not answer gets
+            # the edge's. The `finally` below closes the core's stream as on any cancel.
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            abort = FinalResult(FinishReason.ABORT, Usage(0, num_sent[0]), error=self._abort_reason)
-            await context.write(final_response(call.request_id, abort))
-            logger.info("request %s aborted: %s", call.request_id, self._abort_reason)
+            final = await _final_from_core(stream, abort)
+            if final is None:
+                final = FinalResult(FinishReason.ABORT, Usage(0, num_sent[0]), error=abort.reason)
+                logger.info("request %s aborted: %s", call.request_id, abort.reason)
+            await context.write(final_response(call.request_id, final, call.include_trace_id))
             return None
         except TimeoutError:
             if not timeout.expired():

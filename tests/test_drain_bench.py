@@ -1,5 +1,6 @@
 """`bench.drain` reads the router's own account of a drain from the service log: each
-moved request's pause, the moves, closing the peers' channels and stopping the worker."""
+moved request's pause, the moves, closing the peers' channels and stopping the worker;
+and it fails a run whose drain moved nothing, or lost or recomputed a request."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 
 import pytest
 
-from bench.drain import drain_phases
+from bench.drain import drain_phases, problems
 
 
 def _router_lines(caplog: pytest.LogCaptureFixture) -> str:
@@ -40,3 +41,33 @@ def test_the_drains_phases_come_from_its_log(caplog: pytest.LogCaptureFixture) -
 
 def test_a_log_without_a_drain_gives_nothing() -> None:
     assert drain_phases("2026-11-27 INFO pdserve: pools warm; SERVING\n") == {}
+
+
+def _summary(**overrides: float) -> dict[str, float]:
+    summary = {
+        "moved_with_kv": 4.0,
+        "moved_by_recompute": 0.0,
+        "completed": 8,
+        "ended_before_drain": 0,
+        "tokens_per_s_per_stream_before": 310.0,
+    }
+    return {**summary, **overrides}
+
+
+def test_a_drain_that_moved_every_request_with_its_kv_passes() -> None:
+    assert problems(_summary(), num_requests=8, max_tokens=200) == []
+
+
+def test_a_drain_that_moved_nothing_fails_and_says_to_raise_the_output_tokens() -> None:
+    """Every request ended before the drain began: the run measured nothing and must
+    not report success."""
+    found = problems(_summary(moved_with_kv=0.0, ended_before_drain=8), 8, 1024)
+    assert len(found) == 1
+    assert "moved no request" in found[0]
+    assert "8 of 8 requests had ended before it began" in found[0]
+    assert "310 tokens/s" in found[0] and "--max-tokens above 1024" in found[0]
+
+
+def test_requests_lost_or_moved_by_recompute_fail_the_drain() -> None:
+    found = problems(_summary(completed=7, moved_by_recompute=1.0), 8, 200)
+    assert found == ["1 of 8 did not complete", "1 requests moved by recompute, not KV"]

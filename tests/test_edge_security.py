@@ -167,6 +167,23 @@ def test_oversized_messages_are_refused() -> None:
             async for _ in stream_generate(address, prompt=big, max_tokens=2, timeout=10):
                 pass
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max (" in (info.value.details() or "")
+        # Every service keeps the limit, whatever the shape of its calls.
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await health.Check(health_pb2.HealthCheckRequest(service="s" * 10_000))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            big = reflection_pb2.ServerReflectionRequest(file_containing_symbol="s" * 10_000)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.ServerReflectionInfo(iter([big])):
+                    pass
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # Far past the limit, gRPC refuses the message itself, the same way.
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await health.Check(health_pb2.HealthCheckRequest(service="s" * 100_000))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     with_server(EdgeSecurity(max_message_bytes=8192), body)
 

@@ -105,6 +105,46 @@ def run(loop: asyncio.AbstractEventLoop, coro: AsyncIterator[None] | object) -> 
     loop.run_until_complete(coro)  # type: ignore[arg-type]
 
 
+class SentBlocks:
+    """The KV a prefill worker gathers for its messages, as it was when gathered (whole
+    messages and streamed parts alike: every payload leaves through `gather_blocks`).
+    The worker frees a prompt's last, partial block once it is handed off, so this is
+    the only record of what that block held when it left."""
+
+    def __init__(self, worker: PrefillWorker) -> None:
+        self._runner = worker.runner
+        self._gather = worker.runner.gather_blocks
+        self._gathered: list[tuple[list[int], tuple[int, int] | None, torch.Tensor]] = []
+
+    def __enter__(self) -> SentBlocks:
+        def recording(block_ids: Any, layers: tuple[int, int] | None = None) -> torch.Tensor:
+            payload = self._gather(block_ids, layers)
+            ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
+            self._gathered.append((ids, layers, payload.clone()))
+            return payload
+
+        self._runner.gather_blocks = recording
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self._runner.gather_blocks
+
+    def blocks(self) -> torch.Tensor:
+        """Every block sent, in the order first sent, each as its last payload left it."""
+        num_layers = self._runner.kv_cache.shape[1]
+        order = list(dict.fromkeys(i for ids, _, _ in self._gathered for i in ids))
+        out = torch.zeros((len(order), *self._runner.kv_cache.shape[1:]))
+        covered = [[False] * num_layers for _ in order]
+        for ids, layers, payload in self._gathered:
+            start, stop = layers or (0, num_layers)
+            for row, block_id in enumerate(ids):
+                at = order.index(block_id)
+                out[at, start:stop] = payload[row]
+                covered[at][start:stop] = [True] * (stop - start)
+        assert all(all(layers) for layers in covered), "a block was sent without every layer"
+        return out.to(self._runner.kv_cache.dtype)
+
+
 def test_decode_blocks_are_bit_identical_to_prefill_blocks(
     loop: asyncio.AbstractEventLoop, pair: Pair
 ) -> None:
@@ -113,10 +153,20 @@ def test_decode_blocks_are_bit_identical_to_prefill_blocks(
             inp = _input(req_id, n)
             res = await pair.decode.reserve(inp)
             assert res is not None and len(res.block_ids) == -(-n // 16)
-            result = await pair.prefill.prefill(inp, res)
-            assert result.finish_reason is None, result.error
-            assert result.transfer_bytes > 0
-            updates = await pair.updates_for(req_id)
+            with SentBlocks(pair.prefill) as sent:
+                result = await pair.prefill.prefill(inp, res)
+                assert result.finish_reason is None, result.error
+                assert result.transfer_bytes > 0
+                updates = await pair.updates_for(req_id)  # the KV has left by now
+            # Every block, the last partial one included, holds what left the prefill
+            # worker: all of a full block; a partial block's prompt rows (the decode
+            # worker writes its own tokens' KV behind them).
+            src, dst = sent.blocks(), await pair.decode.read_blocks(list(res.block_ids))
+            assert src.shape == dst.shape, req_id
+            num_last = n - 16 * (len(res.block_ids) - 1)
+            assert torch.equal(src[:-1], dst[:-1]), req_id
+            assert torch.equal(src[-1, :, :, :num_last], dst[-1, :, :, :num_last]), req_id
+            assert src[-1, :, :, :num_last].abs().sum() > 0, req_id
             assert updates[0].kv_wire_s > 0  # arrival is reported once, before tokens
             assert sum(len(u.new_token_ids) for u in updates) == 3  # 4 minus prefill's first
             # Full prompt blocks stay in the prefill worker's prefix cache after the
@@ -309,11 +359,12 @@ def test_the_first_token_does_not_wait_for_its_hand_off_to_be_posted(
 
     async def body() -> None:
         prefill = pair.prefill
-        release = threading.Event()
+        entered, release = threading.Event(), threading.Event()
         held: list[bool] = []
         post = prefill.post_message
 
         def held_post(*args: Any, **kwargs: Any) -> Any:
+            entered.set()
             held.append(release.wait(timeout=10))  # engine thread, until the reply is in
             return post(*args, **kwargs)
 
@@ -322,9 +373,13 @@ def test_the_first_token_does_not_wait_for_its_hand_off_to_be_posted(
         assert res is not None
         prefill.post_message = held_post  # type: ignore[method-assign]
         try:
+            # The post waits for `release`: a reply that waited for the post never comes.
             result = await asyncio.wait_for(prefill.prefill(inp, res), timeout=5)
-            assert not held  # the reply came while the post waited
-            release.set()
+            assert not held
+            # The engine thread hands the reply over, then looks the post up: the held one
+            # must stay in place until it did, however late a loaded machine runs it.
+            took_it = await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+            assert took_it, "the step's KV message was never posted"
         finally:
             release.set()
             del prefill.post_message

@@ -6,6 +6,8 @@ where the KV cannot move they continue by recompute."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -91,6 +93,39 @@ def test_a_drain_moves_running_requests_with_their_kv_and_returns_at_once() -> N
         await gen.stop()
 
     _run(body())
+
+
+def test_the_log_names_a_moved_request_by_the_clients_request_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="pdserve.router")
+
+    async def body() -> None:
+        pools = FakePools(1, 2, step_s=0.005)
+        gen = _generator(pools)
+        pools.workers["decode"][1].state = "starting"
+        calls = [replace(_call(max_tokens=200), request_id=f"client-{n}") for n in range(2)]
+        tasks = [asyncio.ensure_future(_stream(gen, call)) for call in calls[:1]]
+        await wait_until_async(lambda: pools.fakes["decode-0"].running, 5, what="running")
+        pools.workers["decode"][1].state = "live"
+        await pools.drain("decode-0")
+        tasks.append(asyncio.ensure_future(_stream(gen, calls[1])))
+        await wait_until_async(lambda: len(pools.fakes["decode-1"].running) == 2, 5, what="2")
+        pools.fakes["decode-1"].no_channel = True  # this drain moves them by recompute
+        pools.replace("decode-0")
+        await pools.drain("decode-1")
+        await _all_complete_unchanged(tasks, 200)
+        await gen.stop()
+
+    _run(body())
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(
+        line.startswith("request client-0 moved from decode-0 to decode-1") for line in lines
+    )
+    for n in range(2):
+        assert any(
+            line.startswith(f"request client-{n} leaves decode-1 by recompute") for line in lines
+        )
 
 
 def test_a_stop_string_spanning_the_move_still_stops_the_request() -> None:

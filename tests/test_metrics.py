@@ -124,6 +124,12 @@ def test_metrics_count_what_clients_sent(tmp_path: Path) -> None:
                 with pytest.raises(grpc.aio.AioRpcError):
                     async for _ in stream_generate(server.address, security=security, **kwargs):
                         pass
+            # Over the 4 MiB message limit: refused before the handler, and still counted.
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                huge = "x" * 5_000_000
+                async for _ in stream_generate(server.address, prompt=huge, security=good):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         finally:
             await server.stop(0)
 
@@ -139,11 +145,12 @@ def test_metrics_count_what_clients_sent(tmp_path: Path) -> None:
             assert types.get(name) == "gauge", name
             assert labels[name] == names, (name, labels[name])
 
-        # 4 requests of 3 tokens in 3 chunks (prompt of 2 tokens), 2 refused calls.
+        # 4 requests of 3 tokens in 3 chunks (prompt of 2 tokens), 3 refused calls.
         assert value(samples, "pdserve_requests_total", finish_reason="length") == 4
         assert value(samples, "pdserve_requests_total", finish_reason="stop") == 0
         assert value(samples, "pdserve_request_errors_total", code="INVALID_ARGUMENT") == 1
         assert value(samples, "pdserve_request_errors_total", code="UNAUTHENTICATED") == 1
+        assert value(samples, "pdserve_request_errors_total", code="RESOURCE_EXHAUSTED") == 1
         assert value(samples, "pdserve_prompt_tokens_total") == 8
         assert value(samples, "pdserve_generation_tokens_total") == 12
         assert value(samples, "pdserve_time_to_first_token_seconds_count") == 4

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench.fake_workers import FakePools, token_at
+from bench.fake_workers import FakePools, tokens_after
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
 from engine.frontend.output_processor import OutputProcessor
@@ -26,14 +26,17 @@ from engine.sampling_params import SamplingParams
 from router import metrics
 from router.migrations import migrations_counter
 from router.protocol import GenerateCall
-from tests.test_orchestrator import PROMPT, _call, _generator, _run
+from tests.test_orchestrator import PROMPT, _call, _generator, _run, _settle
 
 SEED = 3
 
 
+_TOKENS = tokens_after(PROMPT, SEED, 256)
+
+
 def _token(k: int) -> int:
     """The k-th output token of PROMPT under SEED, as any fake worker samples it."""
-    return token_at(SEED, len(PROMPT) + k)
+    return _TOKENS[k]
 
 
 def _text(tokens: list[int]) -> str:
@@ -91,6 +94,41 @@ def test_a_worker_killed_mid_stream_continues_elsewhere_with_the_same_text(where
         assert final.usage.completion_tokens == 30
         assert _migrations(where) == before + 1
         assert all(f.holds_nothing for f in pools.fakes.values() if not f.dead)
+        await gen.stop()
+
+    _run(body())
+
+
+def test_a_request_waiting_for_a_replacement_is_woken_by_the_replacement_itself() -> None:
+    """The only decode worker dies mid-stream on a quiet service: its replacement's going
+    live resumes the stream, with no other request to start the replacement's poll."""
+
+    async def body() -> None:
+        pools = FakePools(1, 1)
+        _dies_after(pools, "decode-0", 9)
+        gen = _generator(pools)
+        streamed: list[int] = []
+
+        async def client() -> FinalResult:
+            async for item in gen.generate(_call(max_tokens=30)):
+                if isinstance(item, FinalResult):
+                    return item
+                streamed.extend(item.token_ids)
+            raise AssertionError("no final result")
+
+        task = asyncio.ensure_future(client())
+        while not pools.fakes["decode-0"].dead:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.3)  # nothing to route to: the request waits for a worker
+        assert len(streamed) == 10 and not task.done()
+        pools.replace("decode-0")
+        # The 20 tokens left take 40 ms of fake steps once the replacement is followed.
+        await asyncio.wait([task], timeout=2.0)
+        assert task.done(), f"{len(streamed)} of 30 tokens 2 s after the replacement went live"
+        final = task.result()
+        assert final.finish_reason is FinishReason.LENGTH, final.error
+        assert streamed == [_token(k) for k in range(30)]
+        await _settle(pools)
         await gen.stop()
 
     _run(body())

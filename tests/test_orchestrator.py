@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench.fake_workers import FakePools, WordTokenizer, expected_tokens, token_at
+from bench.fake_workers import FakePools, WordTokenizer, expected_tokens, tokens_after
 from bench.harness import wait_until_async
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
@@ -52,9 +52,7 @@ def _run(coro: Any) -> Any:
 
 
 def _expected(call: GenerateCall) -> list[int]:
-    return [
-        token_at(3, len(call.prompt_token_ids or ()) + i) for i in range(call.sampling.max_tokens)
-    ]
+    return tokens_after(call.prompt_token_ids or (), 3, call.sampling.max_tokens)
 
 
 async def _settle(pools: FakePools) -> None:
@@ -392,3 +390,14 @@ class _Forgetful(set[str]):
 
     def add(self, element: str) -> None:
         pass
+
+
+def test_a_fake_workers_tokens_follow_from_every_token_before_them() -> None:
+    """So a continuation built from wrong tokens cannot pass for the undisturbed text:
+    prompt plus the first k tokens gives the rest; any other context does not."""
+    tokens = tokens_after(PROMPT, 3, 20)
+    assert tokens_after(PROMPT + tuple(tokens[:8]), 3, 12) == tokens[8:]
+    wrong = [(*tokens[:7], tokens[0]), tokens[:7], (*tokens[:3], 0, *tokens[4:8])]
+    for context in wrong:
+        assert tokens_after(PROMPT + tuple(context), 3, 12) != tokens[8:]
+    assert tokens_after((*PROMPT[:-1], 0), 3, 20) != tokens  # and so does the prompt

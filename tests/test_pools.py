@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from ray.exceptions import RayActorError
 
 from bench.harness import wait_until_async
 from engine.transfer.layout import KVLayout
+from engine.wire import epoch_hex
 from engine.worker import WorkerInfo
+from router.admin import describe
 from router.cluster import ClusterConfig, SpawnedWorker
 from router.pools import Pools, WorkerRef
 
@@ -173,3 +177,32 @@ def test_a_drained_worker_that_dies_is_not_replaced() -> None:
         await pools.stop()
 
     asyncio.run(scenario())
+
+
+def test_an_epoch_reads_the_same_in_the_log_and_in_pdserve_workers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An epoch with leading zeros keeps them in the log line of a worker going live, as
+    in `pdserve workers`: grepping one finds the other."""
+    caplog.set_level(logging.INFO, logger="pdserve.pools")
+
+    async def scenario() -> list[WorkerRef]:
+        pools = Pools(FakeCluster(prefill=1, decode=1))  # type: ignore[arg-type]
+        await pools.start()
+        refs = pools.all()
+        await pools.stop()
+        return refs
+
+    refs = asyncio.run(scenario())
+    lines = [r.getMessage() for r in caplog.records]
+    for ref in refs:
+        shown = describe(ref).epoch
+        assert len(shown) == 16 and int(shown, 16) == ref.info.epoch
+        assert shown.startswith("0")  # the fake's epochs are small: leading zeros
+        assert f"{ref.worker_id} live (epoch {shown}," in " ".join(lines)
+
+
+def test_an_epoch_is_sixteen_hex_digits_with_its_leading_zeros() -> None:
+    assert epoch_hex(0x6CA6) == "0000000000006ca6"
+    assert epoch_hex(0x06CA_0000_0000_0001) == "06ca000000000001"
+    assert epoch_hex((1 << 62) - 1) == "3fffffffffffffff"

@@ -6,9 +6,10 @@ Scaling up to 2P2D and back down happens while requests stream; a burst spreads 
 both pairs; two hundred requests (mixed lengths, ~20 % cancelled at random points, some
 with short deadlines) run while a prefill and a decode worker are SIGKILLed (the decode
 one twice) and the pools come back; seeded streams continue when their decode worker
-is killed; a drained decode worker hands its running generations to its peer with their
-KV. Every stream ends with exactly one terminal outcome, no block stays in use, and
-greedy and seeded outputs equal the in-process engine's.
+is killed; a stream on the only decode worker goes on once that worker's replacement is
+live; a drained decode worker hands its running generations to its peer with their KV.
+Every stream ends with exactly one terminal outcome, no block stays in use, and greedy
+and seeded outputs equal the in-process engine's.
 """
 
 from __future__ import annotations
@@ -237,6 +238,53 @@ def test_seeded_streams_on_a_killed_decode_worker_end_with_the_undisturbed_text(
         assert result.text == ref.text[: ref.text.index(stop)]
         assert result.final is not None
         assert result.final.usage.completion_tokens == len(result.tokens)
+
+
+@pytest.mark.slow  # a decode worker's replacement, about 20 s: `make test-slow`
+def test_a_stream_on_the_only_decode_worker_resumes_when_its_replacement_is_live(
+    service: ServiceProcess,
+) -> None:
+    """SIGKILL the only decode worker mid-stream on an otherwise quiet service: the stream
+    waits for the replacement and goes on as soon as it is live, no other request needed."""
+
+    async def scenario() -> tuple[StreamResult, float, list[tuple[float, int]]]:
+        await _pools_at(service.address, 1, 1)
+        arrivals: list[tuple[float, int]] = []
+        stream = asyncio.ensure_future(
+            generate(
+                service.address,
+                prompt=PROMPTS[6],
+                max_tokens=120,
+                temperature=0.0,
+                ignore_eos=True,
+                on_tokens=lambda n: arrivals.append((time.monotonic(), n)),
+            )
+        )
+        await wait_until_async(lambda: len(arrivals) >= 5, 60, what="the stream under way")
+        victim = (await list_workers(service.address)).workers
+        decode = next(w for w in victim if w.pool == "decode")
+        os.kill(decode.pid, signal.SIGKILL)
+
+        async def replaced() -> bool:
+            listing = await list_workers(service.address)
+            return any(
+                w.worker_id == decode.worker_id
+                and w.epoch != decode.epoch
+                and w.state == admin_pb.WORKER_STATE_LIVE
+                for w in listing.workers
+            )
+
+        await wait_until_async(replaced, 120, interval=0.1, what="the replacement live")
+        live_at = time.monotonic()
+        result = await asyncio.wait_for(stream, 60)
+        await assert_pools_empty(service.address)
+        return result, live_at, arrivals
+
+    result, live_at, arrivals = asyncio.run(scenario())
+    assert result.outcome == "final:FINISH_REASON_LENGTH", (result.outcome, result.details)
+    assert len(result.tokens) == 120
+    resumed_at = next(t for t, _ in arrivals if t >= live_at - 0.1)
+    assert resumed_at - live_at < 2.0, f"tokens resumed {resumed_at - live_at:.1f} s after"
 
 
 @pytest.mark.slow

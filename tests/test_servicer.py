@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bench.harness import wait_until_async
@@ -209,6 +209,32 @@ def test_health_follows_warmup_and_drain() -> None:
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
         await asyncio.wait_for(stop, timeout=2.0)
         assert core.num_completed == 1
+
+    run_with_server(FakeCore(), body, serving=False)
+
+
+def test_health_list_answers_every_service_as_check_does() -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def statuses(channel: grpc.aio.Channel) -> dict[str, int]:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.List(health_pb2.HealthListRequest(), timeout=5)
+        return {service: response.status for service, response in reply.statuses.items()}
+
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        assert await statuses(channel) == {"": not_serving, GENERATION_SERVICE: not_serving}
+        await server.set_serving()
+        assert await statuses(channel) == {"": serving, GENERATION_SERVICE: serving}
+        server.drain_notice_s = 1.0  # the port answers while the drain gives notice
+        stop = asyncio.create_task(server.stop(grace=0))
+        draining = {"": not_serving, GENERATION_SERVICE: not_serving}
+
+        async def drained() -> bool:
+            return await statuses(channel) == draining
+
+        await wait_until_async(drained, 2.0, what="List answers NOT_SERVING for every service")
+        await stop
 
     run_with_server(FakeCore(), body, serving=False)
 

@@ -245,7 +245,10 @@ def test_a_kv_arrival_reports_its_share_of_the_busy_channel(spans: InMemorySpanE
     assert _parent_id(receive) == transfer.context.span_id
     attributes = transfer.attributes or {}
     assert attributes["pdserve.kv.pair"] == "prefill-0->decode-0"
-    assert (attributes["pdserve.kv.src_epoch"], attributes["pdserve.kv.dst_epoch"]) == ("a", "d")
+    assert (attributes["pdserve.kv.src_epoch"], attributes["pdserve.kv.dst_epoch"]) == (
+        "000000000000000a",
+        "000000000000000d",
+    )
     assert attributes["pdserve.kv.message_entries"] == 2
     assert ((transfer.end_time or 0) - (transfer.start_time or 0)) / 1e9 >= 0.045
 

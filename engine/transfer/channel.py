@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from engine.transfer.base import ChannelClosed, FutureHandle, KVPoll
 from engine.transfer.handoff import HandoffHeader, HeaderKind
+from engine.wire import epoch_hex
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ class ChannelSpec:
     @property
     def prefix(self) -> str:
         return (
-            f"kv/{self.prefill_id}.{self.prefill_epoch:x}/{self.decode_id}.{self.decode_epoch:x}/"
+            f"kv/{self.prefill_id}.{epoch_hex(self.prefill_epoch)}/"
+            f"{self.decode_id}.{epoch_hex(self.decode_epoch)}/"
         )
 
 

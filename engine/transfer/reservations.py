@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any
 
 from engine.transfer.handoff import HandoffEntry, Reservation
-from engine.wire import GenerationInput
+from engine.wire import GenerationInput, epoch_hex
 
 
 @dataclass
@@ -131,7 +131,8 @@ class ReservationBook:
         with self._lock:
             if dst_epoch != self.epoch:
                 return None, (
-                    f"addressed to epoch {dst_epoch:x}, this worker is epoch {self.epoch:x}"
+                    f"addressed to epoch {epoch_hex(dst_epoch)}, "
+                    f"this worker is epoch {epoch_hex(self.epoch)}"
                 )
             held = self._held.get(entry.req_id)
             if held is None or held.inp is None:  # a pre-copy waits for its adoption
