@@ -261,7 +261,8 @@ class DecodeWorker(KVExporter, WorkerBase):
         thread.start()
 
     def _receive(self, channel: KVChannel) -> None:
-        ChannelReceiver(channel, self.book, self).run()
+        target, mirror = self.import_target(channel)
+        ChannelReceiver(channel, self.book, target, mirror=mirror).run()
         # The sender is gone: reservations waiting for its KV will never be filled.
         self._loop.call_soon_threadsafe(self._fail_waiting_on, channel.peer_id)
 

@@ -158,6 +158,9 @@ class PrefillWorker(WorkerBase):
             if message.num_tokens < self.stream_min_tokens:
                 continue  # sent whole after the pass
             channel = self.channels.get(message.target.worker_id)
+            spec = getattr(channel, "spec", None)
+            if spec is not None and spec.splits_heads:
+                continue  # tensor-parallel parts move after the pass (engine.transfer.tp_parts)
             if channel is not None and not channel.closed:  # else: fails after the step
                 messages.append((message, channel))
         if not messages:

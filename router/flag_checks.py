@@ -124,20 +124,13 @@ def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
 
 
 def check_tensor_parallel(ns: argparse.Namespace) -> None:
-    """Each pool's TP size must split the model's heads; pools that hand KV off run one
-    GPU per worker (the hand-off between tensor-parallel groups is not built)."""
+    """Each pool's TP size must split the model's heads."""
     from router.engine_flags import tensor_parallel_size
 
     pools = ("colocated",) if ns.colocated_workers else ("prefill", "decode")
     sizes = {pool: tensor_parallel_size(ns, pool) for pool in pools}
     if all(size == 1 for size in sizes.values()):
         return
-    if not ns.colocated_workers:
-        raise ValueError(
-            "tensor parallelism (" + ", ".join(f"{p} {s}" for p, s in sizes.items()) + ") "
-            "runs in colocated workers only: the KV hand-off between tensor-parallel "
-            "groups is not built yet; use --colocated-workers N --tensor-parallel-size M"
-        )
     folder = Path(ns.model) if ns.model else _embedded_folder()
     config = _config_json(folder) if folder is not None else None
     if config is None:

@@ -252,6 +252,9 @@ class Pools:
             prefill_epoch=sender.info.epoch,
             decode_id=receiver.worker_id,
             decode_epoch=receiver.info.epoch,
+            sender_tp=sender.info.tensor_parallel_size,
+            receiver_tp=receiver.info.tensor_parallel_size,
+            num_kv_heads=sender.info.layout.num_kv_heads,
         )
 
     async def _pair_with_peers(self, ref: WorkerRef) -> None:

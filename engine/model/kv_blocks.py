@@ -41,13 +41,21 @@ class KVBlocks:
             raise ValueError(f"block ids {bad} outside [0, {self.num_blocks})")
         return to_device(list(block_ids), torch.long, self.device)
 
+    def _view(self, layers: tuple[int, int] | None, heads: tuple[int, int] | None) -> torch.Tensor:
+        cache = self.kv_cache if layers is None else self.kv_cache[:, layers[0] : layers[1]]
+        return cache if heads is None else cache[..., heads[0] : heads[1], :]
+
     def gather_blocks(
-        self, block_ids: Sequence[int] | torch.Tensor, layers: tuple[int, int] | None = None
+        self,
+        block_ids: Sequence[int] | torch.Tensor,
+        layers: tuple[int, int] | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """A contiguous copy of these blocks' KV, [len(block_ids), *kv_cache.shape[1:]],
-        or of layers [start, stop) of them; `block_ids` may be a `block_index`."""
+        or of layers [start, stop) and KV heads [start, stop) of them (this rank's head
+        numbering); `block_ids` may be a `block_index`."""
         # Block-major layout: one index_select, ready to send as one message.
-        cache = self.kv_cache if layers is None else self.kv_cache[:, layers[0] : layers[1]]
+        cache = self._view(layers, heads)
         if not isinstance(block_ids, torch.Tensor):
             block_ids = self.block_index(block_ids)
         return cache.index_select(0, block_ids)
@@ -58,13 +66,14 @@ class KVBlocks:
         data: torch.Tensor,
         layers: tuple[int, int] | None = None,
         after: Sequence[torch.cuda.Event] | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         """Write `data` (as from `gather_blocks`) into these blocks of the cache (or into
         layers [start, stop) of them), on the caller's stream, once the events `after`
         are done: the steps launched before the blocks were handed out (such a step may
         still be writing blocks the host had freed). None: after every step launched so
-        far."""
-        cache = self.kv_cache if layers is None else self.kv_cache[:, layers[0] : layers[1]]
+        far. `heads`: only KV heads [start, stop) of them (a tensor-parallel part)."""
+        cache = self._view(layers, heads)
         expected = (len(block_ids), *cache.shape[1:])
         if tuple(data.shape) != expected:
             raise ValueError(f"KV data of shape {tuple(data.shape)}, expected {expected}")

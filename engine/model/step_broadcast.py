@@ -50,13 +50,22 @@ class StepPublisher:
             for conn in self._conns:
                 conn.send_bytes(data)
 
-    def watch(self, on_lost: Callable[[int], None]) -> None:
-        """Call `on_lost(rank)` (from a thread of its own) when a rank's socket closes:
-        the rank died, and with it the worker."""
+    @property
+    def num_followers(self) -> int:
+        return self._num_followers
+
+    def watch(
+        self,
+        on_lost: Callable[[int], None],
+        on_message: Callable[[int, tuple[Any, ...]], None] | None = None,
+    ) -> None:
+        """Call `on_message(rank, message)` for each message a rank sends back, and
+        `on_lost(rank)` when its socket closes (the rank died, and with it the worker);
+        both from a thread of the rank's own."""
         for rank, conn in enumerate(self._conns, start=1):
             threading.Thread(
-                target=_wait_for_close,
-                args=(conn, rank, on_lost),
+                target=_listen,
+                args=(conn, rank, on_lost, on_message),
                 daemon=True,
                 name=f"tp-watch-{rank}",
             ).start()
@@ -68,10 +77,17 @@ class StepPublisher:
             self._conns.clear()
 
 
-def _wait_for_close(conn: Connection, rank: int, on_lost: Callable[[int], None]) -> None:
+def _listen(
+    conn: Connection,
+    rank: int,
+    on_lost: Callable[[int], None],
+    on_message: Callable[[int, tuple[Any, ...]], None] | None,
+) -> None:
     try:
         while True:
-            conn.recv_bytes()  # followers never send; this returns only with EOF
+            message = pickle.loads(conn.recv_bytes())
+            if on_message is not None:
+                on_message(rank, message)
     except (EOFError, OSError):
         on_lost(rank)
 

@@ -79,6 +79,14 @@ class ChannelSpec:
     decode_id: str
     decode_epoch: int
     timeout_s: float = 60.0
+    # Tensor parallelism: each side's group size and the model's KV heads (the hand-off
+    # plan, engine.core.tp_heads.handoff_plan), and which rank pair this channel joins
+    # (0, 0: the workers' own channel, headers included; others carry one part each).
+    sender_tp: int = 1
+    receiver_tp: int = 1
+    num_kv_heads: int = 1
+    src_rank: int = 0
+    dst_rank: int = 0
 
     @property
     def sender_id(self) -> str:
@@ -93,7 +101,14 @@ class ChannelSpec:
         return (
             f"kv/{self.prefill_id}.{epoch_hex(self.prefill_epoch)}/"
             f"{self.decode_id}.{epoch_hex(self.decode_epoch)}/"
+            + (f"r{self.src_rank}-{self.dst_rank}/" if self.src_rank or self.dst_rank else "")
         )
+
+    @property
+    def splits_heads(self) -> bool:
+        """True when either side is a tensor-parallel group: KV moves in parts, one per
+        rank pair of the plan."""
+        return self.sender_tp > 1 or self.receiver_tp > 1
 
 
 class KVChannel:

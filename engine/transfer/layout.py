@@ -15,8 +15,8 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    # Ranks each worker's KV heads are split over; the hand-off moves one rank's cache
-    # to one rank's, so both sides must split the same way.
+    # Ranks the worker's KV heads are split over. Not compared: workers of different
+    # sizes hand KV off in parts (engine.transfer.tp_parts).
     tensor_parallel_size: int = 1
 
     def mismatch(self, other: KVLayout) -> str | None:
@@ -28,7 +28,6 @@ class KVLayout:
             "num_layers",
             "num_kv_heads",
             "head_dim",
-            "tensor_parallel_size",
         ):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:

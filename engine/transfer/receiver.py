@@ -128,6 +128,16 @@ class ImportTarget(Protocol):
         ...
 
 
+class ImportMirror(Protocol):
+    """The other ranks of a tensor-parallel receiver (engine.transfer.tp_parts)."""
+
+    def started(
+        self, peer_id: str, seq_no: int, block_ids: list[int], row_ids: list[int]
+    ) -> None: ...
+
+    def settled(self, peer_id: str, seq_no: int) -> None: ...
+
+
 def _part_of(buffer: Any, layers: tuple[int, int]) -> Any:
     """The front of a staging buffer ([blocks, widest part's layers, ...]) shaped for the
     part `layers`: contiguous, as a receive wants it."""
@@ -148,8 +158,12 @@ class ChannelReceiver:
         target: ImportTarget,
         reservation_grace_s: float = RESERVATION_GRACE_S,
         trailer_timeout_s: float = TRAILER_TIMEOUT_S,
+        mirror: ImportMirror | None = None,
     ) -> None:
         self.channel = channel
+        # Tensor-parallel groups: the other parts of each message, landed by this verdict
+        # (engine.transfer.tp_parts); None when the whole message comes on this channel.
+        self.mirror = mirror
         self.book = book
         self.target = target
         self.reservation_grace_s = reservation_grace_s
@@ -197,6 +211,8 @@ class ChannelReceiver:
             if header.kind is not HeaderKind.PRECOPY:  # no request waits on a pre-copy
                 for entry in header.entries:
                     self._refuse(entry, "byte count does not match the layout")
+            if self.mirror is not None:  # the other parts land nowhere
+                self.mirror.started(self.channel.peer_id, header.seq_no, [], [])
             return False
         if header.kind is HeaderKind.PRECOPY:
             return self._receive_precopy(header)
@@ -218,6 +234,8 @@ class ChannelReceiver:
             row += entry.num_blocks
         posted = time.perf_counter()
         parts = header.parts(self.target.num_layers)
+        if self.mirror is not None:
+            self.mirror.started(self.channel.peer_id, header.seq_no, block_ids, row_ids)
         try:
             # Drained even when refused (the channel stays in step); scattered into the
             # reserved blocks right behind each receive when accepted. Every part is
@@ -230,12 +248,14 @@ class ChannelReceiver:
                 self._receive_part(part, layers, block_ids, row_ids, after, wait=False)
             first_tokens, posted_at_us = self._first_tokens(header)
             self.channel.settle()
+            self._settle_parts(header)
         except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
             failed = [entry.req_id for entry, held, _ in claims if held is not None]
             for req_id in failed:
                 self.book.fail(req_id)
                 self.target.fail(req_id, f"KV hand-off broke off: {exc}")
             self._drain_broken()
+            self._settle_parts(header)
             for req_id in failed:
                 self.target.release(req_id)
             return False
@@ -306,15 +326,19 @@ class ChannelReceiver:
                 else:
                     self.target.release(entry.req_id)
             row += entry.num_blocks
+        if self.mirror is not None:
+            self.mirror.started(self.channel.peer_id, header.seq_no, block_ids, row_ids)
         try:
             layers = (0, self.target.num_layers)
             buffer = self.target.staging(header.num_blocks, layers)
             self._receive_part(buffer, layers, block_ids, row_ids, after)
+            self._settle_parts(header)
         except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
             log.warning("pre-copy from %s broke off: %s", self.channel.peer_id, exc)
             for req_id in held:
                 self.book.fail(req_id)
             self._drain_broken()
+            self._settle_parts(header)
             for req_id in held:
                 self.target.release(req_id)
             return False
@@ -322,6 +346,12 @@ class ChannelReceiver:
             if not self.book.precopy_landed(req_id):  # aborted while landing
                 self.target.release(req_id)
         return True
+
+    def _settle_parts(self, header: HandoffHeader) -> None:
+        """Wait until every other part of the message has landed or failed: only then
+        may its blocks be admitted or given back."""
+        if self.mirror is not None:
+            self.mirror.settled(self.channel.peer_id, header.seq_no)
 
     def _drain_broken(self) -> None:
         """After a message broke off: close the channel (which ends the receives still
