@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from bench.harness import ServiceProcess, running_service
+from bench.harness import running_service
 from bench.harness.pools import assert_pools_empty
 from engine.factory import EngineArgs
 from engine.llm import LLM
@@ -74,34 +73,50 @@ def _peaked_1b(root: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def tp2_service(tmp_path: Path) -> Iterator[tuple[ServiceProcess, Path]]:
-    model = _peaked_1b(tmp_path)
-    args = [
-        "--colocated-workers", "1", "--tensor-parallel-size", "2",
-        "--model", str(model), "--dtype", "float32",
-        "--decode-kv-cache-gib", "2", "--drain-grace-s", "10",
-    ]  # fmt: skip
-    with running_service(args, tmp_path / "service.log", timeout=300) as svc:
-        yield svc, model
+@pytest.fixture(scope="module")
+def peaked_1b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _peaked_1b(tmp_path_factory.mktemp("peaked"))
 
 
-@needs_gpus(2)
-def test_a_worker_on_two_gpus_streams_the_tokens_of_one(
-    tp2_service: tuple[ServiceProcess, Path],
+LAYOUTS = {
+    # One worker on two GPUs.
+    "colocated_tp2": (2, ["--colocated-workers", "1", "--tensor-parallel-size", "2"]),
+    # Prefill on two GPUs hands each rank's heads to the decode rank that holds them.
+    "1p1d_tp2_tp2": (4, ["--tensor-parallel-size", "2", "--local-prefill-max-tokens", "0"]),
+    # Two prefill ranks hand their heads to one decode GPU.
+    "1p1d_tp2_tp1": (
+        3,
+        ["--prefill-tensor-parallel-size", "2", "--local-prefill-max-tokens", "0"],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_tensor_parallel_workers_stream_the_tokens_of_one_gpu(
+    layout: str, peaked_1b: Path, tmp_path: Path
 ) -> None:
     from pdserve.v1 import generation_pb2 as pb
 
-    service, model = tp2_service
-    assert "1 colocated workers on GPUs" in service.log_tail(20000)
-    engine = LLM(EngineArgs(model=str(model), load_format="dummy", dtype="float32", kv_cache_gib=2))
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    prompts = [
-        [(7 * i + 13 * j) % 128000 + 1 for j in range(n)] for i, n in enumerate((5, 40, 300))
-    ]
-    for prompt in prompts:
-        expected = list(engine.generate([prompt], params)[0].token_ids)
-        tokens, final = asyncio.run(_served(service.address, prompt, 16))
-        assert tokens == expected, len(prompt)
-        assert final.finish_reason == pb.FINISH_REASON_LENGTH
-    asyncio.run(assert_pools_empty(service.address, timeout=15, pools={pb.POOL_COLOCATED}))
+    num_gpus, flags = LAYOUTS[layout]
+    if torch.cuda.device_count() < num_gpus:
+        pytest.skip(f"needs {num_gpus} CUDA devices")
+    colocated = layout.startswith("colocated")
+    args = [
+        *flags, "--model", str(peaked_1b), "--dtype", "float32",
+        "--decode-kv-cache-gib", "2", "--drain-grace-s", "10",
+        *([] if colocated else ["--prefill-kv-cache-gib", "2"]),
+    ]  # fmt: skip
+    with running_service(args, tmp_path / "service.log", timeout=300) as service:
+        assert "workers on GPUs" in service.log_tail(20000)
+        engine = LLM(EngineArgs(model=str(peaked_1b), dtype="float32", kv_cache_gib=2))
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        prompts = [
+            [(7 * i + 13 * j) % 128000 + 1 for j in range(n)] for i, n in enumerate((5, 40, 300))
+        ]
+        for prompt in prompts:
+            expected = list(engine.generate([prompt], params)[0].token_ids)
+            tokens, final = asyncio.run(_served(service.address, prompt, 16))
+            assert tokens == expected, len(prompt)
+            assert final.finish_reason == pb.FINISH_REASON_LENGTH
+        pools = {pb.POOL_COLOCATED} if colocated else {pb.POOL_PREFILL, pb.POOL_DECODE}
+        asyncio.run(assert_pools_empty(service.address, timeout=15, pools=pools))
