@@ -117,7 +117,12 @@ class SentBlocks:
         self._gathered: list[tuple[list[int], tuple[int, int] | None, torch.Tensor]] = []
 
     def __enter__(self) -> SentBlocks:
-        def recording(block_ids: Any, layers: tuple[int, int] | None = None) -> torch.Tensor:
+        def recording(
+            block_ids: Any,
+            layers: tuple[int, int] | None = None,
+            heads: tuple[int, int] | None = None,
+        ) -> torch.Tensor:
+            assert heads is None, "one-process workers send every head"
             payload = self._gather(block_ids, layers)
             ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
             self._gathered.append((ids, layers, payload.clone()))
