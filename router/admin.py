@@ -20,6 +20,7 @@ from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.cluster import POOLS
 from router.live_migration import LiveMigrator
 from router.planner.loop import PlannerLoop
+from router.pool_sizes import pool_size_problem
 from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
 
@@ -31,7 +32,6 @@ _STATES = {
     "live": pb.WORKER_STATE_LIVE,
     "draining": pb.WORKER_STATE_DRAINING,
 }
-MAX_POOL_SIZE = 1024
 
 
 def describe(ref: WorkerRef) -> pb.WorkerDescription:
@@ -149,11 +149,9 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
                 "the planner sizes the pools (--planner): it would undo this at its next "
                 "decision; restart without --planner to size them by hand",
             )
-        if not 1 <= request.size <= MAX_POOL_SIZE:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"size must be between 1 and {MAX_POOL_SIZE}, got {request.size}",
-            )
+        size_problem = pool_size_problem(request.size)
+        if size_problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, size_problem)
         log.info("scaling %s to %d", request.pool, request.size)
         try:
             await pools.scale(request.pool, request.size)

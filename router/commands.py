@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.factory import EngineArgs
+from engine.args import EngineArgs
 from engine.sampling_params import SamplingParams
 from router import port_holds
 from router.config import keep_ray_on_loopback
@@ -172,11 +172,6 @@ def offline_engine_args(ns: argparse.Namespace) -> EngineArgs:
     args = engine_args(ns)
     if args.model is not None:
         args.resolve_model_path()
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device}: no CUDA device is visible")
     return args
 
 
