@@ -11,18 +11,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
+from engine.wire import POOLS
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
-from router.cluster import POOLS
-from router.live_migration import LiveMigrator
-from router.planner.loop import PlannerLoop
 from router.pool_sizes import pool_size_problem
-from router.pools import Pools, WorkerRef
 from router.prefill_policy import PrefillPolicyConfig
+
+if TYPE_CHECKING:  # the server answers (NOT_SERVING) before Ray and torch are imported
+    from router.live_migration import LiveMigrator
+    from router.planner.loop import PlannerLoop
+    from router.pools import Pools, WorkerRef
 
 log = logging.getLogger("pdserve.admin")
 

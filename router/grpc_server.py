@@ -201,6 +201,7 @@ class GrpcServer:
         self._stop_now = asyncio.Event()
         self._serving = False
         self._stop_now_reason: str | None = None
+        self._signalled = False
 
     @property
     def port(self) -> int:
@@ -351,8 +352,14 @@ class GrpcServer:
         self._stop_now.set()
         self.request_stop()
 
+    @property
+    def stopped_by_signal(self) -> bool:
+        """A SIGTERM or SIGINT asked this server to stop."""
+        return self._signalled
+
     def _on_signal(self) -> None:
         # The first SIGTERM/SIGINT drains; another one means "stop now", as users expect.
+        self._signalled = True
         if self._stop_task is None:
             self.request_stop()
         else:
