@@ -30,7 +30,7 @@ from prefill_worker.worker import PrefillWorker
 from router.clients import DirectWorkerClient, WorkerClient
 from router.cluster_config import ClusterConfig
 from router.daemon_calls import call_in_daemon_thread
-from router.local_ray import LocalRay
+from router.local_ray import STOP_RAY_S, LocalRay
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,8 @@ class Cluster:
         if ray.is_initialized() and not self.abandoned:
             ray.shutdown()
         if self._local_ray is not None:
-            self._local_ray.stop()
+            # One already going down is not waited for: the service is leaving.
+            self._local_ray.stop(0.0 if self.abandoned else STOP_RAY_S)
             self._local_ray = None
 
 

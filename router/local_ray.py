@@ -8,8 +8,9 @@ kernel delivers it. So the router starts Ray from a small process of its own ses
 service's group reaches the router alone, which drains and then stops Ray itself.
 
 The launcher writes Ray's GCS address on its stdout and keeps Ray up until its stdin
-closes. The router closes it to stop Ray, and a router that dies in any way (SIGKILL
-included) closes it too, so Ray never outlives the service. A stop that signals every
+closes: a router that dies in any way (SIGKILL included) closes it, so Ray never
+outlives the service. The router itself, once its workers are stopped, ends Ray with
+SIGTERM to its whole session. A stop that signals every
 process anyway (systemd's control-group stop) still takes Ray down with the router:
 `router.local_watch` notices that.
 """
@@ -23,15 +24,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from router.daemon_calls import call_in_daemon_thread
 
 log = logging.getLogger(__name__)
 
-# Ray stops in about a second when asked; past this its processes are killed outright
-# (the service is going away, and nothing of a local Ray is kept).
-STOP_RAY_S = 3.0
+# Ray's processes exit within a second or so of SIGTERM; past this they are killed
+# outright (the service is going away, and nothing of a local Ray is kept).
+STOP_RAY_S = 2.0
 _PROC = Path("/proc")
 
 
@@ -84,24 +86,33 @@ class LocalRay:
         return session_processes(self.session_id)
 
     def stop(self, timeout_s: float = STOP_RAY_S) -> None:
-        """Stop Ray: ask the launcher (it stops Ray when its stdin closes), then kill what
-        is left of its session after `timeout_s`. Idempotent."""
+        """Stop Ray: SIGTERM to every process of its session (GCS, raylet, agents and
+        workers exit within a second or so), then SIGKILL to what is left after
+        `timeout_s` (0: at once, for a Ray already going down). Idempotent. The service
+        stops its workers first and keeps nothing of a local Ray, so Ray's own orderly
+        teardown (seconds) buys nothing here."""
         if self._process.stdin is not None and not self._process.stdin.closed:
             with contextlib.suppress(OSError):
                 self._process.stdin.close()
-        try:
-            self._process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("the local Ray did not stop within %.0f s; killing it", timeout_s)
-        # Ray's processes share the launcher's process group unless one made its own.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.session_id, signal.SIGKILL)
-        for pid in session_processes(self.session_id):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while session_processes(self.session_id) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if session_processes(self.session_id):
+            if timeout_s > 0:
+                log.warning("the local Ray did not stop within %.0f s; killing it", timeout_s)
+            self._signal_all(signal.SIGKILL)
         self._process.wait()
         if self._process.stdout is not None:
             self._process.stdout.close()
+
+    def _signal_all(self, signum: int) -> None:
+        # Ray's processes share the launcher's process group unless one made its own.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.session_id, signum)
+        for pid in session_processes(self.session_id):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -144,9 +155,10 @@ def _serve_ray(num_cpus: int) -> int:
         _node_ip_address="127.0.0.1",
         log_to_driver=False,  # the workers' lines go to the router, their job's driver
     )
-    # Stop on SIGTERM the way stdin's end stops it (ray.shutdown); set after ray.init,
-    # which sets a handler of its own.
-    signal.signal(signal.SIGTERM, lambda *_: os.close(0))
+    # SIGTERM ends the launcher at once (set after ray.init, which sets a handler of its
+    # own): Ray's processes get it too from whoever sent it, and the kernel kills any
+    # left when their parent dies (Ray starts them so).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.stdout.write(ray.get_runtime_context().gcs_address + "\n")
     sys.stdout.flush()
     with contextlib.suppress(OSError):
