@@ -38,6 +38,15 @@ def _parent(pid: int) -> int | None:
     return int(stat.rpartition(")")[2].split()[1])
 
 
+def process_alive(pid: int) -> bool:
+    """True while process `pid` exists and has not exited (a zombie has)."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 def process_tree(root: int) -> set[int]:
     """`root` and every process descended from it, living now."""
     children: dict[int, list[int]] = {}

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from bench.harness.polling import wait_until_async
-from bench.harness.sockets import process_tree
+from bench.harness.sockets import process_alive, process_tree
 from bench.harness.streams import StreamResult, generate
 
 STOP_MODES = ("group", "every-ray-first", "every-router-first", "every-shuffled")
@@ -103,16 +103,10 @@ async def stop_with_streams(
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     deadline = time.monotonic() + 5
-    while (survivors := [pid for pid in service if _alive(pid)]) and time.monotonic() < deadline:
+    survivors = [pid for pid in service if process_alive(pid)]
+    while survivors and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
+        survivors = [pid for pid in survivors if process_alive(pid)]
     return StopResult(
         mode, streams, [s.done_at - start for s in streams], code, exit_after_s, survivors
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
