@@ -73,6 +73,16 @@ def verdict(result: StopResult, final_within_s: float, exit_within_s: float) -> 
         wrong.append(f"exited {result.exit_after_s:.2f} s after the signal")
     if result.survivors:
         wrong.append(f"processes left: {result.survivors}")
+    if result.mode == "group":
+        stalled = [
+            i
+            for i, (stream, before) in enumerate(
+                zip(result.streams, result.tokens_at_signal, strict=True)
+            )
+            if len(stream.tokens) <= before
+        ]
+        if stalled:
+            wrong.append(f"streams {stalled} got no token during the drain's grace")
     return wrong
 
 

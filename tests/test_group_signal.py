@@ -77,9 +77,11 @@ def test_sigterm_to_the_process_group_drains_and_exits_0_within_seconds(
     # which Ray is stopped by the service, not by the signal.
     result, log = _stop(tmp_path, "group", drain_grace_s=0.5)
     _assert_fast_clean_stop(result, log)
-    for stream in result.streams:
+    for stream, before in zip(result.streams, result.tokens_at_signal, strict=True):
         assert stream.outcome == "final:FINISH_REASON_ABORT", stream.outcome
         assert stream.final is not None and "drain grace" in stream.final.error
+        # The workers kept decoding through the grace: the signal did not reach them.
+        assert len(stream.tokens) > before, (before, len(stream.tokens), log[-3000:])
     assert "went down with the service" not in log  # Ray was not hit by the signal
 
 

@@ -37,6 +37,7 @@ class StopResult:
     exit_code: int | None  # None: still running at the deadline (then killed)
     exit_after_s: float  # from the signal to the process's exit
     survivors: list[int]  # the service's processes still alive 5 s after its exit
+    tokens_at_signal: list[int]  # per stream: tokens received when the signal left
 
     @property
     def worst_final_s(self) -> float:
@@ -89,6 +90,7 @@ async def stop_with_streams(
     ]
     await wait_until_async(lambda: min(seen) >= 2, 120, what="every stream under way")
     service = process_tree(proc.pid)
+    tokens_at_signal = list(seen)
     start = time.monotonic()
     send_stop(mode, proc.pid, rng)
     streams = list(await asyncio.gather(*calls))
@@ -108,5 +110,11 @@ async def stop_with_streams(
         await asyncio.sleep(0.1)
         survivors = [pid for pid in survivors if process_alive(pid)]
     return StopResult(
-        mode, streams, [s.done_at - start for s in streams], code, exit_after_s, survivors
+        mode,
+        streams,
+        [s.done_at - start for s in streams],
+        code,
+        exit_after_s,
+        survivors,
+        tokens_at_signal,
     )
