@@ -131,8 +131,6 @@ def serve(config: ServeConfig) -> int:
         status = 1
     finally:
         port_holds.release_all()
-        for cluster in clusters:
-            cluster.shutdown_ray()
     if any(cluster.abandoned for cluster in clusters):
         # Ray's driver threads would still wait for the dead GCS and abort the process
         # at the end of their reconnect timeout: leave now, with the work done.

@@ -442,6 +442,13 @@ async def serve(
             with contextlib.suppress(asyncio.CancelledError):
                 await warm_task
         await server.stop(0)
+        # A stop signal from now on (a service manager signalling every process, one by
+        # one) finds the process already stopping: noted, not fatal, until the loop
+        # closes, so the stop's last steps (the workers, Ray) are not cut short.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+            loop.add_signal_handler(sig, _already_stopping, sig)
+
+
+def _already_stopping(sig: signal.Signals) -> None:
+    logger.info("%s: already stopping", sig.name)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve")
 # Workers stop in well under a second when asked; a shutdown that takes longer is one
-# whose Ray went down with the process group's signal.
+# whose Ray stopped answering.
 STOP_WORKERS_S = 3.0
 
 
@@ -120,9 +120,10 @@ async def run_service(
     """Serve until SIGTERM/SIGINT, then drain in-flight requests and stop the workers.
 
     The gRPC server listens first; Ray (started or joined) and the pools come up behind
-    it. The Ray cluster is handed to `on_cluster` as soon as it exists: the caller leaves
-    it with `cluster.shutdown_ray()` once this returns, on the main thread (Ray's driver
-    aborts at exit when torn down from a worker thread), whether this returned or raised.
+    it, and are stopped before this returns. Run it on the main thread: Ray's driver
+    aborts at exit when torn down from another one. The Ray cluster is handed to
+    `on_cluster` as soon as it exists; when it ends `abandoned`, the caller must exit
+    without Ray's teardown at exit (`os._exit`).
     """
     front = WarmingGenerator()
     loop = asyncio.get_running_loop()
@@ -260,6 +261,8 @@ async def run_service(
             workers_stopped = await pools.stop(timeout_s=STOP_WORKERS_S)
             if not workers_stopped:
                 cluster.abandon_ray()  # Ray did not answer: leave without its teardown
+        if cluster is not None:
+            cluster.shutdown_ray()  # blocks the loop (bounded): nothing else runs now
         tracing.shutdown()  # send the spans still buffered
         log.info("stopped")
     if rt.ray_lost is not None and not any(server.stopped_by_signal for server in servers):
