@@ -20,6 +20,7 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.harness.polling import wait_until_async
@@ -76,6 +77,10 @@ async def stop_with_streams(
     """Start `num_streams` long streams, send the stop once each has tokens, and wait for
     the streams and the process: what each saw and when."""
     seen = [0] * num_streams
+
+    def counter(i: int) -> Callable[[int], None]:
+        return lambda n: seen.__setitem__(i, n)
+
     calls = [
         asyncio.ensure_future(
             generate(
@@ -83,7 +88,7 @@ async def stop_with_streams(
                 prompt=f"Count slowly, number {i}:",
                 max_tokens=4000,
                 ignore_eos=True,
-                on_tokens=lambda n, i=i: seen.__setitem__(i, n),
+                on_tokens=counter(i),
             )
         )
         for i in range(num_streams)
