@@ -5,9 +5,10 @@ service's process group reaches the router alone. A stop that signals every proc
 the service anyway (systemd's default control-group stop, a container runtime's) also
 reaches Ray's GCS, raylet and workers, in whatever order; from then on every call to a
 worker hangs, and streams in flight would wait out the whole drain grace for tokens that
-never come. While the router drains, it therefore watches Ray's own processes (the
+never come. From Ray's start the router therefore watches Ray's own processes (the
 launcher and its children): when one of them exits, Ray is going down, and the drain
-ends at once, each stream with its final ABORT, and nothing more is asked of Ray.
+ends at once (or starts, if the router's own signal is still on its way), each stream
+with its final ABORT, and nothing more is asked of Ray.
 """
 
 from __future__ import annotations
