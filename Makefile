@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: setup model run test test-slow soak style lint protos clean
+.PHONY: setup model run test test-slow soak soak-stop style lint protos clean
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,12 @@ test-slow: model
 # decode pool grows and shrinks (bench/soak.py); not part of `make test`.
 soak: model
 	$(PY) -m bench.soak --out $(or $(OUT),soak.json) $(ARGS)
+
+# Twenty stops of a CPU service with streams in flight, by SIGTERM to its process group
+# or to every process (bench/stop_soak.py): each stream's final message within 1 s,
+# exit 0 within 5 s, nothing left running.
+soak-stop: model
+	$(PY) -m bench.stop_soak --out $(or $(OUT),stop_soak.json) $(ARGS)
 
 protos:
 	scripts/gen_protos.sh

@@ -3,118 +3,29 @@
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import torch
 
-from engine.core.config import CacheConfig, SchedulerConfig
+from engine.args import (  # noqa: F401 - re-exported: what an engine is built from
+    DEFAULT_KV_STREAM_MIN_TOKENS,
+    DEFAULT_PROMPT_GRAPH_MAX_TOKENS,
+    KV_STREAM_MIN_BYTES,
+    EngineArgs,
+    kv_stream_min_tokens,
+)
+from engine.core.config import CacheConfig
 from engine.core.engine_core import EngineCore
 from engine.core.role import EngineRole
-from engine.core.spec_config import SpeculativeConfig
 from engine.model.model_spec import ModelSpec
 from engine.model.tensor_parallel import SINGLE, TPRank
 from engine.transfer.layout import KVLayout
 
-if TYPE_CHECKING:
-    from engine.model.model_loader import LoadFormat
-
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
-
-
-# From this much KV on (2048 tokens of the 8B shape), streaming it during the pass pays:
-# the hand-off after the first token shrinks 3-4x and the first inter-token gap by about
-# a fifth, for ~3 % on the pass. Smaller hand-offs come from passes bound by the host
-# launching kernels (shorter prompts, smaller models), where posting the parts costs more
-# than the transfer it hides (docs/benchmarks.md, "Layer-wise KV streaming").
-# `kv_stream_min_tokens="auto"` turns it into a token count for the model being served,
-# compared with a message's (one pass's prompts to one decode worker), not a prompt's.
-KV_STREAM_MIN_BYTES = 256 << 20
-DEFAULT_KV_STREAM_MIN_TOKENS: int | Literal["auto"] = "auto"
-
-# The longest prompt chunk that runs alone from a CUDA graph (engine.model.prompt_graphs).
-# Past it a pass is bound by the GPU's arithmetic on the models served here (8B: ~40 ms
-# of matmuls against a few ms of launches), and such a prompt of an 8B streams its KV
-# layer by layer, which runs eagerly anyway.
-DEFAULT_PROMPT_GRAPH_MAX_TOKENS = 2048
-
-
-def kv_stream_min_tokens(setting: int | Literal["auto"], kv_bytes_per_token: float) -> int:
-    """The fewest prompt tokens a hand-off message (one pass's prompts to one receiver)
-    carries to stream: `setting` itself, or for "auto" the count whose KV reaches
-    KV_STREAM_MIN_BYTES (2048 tokens at 8B, 8192 at 1B)."""
-    if setting != "auto":
-        return setting
-    return max(1, math.ceil(KV_STREAM_MIN_BYTES / kv_bytes_per_token))
-
-
-@dataclass(frozen=True)
-class EngineArgs:
-    """Everything needed to build one engine; shared by the offline API and both pools."""
-
-    model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
-    dtype: str | None = None  # None = float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto = cuda if this process sees a GPU
-    load_format: LoadFormat = "auto"  # "dummy" = random weights from config.json
-    block_size: int = 16
-    num_blocks: int | None = None  # None = sized from kv_cache_gib / gpu_memory_utilization
-    kv_cache_gib: float | None = None
-    gpu_memory_utilization: float = 0.85
-    enforce_eager: bool = False  # True: no CUDA graphs (CUDA only)
-    # CUDA: a step that runs one prompt chunk of up to this many tokens, alone, replays
-    # a graph captured at start-up (0 = such steps run eagerly).
-    prompt_graph_max_tokens: int = DEFAULT_PROMPT_GRAPH_MAX_TOKENS
-    compile_model: bool = True  # CUDA: torch.compile the decoder at start-up (model.compiled)
-    # Schedule step N+1 while the device runs step N (engine.core.engine_core).
-    # None: on CUDA, except prefill engines (on a CPU the step runs on the host: nothing
-    # to hide).
-    async_scheduling: bool | None = None
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # Prefill workers: hand-offs of prompts this long stream their KV layer by layer
-    # during the forward pass (engine.transfer.streaming); shorter ones go in one message.
-    kv_stream_min_tokens: int | Literal["auto"] = DEFAULT_KV_STREAM_MIN_TOKENS
-    # Speculative decoding (decode and colocated engines; a prefill engine ignores it).
-    speculative: SpeculativeConfig | None = None
-    # GPUs (processes) one worker's model is split over (engine.model.tensor_parallel).
-    tensor_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.prompt_graph_max_tokens < 0:
-            raise ValueError(
-                f"prompt_graph_max_tokens must be >= 0, got {self.prompt_graph_max_tokens}"
-            )
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        stream_from = self.kv_stream_min_tokens
-        if stream_from != "auto" and not (isinstance(stream_from, int) and stream_from >= 0):
-            raise ValueError(f"kv_stream_min_tokens must be 'auto' or >= 0, got {stream_from!r}")
-
-    def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def resolve_model_path(self) -> Path:
-        if self.model is not None:
-            path = Path(self.model)
-            if not (path / "config.json").is_file():
-                raise ValueError(f"--model {self.model}: no config.json in that folder")
-            return path
-        from engine.model.embedded import ensure_embedded_model
-
-        return ensure_embedded_model()
 
 
 @dataclass

@@ -11,18 +11,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from engine.wire import epoch_hex
+from engine.wire import POOLS, epoch_hex
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
-from router.cluster import POOLS
-from router.live_migration import LiveMigrator
-from router.planner.loop import PlannerLoop
-from router.pools import Pools, WorkerRef
+from router.pool_sizes import pool_size_problem
 from router.prefill_policy import PrefillPolicyConfig
+
+if TYPE_CHECKING:  # the server answers (NOT_SERVING) before Ray and torch are imported
+    from router.live_migration import LiveMigrator
+    from router.planner.loop import PlannerLoop
+    from router.pools import Pools, WorkerRef
 
 log = logging.getLogger("pdserve.admin")
 
@@ -32,7 +34,6 @@ _STATES = {
     "live": pb.WORKER_STATE_LIVE,
     "draining": pb.WORKER_STATE_DRAINING,
 }
-MAX_POOL_SIZE = 1024
 
 
 def describe(ref: WorkerRef) -> pb.WorkerDescription:
@@ -150,11 +151,9 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
                 "the planner sizes the pools (--planner): it would undo this at its next "
                 "decision; restart without --planner to size them by hand",
             )
-        if not 1 <= request.size <= MAX_POOL_SIZE:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"size must be between 1 and {MAX_POOL_SIZE}, got {request.size}",
-            )
+        size_problem = pool_size_problem(request.size)
+        if size_problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, size_problem)
         log.info("scaling %s to %d", request.pool, request.size)
         try:
             await pools.scale(request.pool, request.size)

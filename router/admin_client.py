@@ -12,7 +12,7 @@ from engine.wire import EPOCH_HEX_DIGITS, POOLS
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.client import ClientSecurity, add_security_arguments, parse_target
-from router.flag_types import at_least, number_in
+from router.flag_types import at_least, number_in, pool_size
 
 # Scaling waits for new workers to load their model, or old ones to drain.
 SCALE_TIMEOUT_S = 900.0
@@ -91,7 +91,7 @@ def add_admin_arguments(
         )
         add_security_arguments(parser)
     for pool in POOLS:
-        scale.add_argument(f"--{pool}", type=at_least(0), metavar="N", help=f"{pool} pool size")
+        scale.add_argument(f"--{pool}", type=pool_size, metavar="N", help=f"{pool} pool size")
     scale.add_argument("--drain", metavar="WORKER_ID", help="drain one worker (e.g. decode-1)")
     scale.add_argument(
         "--migrate",

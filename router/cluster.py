@@ -12,10 +12,11 @@ import dataclasses
 import logging
 import os
 import secrets
+import socket
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -25,13 +26,14 @@ from torch.distributed import TCPStore
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine.calls import TOKEN_BYTES, CallSpec
-from engine.factory import EngineArgs
 from engine.tp_follower import TPFollower
-from engine.tracing import TracingConfig
-from engine.wire import POOLS, TPGroupSpec
+from engine.wire import POOLS, TPGroupSpec  # noqa: F401 - the pools, named once
 from engine.worker import WorkerInfo
 from prefill_worker.worker import PrefillWorker
 from router.clients import DirectWorkerClient, WorkerClient
+from router.cluster_config import ClusterConfig
+from router.daemon_calls import call_in_daemon_thread
+from router.local_ray import STOP_RAY_S, LocalRay
 
 log = logging.getLogger(__name__)
 
@@ -40,68 +42,6 @@ _CLASSES: dict[str, type] = {
     "decode": DecodeWorker,
     "colocated": ColocatedWorker,
 }
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    num_prefill_workers: int = 1
-    num_decode_workers: int = 1
-    # > 0: replicas that run both phases (take decode_args); no prefill/decode pools.
-    num_colocated_workers: int = 0
-    prefill_args: EngineArgs = field(default_factory=EngineArgs)
-    decode_args: EngineArgs = field(default_factory=EngineArgs)
-    ray_address: str | None = None  # None = start a local Ray instance
-    use_gpus: bool | None = None  # None = use GPUs when Ray reports any
-    startup_timeout_s: float = 600.0  # model loading on a slow disk can take minutes
-    placement_timeout_s: float = 60.0  # resources that are not there will not appear
-    # CPU workers: torch threads each (0 = share this machine's cores evenly).
-    cpu_threads_per_worker: int = 0
-    # Extra Ray resources each worker of a pool requires, e.g. {"prefill": {"prefill_node": 1}}:
-    # with node types that offer them, each pool lands on its own kind of node.
-    pool_resources: dict[str, dict[str, float]] = field(default_factory=dict)
-    kv_store_port: int = 0  # the KV channels' rendezvous on the router's host (0 = any free)
-    restart_workers: bool = True  # replace a worker that dies
-    # The most workers the pools may grow to (the planner's budget); 0: the initial sizes.
-    max_workers: int = 0
-    tracing: TracingConfig = field(default_factory=TracingConfig)  # workers' spans (off)
-    # How the router calls a started worker: its own TCP connection, or Ray actor calls.
-    worker_calls: Literal["direct", "ray"] = "direct"
-
-    def __post_init__(self) -> None:
-        if self.num_colocated_workers < 0:
-            raise ValueError("num_colocated_workers must be >= 0")
-        if self.num_colocated_workers == 0 and (
-            self.num_prefill_workers < 1 or self.num_decode_workers < 1
-        ):
-            raise ValueError("need at least one prefill and one decode worker")
-        for pool, resources in self.pool_resources.items():
-            if pool not in POOLS:
-                raise ValueError(f"pool_resources: unknown pool {pool!r}")
-            if any(amount < 0 for amount in resources.values()):
-                raise ValueError(f"pool_resources[{pool!r}]: amounts must be >= 0")
-        if self.worker_calls not in ("direct", "ray"):
-            raise ValueError("worker_calls must be 'direct' or 'ray'")
-
-    @property
-    def initial_sizes(self) -> dict[str, int]:
-        if self.num_colocated_workers:
-            return {"prefill": 0, "decode": 0, "colocated": self.num_colocated_workers}
-        return {
-            "prefill": self.num_prefill_workers,
-            "decode": self.num_decode_workers,
-            "colocated": 0,
-        }
-
-    @property
-    def initial_gpus(self) -> int:
-        """GPUs the initial pools take: each worker holds its tensor-parallel size."""
-        return sum(
-            size * self.args_for(pool).tensor_parallel_size
-            for pool, size in self.initial_sizes.items()
-        )
-
-    def args_for(self, pool: str) -> EngineArgs:
-        return self.prefill_args if pool == "prefill" else self.decode_args
 
 
 class StartupError(RuntimeError):
@@ -125,46 +65,58 @@ class Cluster:
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        self._started_ray = False
         self.abandoned = False  # see abandon_ray()
         self._store: TCPStore | None = None
+        self._local_ray: LocalRay | None = None
         self.store_host = "127.0.0.1"
         self._use_gpus: bool | None = config.use_gpus
         # What the workers' call connections authenticate the router by (engine/calls.py).
         self._call_token = secrets.token_bytes(TOKEN_BYTES)
 
-    def init_ray(self) -> None:
-        """Start or join Ray; call from the main thread (so is shutdown_ray)."""
+    async def start_ray(self) -> None:
+        """Join the cluster at `ray_address`, or start a local Ray instance in a session
+        of its own (router/local_ray.py) and join that. The driver connects on a thread,
+        so the event loop (the gRPC server, answering NOT_SERVING) keeps running; stop
+        with `shutdown_ray()` on the main thread."""
         if ray.is_initialized():
             return
         if self.config.ray_address:
-            ray.init(address=self.config.ray_address, log_to_driver=True)
+            address = self.config.ray_address
+            await call_in_daemon_thread(lambda: _join_ray(address), "ray-join")
             self.store_host = ray.util.get_node_ip_address()
-        else:
-            workers = max(sum(self.config.initial_sizes.values()), self.config.max_workers)
-            # Every worker needs a CPU slot even on a 2-core machine; Ray's CPU count
-            # is a scheduling token, the torch thread count is set per worker. Room is
-            # left for scaling up and for replacements.
-            ray.init(
-                address="local",
-                num_cpus=max(os.cpu_count() or 1, 2 * workers + 4),
-                include_dashboard=False,
-                # With router.config.keep_ray_on_loopback() (the CLI calls it) Ray keeps
-                # this; otherwise Ray swaps loopback for the host's address.
-                _node_ip_address="127.0.0.1",
-            )
-            self._started_ray = True
+            return
+        workers = max(sum(self.config.initial_sizes.values()), self.config.max_workers)
+        # Every worker needs a CPU slot even on a 2-core machine; Ray's CPU count is a
+        # scheduling token, the torch thread count is set per worker. Room is left for
+        # scaling up and for replacements.
+        self._local_ray = await LocalRay.start(max(os.cpu_count() or 1, 2 * workers + 4))
+        gcs_address = self._local_ray.gcs_address
+        try:
+            await call_in_daemon_thread(lambda: _join_ray(gcs_address), "ray-join")
+        except BaseException:
+            # A join still under way would wait for the GCS stopped here: leave Ray be.
+            self.abandon_ray()
+            raise
 
     def start_store(self) -> None:
-        """Host the rendezvous store the KV channels meet at."""
+        """Host the rendezvous store the KV channels meet at, listening on this node's
+        Ray address only (loopback for a local Ray), not on every interface."""
         if self._store is None:
+            # torch's TCPStore binds every interface when it opens the port itself.
+            listener = socket.create_server(
+                (self.store_host, self.config.kv_store_port),
+                family=socket.AF_INET6 if ":" in self.store_host else socket.AF_INET,
+                backlog=128,
+            )
             self._store = TCPStore(
                 self.store_host,
-                self.config.kv_store_port,
+                listener.getsockname()[1],
                 is_master=True,
                 wait_for_workers=False,
                 timeout=timedelta(seconds=60),
+                master_listen_fd=listener.fileno(),
             )
+            listener.detach()  # the store owns the socket now, and closes it
 
     @property
     def store_port(self) -> int:
@@ -202,6 +154,11 @@ class Cluster:
         # The OpenTelemetry SDK's own settings (batching, exporter headers, TLS) reach
         # the workers' exporters as they reach the router's.
         env |= {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
+        if self._local_ray is not None:
+            # A one-machine service's pair channels stay on loopback: gloo's sockets on
+            # CPUs, NCCL's bootstrap on GPUs (unless the environment says otherwise).
+            for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                env[name] = os.environ.get(name, "lo")
 
         def actor_options(bundle_index: int) -> dict[str, Any]:
             return dict(
@@ -264,22 +221,38 @@ class Cluster:
                 log.debug("remove placement group: %s", exc)
 
     @property
-    def started_local_ray(self) -> bool:
-        return self._started_ray
+    def local_ray(self) -> LocalRay | None:
+        """The local Ray instance this cluster started, or None (a cluster joined)."""
+        return self._local_ray
 
     def abandon_ray(self) -> None:
-        """The local Ray instance died with this process group's signal: make no more Ray
-        calls (each would wait out the GCS reconnect timeout, 60 s, then abort the
-        process); `abandoned` tells the caller to exit without Ray's teardown."""
-        self._started_ray = False
+        """The local Ray instance is going down with the service: make no more Ray calls
+        (each would wait out the GCS reconnect timeout, 60 s, then abort the process);
+        `abandoned` tells the caller to exit without the driver's teardown."""
         self.abandoned = True
 
     def shutdown_ray(self) -> None:
-        """Stop the local Ray instance if this cluster started it."""
+        """Leave Ray, and stop the local instance if this cluster started it; bounded
+        (router/local_ray.py). Call from the main thread."""
         self._store = None
-        if self._started_ray:
+        if ray.is_initialized() and not self.abandoned:
             ray.shutdown()
-            self._started_ray = False
+        if self._local_ray is not None:
+            # One already going down is not waited for: the service is leaving.
+            self._local_ray.stop(0.0 if self.abandoned else STOP_RAY_S)
+            self._local_ray = None
+
+
+def _join_ray(address: str) -> None:
+    # On a thread Ray sets no SIGTERM handler of its own (and says so): the service's
+    # handler, which drains, is the one wanted.
+    logging.getLogger("ray._private.worker").addFilter(_NoSignalHandlerNote())
+    ray.init(address=address, log_to_driver=True)
+
+
+class _NoSignalHandlerNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def new_tp_group(size: int) -> TPGroupSpec | None:

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.factory import EngineArgs
+from engine.args import EngineArgs
 from engine.sampling_params import SamplingParams
 from router import port_holds
 from router.config import keep_ray_on_loopback
@@ -27,6 +27,7 @@ from router.planner.flags import planner_config
 if TYPE_CHECKING:
     from pdserve.v1 import generation_pb2
     from router.client import ClientSecurity
+    from router.cluster import Cluster
     from router.service import ServeConfig
 
 log = logging.getLogger("pdserve")
@@ -70,7 +71,7 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
         prepare_local_ray()  # before Ray is imported below
     quiet_worker_output()
     from engine.tracing import TracingConfig
-    from router.cluster import ClusterConfig
+    from router.cluster_config import ClusterConfig
     from router.service import ServeConfig
 
     return ServeConfig(
@@ -103,11 +104,10 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
 
 
 def serve(config: ServeConfig) -> int:
-    """Start Ray and the service, serve until stopped; returns the exit status."""
+    """Listen, start Ray and the service, serve until stopped; returns the exit status."""
     import asyncio
 
-    from router.cluster import Cluster
-    from router.service import run_service
+    from router.service import RayLostError, run_service
 
     # The service's ports are bound now and kept through Ray's start, whose processes
     # would otherwise be free to take them (router/port_holds.py).
@@ -118,25 +118,27 @@ def serve(config: ServeConfig) -> int:
             print(f"pdserve: startup failed: {problem}", file=sys.stderr)
             return 1
     ray_address = config.cluster.ray_address
-    cluster = Cluster(config.cluster)
+    clusters: list[Cluster] = []  # the one run_service starts Ray in, once it exists
+    status = 0
     try:
-        cluster.init_ray()
-        asyncio.run(run_service(config, cluster))
+        asyncio.run(run_service(config, on_cluster=clusters.append))
+    except RayLostError as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
+        status = 1
     except Exception as exc:  # noqa: BLE001 - one line for the user; the traceback at DEBUG
         log.debug("startup failed", exc_info=exc)
         print(f"pdserve: startup failed: {one_line(exc, ray_address)}", file=sys.stderr)
-        return 1
+        status = 1
     finally:
         port_holds.release_all()
-        cluster.shutdown_ray()
-    if cluster.abandoned:
+    if any(cluster.abandoned for cluster in clusters):
         # Ray's driver threads would still wait for the dead GCS and abort the process
         # at the end of their reconnect timeout: leave now, with the work done.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(status)
+    return status
 
 
 def one_line(exc: BaseException, ray_address: str | None = None) -> str:
@@ -172,11 +174,6 @@ def offline_engine_args(ns: argparse.Namespace) -> EngineArgs:
     args = engine_args(ns)
     if args.model is not None:
         args.resolve_model_path()
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device}: no CUDA device is visible")
     return args
 
 

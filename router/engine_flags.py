@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from engine.args import DEFAULT_PROMPT_GRAPH_MAX_TOKENS, EngineArgs
 from engine.core.config import SchedulerConfig
-from engine.factory import DEFAULT_PROMPT_GRAPH_MAX_TOKENS, EngineArgs
 from router.flag_types import at_least, device, number_in, speculative_config
 
 

@@ -84,6 +84,21 @@ def check_speculative_config(ns: argparse.Namespace) -> None:
         )
 
 
+def check_device_visible(device: str) -> None:
+    """--device cuda[:N] needs a CUDA device this torch can use; checked last, as it
+    imports torch (about a second), still before anything starts."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if torch.version.cuda is None:
+        raise ValueError(
+            f"--device {device}: this torch ({torch.__version__}) is built without CUDA"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is visible")
+
+
 def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
     """Refuse values and combinations that cannot all apply; raises ValueError."""
     if ns.colocated_workers:
@@ -121,6 +136,8 @@ def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
     check_model_folder(ns.model)
     check_speculative_config(ns)
     check_tensor_parallel(ns)
+    if not ns.ray_address:  # a cluster's GPUs are on its nodes, not necessarily here
+        check_device_visible(ns.device)
 
 
 def check_tensor_parallel(ns: argparse.Namespace) -> None:
@@ -210,6 +227,7 @@ def check_generate_flags(ns: argparse.Namespace, given: set[str]) -> None:
         )
     check_model_folder(ns.model)
     check_speculative_config(ns)
+    check_device_visible(ns.device)
 
 
 def check_scale_flags(ns: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from engine.core.spec_config import SpeculativeConfig
+from router.pool_sizes import pool_size_problem
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -62,6 +63,15 @@ def at_least(minimum: int) -> Callable[[str], int]:
         return number
 
     return parse
+
+
+def pool_size(value: str) -> int:
+    """argparse type of `pdserve scale --POOL N`: a size AdminService accepts."""
+    size = at_least(0)(value)
+    problem = pool_size_problem(size)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return size
 
 
 def auto_or_at_least(minimum: int) -> Callable[[str], int | str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.factory import DEFAULT_KV_STREAM_MIN_TOKENS
+from engine.args import DEFAULT_KV_STREAM_MIN_TOKENS
 from engine.wire import POOLS
 from router.config import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterConfig
 from router.engine_flags import add_engine_args, add_model_args, add_parallel_args

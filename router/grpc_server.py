@@ -202,6 +202,7 @@ class GrpcServer:
         self._stop_now = asyncio.Event()
         self._serving = False
         self._stop_now_reason: str | None = None
+        self._signalled = False
 
     @property
     def port(self) -> int:
@@ -352,8 +353,14 @@ class GrpcServer:
         self._stop_now.set()
         self.request_stop()
 
+    @property
+    def stopped_by_signal(self) -> bool:
+        """A SIGTERM or SIGINT asked this server to stop."""
+        return self._signalled
+
     def _on_signal(self) -> None:
         # The first SIGTERM/SIGINT drains; another one means "stop now", as users expect.
+        self._signalled = True
         if self._stop_task is None:
             self.request_stop()
         else:
@@ -436,6 +443,13 @@ async def serve(
             with contextlib.suppress(asyncio.CancelledError):
                 await warm_task
         await server.stop(0)
+        # A stop signal from now on (a service manager signalling every process, one by
+        # one) finds the process already stopping: noted, not fatal, until the loop
+        # closes, so the stop's last steps (the workers, Ray) are not cut short.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+            loop.add_signal_handler(sig, _already_stopping, sig)
+
+
+def _already_stopping(sig: signal.Signals) -> None:
+    logger.info("%s: already stopping", sig.name)

@@ -1,23 +1,23 @@
-"""Shutdown: notice the local Ray going down with the process group, without asking Ray.
+"""Shutdown: notice the local Ray going down with the service, without asking Ray.
 
-A SIGTERM sent to the service's whole process group (`kill -- -PGID`, a control-group
-stop) reaches the processes of the local Ray this router started (its GCS, raylet,
-dashboard, ...: children of the router, in its group). From then on every call to a
-worker hangs, so streams in flight would wait out the whole drain grace for tokens that
-never come. While the router drains, it therefore watches its own child processes: when
-one of them exits, the signal went to the group and Ray is going down, and the drain
-ends at once, each stream with its final ABORT. A SIGTERM to the router alone leaves
-them running, and in-flight requests get the grace to finish.
+The local Ray runs in a session of its own (`router.local_ray`), so a signal to the
+service's process group reaches the router alone. A stop that signals every process of
+the service anyway (systemd's default control-group stop, a container runtime's) also
+reaches Ray's GCS, raylet and workers, in whatever order; from then on every call to a
+worker hangs, and streams in flight would wait out the whole drain grace for tokens that
+never come. From Ray's start the router therefore watches Ray's own processes (the
+launcher and its children): when one of them exits, Ray is going down, and the drain
+ends at once (or starts, if the router's own signal is still on its way), each stream
+with its final ABORT, and nothing more is asked of Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from pathlib import Path
 
-WATCH_PERIOD_S = 0.2
+WATCH_PERIOD_S = 0.1
 _PROC = Path("/proc")
 
 
@@ -36,45 +36,37 @@ def process_alive(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
-def live_children(parent: int) -> dict[int, str]:
-    """pid → command line (NUL-separated) of `parent`'s running children (Linux; else
-    none)."""
-    children: dict[int, str] = {}
+def _name(pid: int) -> str:
+    try:
+        return (_PROC / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def ray_daemons(launcher: int) -> dict[int, str]:
+    """pid → command name of the local Ray's launcher and its running children (GCS,
+    raylet, log monitor, ...); not the workers, which come and go on their own."""
+    found = {launcher: _name(launcher)} if process_alive(launcher) else {}
     if not _PROC.is_dir():
-        return children
+        return found
     for entry in _PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        fields = _stat_fields(int(entry.name))
-        if fields is not None and fields[0] != "Z" and fields[1] == str(parent):
-            try:
-                children[int(entry.name)] = (
-                    (entry / "cmdline").read_bytes().decode(errors="replace")
-                )
-            except OSError:
-                continue
-    return children
-
-
-def ray_children(parent: int) -> dict[int, str]:
-    """pid → program of `parent`'s running children that belong to Ray (GCS, raylet,
-    dashboard, log monitor: programs from Ray's package)."""
-    found = {}
-    for pid, cmdline in live_children(parent).items():
-        args = cmdline.split("\0")
-        program = next((a for a in args if f"{os.sep}ray{os.sep}" in a), None)
-        if program is not None:
-            found[pid] = Path(program).name
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields is not None and fields[0] != "Z" and fields[1] == str(launcher):
+                found[int(entry.name)] = _name(int(entry.name))
     return found
 
 
-async def watch_children(on_exit: Callable[[str], None], period_s: float = WATCH_PERIOD_S) -> None:
-    """Call `on_exit(why)` once one of Ray's processes that were this process's children
-    when the watch began has exited; returns then (or at once when there are none)."""
-    children = ray_children(os.getpid())
-    while children:
-        for pid, name in children.items():
+async def watch_processes(
+    processes: dict[int, str],
+    on_exit: Callable[[str], None],
+    period_s: float = WATCH_PERIOD_S,
+) -> None:
+    """Call `on_exit(why)` once one of `processes` (pid → name) has exited; returns then
+    (or at once when there are none)."""
+    while processes:
+        for pid, name in processes.items():
             if not process_alive(pid):
-                on_exit(f"{name} (pid {pid}) exited: the signal reached the process group")
+                on_exit(f"{name} (pid {pid}) of the local Ray exited")
                 return
         await asyncio.sleep(period_s)

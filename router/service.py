@@ -1,36 +1,46 @@
-"""The main job: start the pools, serve gRPC, drain on SIGTERM, stop the pools."""
+"""The main job: listen at once, start Ray and the pools, serve gRPC, drain on SIGTERM,
+stop the pools.
+
+Only light modules are imported at the top: the gRPC server listens and answers
+NOT_SERVING (Generate: UNAVAILABLE) within the process's first second, and Ray, torch
+and the serving core are imported and started while it does.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine import tracing
 from engine.core.outputs import FinalResult, TextChunk
-from engine.model.model_loader import has_tokenizer, load_tokenizer
 from router import port_holds
 from router.admin import AdminServicer
-from router.cluster import Cluster, ClusterConfig
+from router.cluster_config import ClusterConfig
 from router.config import RouterConfig
+from router.daemon_calls import call_in_daemon_thread
 from router.errors import NotReadyError
 from router.fleet_metrics import FleetState, get_fleet_metrics
 from router.grpc_server import GrpcServer, serve
-from router.local_watch import watch_children
+from router.local_watch import ray_daemons, watch_processes
 from router.metrics import DEFAULT_METRICS_PORT, get_metrics
-from router.orchestrator import DisaggregatedGenerator
 from router.phase_metrics import get_phase_metrics
 from router.planner.config import PlannerConfig
-from router.planner.loop import PlannerLoop
-from router.planner.metrics import planner_metrics
-from router.pools import Pools
 from router.protocol import GenerateCall, PoolStats, ServerInfo
 from router.security import EdgeSecurity
 
+if TYPE_CHECKING:
+    from router.cluster import Cluster
+    from router.orchestrator import DisaggregatedGenerator
+    from router.planner.loop import PlannerLoop
+    from router.pools import Pools
+
 log = logging.getLogger("pdserve")
 # Workers stop in well under a second when asked; a shutdown that takes longer is one
-# whose Ray went down with the process group's signal.
+# whose Ray stopped answering.
 STOP_WORKERS_S = 3.0
 
 
@@ -72,27 +82,59 @@ class ServeConfig:
     planner: PlannerConfig | None = None  # None: the pools keep the sizes they are given
 
 
+# What the service needs once it listens: Ray, torch, the serving core (seconds to import).
+_RUNTIME_MODULES = (
+    "router.cluster",
+    "router.pools",
+    "router.orchestrator",
+    "router.planner.loop",
+    "router.planner.metrics",
+    "engine.model.model_loader",
+)
+
+
+class RayLostError(RuntimeError):
+    """The local Ray instance went down while the service was not being stopped."""
+
+
+@dataclass
+class _Runtime:
+    """What warm-up makes, for the handlers and the shutdown that may come at any time."""
+
+    cluster: Cluster | None = None
+    pools: Pools | None = None
+    planner: PlannerLoop | None = None
+    ray_lost: str | None = None  # why, once the local Ray is going down
+
+
+def _import_runtime() -> None:
+    for name in _RUNTIME_MODULES:
+        importlib.import_module(name)
+
+
 async def run_service(
     config: ServeConfig,
-    cluster: Cluster,
     on_started: Callable[[GrpcServer], None] | None = None,
+    on_cluster: Callable[[Cluster], None] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then drain in-flight requests and stop the workers.
 
-    The caller owns Ray: `cluster.init_ray()` before and `cluster.shutdown_ray()` after,
-    on the main thread (Ray's driver aborts at exit when torn down from a worker thread).
+    The gRPC server listens first; Ray (started or joined) and the pools come up behind
+    it, and are stopped before this returns. Run it on the main thread: Ray's driver
+    aborts at exit when torn down from another one. The Ray cluster is handed to
+    `on_cluster` as soon as it exists; when it ends `abandoned`, the caller must exit
+    without Ray's teardown at exit (`os._exit`).
     """
     front = WarmingGenerator()
     loop = asyncio.get_running_loop()
-    pools = Pools(cluster)
-    planner: PlannerLoop | None = None
+    rt = _Runtime()
     metrics = get_metrics()
     get_phase_metrics()  # their families are on /metrics from the first scrape
     tracing.configure(config.cluster.tracing, "pdserve-router")
     servers: list[GrpcServer] = []
     stop_metrics = None
     if config.metrics_port:
-        port_holds.release(config.metrics_host, config.metrics_port)  # held since before Ray
+        port_holds.release(config.metrics_host, config.metrics_port)  # held since start
         stop_metrics = metrics.serve(config.metrics_host, config.metrics_port)
 
         def read_pool_stats() -> PoolStats | None:
@@ -106,10 +148,15 @@ async def run_service(
 
         def read_fleet() -> FleetState:
             # Called on the metrics server's thread: plain reads of the pools' counts.
+            pools = rt.pools
             return FleetState(
                 serving=bool(servers) and servers[0].is_serving,
-                target_workers=dict(pools.targets),
-                live_workers={pool: len(pools.routable(pool)) for pool in pools.targets},
+                target_workers=dict(pools.targets) if pools is not None else {},
+                live_workers=(
+                    {pool: len(pools.routable(pool)) for pool in pools.targets}
+                    if pools is not None
+                    else {}
+                ),
             )
 
         get_fleet_metrics().set_source(read_fleet)
@@ -119,7 +166,41 @@ async def run_service(
         if on_started is not None:
             on_started(server)
 
+    watcher: asyncio.Task[None] | None = None
+
+    def ray_going_down(why: str) -> None:
+        rt.ray_lost = why
+        if rt.cluster is not None:
+            rt.cluster.abandon_ray()  # every call to Ray would now wait for a dead GCS
+        log.warning("%s; ending the streams in flight now", why)
+        for server in servers:
+            server.stop_now(f"the workers went down with the service ({why})")
+
     async def warm_up() -> None:
+        nonlocal watcher
+        # Off the event loop, which keeps answering health checks meanwhile.
+        await call_in_daemon_thread(_import_runtime, "runtime-imports")
+        from engine.model.model_loader import has_tokenizer, load_tokenizer
+        from router.cluster import Cluster
+        from router.orchestrator import DisaggregatedGenerator
+        from router.planner.loop import PlannerLoop
+        from router.planner.metrics import planner_metrics
+        from router.pools import Pools
+
+        cluster = rt.cluster = Cluster(config.cluster)
+        if on_cluster is not None:
+            on_cluster(cluster)
+        await cluster.start_ray()
+        for server in servers:
+            # Ray's driver installs a SIGTERM handler of its own as it connects (a stack
+            # dump, then the old handler): the drain's handler comes back first.
+            server.install_signal_handlers()
+        if cluster.local_ray is not None:
+            # Ray's own processes, watched from now on: one of them exiting means Ray is
+            # going down (a stop that signalled every process of the service).
+            daemons = ray_daemons(cluster.local_ray.session_id)
+            watcher = asyncio.ensure_future(watch_processes(daemons, ray_going_down))
+        pools = rt.pools = Pools(cluster)
         await pools.start()
         model_path = config.cluster.decode_args.resolve_model_path()
         tokenizer = None
@@ -129,33 +210,21 @@ async def run_service(
         core.start()
         front.inner = core
         if config.planner is not None:
-            nonlocal planner
-            planner = PlannerLoop(
+            rt.planner = PlannerLoop(
                 config.planner,
                 pools,
                 core,
                 max_num_seqs=config.cluster.decode_args.scheduler.max_num_seqs,
                 metrics=planner_metrics(metrics.registry),
             )
-            planner.start()
+            rt.planner.start()
         log.info("pools warm; SERVING")
-
-    watcher: asyncio.Task[None] | None = None
-
-    def ray_going_down(why: str) -> None:
-        log.warning("%s; ending the streams in flight now", why)
-        for server in servers:
-            server.stop_now(f"the workers went down with the service ({why})")
 
     def on_drain() -> None:
         # The service is going away: a request whose worker is lost ends now (ABORT)
-        # rather than moving. A local Ray that a process-group signal takes down with
-        # the router can no longer be asked anything: its processes are watched instead.
-        nonlocal watcher
+        # rather than moving.
         if front.inner is not None:
             front.inner.begin_shutdown()
-        if cluster.started_local_ray:
-            watcher = asyncio.ensure_future(watch_children(ray_going_down))
 
     try:
         await serve(
@@ -168,10 +237,10 @@ async def run_service(
             security=config.security,
             metrics=metrics,
             admin=AdminServicer(
-                lambda: pools if front.inner is not None else None,
+                lambda: rt.pools if front.inner is not None else None,
                 config.enable_admin,
                 lambda: front.inner,
-                lambda: planner,
+                lambda: rt.planner,
             ),
             on_drain=on_drain,
         )
@@ -182,12 +251,19 @@ async def run_service(
         get_fleet_metrics().set_source(None)
         if stop_metrics is not None:
             stop_metrics()
-        if planner is not None:
-            await planner.stop()
+        if rt.planner is not None:
+            await rt.planner.stop()
         if front.inner is not None:
             await front.inner.stop()
-        if not await pools.stop(timeout_s=STOP_WORKERS_S) and cluster.started_local_ray:
-            # The signal went to the whole process group: the local Ray is going down.
-            cluster.abandon_ray()
+        pools, cluster = rt.pools, rt.cluster
+        if pools is not None and cluster is not None and rt.ray_lost is None:
+            # (Once the local Ray is going down there is no one left to ask.)
+            workers_stopped = await pools.stop(timeout_s=STOP_WORKERS_S)
+            if not workers_stopped:
+                cluster.abandon_ray()  # Ray did not answer: leave without its teardown
+        if cluster is not None:
+            cluster.shutdown_ray()  # blocks the loop (bounded): nothing else runs now
         tracing.shutdown()  # send the spans still buffered
         log.info("stopped")
+    if rt.ray_lost is not None and not any(server.stopped_by_signal for server in servers):
+        raise RayLostError(f"the local Ray instance went down: {rt.ray_lost}")

@@ -290,6 +290,81 @@ def test_port_in_use_is_one_line_and_nonzero_exit() -> None:
     assert proc.returncode == 1
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--port", "99999"], "argument --port: must be 0-65535, got 99999"),
+        (["serve", "--colocated-workers", "2", "--prefill-workers", "2"], "cannot both apply"),
+        (["scale", "--server", "127.0.0.1:1", "--decode", "0"], "size must be between 1 and"),
+        (["generate", "--server", "127.0.0.1:1", "--block-size", "8", "hi"], "--block-size"),
+    ],
+)
+def test_a_usage_error_is_refused_at_once_by_the_installed_command(
+    argv: list[str], message: str
+) -> None:
+    # The whole command as a user runs it, interpreter start included: parsing and
+    # checking come before torch, Ray or transformers are imported (seconds each).
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.cli", *argv],
+        cwd=REPO,
+        env=service_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - start
+    line = _one_line_failure(proc)
+    assert proc.returncode == 2 and message in line, line
+    assert elapsed < 1.5, f"a usage error took {elapsed:.2f} s"
+
+
+def test_checking_flags_imports_no_torch_ray_or_transformers() -> None:
+    code = (
+        "import sys\n"
+        "from router.cli import main\n"
+        "try:\n"
+        "    main(['serve', '--port', '99999'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=service_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_scale_to_zero_is_refused_by_the_rule_the_server_applies(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from router.pool_sizes import MAX_POOL_SIZE, pool_size_problem
+
+    for size in (0, MAX_POOL_SIZE + 1):
+        err = _fails(["scale", "--server", "127.0.0.1:1", "--decode", str(size)], capsys)
+        assert f"argument --decode: {pool_size_problem(size)}" in err
+    assert pool_size_problem(1) is None and pool_size_problem(MAX_POOL_SIZE) is None
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["generate", "hi"]])
+def test_cuda_without_a_usable_cuda_is_refused_before_anything_starts(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible here")
+    start = time.monotonic()
+    err = _fails([*command, "--device", "cuda"], capsys)
+    assert "--device cuda: " in err and ("without CUDA" in err or "no CUDA device" in err)
+    assert time.monotonic() - start < 5  # no Ray, no weights
+
+
 def test_busy_metrics_port_fails_before_ray_starts() -> None:
     # Colocated replicas with decode knobs: accepted, so start-up gets as far as the ports.
     flags = ["--colocated-workers", "2", "--decode-max-num-seqs", "8", "--port", "0"]

@@ -1,99 +1,98 @@
-"""A SIGTERM sent to the service's whole process group (`kill -- -PGID`, systemd's
-default stop) reaches Ray's own processes too; the service must still exit at once and
-cleanly, not wait out Ray's GCS reconnect timeout (a minute, then a crash), and streams
-in flight, whose workers can no longer be reached, end with their final ABORT at once
-rather than after the drain's grace."""
+"""Stopping a service with streams in flight, the ways service managers stop one.
+
+A SIGTERM to the service's process group (`kill -- -PGID`) reaches the router alone:
+the local Ray runs in a session of its own, so the drain runs as for a SIGTERM to the
+router, and Ray stops after it. A stop that signals every process of the service
+(systemd's control-group stop) takes Ray down with the router in whatever order the
+processes get it: the router notices, ends the streams with their ABORT at once and
+exits 0 within seconds, not after Ray's 60 s GCS reconnect timeout."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from bench.harness import REPO, free_port, service_env, wait_until, wait_until_async
-from bench.harness.streams import StreamResult, generate
+from bench.harness import REPO, free_port, service_env, wait_until
+from bench.harness.service import health_status
+from bench.harness.stopping import StopResult, stop_with_streams
+
+# The targets: each stream has its final message within a second of the signal, the
+# process exits 0 within five, and nothing of the service is left running.
+FINAL_WITHIN_S = 1.0
+EXIT_WITHIN_S = 5.0
 
 
-def _serving(port: int) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=2
-            )
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-DRAIN_GRACE_S = 30
-
-
-@pytest.mark.slow  # about 40 s: `make test-slow`
-def test_sigterm_to_the_whole_process_group_exits_0_within_seconds(tmp_path: Path) -> None:
+def _serve(log: Path, drain_grace_s: float) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--port", str(port)]
-            + ["--metrics-port", "0", "--drain-grace-s", str(DRAIN_GRACE_S)],
+            + ["--metrics-port", "0", "--drain-grace-s", str(drain_grace_s)],
             cwd=REPO,
             env=service_env(None),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, as under a service manager
         )
+    return proc, port
+
+
+def _stop(tmp_path: Path, mode: str, drain_grace_s: float) -> tuple[StopResult, str]:
+    log = tmp_path / "serve.log"
+    proc, port = _serve(log, drain_grace_s)
+    address = f"127.0.0.1:{port}"
     try:
-        wait_until(lambda: _serving(port) or proc.poll() is not None, timeout=240)
+        wait_until(lambda: health_status(address) == "SERVING" or proc.poll() is not None, 240)
         assert proc.poll() is None, log.read_text()[-3000:]
-        streams, start = asyncio.run(_signal_while_streaming(port, proc.pid))
-        code = proc.wait(60)
-        # From the streams' end (which waits for Ray's own processes to go, a second or
-        # more on a loaded machine) the exit is what an idle service's is.
-        after_streams = time.monotonic() - start - max(ended for _, ended in streams)
+        result = asyncio.run(stop_with_streams(proc, address, mode, rng=random.Random(0)))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    text = log.read_text()
-    assert code == 0, text[-3000:]
-    assert after_streams < 10, f"exited {after_streams:.1f} s after the streams ended"
-    assert "stopped" in text
-    for result, ended_after in streams:
-        assert result.outcome == "final:FINISH_REASON_ABORT", (result.outcome, text[-3000:])
-        assert result.num_finals == 1 and result.num_after_final == 0
-        assert result.final is not None and "process group" in result.final.error
-        assert ended_after < DRAIN_GRACE_S / 2, f"a stream ended {ended_after:.1f} s after"
+    return result, log.read_text()
 
 
-async def _signal_while_streaming(
-    port: int, pgid: int
-) -> tuple[list[tuple[StreamResult, float]], float]:
-    """Long streams under way, then SIGTERM to the group: each stream's result and how
-    long after the signal it ended; the time of the signal."""
-    seen = [0, 0]
-    streams = [
-        asyncio.ensure_future(
-            generate(
-                f"127.0.0.1:{port}",
-                prompt=f"Count slowly, number {i}:",
-                max_tokens=2000,
-                ignore_eos=True,
-                on_tokens=lambda n, i=i: seen.__setitem__(i, n),
-            )
-        )
-        for i in range(len(seen))
-    ]
-    await wait_until_async(lambda: min(seen) >= 2, 120, what="both streams under way")
-    start = time.monotonic()
-    os.killpg(pgid, signal.SIGTERM)
-    results = await asyncio.gather(*streams)
-    return [(r, r.done_at - start) for r in results], start
+def _assert_fast_clean_stop(result: StopResult, log: str) -> None:
+    assert result.exit_code == 0, log[-3000:]
+    for stream in result.streams:
+        assert stream.num_finals == 1 and stream.num_after_final == 0, stream.outcome
+    assert result.worst_final_s < FINAL_WITHIN_S, (result.final_after_s, log[-3000:])
+    assert result.exit_after_s < EXIT_WITHIN_S, (result.exit_after_s, log[-3000:])
+    assert result.survivors == [], f"still running after the exit: {result.survivors}"
+    assert "stopped" in log
+
+
+@pytest.mark.slow  # about 30 s: `make test-slow`
+def test_sigterm_to_the_process_group_drains_and_exits_0_within_seconds(
+    tmp_path: Path,
+) -> None:
+    # The signal reaches the router only: a drain with its grace (short here), after
+    # which Ray is stopped by the service, not by the signal.
+    result, log = _stop(tmp_path, "group", drain_grace_s=0.5)
+    _assert_fast_clean_stop(result, log)
+    for stream, before in zip(result.streams, result.tokens_at_signal, strict=True):
+        assert stream.outcome == "final:FINISH_REASON_ABORT", stream.outcome
+        assert stream.final is not None and "drain grace" in stream.final.error
+        # The workers kept decoding through the grace: the signal did not reach them.
+        assert len(stream.tokens) > before, (before, len(stream.tokens), log[-3000:])
+    assert "went down with the service" not in log  # Ray was not hit by the signal
+
+
+@pytest.mark.slow  # about 30 s each: `make test-slow`
+@pytest.mark.parametrize("mode", ["every-ray-first", "every-router-first"])
+def test_sigterm_to_every_process_ends_streams_at_once_and_exits_0(
+    tmp_path: Path, mode: str
+) -> None:
+    # The default grace (30 s): only noticing Ray going down ends the streams in time.
+    result, log = _stop(tmp_path, mode, drain_grace_s=30)
+    _assert_fast_clean_stop(result, log)
+    for stream in result.streams:
+        assert stream.outcome == "final:FINISH_REASON_ABORT", (stream.outcome, log[-3000:])
+        assert stream.final is not None and stream.final.error, stream.final

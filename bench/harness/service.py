@@ -29,6 +29,19 @@ def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, **(extra or {})}
 
 
+def health_status(address: str, timeout: float = 2.0) -> str | None:
+    """The overall health status at `address` ("SERVING", "NOT_SERVING"), None if it
+    does not answer. A channel of its own each time: a reused one would wait out its
+    reconnect backoff after a refused connection."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    except grpc.RpcError:
+        return None
+
+
 class ServiceProcess:
     """`python -m router.cli serve --port <free> ARGS`; stdout and stderr go to `log_path`.
 
@@ -61,13 +74,7 @@ class ServiceProcess:
 
     def health(self) -> str | None:
         """The overall health status ("SERVING", "NOT_SERVING"), None if not answering."""
-        try:
-            with grpc.insecure_channel(self.address) as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-        except grpc.RpcError:
-            return None
+        return health_status(self.address)
 
     def wait_serving(self, timeout: float = 300.0) -> float:
         """Poll health until SERVING; return the seconds since the process started.

@@ -1,0 +1,125 @@
+"""Stopping a running service the ways service managers do, with streams in flight, and
+timing what its clients and its process see.
+
+* "group": SIGTERM to the service's process group (`kill -- -PGID`: a terminal, a
+  shell script, a supervisor that signals the group);
+* "every-ray-first" / "every-router-first" / "every-shuffled": SIGTERM to every process
+  of the service (the router, the local Ray's launcher, GCS, raylet, workers), as
+  systemd's default control-group stop and container runtimes do, in the order named.
+
+The service must have been started in a session of its own (`start_new_session=True`),
+as a service manager starts it, so that its process group is its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench.harness.polling import wait_until_async
+from bench.harness.sockets import process_alive, process_tree
+from bench.harness.streams import StreamResult, generate
+
+STOP_MODES = ("group", "every-ray-first", "every-router-first", "every-shuffled")
+
+
+@dataclass(frozen=True)
+class StopResult:
+    mode: str
+    streams: list[StreamResult]
+    final_after_s: list[float]  # per stream: from the signal to the end of its call
+    exit_code: int | None  # None: still running at the deadline (then killed)
+    exit_after_s: float  # from the signal to the process's exit
+    survivors: list[int]  # the service's processes still alive 5 s after its exit
+    tokens_at_signal: list[int]  # per stream: tokens received when the signal left
+
+    @property
+    def worst_final_s(self) -> float:
+        return max(self.final_after_s, default=0.0)
+
+
+def send_stop(mode: str, router_pid: int, rng: random.Random | None = None) -> None:
+    """Send SIGTERM the way `mode` names (STOP_MODES)."""
+    if mode == "group":
+        os.killpg(router_pid, signal.SIGTERM)
+        return
+    others = sorted(process_tree(router_pid) - {router_pid})
+    if mode == "every-ray-first":
+        order = [*others, router_pid]
+    elif mode == "every-router-first":
+        order = [router_pid, *others]
+    elif mode == "every-shuffled":
+        order = [router_pid, *others]
+        (rng or random.Random()).shuffle(order)
+    else:
+        raise ValueError(f"unknown stop mode {mode!r}; one of {', '.join(STOP_MODES)}")
+    for pid in order:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
+async def stop_with_streams(
+    proc: subprocess.Popen[bytes],
+    address: str,
+    mode: str,
+    *,
+    num_streams: int = 2,
+    exit_timeout_s: float = 90.0,
+    rng: random.Random | None = None,
+) -> StopResult:
+    """Start `num_streams` long streams, send the stop once each has tokens, and wait for
+    the streams and the process: what each saw and when."""
+    seen = [0] * num_streams
+
+    def counter(i: int) -> Callable[[int], None]:
+        return lambda n: seen.__setitem__(i, n)
+
+    calls = [
+        asyncio.ensure_future(
+            generate(
+                address,
+                prompt=f"Count slowly, number {i}:",
+                max_tokens=4000,
+                ignore_eos=True,
+                on_tokens=counter(i),
+            )
+        )
+        for i in range(num_streams)
+    ]
+    await wait_until_async(lambda: min(seen) >= 2, 120, what="every stream under way")
+    service = process_tree(proc.pid)
+    tokens_at_signal = list(seen)
+    start = time.monotonic()
+    send_stop(mode, proc.pid, rng)
+    streams = list(await asyncio.gather(*calls))
+    loop = asyncio.get_running_loop()
+    try:
+        code: int | None = await loop.run_in_executor(None, proc.wait, exit_timeout_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    exit_after_s = time.monotonic() - start
+    if code is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 5
+    survivors = [pid for pid in service if process_alive(pid)]
+    while survivors and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        survivors = [pid for pid in survivors if process_alive(pid)]
+    return StopResult(
+        mode,
+        streams,
+        [s.done_at - start for s in streams],
+        code,
+        exit_after_s,
+        survivors,
+        tokens_at_signal,
+    )

@@ -1,0 +1,150 @@
+"""Stop soak: start a service, stream, stop it the way a service manager does; many times.
+
+    python -m bench.stop_soak --tries 20 --out stop_soak.json      # `make soak-stop`
+
+Each try starts `pdserve serve` (1 prefill + 1 decode worker, embedded model) in a
+session of its own, starts two long streams, and once both have tokens sends SIGTERM in
+one of the ways `bench.harness.stopping` names (in turn: the process group; every
+process of the service, Ray's first; the router first; shuffled). A try passes when
+every stream gets exactly one final message within `--final-within-s` (1) of the
+signal, the process exits 0 within `--exit-within-s` (5), and none of its processes is
+left. The process group is drained with `--drain-grace-s` (0.5: the streams end by the
+grace); the other ways take Ray down with the router, and the default grace (30 s)
+applies, so only the router noticing Ray going down ends the streams in time.
+Prints one line per try and a summary; writes them, with provenance, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness import REPO, free_port, service_env, wait_until
+from bench.harness.service import health_status
+from bench.harness.stopping import STOP_MODES, StopResult, stop_with_streams
+from bench.report import provenance
+
+
+def one_try(mode: str, drain_grace_s: float, log: Path, rng: random.Random) -> StopResult:
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--port", str(port)]
+            + ["--metrics-port", "0", "--drain-grace-s", str(drain_grace_s)],
+            cwd=REPO,
+            env=service_env(None),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_until(lambda: health_status(address) == "SERVING" or proc.poll() is not None, 300)
+        if proc.poll() is not None:
+            raise RuntimeError(f"service exited with {proc.returncode}: {log}")
+        return asyncio.run(stop_with_streams(proc, address, mode, rng=rng))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def verdict(result: StopResult, final_within_s: float, exit_within_s: float) -> list[str]:
+    """What this try got wrong; empty when it passed."""
+    wrong = []
+    for i, stream in enumerate(result.streams):
+        if stream.num_finals != 1 or stream.num_after_final:
+            wrong.append(f"stream {i}: {stream.num_finals} finals, {stream.outcome}")
+    if result.worst_final_s >= final_within_s:
+        wrong.append(f"a stream ended {result.worst_final_s:.2f} s after the signal")
+    if result.exit_code != 0:
+        wrong.append(f"exit status {result.exit_code}")
+    if result.exit_after_s >= exit_within_s:
+        wrong.append(f"exited {result.exit_after_s:.2f} s after the signal")
+    if result.survivors:
+        wrong.append(f"processes left: {result.survivors}")
+    if result.mode == "group":
+        stalled = [
+            i
+            for i, (stream, before) in enumerate(
+                zip(result.streams, result.tokens_at_signal, strict=True)
+            )
+            if len(stream.tokens) <= before
+        ]
+        if stalled:
+            wrong.append(f"streams {stalled} got no token during the drain's grace")
+    return wrong
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--tries", type=int, default=20)
+    p.add_argument("--modes", nargs="+", choices=STOP_MODES, default=list(STOP_MODES))
+    p.add_argument("--drain-grace-s", type=float, default=0.5, help="for the group mode")
+    p.add_argument("--final-within-s", type=float, default=1.0)
+    p.add_argument("--exit-within-s", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="JSON results")
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    logs = Path(tempfile.mkdtemp(prefix="stop-soak-"))
+    tries: list[dict[str, Any]] = []
+    for n in range(args.tries):
+        mode = args.modes[n % len(args.modes)]
+        grace = args.drain_grace_s if mode == "group" else 30.0
+        log = logs / f"try-{n:02d}.log"
+        started = time.monotonic()
+        result = one_try(mode, grace, log, rng)
+        wrong = verdict(result, args.final_within_s, args.exit_within_s)
+        tries.append(
+            {
+                "mode": mode,
+                "drain_grace_s": grace,
+                "final_after_s": [round(s, 3) for s in result.final_after_s],
+                "outcomes": [s.outcome for s in result.streams],
+                "exit_code": result.exit_code,
+                "exit_after_s": round(result.exit_after_s, 3),
+                "survivors": result.survivors,
+                "passed": not wrong,
+                "wrong": wrong,
+                "log": str(log),
+            }
+        )
+        print(
+            f"try {n + 1:2d}/{args.tries} {mode:18s} final ≤ {result.worst_final_s:.2f} s  "
+            f"exit {result.exit_code} after {result.exit_after_s:.2f} s  "
+            f"({time.monotonic() - started:.0f} s)  {'ok' if not wrong else '; '.join(wrong)}",
+            flush=True,
+        )
+    passed = sum(t["passed"] for t in tries)
+    summary = {
+        "passed": passed,
+        "tries": len(tries),
+        "worst_final_s": max(max(t["final_after_s"]) for t in tries),
+        "worst_exit_s": max(t["exit_after_s"] for t in tries),
+    }
+    print(
+        f"{passed}/{len(tries)} passed; worst final {summary['worst_final_s']:.2f} s, "
+        f"worst exit {summary['worst_exit_s']:.2f} s (logs in {logs})"
+    )
+    if args.out:
+        record = {"provenance": provenance("bench.stop_soak", argv or sys.argv[1:])}
+        args.out.write_text(json.dumps({**record, "summary": summary, "tries": tries}, indent=1))
+    return 0 if passed == len(tries) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
