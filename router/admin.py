@@ -48,6 +48,8 @@ def describe(ref: WorkerRef) -> pb.WorkerDescription:
         pid=ref.info.pid,
         num_in_flight=max(ref.num_assigned, 0),
         peers=sorted(ref.peers),
+        tensor_parallel_size=ref.info.tensor_parallel_size,
+        gpu_ids=list(ref.info.gpu_ids),
     )
 
 

@@ -117,7 +117,7 @@ def _sort_key(w: pb.WorkerDescription) -> tuple[int, str, int]:
 
 def _table(workers: list[pb.WorkerDescription]) -> str:
     """Workers by pool (prefill, decode, colocated), then index, as aligned columns."""
-    rows = [("worker", "state", "epoch", "in flight", "device", "node", "peers")]
+    rows = [("worker", "state", "epoch", "in flight", "device", "tp", "gpus", "node", "peers")]
     for w in sorted(workers, key=_sort_key):
         state = pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
         rows.append(
@@ -129,6 +129,8 @@ def _table(workers: list[pb.WorkerDescription]) -> str:
                 ),  # as the server formats it (older ones did not pad)
                 str(w.num_in_flight),
                 w.device,
+                str(w.tensor_parallel_size or 1),
+                ",".join(map(str, w.gpu_ids)) or "-",
                 w.node_ip,
                 ",".join(w.peers),
             )

@@ -148,6 +148,10 @@ def check_tensor_parallel(ns: argparse.Namespace) -> None:
     sizes = {pool: tensor_parallel_size(ns, pool) for pool in pools}
     if all(size == 1 for size in sizes.values()):
         return
+    if getattr(ns, "planner", False):
+        raise ValueError(
+            "--planner sizes one-GPU workers: it cannot apply with a tensor-parallel size above 1"
+        )
     folder = Path(ns.model) if ns.model else _embedded_folder()
     config = _config_json(folder) if folder is not None else None
     if config is None:

@@ -22,6 +22,8 @@ class FleetState:
     serving: bool  # the health check answers SERVING
     target_workers: dict[str, int] = field(default_factory=dict)  # pool → asked-for size
     live_workers: dict[str, int] = field(default_factory=dict)  # pool → live and routable
+    # worker id → (pool, its tensor-parallel size), for every live worker
+    tensor_parallel: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 class FleetCollector(Collector):
@@ -55,6 +57,14 @@ class FleetCollector(Collector):
             target.add_metric([pool], state.target_workers.get(pool, 0))
             live.add_metric([pool], state.live_workers.get(pool, 0))
         yield from (target, live)
+        tp = GaugeMetricFamily(
+            "pdserve_worker_tensor_parallel_size",
+            "GPUs (processes) a live worker's model is split over.",
+            labels=["pool", "worker"],
+        )
+        for worker_id, (pool, size) in sorted(state.tensor_parallel.items()):
+            tp.add_metric([pool, worker_id], size)
+        yield tp
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # keeps registration from calling the source

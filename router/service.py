@@ -157,6 +157,15 @@ async def run_service(
                     if pools is not None
                     else {}
                 ),
+                tensor_parallel=(
+                    {
+                        ref.worker_id: (ref.pool, ref.info.tensor_parallel_size)
+                        for ref in pools.all()
+                        if ref.state == "live"
+                    }
+                    if pools is not None
+                    else {}
+                ),
             )
 
         get_fleet_metrics().set_source(read_fleet)

@@ -465,3 +465,22 @@ def test_no_async_scheduling_turns_the_step_ahead_loop_off() -> None:
     assert engine_args(off).async_scheduling is False
     serve = parser.parse_args(["serve", "--no-async-scheduling"])
     assert engine_args(serve, "decode").async_scheduling is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # The embedded model: 9 attention heads, 3 KV heads.
+        (["-tp", "2"], "tensor parallel size 2 does not divide the model's 9 attention heads"),
+        (["--decode-tensor-parallel-size", "6"], "--decode-tensor-parallel-size / -tp: tensor"),
+        (["--colocated-tensor-parallel-size", "3"], "applies only with --colocated-workers"),
+        (["--tensor-parallel-size", "3", "--planner", "--max-gpus", "8"], "one-GPU workers"),
+    ],
+)
+def test_tensor_parallel_sizes_that_cannot_split_the_model_are_refused_before_starting(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], smollm2_path: Path
+) -> None:
+    start = time.monotonic()
+    err = _fails(["serve", *argv], capsys)
+    assert message in err, err
+    assert time.monotonic() - start < 5  # no Ray, no model

@@ -13,15 +13,19 @@ from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.cli import main
 
 
-def worker(pool: str, index: int, epoch: str) -> pb.WorkerDescription:
+def worker(
+    pool: str, index: int, epoch: str, gpu_ids: tuple[int, ...] = ()
+) -> pb.WorkerDescription:
     return pb.WorkerDescription(
         worker_id=f"{pool}-{index}",
         pool=pool,
         index=index,
         state=pb.WORKER_STATE_LIVE,
         epoch=epoch,
-        device="cpu",
+        device="cuda" if gpu_ids else "cpu",
         node_ip="127.0.0.1",
+        tensor_parallel_size=max(len(gpu_ids), 1),
+        gpu_ids=list(gpu_ids),
     )
 
 
@@ -45,7 +49,7 @@ class ScriptedAdmin(pb_grpc.AdminServiceServicer):
             planner=self.planner,
             workers=[
                 worker("decode", 10, "3b"),
-                worker("prefill", 1, "2f0c41d9e8a7b6c5"),
+                worker("prefill", 1, "2f0c41d9e8a7b6c5", gpu_ids=(2, 3)),
                 worker("decode", 2, "1a2b3c4d5e6f7a8"),
                 worker("prefill", 0, "9"),
                 worker("decode", 0, "3c0ffee15badd00d"),
@@ -93,6 +97,12 @@ def test_workers_are_listed_by_pool_then_index_with_fixed_width_epochs(
     ]
     starts = {row.index(epoch) for row, epoch in zip(rows, epochs, strict=True)}
     assert len(starts) == 1  # one column
+    # Each worker's tensor-parallel size and GPUs (a tensor-parallel prefill worker).
+    tp_column = header.split().index("tp") - 1  # "in flight" is two words in the header
+    assert [row.split()[tp_column : tp_column + 2] for row in rows[:2]] == [
+        ["1", "-"],
+        ["2", "2,3"],
+    ]
 
 
 def test_the_planners_last_decision_follows_the_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -136,4 +146,6 @@ def test_scale_migrate_asks_to_move_requests_and_says_how_many_moved(
     assert [(m.worker_id, m.max_requests) for m in admin.migrations] == [("decode-0", 3)]
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "decode-0: 2 of 3 requests moved with their KV, 1 by recompute"
-    assert out[1].split() == ["worker", "state", "epoch", "in", "flight", "device", "node", "peers"]
+    assert out[1].split() == [
+        "worker", "state", "epoch", "in", "flight", "device", "tp", "gpus", "node", "peers"
+    ]  # fmt: skip

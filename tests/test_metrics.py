@@ -268,3 +268,21 @@ def test_a_message_of_several_tokens_counts_each_gap_in_the_itl_histogram() -> N
 
     assert series("many") == series("one")
     assert series("many")["_count"] == 10
+
+
+def test_each_live_workers_tensor_parallel_size_is_a_gauge() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from router.fleet_metrics import FleetCollector, FleetState
+
+    collector = FleetCollector()
+    registry = CollectorRegistry()
+    registry.register(collector)
+    collector.set_source(
+        lambda: FleetState(
+            serving=True, tensor_parallel={"prefill-0": ("prefill", 2), "decode-0": ("decode", 1)}
+        )
+    )
+    text = generate_latest(registry).decode()
+    assert 'pdserve_worker_tensor_parallel_size{pool="prefill",worker="prefill-0"} 2.0' in text
+    assert 'pdserve_worker_tensor_parallel_size{pool="decode",worker="decode-0"} 1.0' in text

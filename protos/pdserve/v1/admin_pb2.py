@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"\xce\x01\n\x11WorkerDescription\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12&\n\x05state\x18\x04 \x01(\x0e\x32\x17.pdserve.v1.WorkerState\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07node_ip\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\r\x12\x15\n\rnum_in_flight\x18\t \x01(\r\x12\r\n\x05peers\x18\n \x03(\t\"\x14\n\x12ListWorkersRequest\"\xf6\x01\n\x13ListWorkersResponse\x12.\n\x07workers\x18\x01 \x03(\x0b\x32\x1d.pdserve.v1.WorkerDescription\x12=\n\x07targets\x18\x02 \x03(\x0b\x32,.pdserve.v1.ListWorkersResponse.TargetsEntry\x12\x14\n\x0cnum_restarts\x18\x03 \x01(\r\x12*\n\x07planner\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.PlannerStatus\x1a.\n\x0cTargetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xa0\x01\n\x13PlannerPoolDecision\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63urrent\x18\x02 \x01(\r\x12\x0e\n\x06target\x18\x03 \x01(\r\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x19\n\x0cload_workers\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\tB\x0f\n\r_load_workers\"\x9f\x01\n\rPlannerStatus\x12\x13\n\x0bmax_workers\x18\x01 \x01(\r\x12\x18\n\x10interval_seconds\x18\x02 \x01(\x01\x12\x1e\n\x16seconds_since_decision\x18\x03 \x01(\x01\x12\x0f\n\x07traffic\x18\x04 \x01(\t\x12.\n\x05pools\x18\x05 \x03(\x0b\x32\x1f.pdserve.v1.PlannerPoolDecision\".\n\x10ScalePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\r\"C\n\x11ScalePoolResponse\x12.\n\x07workers\x18\x01 \x03(\x0b\x32\x1d.pdserve.v1.WorkerDescription\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x15\n\x13\x44rainWorkerResponse\"A\n\x16MigrateRequestsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0cmax_requests\x18\x02 \x01(\r\"d\n\x17MigrateRequestsResponse\x12\x16\n\x0enum_candidates\x18\x01 \x01(\r\x12\x15\n\rmoved_with_kv\x18\x02 \x01(\r\x12\x1a\n\x12moved_by_recompute\x18\x03 \x01(\r\"[\n\rPrefillPolicy\x12 \n\x18local_prefill_max_tokens\x18\x01 \x01(\r\x12\x13\n\x0bslo_ttft_ms\x18\x02 \x01(\x01\x12\x13\n\x0bslo_tpot_ms\x18\x03 \x01(\x01\"\xb1\x01\n\x17SetPrefillPolicyRequest\x12%\n\x18local_prefill_max_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bslo_ttft_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x0bslo_tpot_ms\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x1b\n\x19_local_prefill_max_tokensB\x0e\n\x0c_slo_ttft_msB\x0e\n\x0c_slo_tpot_ms\"E\n\x18SetPrefillPolicyResponse\x12)\n\x06policy\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.PrefillPolicy*x\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x15\n\x11WORKER_STATE_LIVE\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x32\xb3\x03\n\x0c\x41\x64minService\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12H\n\tScalePool\x12\x1c.pdserve.v1.ScalePoolRequest\x1a\x1d.pdserve.v1.ScalePoolResponse\x12N\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x1f.pdserve.v1.DrainWorkerResponse\x12Z\n\x0fMigrateRequests\x12\".pdserve.v1.MigrateRequestsRequest\x1a#.pdserve.v1.MigrateRequestsResponse\x12]\n\x10SetPrefillPolicy\x12#.pdserve.v1.SetPrefillPolicyRequest\x1a$.pdserve.v1.SetPrefillPolicyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"\xfd\x01\n\x11WorkerDescription\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12&\n\x05state\x18\x04 \x01(\x0e\x32\x17.pdserve.v1.WorkerState\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07node_ip\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\r\x12\x15\n\rnum_in_flight\x18\t \x01(\r\x12\r\n\x05peers\x18\n \x03(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12\x0f\n\x07gpu_ids\x18\x0c \x03(\r\"\x14\n\x12ListWorkersRequest\"\xf6\x01\n\x13ListWorkersResponse\x12.\n\x07workers\x18\x01 \x03(\x0b\x32\x1d.pdserve.v1.WorkerDescription\x12=\n\x07targets\x18\x02 \x03(\x0b\x32,.pdserve.v1.ListWorkersResponse.TargetsEntry\x12\x14\n\x0cnum_restarts\x18\x03 \x01(\r\x12*\n\x07planner\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.PlannerStatus\x1a.\n\x0cTargetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xa0\x01\n\x13PlannerPoolDecision\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63urrent\x18\x02 \x01(\r\x12\x0e\n\x06target\x18\x03 \x01(\r\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x19\n\x0cload_workers\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\tB\x0f\n\r_load_workers\"\x9f\x01\n\rPlannerStatus\x12\x13\n\x0bmax_workers\x18\x01 \x01(\r\x12\x18\n\x10interval_seconds\x18\x02 \x01(\x01\x12\x1e\n\x16seconds_since_decision\x18\x03 \x01(\x01\x12\x0f\n\x07traffic\x18\x04 \x01(\t\x12.\n\x05pools\x18\x05 \x03(\x0b\x32\x1f.pdserve.v1.PlannerPoolDecision\".\n\x10ScalePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\r\"C\n\x11ScalePoolResponse\x12.\n\x07workers\x18\x01 \x03(\x0b\x32\x1d.pdserve.v1.WorkerDescription\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x15\n\x13\x44rainWorkerResponse\"A\n\x16MigrateRequestsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0cmax_requests\x18\x02 \x01(\r\"d\n\x17MigrateRequestsResponse\x12\x16\n\x0enum_candidates\x18\x01 \x01(\r\x12\x15\n\rmoved_with_kv\x18\x02 \x01(\r\x12\x1a\n\x12moved_by_recompute\x18\x03 \x01(\r\"[\n\rPrefillPolicy\x12 \n\x18local_prefill_max_tokens\x18\x01 \x01(\r\x12\x13\n\x0bslo_ttft_ms\x18\x02 \x01(\x01\x12\x13\n\x0bslo_tpot_ms\x18\x03 \x01(\x01\"\xb1\x01\n\x17SetPrefillPolicyRequest\x12%\n\x18local_prefill_max_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bslo_ttft_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x0bslo_tpot_ms\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x1b\n\x19_local_prefill_max_tokensB\x0e\n\x0c_slo_ttft_msB\x0e\n\x0c_slo_tpot_ms\"E\n\x18SetPrefillPolicyResponse\x12)\n\x06policy\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.PrefillPolicy*x\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x15\n\x11WORKER_STATE_LIVE\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x32\xb3\x03\n\x0c\x41\x64minService\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12H\n\tScalePool\x12\x1c.pdserve.v1.ScalePoolRequest\x1a\x1d.pdserve.v1.ScalePoolResponse\x12N\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x1f.pdserve.v1.DrainWorkerResponse\x12Z\n\x0fMigrateRequests\x12\".pdserve.v1.MigrateRequestsRequest\x1a#.pdserve.v1.MigrateRequestsResponse\x12]\n\x10SetPrefillPolicy\x12#.pdserve.v1.SetPrefillPolicyRequest\x1a$.pdserve.v1.SetPrefillPolicyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,38 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LISTWORKERSRESPONSE_TARGETSENTRY']._loaded_options = None
   _globals['_LISTWORKERSRESPONSE_TARGETSENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERSTATE']._serialized_start=1537
-  _globals['_WORKERSTATE']._serialized_end=1657
+  _globals['_WORKERSTATE']._serialized_start=1584
+  _globals['_WORKERSTATE']._serialized_end=1704
   _globals['_WORKERDESCRIPTION']._serialized_start=39
-  _globals['_WORKERDESCRIPTION']._serialized_end=245
-  _globals['_LISTWORKERSREQUEST']._serialized_start=247
-  _globals['_LISTWORKERSREQUEST']._serialized_end=267
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=270
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=516
-  _globals['_LISTWORKERSRESPONSE_TARGETSENTRY']._serialized_start=470
-  _globals['_LISTWORKERSRESPONSE_TARGETSENTRY']._serialized_end=516
-  _globals['_PLANNERPOOLDECISION']._serialized_start=519
-  _globals['_PLANNERPOOLDECISION']._serialized_end=679
-  _globals['_PLANNERSTATUS']._serialized_start=682
-  _globals['_PLANNERSTATUS']._serialized_end=841
-  _globals['_SCALEPOOLREQUEST']._serialized_start=843
-  _globals['_SCALEPOOLREQUEST']._serialized_end=889
-  _globals['_SCALEPOOLRESPONSE']._serialized_start=891
-  _globals['_SCALEPOOLRESPONSE']._serialized_end=958
-  _globals['_DRAINWORKERREQUEST']._serialized_start=960
-  _globals['_DRAINWORKERREQUEST']._serialized_end=999
-  _globals['_DRAINWORKERRESPONSE']._serialized_start=1001
-  _globals['_DRAINWORKERRESPONSE']._serialized_end=1022
-  _globals['_MIGRATEREQUESTSREQUEST']._serialized_start=1024
-  _globals['_MIGRATEREQUESTSREQUEST']._serialized_end=1089
-  _globals['_MIGRATEREQUESTSRESPONSE']._serialized_start=1091
-  _globals['_MIGRATEREQUESTSRESPONSE']._serialized_end=1191
-  _globals['_PREFILLPOLICY']._serialized_start=1193
-  _globals['_PREFILLPOLICY']._serialized_end=1284
-  _globals['_SETPREFILLPOLICYREQUEST']._serialized_start=1287
-  _globals['_SETPREFILLPOLICYREQUEST']._serialized_end=1464
-  _globals['_SETPREFILLPOLICYRESPONSE']._serialized_start=1466
-  _globals['_SETPREFILLPOLICYRESPONSE']._serialized_end=1535
-  _globals['_ADMINSERVICE']._serialized_start=1660
-  _globals['_ADMINSERVICE']._serialized_end=2095
+  _globals['_WORKERDESCRIPTION']._serialized_end=292
+  _globals['_LISTWORKERSREQUEST']._serialized_start=294
+  _globals['_LISTWORKERSREQUEST']._serialized_end=314
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=317
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=563
+  _globals['_LISTWORKERSRESPONSE_TARGETSENTRY']._serialized_start=517
+  _globals['_LISTWORKERSRESPONSE_TARGETSENTRY']._serialized_end=563
+  _globals['_PLANNERPOOLDECISION']._serialized_start=566
+  _globals['_PLANNERPOOLDECISION']._serialized_end=726
+  _globals['_PLANNERSTATUS']._serialized_start=729
+  _globals['_PLANNERSTATUS']._serialized_end=888
+  _globals['_SCALEPOOLREQUEST']._serialized_start=890
+  _globals['_SCALEPOOLREQUEST']._serialized_end=936
+  _globals['_SCALEPOOLRESPONSE']._serialized_start=938
+  _globals['_SCALEPOOLRESPONSE']._serialized_end=1005
+  _globals['_DRAINWORKERREQUEST']._serialized_start=1007
+  _globals['_DRAINWORKERREQUEST']._serialized_end=1046
+  _globals['_DRAINWORKERRESPONSE']._serialized_start=1048
+  _globals['_DRAINWORKERRESPONSE']._serialized_end=1069
+  _globals['_MIGRATEREQUESTSREQUEST']._serialized_start=1071
+  _globals['_MIGRATEREQUESTSREQUEST']._serialized_end=1136
+  _globals['_MIGRATEREQUESTSRESPONSE']._serialized_start=1138
+  _globals['_MIGRATEREQUESTSRESPONSE']._serialized_end=1238
+  _globals['_PREFILLPOLICY']._serialized_start=1240
+  _globals['_PREFILLPOLICY']._serialized_end=1331
+  _globals['_SETPREFILLPOLICYREQUEST']._serialized_start=1334
+  _globals['_SETPREFILLPOLICYREQUEST']._serialized_end=1511
+  _globals['_SETPREFILLPOLICYRESPONSE']._serialized_start=1513
+  _globals['_SETPREFILLPOLICYRESPONSE']._serialized_end=1582
+  _globals['_ADMINSERVICE']._serialized_start=1707
+  _globals['_ADMINSERVICE']._serialized_end=2142
 # @@protoc_insertion_point(module_scope)

@@ -19,7 +19,7 @@ WORKER_STATE_LIVE: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("worker_id", "pool", "index", "state", "epoch", "device", "node_ip", "pid", "num_in_flight", "peers")
+    __slots__ = ("worker_id", "pool", "index", "state", "epoch", "device", "node_ip", "pid", "num_in_flight", "peers", "tensor_parallel_size", "gpu_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class WorkerDescription(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GPU_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     index: int
@@ -40,7 +42,9 @@ class WorkerDescription(_message.Message):
     pid: int
     num_in_flight: int
     peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., epoch: _Optional[str] = ..., device: _Optional[str] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    tensor_parallel_size: int
+    gpu_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., epoch: _Optional[str] = ..., device: _Optional[str] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., gpu_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
