@@ -52,13 +52,18 @@ async def _ttfts(
         prompt = [rng.randrange(1, vocab) for _ in range(prompt_len)]
         started = time.perf_counter()
         first: list[float] = []
+
+        def on_tokens(n: int, first: list[float] = first) -> None:
+            if not first:
+                first.append(time.perf_counter())
+
         result = await generate(
             address,
             prompt_token_ids=prompt,
             max_tokens=max_tokens,
             temperature=0.0,
             ignore_eos=True,
-            on_tokens=lambda n, first=first: None if first else first.append(time.perf_counter()),
+            on_tokens=on_tokens,
         )
         if result.outcome != "final:FINISH_REASON_LENGTH" or not first:
             raise RuntimeError(f"request of {prompt_len} tokens ended {result.outcome}")

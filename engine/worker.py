@@ -415,6 +415,8 @@ def _gpu_ids() -> tuple[int, ...]:
     try:
         import ray
 
+        if not ray.is_initialized():  # a worker driven directly (tests): asking would
+            return ()  # start a Ray instance in this process
         return tuple(int(i) for i in ray.get_gpu_ids())
     except Exception:  # noqa: BLE001 - outside Ray
         return ()

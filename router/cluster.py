@@ -26,6 +26,7 @@ from torch.distributed import TCPStore
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine.calls import TOKEN_BYTES, CallSpec
+from engine.core.role import EngineRole
 from engine.tp_follower import TPFollower
 from engine.wire import POOLS, TPGroupSpec  # noqa: F401 - the pools, named once
 from engine.worker import WorkerInfo
@@ -37,6 +38,11 @@ from router.local_ray import STOP_RAY_S, LocalRay
 
 log = logging.getLogger(__name__)
 
+_ROLES: dict[str, EngineRole] = {
+    "prefill": EngineRole.PREFILL,
+    "decode": EngineRole.DECODE,
+    "colocated": EngineRole.COLOCATED,
+}
 _CLASSES: dict[str, type] = {
     "prefill": PrefillWorker,
     "decode": DecodeWorker,
@@ -181,7 +187,7 @@ class Cluster:
         followers = [
             ray.remote(TPFollower)
             .options(**actor_options(rank))  # type: ignore[attr-defined]
-            .remote(args, _CLASSES[pool].role, group, rank)
+            .remote(args, _ROLES[pool], group, rank)
             for rank in range(1, tp_size)
         ]
         try:

@@ -156,8 +156,8 @@ def check_tensor_parallel(ns: argparse.Namespace) -> None:
     config = _config_json(folder) if folder is not None else None
     if config is None:
         return  # the worker refuses it at start-up, naming the numbers the same way
-    num_q = int(config.get("num_attention_heads", 0))  # type: ignore[call-overload]
-    num_kv = int(config.get("num_key_value_heads") or num_q)  # type: ignore[call-overload]
+    num_q = int(str(config.get("num_attention_heads", 0)))
+    num_kv = int(str(config.get("num_key_value_heads") or num_q))
     for pool, size in sizes.items():
         problem = tp_size_problem(num_q, num_kv, size)
         if problem:

@@ -62,8 +62,8 @@ class FleetCollector(Collector):
             "GPUs (processes) a live worker's model is split over.",
             labels=["pool", "worker"],
         )
-        for worker_id, (pool, size) in sorted(state.tensor_parallel.items()):
-            tp.add_metric([pool, worker_id], size)
+        for worker_id, (worker_pool, size) in sorted(state.tensor_parallel.items()):
+            tp.add_metric([worker_pool, worker_id], size)
         yield tp
 
     def describe(self) -> Iterator[Metric]:

@@ -70,6 +70,9 @@ def _rank_main(
     logits, tokens = _generate(path, tp, load_format, device)
     if rank == 0:
         torch.save({"logits": logits.cpu(), "tokens": tokens}, out)
+    if tp.size > 1:  # a group left to the interpreter's exit may abort the process
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def _run_group(

@@ -79,11 +79,12 @@ def build_sharded_model(
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, tp)
         layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, tp)
     rows, hidden = plan.vocab_rows_per_rank, int(config.hidden_size)
-    empty = {"dtype": dtype, "device": device}
     decoder.embed_tokens = VocabParallelEmbedding(
-        torch.empty(rows, hidden, **empty), plan.vocab_start, tp
+        torch.empty(rows, hidden, dtype=dtype, device=device), plan.vocab_start, tp
     )
-    model.lm_head = VocabParallelHead(torch.empty(rows, hidden, **empty), plan.vocab_size, tp)
+    model.lm_head = VocabParallelHead(
+        torch.empty(rows, hidden, dtype=dtype, device=device), plan.vocab_size, tp
+    )
     tied = bool(getattr(config, "tie_word_embeddings", False))
     with torch.no_grad():
         for name, param in model.named_parameters():
