@@ -34,7 +34,10 @@ from router.routing import ROUTING_POLICIES, RoutingConfig
 from router.security import DEFAULT_MAX_MESSAGE_BYTES
 
 DEFAULT_METRICS_PORT = 9400  # router.metrics.DEFAULT_METRICS_PORT (not imported: keeps --help fast)
-DESCRIPTION = "serve (the disaggregated service) and generate (offline, or against a server)."
+DESCRIPTION = (
+    "serve (the disaggregated service), generate (offline, or against a server), and "
+    "against a server started with --enable-admin: workers, scale and prefill-policy."
+)
 
 
 # ---------------------------------------------------------------- flag groups
