@@ -188,10 +188,12 @@ class DecodeWorker(KVExporter, WorkerBase):
         row_ids: list[int] | None,
         layers: tuple[int, int],
         after: list[Any],
+        heads: tuple[int, int] | None = None,
     ) -> None:
+        """`heads`: only these of this rank's KV heads (a tensor-parallel part)."""
         if row_ids is not None:
             rows = rows.index_select(0, to_device(row_ids, torch.long, rows.device))
-        self.runner.scatter_blocks(block_ids, rows, layers, after=after)
+        self.runner.scatter_blocks(block_ids, rows, layers, after=after, heads=heads)
 
     def admit(self, inp: GenerationInput, first_token: int) -> None:
         # Engine commands run in order: any abort issued after this is applied after

@@ -29,21 +29,13 @@ from engine.heap import freeze_startup_heap
 from engine.model.startup_log import show_startup_lines, startup_phase
 from engine.model.step_broadcast import StepPublisher
 from engine.model.tensor_parallel import SINGLE, join_tp_group
+from engine.tp_rank0 import RankZero
 from engine.tracing import TracingConfig
 from engine.transfer.channel import ChannelSpec, KVChannel
 from engine.transfer.handoff import HandoffHeader, HeaderKind
 from engine.transfer.layout import KVLayout
 from engine.transfer.receiver import ImportMirror
 from engine.transfer.sender import Message
-from engine.transfer.tp_parts import (
-    MainPartTarget,
-    PartsMirror,
-    RankParts,
-    Verdict,
-    heads_at,
-    main_part,
-    receiving_parts,
-)
 from engine.wire import TokenUpdate, TPGroupSpec, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -106,11 +98,7 @@ class WorkerBase:
         # cancels (the router aborts on every worker the request might have reached).
         self._tombstones: dict[str, float] = {}
         self._calls: CallServer | None = None
-        self._publisher: StepPublisher | None = None
-        # Each peer's channel spec, and per peer being paired the other ranks' part
-        # channels still opening (a future and how many ranks have yet to answer).
-        self._pair_specs: dict[str, ChannelSpec] = {}
-        self._ranks_connecting: dict[str, list[Any]] = {}
+        self.rank0: RankZero | None = None  # the group's other ranks and part channels
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self, calls: CallSpec | None = None) -> WorkerInfo:
@@ -132,13 +120,11 @@ class WorkerBase:
         )
         with startup_phase("engine", f"{self.worker_id}, every phase above"):
             built = await loop.run_in_executor(None, self._build_engine)
+        rank0 = self.rank0 = RankZero(built.runner, publisher)
         if publisher is not None:
             await loop.run_in_executor(None, publisher.accept_all)
             built.runner.followers = publisher
-            publisher.watch(self._on_rank_lost, self._on_rank_message)
-        self._publisher = publisher
-        self.parts = RankParts(0, built.runner, on_landed=self._part_landed)
-        self.parts_mirror = PartsMirror(self._publish_verdict, self._side_parts_of)
+            publisher.watch(self._on_rank_lost, rank0.on_rank_message)
         self.built = built
         freeze_startup_heap()  # before the first step: no full collection walks the model
         self.loop_thread = EngineLoop(built.core, self._updates_from_thread, name=self.worker_id)
@@ -174,42 +160,11 @@ class WorkerBase:
             tp = join_tp_group(self.tp_group.rendezvous_file, 0, self.tp_group.size, device)
         return build_engine(self.args, role=self.role, index=self.index, tp=tp)
 
-    def _on_rank_message(self, rank: int, message: tuple[Any, ...]) -> None:
-        """Another rank's word (its socket's thread): a part landed, or a rank's part
-        channels to a peer are open."""
-        if message[0] == "landed":
-            self.parts_mirror.landed(message[1], message[2])
-        elif message[0] == "connected":
-            self._loop.call_soon_threadsafe(self._rank_connected, message[1])
-
-    def _rank_connected(self, peer_id: str) -> None:
-        waiting = self._ranks_connecting.get(peer_id)
-        if waiting is None:
-            return
-        waiting[1] -= 1
-        if waiting[1] <= 0 and not waiting[0].done():
-            waiting[0].set_result(None)
-
-    def _part_landed(self, peer_id: str, seq_no: int) -> None:
-        self.parts_mirror.landed(peer_id, seq_no)
-
-    def _publish_verdict(self, verdict: Verdict) -> None:
-        if self._publisher is not None:
-            self._publisher.publish("part_verdict", verdict)
-        self.parts.verdict(verdict)
-
-    def _side_parts_of(self, peer_id: str) -> int:
-        spec = self._pair_specs.get(peer_id)
-        return 0 if spec is None else receiving_parts(spec)
-
     def import_target(self, channel: KVChannel) -> tuple[Any, ImportMirror | None]:
-        """What a channel's receiver lands KV through: this worker, or when the workers
-        split heads differently its main part's view of it, and the mirror that lands
-        the other parts (None when the whole message comes on this channel)."""
-        spec = channel.spec
-        if not spec.splits_heads:
-            return self, None
-        return MainPartTarget(self, spec), (self.parts_mirror if receiving_parts(spec) else None)
+        """What a channel's receiver lands KV through, and the mirror that lands a
+        message's other parts (engine.tp_rank0)."""
+        assert self.rank0 is not None, "worker not started"
+        return self.rank0.import_target(self, channel.spec)
 
     def _on_rank_lost(self, rank: int) -> None:
         """Another rank of this worker died: the next collective would hang, so the
@@ -253,30 +208,11 @@ class WorkerBase:
         if old is not None:  # the peer restarted: its old channel is dead
             await asyncio.get_running_loop().run_in_executor(None, old.close, False)
         channel = KVChannel(spec, self.channel_rank(), torch.device(self.runner.device))
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, channel.open)
+        await asyncio.get_running_loop().run_in_executor(None, channel.open)
         self.channels[peer_id] = channel
-        self._pair_specs[peer_id] = spec
-        if spec.splits_heads:
-            await self._connect_parts(spec, peer_id)
+        assert self.rank0 is not None, "worker not started"
+        await self.rank0.connect(spec, peer_id, sending=spec.sender_id == self.worker_id)
         self.on_connected(channel)
-
-    async def _connect_parts(self, spec: ChannelSpec, peer_id: str) -> None:
-        """Open every rank's part channels of the pair (tensor parallelism on either side)
-        and return once all are open."""
-        loop = asyncio.get_running_loop()
-        sending = spec.sender_id == self.worker_id
-        others: asyncio.Future[None] | None = None
-        if self._publisher is not None:
-            others = loop.create_future()
-            self._ranks_connecting[peer_id] = [others, self._publisher.num_followers]
-            self._publisher.publish("connect_parts", spec, sending)
-        try:
-            await loop.run_in_executor(None, self.parts.connect, spec, sending)
-            if others is not None:
-                await asyncio.wait_for(others, spec.timeout_s)
-        finally:
-            self._ranks_connecting.pop(peer_id, None)
 
     def on_connected(self, channel: KVChannel) -> None:
         """Hook: a channel is up."""
@@ -284,12 +220,8 @@ class WorkerBase:
     async def disconnect(self, peer_id: str, notify_peer: bool = True) -> None:
         """Leave a pair (idempotent). Tell the peer when it is alive, so it stops listening."""
         channel = self.channels.pop(peer_id, None)
-        if self._pair_specs.pop(peer_id, None) is not None and self.built is not None:
-            if self._publisher is not None:
-                self._publisher.publish("disconnect_parts", peer_id, notify_peer)
-            await asyncio.get_running_loop().run_in_executor(
-                None, self.parts.disconnect, peer_id, notify_peer
-            )
+        if self.rank0 is not None:
+            await self.rank0.disconnect(peer_id, notify_peer)
         if channel is not None:
             await asyncio.get_running_loop().run_in_executor(None, channel.close, notify_peer)
 
@@ -371,24 +303,9 @@ class WorkerBase:
         them) and post header + payload on the channel; the header and the send's handle.
         The sender waits for the gather on its own stream, not the engine's; the caller
         may release the blocks right after."""
-        heads = None
-        spec: ChannelSpec | None = getattr(channel, "spec", None)
-        if spec is not None and spec.splits_heads:
-            # Every other rank pair's part leaves from its own rank, after the same steps.
-            template = HandoffHeader(
-                kind=kind,
-                seq_no=0,
-                dst_epoch=message.target.epoch,
-                src_epoch=self.epoch,
-                entries=message.entries,
-                num_bytes=0,
-                posted_at_us=int(time.time() * 1e6),
-            )
-            block_ids = list(message.block_ids)
-            if self._publisher is not None:
-                self._publisher.publish("post_parts", channel.peer_id, block_ids, template)
-            self.parts.post(channel.peer_id, block_ids, template)
-            heads = heads_at(main_part(spec), True)
+        # Other ranks' parts leave from their ranks; this one sends the main part.
+        assert self.rank0 is not None, "worker not started"
+        heads = self.rank0.post_parts(getattr(channel, "spec", None), message, kind, self.epoch)
         payload = self.runner.gather_blocks(message.block_ids, heads=heads)
         gathered = None
         if payload.is_cuda:

@@ -327,9 +327,7 @@ class MainPartTarget:
         layers: tuple[int, int],
         after: list[Any],
     ) -> None:
-        if row_ids is not None:
-            rows = rows.index_select(0, to_device(row_ids, torch.long, rows.device))
-        self._worker.runner.scatter_blocks(block_ids, rows, layers, after=after, heads=self.heads)
+        self._worker.scatter(block_ids, rows, row_ids, layers, after, heads=self.heads)
 
     def reserve_precopy(self, requests: list[tuple[str, int]]) -> Any:
         return self._worker.reserve_precopy(requests)
