@@ -90,8 +90,8 @@ class _RankCalls:
         with self._send_lock:
             self._conn.send_bytes(data)
 
-    def _landed(self, peer_id: str, seq_no: int) -> None:
-        self._tell_rank0("landed", peer_id, seq_no)
+    def _landed(self, pair: str, seq_no: int) -> None:
+        self._tell_rank0("landed", pair, seq_no)
 
     def launch(self, *args: Any, **kwargs: Any) -> None:
         self.runner.launch(*args, **kwargs)

@@ -21,11 +21,13 @@ from engine.transfer.receiver import ImportMirror
 from engine.transfer.sender import Message
 from engine.transfer.tp_parts import (
     MainPartTarget,
+    PairMirror,
     PartsMirror,
     RankParts,
     Verdict,
     heads_at,
     main_part,
+    pair_key,
     receiving_parts,
 )
 
@@ -38,6 +40,7 @@ class RankZero:
         self.parts = RankParts(0, runner, on_landed=self._landed)
         self.mirror = PartsMirror(self._publish_verdict, self._side_parts_of)
         self._specs: dict[str, ChannelSpec] = {}  # peer id → its pair's spec
+        self._by_pair: dict[str, ChannelSpec] = {}  # pair key → the same
         # Per peer being paired: the other ranks' answers still awaited (a future and
         # how many have yet to say their channels are open).
         self._connecting: dict[str, list[Any]] = {}
@@ -55,6 +58,7 @@ class RankZero:
         """Once the workers' own channel is open: open every rank's part channels of the
         pair (when either side splits heads), returning once all are open."""
         self._specs[peer_id] = spec
+        self._by_pair[pair_key(spec)] = spec
         if not spec.splits_heads:
             return
         loop = self._loop = asyncio.get_running_loop()
@@ -73,6 +77,8 @@ class RankZero:
     async def disconnect(self, peer_id: str, notify_peer: bool) -> None:
         """Leave a pair's part channels on every rank (idempotent)."""
         spec = self._specs.pop(peer_id, None)
+        if spec is not None:
+            self._by_pair.pop(pair_key(spec), None)
         if spec is None or not spec.splits_heads:
             return
         if self._publisher is not None:
@@ -116,7 +122,8 @@ class RankZero:
         other parts (None when the whole message comes on the main channel)."""
         if not spec.splits_heads:
             return worker, None
-        return MainPartTarget(worker, spec), (self.mirror if receiving_parts(spec) else None)
+        mirror = PairMirror(self.mirror, pair_key(spec)) if receiving_parts(spec) else None
+        return MainPartTarget(worker, spec), mirror
 
     def _rank_connected(self, peer_id: str) -> None:
         waiting = self._connecting.get(peer_id)
@@ -126,14 +133,14 @@ class RankZero:
         if waiting[1] <= 0 and not waiting[0].done():
             waiting[0].set_result(None)
 
-    def _landed(self, peer_id: str, seq_no: int) -> None:
-        self.mirror.landed(peer_id, seq_no)
+    def _landed(self, pair: str, seq_no: int) -> None:
+        self.mirror.landed(pair, seq_no)
 
     def _publish_verdict(self, verdict: Verdict) -> None:
         if self._publisher is not None:
             self._publisher.publish("part_verdict", verdict)
         self.parts.verdict(verdict)
 
-    def _side_parts_of(self, peer_id: str) -> int:
-        spec = self._specs.get(peer_id)
+    def _side_parts_of(self, pair: str) -> int:
+        spec = self._by_pair.get(pair)
         return 0 if spec is None else receiving_parts(spec)

@@ -14,7 +14,15 @@ from engine.core.tp_heads import kv_heads_of_rank
 from engine.model.kv_blocks import KVBlocks
 from engine.transfer.channel import ChannelSpec
 from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
-from engine.transfer.tp_parts import PartsMirror, RankParts, Verdict, heads_at, main_part
+from engine.transfer.tp_parts import (
+    PartsMirror,
+    RankParts,
+    Verdict,
+    heads_at,
+    main_part,
+    pair_key,
+    receiving_parts,
+)
 
 NUM_BLOCKS, LAYERS, BLOCK_SIZE, HEAD_DIM = 8, 2, 4, 3
 
@@ -51,9 +59,9 @@ def _hand_off(
     mirror: PartsMirror | None = None
     dst_parts: list[RankParts] = []
 
-    def landed(peer_id: str, seq_no: int) -> None:
+    def landed(key: str, seq_no: int) -> None:
         assert mirror is not None
-        mirror.landed(peer_id, seq_no)
+        mirror.landed(key, seq_no)
 
     dst_parts = [RankParts(r, receivers[r], on_landed=landed) for r in range(dst_tp)]
     src_parts = [RankParts(r, senders[r]) for r in range(src_tp)]
@@ -62,9 +70,8 @@ def _hand_off(
         for parts in dst_parts:
             parts.verdict(verdict)
 
-    from engine.transfer.tp_parts import receiving_parts
-
-    mirror = PartsMirror(publish, lambda peer_id: receiving_parts(spec))
+    pair = pair_key(spec)
+    mirror = PartsMirror(publish, lambda key: receiving_parts(spec) if key == pair else 0)
     threads = [threading.Thread(target=p.connect, args=(spec, True)) for p in src_parts]
     threads += [threading.Thread(target=p.connect, args=(spec, False)) for p in dst_parts]
     for t in threads:
@@ -79,8 +86,8 @@ def _hand_off(
     main = main_part(spec)
     rows = senders[0].gather_blocks(src_blocks, heads=heads_at(main, True))
     receivers[0].scatter_blocks(dst_blocks, rows, heads=heads_at(main, False))
-    mirror.started("prefill-0", 0, dst_blocks, list(range(len(dst_blocks))))
-    mirror.settled("prefill-0", 0)
+    mirror.started(pair, 0, dst_blocks, list(range(len(dst_blocks))))
+    mirror.settled(pair, 0)
     for parts in (*src_parts, *dst_parts):
         parts.disconnect("decode-0" if parts in src_parts else "prefill-0", notify_peer=False)
     return whole, receivers
@@ -102,3 +109,26 @@ def test_every_decode_rank_holds_the_prefilled_bytes_of_its_heads(
         # Nothing else was written.
         others = [b for b in range(NUM_BLOCKS) if b not in dst_blocks]
         assert not cache.kv_cache[others].any(), rank
+
+
+def test_a_late_acknowledgement_of_a_peers_earlier_pairing_settles_nothing_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The peer restarted (new epoch, same worker id): a part of its earlier pairing that
+    # lands late must not count for the new pairing's message of the same number.
+    import dataclasses
+
+    from engine.transfer import tp_parts
+
+    monkeypatch.setattr(tp_parts, "VERDICT_TIMEOUT_S", 0.2)
+    earlier = ChannelSpec("127.0.0.1", 1, "prefill-0", 1, "decode-0", 2, sender_tp=2)
+    now = dataclasses.replace(earlier, prefill_epoch=3)
+    assert pair_key(earlier) != pair_key(now)
+    mirror = PartsMirror(lambda verdict: None, lambda pair: 1)
+    mirror.started(pair_key(now), 0, [1], [0])
+    mirror.landed(pair_key(earlier), 0)
+    with pytest.raises(RuntimeError, match="did not land"):
+        mirror.settled(pair_key(now), 0)
+    mirror.started(pair_key(now), 1, [1], [0])
+    mirror.landed(pair_key(now), 1)
+    mirror.settled(pair_key(now), 1)  # its own part: settled at once

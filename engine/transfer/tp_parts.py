@@ -57,6 +57,13 @@ def side_parts(spec: ChannelSpec) -> list[HeadSlice]:
     return [p for p in plan_for(spec) if (p.src_rank, p.dst_rank) != (0, 0)]
 
 
+def pair_key(spec: ChannelSpec) -> str:
+    """Names one pairing of two workers' incarnations (their ids and epochs): verdicts
+    and acknowledgements are keyed by it, so nothing of a restarted peer's earlier
+    pairing is ever matched to the new one's messages."""
+    return dataclasses.replace(spec, src_rank=0, dst_rank=0).prefix
+
+
 def heads_at(part: HeadSlice, sending: bool) -> tuple[int, int]:
     """The part's heads in this side's cache numbering, as [start, stop)."""
     start = part.src_offset if sending else part.dst_offset
@@ -65,9 +72,10 @@ def heads_at(part: HeadSlice, sending: bool) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Verdict:
-    """Rank 0's decision on one message: its rows `row_ids` land in `block_ids`."""
+    """Rank 0's decision on one message of a pairing (`pair_key`): its rows `row_ids`
+    land in `block_ids`."""
 
-    peer_id: str
+    pair: str
     seq_no: int
     block_ids: tuple[int, ...]
     row_ids: tuple[int, ...]
@@ -85,11 +93,11 @@ class _Verdicts:
         if num_takers < 1:
             return
         with self._changed:
-            self._by_key[(verdict.peer_id, verdict.seq_no)] = [verdict, num_takers]
+            self._by_key[(verdict.pair, verdict.seq_no)] = [verdict, num_takers]
             self._changed.notify_all()
 
-    def take(self, peer_id: str, seq_no: int, timeout_s: float) -> Verdict | None:
-        key = (peer_id, seq_no)
+    def take(self, pair: str, seq_no: int, timeout_s: float) -> Verdict | None:
+        key = (pair, seq_no)
         with self._changed:
             if not self._changed.wait_for(lambda: key in self._by_key, timeout_s):
                 return None
@@ -118,7 +126,8 @@ class RankParts:
     ) -> None:
         self.rank = rank
         self.runner = runner  # gather_blocks / scatter_blocks / kv_cache / device
-        self.on_landed = on_landed or (lambda peer_id, seq_no: None)
+        # Told (pair key, sequence number) when a part is done with a message.
+        self.on_landed = on_landed or (lambda pair, seq_no: None)
         self._channels: dict[str, list[_PartChannel]] = {}
         self._verdicts = _Verdicts()
         self._lock = threading.Lock()
@@ -186,7 +195,10 @@ class RankParts:
         """Rank 0's decision on a message; its parts' receivers land rows by it."""
         with self._lock:
             num_receivers = sum(
-                1 for pc in self._channels.get(verdict.peer_id, []) if not pc.sending
+                1
+                for channels in self._channels.values()
+                for pc in channels
+                if not pc.sending and pair_key(pc.channel.spec) == verdict.pair
             )
         self._verdicts.put(verdict, num_receivers)
 
@@ -194,6 +206,7 @@ class RankParts:
         """One incoming part channel: header, verdict, payload (scattered into its
         heads of the blocks the verdict names), acknowledgement; repeat."""
         channel, heads = pc.channel, heads_at(pc.part, False)
+        pair = pair_key(channel.spec)
         cache = self.runner.kv_cache
         expected_seq = 0
         while not channel.closed:
@@ -211,7 +224,7 @@ class RankParts:
             expected_seq += 1
             shape = (header.num_blocks, *cache.shape[1:4], heads[1] - heads[0], cache.shape[5])
             staging = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-            verdict = self._verdicts.take(peer_id, header.seq_no, VERDICT_TIMEOUT_S)
+            verdict = self._verdicts.take(pair, header.seq_no, VERDICT_TIMEOUT_S)
             scatter = None
             if verdict is not None and verdict.block_ids:
                 scatter = self._scatter_into(verdict, staging, heads)
@@ -219,9 +232,9 @@ class RankParts:
                 channel.recv_into(staging, scatter)
             except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
                 log.warning("part from %s broke off: %s", peer_id, exc)
-                self.on_landed(peer_id, header.seq_no)
+                self.on_landed(pair, header.seq_no)
                 break
-            self.on_landed(peer_id, header.seq_no)
+            self.on_landed(pair, header.seq_no)
         channel.close(notify_peer=False)
 
     def _scatter_into(
@@ -249,29 +262,31 @@ class PartsMirror:
         publish: Callable[[Verdict], None],
         parts_for: Callable[[str], int],
     ) -> None:
+        """`parts_for(pair)`: how many parts of each message of that pairing arrive off
+        rank 0's main channel. Messages are keyed by (pair key, sequence number)."""
         self._publish = publish
         self._parts_for = parts_for  # peer id → parts of each of its messages off rank 0
         self._pending: dict[tuple[str, int], int] = {}
         self._landed: dict[tuple[str, int], int] = {}
         self._changed = threading.Condition()
 
-    def started(self, peer_id: str, seq_no: int, block_ids: list[int], row_ids: list[int]) -> None:
+    def started(self, pair: str, seq_no: int, block_ids: list[int], row_ids: list[int]) -> None:
         """The message's header is checked: tell every part's receiver where its rows go."""
         with self._changed:
-            self._pending[(peer_id, seq_no)] = self._parts_for(peer_id)
-        self._publish(Verdict(peer_id, seq_no, tuple(block_ids), tuple(row_ids)))
+            self._pending[(pair, seq_no)] = self._parts_for(pair)
+        self._publish(Verdict(pair, seq_no, tuple(block_ids), tuple(row_ids)))
 
-    def landed(self, peer_id: str, seq_no: int) -> None:
+    def landed(self, pair: str, seq_no: int) -> None:
         """A part's receiver is done with the message (landed or failed)."""
-        key = (peer_id, seq_no)
+        key = (pair, seq_no)
         with self._changed:
             self._landed[key] = self._landed.get(key, 0) + 1
             self._changed.notify_all()
 
-    def settled(self, peer_id: str, seq_no: int) -> None:
+    def settled(self, pair: str, seq_no: int) -> None:
         """Block until every part of the message has landed or failed. A rank that does
         not answer in VERDICT_TIMEOUT_S leaves the group in an unknown state: raise."""
-        key = (peer_id, seq_no)
+        key = (pair, seq_no)
         deadline = time.monotonic() + VERDICT_TIMEOUT_S
         with self._changed:
             done = self._changed.wait_for(
@@ -281,7 +296,7 @@ class PartsMirror:
             self._pending.pop(key, None)
             self._landed.pop(key, None)
         if not done:
-            raise RuntimeError(f"message {seq_no} from {peer_id}: a part did not land in time")
+            raise RuntimeError(f"message {seq_no} of {pair}: a part did not land in time")
 
 
 def receiving_parts(spec: ChannelSpec) -> int:
@@ -346,3 +361,18 @@ class MainPartTarget:
 
     def is_buried(self, req_id: str) -> bool:
         return bool(self._worker.is_buried(req_id))
+
+
+class PairMirror:
+    """The mirror as one main channel's receiver calls it (by peer id): its messages are
+    keyed by the pairing's key."""
+
+    def __init__(self, mirror: PartsMirror, pair: str) -> None:
+        self._mirror = mirror
+        self._pair = pair
+
+    def started(self, peer_id: str, seq_no: int, block_ids: list[int], row_ids: list[int]) -> None:
+        self._mirror.started(self._pair, seq_no, block_ids, row_ids)
+
+    def settled(self, peer_id: str, seq_no: int) -> None:
+        self._mirror.settled(self._pair, seq_no)
