@@ -22,6 +22,7 @@ from engine.transfer.layout import KVLayout
 from engine.wire import (
     DetachedMove,
     DetachedRequest,
+    EngineSpeed,
     GenerationInput,
     HandoffTarget,
     PhaseReport,
@@ -368,6 +369,7 @@ class FakePools:
         num_colocated: int = 0,
         step_s: float = 0.002,
         steps_by_clock: bool = False,
+        speed: EngineSpeed | None = None,
     ) -> None:
         sizes = {"prefill": num_prefill, "decode": num_decode, "colocated": num_colocated}
         self.targets = dict(sizes)
@@ -378,6 +380,7 @@ class FakePools:
         self.drain_hooks: list[Any] = []
         self.fakes: dict[str, FakeWorker] = {}
         self.step_s, self.steps_by_clock = step_s, steps_by_clock
+        self.speed = speed  # what each worker reports its warm-up measured (None: nothing)
         self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in sizes}
         for pool, size in sizes.items():
             for index in range(size):
@@ -395,7 +398,7 @@ class FakePools:
         layout = KVLayout("fake", "float32", 16, 2, 2, 8)
         info = WorkerInfo(
             worker_id, pool, index, epoch, layout, NUM_BLOCKS, 4096, 2000, "fake", "cpu", 0,
-            "127.0.0.1",
+            "127.0.0.1", speed=self.speed,
         )  # fmt: skip
         return WorkerRef(pool, index, None, info, client_impl=fake)
 

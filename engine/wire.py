@@ -4,12 +4,12 @@ Immutable, typed, plain Python (no torch, no Ray, no protobuf): Ray pickles them
 between actors, and both sides import them from here. The engine core produces the
 wire types itself, as vLLM's core produces `EngineCoreOutputs`: a step's result is one
 `TokenUpdate` per request (a decode worker sends them in a `TokenBatch`), and an
-engine's occupancy is its `WorkerStats`. The prefill pool answers with a
-`PrefillResult`; a hand-off is addressed by a `HandoffTarget` and filled into a
-`Reservation`. Where a request's time went on a worker rides along as a `PhaseReport`;
-a request's trace context (W3C `traceparent`/`tracestate`, empty when it is not traced)
-travels inside its `GenerationInput`, so a worker's spans join the router's trace
-(engine/tracing.py).
+engine's occupancy is its `WorkerStats`, and its speed alone, measured as it warms up,
+its `EngineSpeed`. The prefill pool answers with a `PrefillResult`; a hand-off is
+addressed by a `HandoffTarget` and filled into a `Reservation`. Where a request's time
+went on a worker rides along as a `PhaseReport`; a request's trace context (W3C
+`traceparent`/`tracestate`, empty when it is not traced) travels inside its
+`GenerationInput`, so a worker's spans join the router's trace (engine/tracing.py).
 """
 
 from __future__ import annotations
@@ -233,6 +233,36 @@ def sampled_update(
             scheduled_at,
         )
     )
+
+
+@dataclass(frozen=True)
+class EngineSpeed:
+    """What an engine's warm-up measured, alone on its device: one prompt's pass, and one
+    decode step of that request (None on a prefill engine, which never decodes).
+
+    A worker reports it as it starts (`WorkerInfo.speed`): the router's load-aware
+    estimates start from it, so they hold from the first request, and traffic's own
+    measurements replace it as they come.
+    """
+
+    num_prompt_tokens: int
+    prefill_s: float
+    decode_step_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 1 or self.prefill_s <= 0:
+            raise ValueError(
+                f"a warm-up pass needs tokens and time, got {self.num_prompt_tokens} tokens "
+                f"in {self.prefill_s} s"
+            )
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.num_prompt_tokens / self.prefill_s
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        return self.prefill_s / self.num_prompt_tokens
 
 
 @dataclass(frozen=True)

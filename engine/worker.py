@@ -26,6 +26,7 @@ from engine.core.kv_events import KVEvents
 from engine.core.role import EngineRole
 from engine.factory import BuiltEngine, EngineArgs, build_engine
 from engine.heap import freeze_startup_heap
+from engine.model.startup_log import log as startup_log
 from engine.model.startup_log import show_startup_lines, startup_phase
 from engine.model.step_broadcast import StepPublisher
 from engine.model.tensor_parallel import SINGLE, join_tp_group
@@ -36,7 +37,8 @@ from engine.transfer.handoff import HandoffHeader, HeaderKind
 from engine.transfer.layout import KVLayout
 from engine.transfer.receiver import ImportMirror
 from engine.transfer.sender import Message
-from engine.wire import TokenUpdate, TPGroupSpec, WorkerStats
+from engine.warm_up import measure_speed
+from engine.wire import EngineSpeed, TokenUpdate, TPGroupSpec, WorkerStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,6 +68,8 @@ class WorkerInfo:
     # GPUs (processes) the worker's model is split over, and the GPUs it holds (rank order).
     tensor_parallel_size: int = 1
     gpu_ids: tuple[int, ...] = ()
+    # Its engine's speed, measured as it warmed up: the router's estimates start there.
+    speed: EngineSpeed | None = None
 
 
 class WorkerBase:
@@ -126,6 +130,11 @@ class WorkerBase:
             built.runner.followers = publisher
             publisher.watch(self._on_rank_lost, rank0.on_rank_message)
         self.built = built
+        started = time.perf_counter()
+        speed = await loop.run_in_executor(
+            None, measure_speed, built.runner, built.core.scheduler.config, self.role
+        )
+        _log_speed(self.worker_id, speed, time.perf_counter() - started)
         freeze_startup_heap()  # before the first step: no full collection walks the model
         self.loop_thread = EngineLoop(built.core, self._updates_from_thread, name=self.worker_id)
         self.loop_thread.start()
@@ -151,6 +160,7 @@ class WorkerBase:
             call_address=call_address,
             tensor_parallel_size=built.spec.tensor_parallel_size,
             gpu_ids=_gpu_ids(),
+            speed=speed,
         )
 
     def _build_engine(self) -> BuiltEngine:
@@ -325,6 +335,22 @@ class WorkerBase:
     async def read_blocks(self, block_ids: list[int]) -> Any:
         """A copy of these blocks' KV as a CPU tensor (for hand-off verification)."""
         return await self.on_engine(lambda: self.runner.gather_blocks(block_ids).cpu())
+
+
+def _log_speed(worker_id: str, speed: EngineSpeed, elapsed_s: float) -> None:
+    """One start-up line: what the warm-up took, and what it measured."""
+    step = (
+        "" if speed.decode_step_s is None else f", a decode step {speed.decode_step_s * 1e3:.1f} ms"
+    )
+    startup_log.info(
+        "start-up: speed %.2f s (%s: a prompt of %d tokens in %.1f ms, %.0f tokens/s%s)",
+        elapsed_s,
+        worker_id,
+        speed.num_prompt_tokens,
+        speed.prefill_s * 1e3,
+        speed.prefill_tokens_per_s,
+        step,
+    )
 
 
 def _gpu_ids() -> tuple[int, ...]:

@@ -75,7 +75,7 @@ def place_prompt(
         else None,
         handoff_s=decode_ref.load.handoff_s.value or 0.0,
         decode_running=stats.num_running if stats is not None else 0,
-        decode_step_s=decode_ref.load.step_s.mean(time.monotonic()),
+        decode_step_s=decode_ref.load.decode_step_s(time.monotonic()),
         decode_queued_tokens=decode_ref.load.queued_tokens,
         decode_free_blocks=stats.num_blocks_free if stats is not None else None,
         decode_local_s_per_token=decode_ref.load.local_prefill_s_per_token.value,

@@ -59,6 +59,9 @@ class WorkerRef:
     # the placement group when the worker is removed.
     followers: tuple[Any, ...] = ()
 
+    def __post_init__(self) -> None:
+        self.load.assume(self.info.speed)
+
     @property
     def client(self) -> WorkerClient:
         """The typed client for this worker's verbs."""

@@ -15,7 +15,9 @@ slower of that and the prefill worker's rate).
    costs more than it saves).
 3. `decode_kv_pressure`: the decode worker lacks free blocks for the prompt twice over →
    remote (its own waiting queue would hold the prompt while blocks run out).
-4. `no_estimate`: no prefill rate measured yet → remote.
+4. `no_estimate`: no prefill rate known → remote. Each worker measures its speed as it
+   warms up (engine/warm_up.py) and the router starts from that (`WorkerLoad.assume`),
+   so this is left for a worker that reported none.
 5. `prefill_within_slo`: estimated remote TTFT within half the TTFT target (the other
    half is headroom for the tail: the target is met by 90 % of requests, the estimate
    is a typical case) → remote: the decode batch keeps its pace, which is what
@@ -96,7 +98,7 @@ class PathInputs:
     prefill_tokens_per_s: float | None  # its measured rate (None: not measured yet)
     handoff_s: float  # the pair's recent hand-off time
     decode_running: int  # requests decoding there now
-    decode_step_s: float | None  # its mean decode step time lately (`StepWindow`)
+    decode_step_s: float | None  # its mean step time lately (`WorkerLoad.decode_step_s`)
     decode_queued_tokens: int  # prompt tokens queued there to run locally
     decode_free_blocks: int | None  # None: not reported yet
     num_prompt_blocks: int
@@ -154,15 +156,22 @@ def decide(inputs: PathInputs, config: PrefillPolicyConfig) -> PathDecision:
 
 
 class Ewma:
-    """An exponentially weighted mean; None until the first sample."""
+    """An exponentially weighted mean; None until the first sample, or until a value is
+    assumed, which the first sample then replaces."""
 
     def __init__(self, weight: float = 0.2) -> None:
         self.weight = weight
         self.value: float | None = None
+        self._assumed = False
+
+    def assume(self, value: float) -> None:
+        """Start from value until a sample comes (a measurement made before traffic)."""
+        if self.value is None:
+            self.value, self._assumed = value, True
 
     def add(self, sample: float) -> None:
-        if self.value is None:
-            self.value = sample
+        if self.value is None or self._assumed:
+            self.value, self._assumed = sample, False
         else:
             self.value += self.weight * (sample - self.value)
 

@@ -3,7 +3,9 @@
 A request holds a `WorkerLease` on every worker it occupies, from the moment it is
 routed there (so concurrent arrivals spread) until the worker is done with it; the
 lease gives its count back exactly once, however the request ends. The estimates here
-(prefill rate, decode step time, hand-off time) feed the local-prefill decision.
+(prefill rate, decode step time, hand-off time) feed the local-prefill decision; they
+start from what the worker measured as it warmed up (`assume`), so the decision holds
+from the first request, and traffic's own measurements take over as they come.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from engine.wire import WorkerStats
+from engine.wire import EngineSpeed, WorkerStats
 from router.prefill_policy import Ewma, PrefillRate, StepWindow
 
 
@@ -30,6 +32,24 @@ class WorkerLoad:
     # A decode worker's own prompts: their compute phase per uncached token, lately.
     local_prefill_s_per_token: Ewma = field(default_factory=Ewma)
     last_batch_at: float | None = None
+    speed: EngineSpeed | None = None  # what the worker's warm-up measured
+
+    def assume(self, speed: EngineSpeed | None) -> None:
+        """Start from the worker's warm-up: its prompt rate (a prefill worker's rate, the
+        price of a prompt a decode worker runs itself) and its decode step time."""
+        self.speed = speed
+        if speed is not None:
+            self.prefill_rate.tokens_per_s.assume(speed.prefill_tokens_per_s)
+            self.local_prefill_s_per_token.assume(speed.prefill_s_per_token)
+
+    def decode_step_s(self, now: float) -> float | None:
+        """Its mean step time over the window (`StepWindow`); while requests run there
+        and no step has fallen in the window yet (the first batch of a burst), the
+        warm-up's step, a batch of one: a floor."""
+        mean = self.step_s.mean(now)
+        if mean is None and self.stats is not None and self.stats.num_running > 0:
+            return self.speed.decode_step_s if self.speed is not None else None
+        return mean
 
     def lease(self, num_tokens: int = 0, prices_local_prefill: bool = False) -> WorkerLease:
         return WorkerLease(self, num_tokens, prices_local_prefill)

@@ -12,6 +12,7 @@ from bench.fake_workers import FakePools, WordTokenizer
 from engine.core.outputs import FinalResult
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.wire import EngineSpeed, WorkerStats
 from pdserve.v1 import admin_pb2 as pb
 from router.admin import AdminServicer
 from router.config import RouterConfig
@@ -24,6 +25,7 @@ from router.prefill_policy import (
     decide,
 )
 from router.protocol import GenerateCall
+from router.worker_load import WorkerLoad
 
 IDLE = PathInputs(
     has_prefill=True,
@@ -263,3 +265,81 @@ def test_a_saturated_prefill_pool_sends_prompts_to_an_idle_decode_worker() -> No
         await gen.stop()
 
     asyncio.run(body())
+
+
+def test_a_burst_on_a_fresh_service_is_placed_from_the_workers_warm_up_speeds() -> None:
+    """Nothing has answered yet: the first prompts are priced at the speeds the workers
+    measured as they warmed up, so a burst that queues more than half the TTFT target on
+    the prefill worker overflows to the decode worker at once, and no prompt is placed
+    without an estimate."""
+    from bench.harness.polling import wait_until_async
+    from router import metrics
+    from tests.test_orchestrator import _collect, _generator
+
+    reasons = ("no_estimate", "prefill_within_slo", "prefill_saturated")
+
+    def counts() -> dict[str, float]:
+        registry = metrics.get_metrics().registry
+        return {
+            r: sum(
+                registry.get_sample_value("pdserve_prefill_path_total", {"path": p, "reason": r})
+                or 0.0
+                for p in ("local", "remote")
+            )
+            for r in reasons
+        }
+
+    def call(i: int) -> GenerateCall:
+        prompt = tuple(range(100 * i, 100 * i + 64))  # no prefix shared between them
+        return GenerateCall("", None, prompt, None, SamplingParams(max_tokens=4, seed=i))
+
+    async def body() -> None:
+        # Each worker ran a prompt of 64 tokens in 10 ms as it warmed up.
+        pools = FakePools(1, 1, speed=EngineSpeed(64, 0.01, 0.002))
+        prefill = pools.fakes["prefill-0"]
+        gen = _generator(pools, slo_ttft_ms=100.0)  # saturated past 50 ms of queued prompts
+        before = counts()
+        prefill.hold_prefill = asyncio.Event()  # the burst finds the prefill worker busy
+        tasks = [asyncio.ensure_future(_collect(gen.generate(call(i)))) for i in range(8)]
+
+        def placed() -> dict[str, float]:
+            return {r: n - before[r] for r, n in counts().items()}
+
+        await wait_until_async(lambda: sum(placed().values()) == 8, 5.0)
+        assert placed()["no_estimate"] == 0
+        # About five prompts fit in 50 ms at 6400 tokens/s; the rest run locally.
+        assert (placed()["prefill_within_slo"], placed()["prefill_saturated"]) in ((5, 3), (4, 4))
+        prefill.hold_prefill.set()
+        for _, final in await asyncio.gather(*tasks):
+            assert final.finish_reason is FinishReason.LENGTH, final.error
+        await gen.stop()
+
+    asyncio.run(body())
+
+
+def test_traffic_replaces_the_warm_up_estimates_as_it_measures_them() -> None:
+    load = WorkerLoad()
+    load.assume(EngineSpeed(num_prompt_tokens=64, prefill_s=0.064, decode_step_s=0.01))
+    assert load.prefill_rate.tokens_per_s.value == pytest.approx(1000.0)
+    assert load.local_prefill_s_per_token.value == pytest.approx(0.001)
+    # A reply from the idle worker: its own rate, not a blend with the warm-up's.
+    load.prefill_rate.observe(500, 0.25, now=10.0, busy_since=9.75, was_idle=True)
+    assert load.prefill_rate.tokens_per_s.value == pytest.approx(2000.0)
+    # Later samples average as before.
+    load.prefill_rate.tokens_per_s.add(1000.0)
+    assert load.prefill_rate.tokens_per_s.value == pytest.approx(1800.0)
+
+
+def test_a_running_batch_with_no_step_measured_yet_is_priced_at_the_warm_up_step() -> None:
+    load = WorkerLoad()
+    load.assume(EngineSpeed(64, 0.064, decode_step_s=0.02))
+    assert load.decode_step_s(now=1.0) is None  # idle: no step to wait for
+    # The first batch of a burst: requests run, no step in the window yet.
+    load.observe_batch(1, _stats(num_running=3), now=1.0)
+    assert load.decode_step_s(now=1.0) == pytest.approx(0.02)
+    load.observe_batch(2, _stats(num_running=3), now=1.1)
+    assert load.decode_step_s(now=1.1) == pytest.approx(0.05)  # measured: 0.1 s, 2 steps
+
+
+def _stats(num_running: int) -> WorkerStats:
+    return WorkerStats("decode", 0, 100, 10, num_running, 0, 0, 0)
