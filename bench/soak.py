@@ -8,12 +8,22 @@ decode pool grows and shrinks; every request must still complete, nothing may le
    Poisson arrivals at `--load` (default 70 %) of it for `--duration-s` (600).
 3. Every `--kill-every-s` (120) SIGKILLs a live worker, prefill and decode in turn; at a
    quarter of the run adds a decode worker (`pdserve scale`), at three quarters removes it.
-4. Reports requests sent, completed, failed (by gRPC status or finish reason), texts that
+4. Once traffic stops, shrinks the decode pool to one worker and SIGKILLs it while
+   streams run on it (`bench.soak_sole_decode`): each stream must complete with its
+   undisturbed tokens and text, resuming within `--resume-within-s` (2) of the
+   replacement going live; the pool then grows back (`--no-sole-decode-kill`: skip).
+5. Stops the service with SIGTERM to its process group while streams run
+   (`bench.soak_group_stop`): each stream gets exactly one final message, the process
+   exits 0 within `--drain-grace-s` plus 5 s, nothing of it is left
+   (`--no-group-stop`: a plain SIGTERM to the router once everything has ended).
+6. Reports requests sent, completed, failed (by gRPC status or finish reason), texts that
    differ from other runs of the same request (every request is one of a few prompts,
    greedy or seeded, so all its runs must agree), migrations and restarts (from the
    service's metrics), blocks in use once traffic stops, and the RSS of the router and of
    each worker at the start and the end (the router's also from minute 2 on).
-Prints one summary and writes it, with provenance, as JSON.
+Prints one summary and writes it, with provenance, as JSON; exits 1 when any check
+failed, naming each failure. `--quick`: two minutes of traffic, a kill every 30 s, a 15 s
+capacity run (each still set by its own flag).
 """
 
 from __future__ import annotations
@@ -28,15 +38,17 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench.harness.metrics import scrape
 from bench.harness.pools import wait_pool_sizes
-from bench.harness.service import ServiceProcess, service_process
+from bench.harness.service import ServiceExitError, ServiceProcess, service_process
 from bench.harness.streams import StreamResult, generate
 from bench.report import distribution, provenance
+from bench.soak_group_stop import run_phase as group_stop
+from bench.soak_sole_decode import run_phase as sole_decode_kill
 from pdserve.v1 import admin_pb2 as admin_pb
 from router.admin_client import list_workers, scale_pool
 from router.client import get_pool_stats
@@ -48,6 +60,11 @@ SENTENCES = (
     "Snow covered the mountain pass long before the travellers reached it.",
 )
 NUM_PROMPTS = 12
+NUM_PREFILL, NUM_DECODE = 2, 2
+SOLE_DECODE_TOKENS = 64  # each stream's, when the only decode worker is killed
+GROUP_STOP_LONG_TOKENS = 2000  # more than a stream gets in any drain grace on CPU
+GROUP_STOP_SHORT_TOKENS = 16  # a few seconds: these finish within the grace
+QUICK = {"duration_s": 120.0, "kill_every_s": 30.0, "calibrate_s": 15.0}
 
 
 @dataclass(frozen=True)
@@ -221,9 +238,32 @@ class Soak:
         self.router_rss.append((time.monotonic() - self.t0, rss_mib(self.svc.proc.pid)))
         held = await self.blocks_in_use()
         after = scrape(self.svc.metrics_port)[1]
-        await wait_pool_sizes(self.svc.address, 2, 2)  # the last kill's replacement
+        await wait_pool_sizes(self.svc.address, NUM_PREFILL, NUM_DECODE)  # the last kill's
         workers_end = await worker_rss(self.svc.address)
-        return self.summary(capacity, rate, before, after, held, workers_start, workers_end)
+        summary = self.summary(capacity, rate, before, after, held, workers_start, workers_end)
+        if self.args.sole_decode_kill:
+            summary["sole_decode_kill"] = phase = await sole_decode_kill(
+                self.svc.address,
+                [replace(k, max_tokens=SOLE_DECODE_TOKENS).kwargs() for k in self.kinds[:4]],
+                num_prefill=NUM_PREFILL,
+                num_decode=NUM_DECODE,
+                resume_within_s=self.args.resume_within_s,
+                log=self.log,
+            )
+            phase["blocks_in_use_after"] = held = await self.blocks_in_use()
+            if held:
+                phase["passed"] = False
+                phase["wrong"].append(f"{held} blocks in use after the phase")
+        if self.args.group_stop:
+            summary["group_stop"] = await group_stop(
+                self.svc.proc,
+                self.svc.address,
+                [replace(k, max_tokens=GROUP_STOP_LONG_TOKENS).kwargs() for k in self.kinds[4:6]],
+                [replace(k, max_tokens=GROUP_STOP_SHORT_TOKENS).kwargs() for k in self.kinds[:4]],
+                grace_s=self.args.drain_grace_s,
+                log=self.log,
+            )
+        return summary
 
     def summary(
         self,
@@ -277,9 +317,48 @@ class Soak:
         }
 
 
+def failures(s: dict[str, Any]) -> list[str]:
+    """Every check the soak failed, one line each; empty when it passed."""
+    wrong = []
+    if s["failed"]:
+        wrong.append(f"requests failed: {s['failed']}")
+    if s["text_mismatches"]:
+        wrong.append(f"{s['text_mismatches']} texts differ from other runs of their request")
+    if s["blocks_in_use_after"]:
+        wrong.append(f"{s['blocks_in_use_after']} blocks in use after the traffic")
+    for phase, name in (
+        ("sole_decode_kill", "only decode worker killed"),
+        ("group_stop", "group SIGTERM"),
+    ):
+        wrong += [f"{name}: {w}" for w in s.get(phase, {}).get("wrong", [])]
+    return wrong
+
+
+def format_phases(s: dict[str, Any]) -> list[str]:
+    lines = []
+    if kill := s.get("sole_decode_kill"):
+        lines.append(
+            "only decode worker killed: replacement live "
+            f"{kill['replacement_live_after_kill_s']:.1f} s after the kill; streams resumed "
+            f"{kill['resumed_after_live_s']} s after it went live "
+            f"(bound {kill['resume_within_s']:g} s); tokens {kill['tokens']} of "
+            f"{kill['undisturbed_tokens']}; blocks in use after {kill['blocks_in_use_after']}"
+        )
+    if stop := s.get("group_stop"):
+        outcomes = Counter(o.removeprefix("final:FINISH_REASON_") for o in stop["outcomes"])
+        lines.append(
+            f"group SIGTERM with {stop['streams']} streams (grace {stop['drain_grace_s']:g} s): "
+            f"{dict(outcomes)}, last final {stop['worst_final_after_s']:.2f} s after the "
+            f"signal; exit {stop['exit_code']} after {stop['exit_after_s']:.2f} s; "
+            f"left running {stop['survivors'] or 'none'}"
+        )
+    return lines
+
+
 def format_summary(s: dict[str, Any]) -> str:
     rss = s["rss_mib"]["router"]
     growth = rss["growth_from_minute_2_pct"]
+    wrong = failures(s)
     return "\n".join(
         [
             f"capacity {s['capacity_req_per_s']:.2f} req/s; Poisson at {s['rate_req_per_s']:.2f} "
@@ -292,12 +371,24 @@ def format_summary(s: dict[str, Any]) -> str:
             + (f" ({growth:+.1f} % from minute 2)" if growth is not None else ""),
             f"worker RSS start {s['rss_mib']['workers_start']}",
             f"worker RSS end   {s['rss_mib']['workers_end']}",
+            *format_phases(s),
+            "passed" if not wrong else "FAILED:\n  " + "\n  ".join(wrong),
         ]
     )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.soak",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short soak: "
+        + ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in QUICK.items()),
+    )
     p.add_argument("--duration-s", type=float, default=600.0)
     p.add_argument("--kill-every-s", type=float, default=120.0)
     p.add_argument("--load", type=float, default=0.7, help="share of the measured capacity")
@@ -308,12 +399,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the summary as JSON here")
     p.add_argument("--log", help="the service's log (default: a temporary file)")
+    p.add_argument(
+        "--sole-decode-kill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the traffic: kill the only decode worker with streams on it",
+    )
+    p.add_argument(
+        "--resume-within-s",
+        type=float,
+        default=2.0,
+        help="streams resume this soon after the only decode worker's replacement is live",
+    )
+    p.add_argument(
+        "--group-stop",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stop with SIGTERM to the service's process group, streams in flight",
+    )
+    p.add_argument("--drain-grace-s", type=float, default=10.0, help="the service's")
+    if (argv if argv is not None else sys.argv[1:]).count("--quick"):
+        p.set_defaults(**QUICK)
     return p.parse_args(argv)
 
 
 SERVICE_ARGS = [
-    "--prefill-workers", "2", "--decode-workers", "2", "--enable-admin",
-    "--prefill-kv-cache-gib", "0.25", "--decode-kv-cache-gib", "0.5",
+    "--prefill-workers", str(NUM_PREFILL), "--decode-workers", str(NUM_DECODE),
+    "--enable-admin", "--prefill-kv-cache-gib", "0.25", "--decode-kv-cache-gib", "0.5",
 ]  # fmt: skip
 
 
@@ -321,16 +433,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = Path(args.log or tempfile.mkstemp(prefix="soak-", suffix=".log")[1])
     print(f"service log: {log}", flush=True)
-    with service_process(SERVICE_ARGS, log) as svc:
-        svc.wait_serving(600)
-        summary = asyncio.run(Soak(svc, args).run())
+    service_args = [*SERVICE_ARGS, "--drain-grace-s", f"{args.drain_grace_s:g}"]
+    summary: dict[str, Any] | None = None
+    try:
+        # In a session of its own for the group stop, whose signal must not reach us.
+        with service_process(service_args, log, new_session=args.group_stop) as svc:
+            svc.wait_serving(600)
+            summary = asyncio.run(Soak(svc, args).run())
+    except ServiceExitError:
+        if summary is None or "group_stop" not in summary:
+            raise  # the group stop's check names a bad exit status itself
+    assert summary is not None
     summary["provenance"] = provenance("bench.soak", sys.argv[1:] if argv is None else argv)
-    summary["service_args"] = SERVICE_ARGS
+    summary["service_args"] = service_args
     print(format_summary(summary))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
-    ok = not summary["failed"] and summary["blocks_in_use_after"] == 0
-    return 0 if ok and not summary["text_mismatches"] else 1
+    return 1 if failures(summary) else 0
 
 
 if __name__ == "__main__":

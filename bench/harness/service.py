@@ -46,10 +46,19 @@ class ServiceProcess:
     """`python -m router.cli serve --port <free> ARGS`; stdout and stderr go to `log_path`.
 
     Unless ARGS name one, the service gets a free metrics port of its own, so services
-    (and a `make run` on the default port) can run side by side.
+    (and a `make run` on the default port) can run side by side. `new_session`: in a
+    session and process group of its own, as a service manager starts it, so that a
+    signal to its group (`os.killpg(proc.pid, ...)`) does not reach the caller.
     """
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        *,
+        new_session: bool = False,
+    ) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         if "--metrics-port" not in args:
@@ -66,6 +75,7 @@ class ServiceProcess:
             env=service_env(env),
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            start_new_session=new_session,
         )
 
     def log_tail(self, n: int = 4000) -> str:
@@ -122,12 +132,16 @@ class ServiceExitError(AssertionError):
 
 @contextmanager
 def service_process(
-    args: list[str], log_path: Path, *, env: dict[str, str] | None = None
+    args: list[str],
+    log_path: Path,
+    *,
+    env: dict[str, str] | None = None,
+    new_session: bool = False,
 ) -> Iterator[ServiceProcess]:
     """A started service (not yet waited for: call `wait_serving`) for the `with` block,
-    stopped after it; ServiceExitError (with the log's tail) if it then does not exit 0.
-    An error inside the block wins over that."""
-    svc = ServiceProcess(args, log_path, env=env)
+    stopped after it (unless the block stopped it); ServiceExitError (with the log's tail)
+    if it then does not exit 0. An error inside the block wins over that."""
+    svc = ServiceProcess(args, log_path, env=env, new_session=new_session)
     try:
         yield svc
     except BaseException:

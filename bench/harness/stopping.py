@@ -20,7 +20,7 @@ import random
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from bench.harness.polling import wait_until_async
@@ -94,6 +94,21 @@ async def stop_with_streams(
         for i in range(num_streams)
     ]
     await wait_until_async(lambda: min(seen) >= 2, 120, what="every stream under way")
+    return await stop_and_wait(proc, mode, calls, seen, exit_timeout_s=exit_timeout_s, rng=rng)
+
+
+async def stop_and_wait(
+    proc: subprocess.Popen[bytes],
+    mode: str,
+    calls: Sequence[Awaitable[StreamResult]],
+    seen: list[int],
+    *,
+    exit_timeout_s: float = 90.0,
+    rng: random.Random | None = None,
+) -> StopResult:
+    """Send the stop while `calls` stream (`seen`: the tokens each has had so far, kept up
+    to date by the caller), then wait for the calls and the process: what each saw and
+    when, and which of the service's processes outlived it."""
     service = process_tree(proc.pid)
     tokens_at_signal = list(seen)
     start = time.monotonic()
