@@ -113,7 +113,9 @@ async def stop_and_wait(
     tokens_at_signal = list(seen)
     start = time.monotonic()
     send_stop(mode, proc.pid, rng)
-    streams = list(await asyncio.gather(*calls))
+    # The process first: a service that hangs would hold its streams open; killed, it
+    # ends them.
+    ending = asyncio.gather(*calls)
     loop = asyncio.get_running_loop()
     try:
         code: int | None = await loop.run_in_executor(None, proc.wait, exit_timeout_s)
@@ -124,6 +126,7 @@ async def stop_and_wait(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    streams = list(await ending)
     deadline = time.monotonic() + 5
     survivors = [pid for pid in service if process_alive(pid)]
     while survivors and time.monotonic() < deadline:
