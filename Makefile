@@ -45,7 +45,9 @@ test-slow: model
 	$(PY) -m pytest -q -m slow
 
 # Ten minutes of Poisson load on a 2P2D CPU service while workers are killed and the
-# decode pool grows and shrinks (bench/soak.py); not part of `make test`.
+# decode pool grows and shrinks, then the only decode worker killed with streams on it
+# and a SIGTERM to the service's process group with streams in flight (bench/soak.py);
+# not part of `make test`. ARGS=--quick: two minutes of load.
 soak: model
 	$(PY) -m bench.soak --out $(or $(OUT),soak.json) $(ARGS)
 
