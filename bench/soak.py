@@ -389,8 +389,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a short soak: "
         + ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in QUICK.items()),
     )
-    p.add_argument("--duration-s", type=float, default=600.0)
-    p.add_argument("--kill-every-s", type=float, default=120.0)
+    p.add_argument("--duration-s", type=float, default=600.0, help="of the Poisson traffic")
+    p.add_argument("--kill-every-s", type=float, default=120.0, help="a worker SIGKILLed")
     p.add_argument("--load", type=float, default=0.7, help="share of the measured capacity")
     p.add_argument("--calibrate-s", type=float, default=45.0, help="closed-loop capacity run")
     p.add_argument("--concurrency", type=int, default=8, help="of the capacity run")
@@ -398,7 +398,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the summary as JSON here")
-    p.add_argument("--log", help="the service's log (default: a temporary file)")
+    p.add_argument("--log", help="the service's log; None: a temporary file")
     p.add_argument(
         "--sole-decode-kill",
         action=argparse.BooleanOptionalAction,
