@@ -380,7 +380,7 @@ def format_summary(s: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.soak",
-        description=__doc__.split("\n")[0],
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
