@@ -90,7 +90,14 @@ def _run_group(
 
 # 4 query heads, 2 KV heads: TP 2 splits both, TP 4 replicates each KV head on two
 # ranks. Qwen2 has q/k/v biases (one split, one replicated), Qwen3 q/k norms.
-@pytest.mark.parametrize(("arch", "sizes"), [("llama", (2, 4)), ("qwen2", (4,)), ("qwen3", (2,))])
+@pytest.mark.parametrize(
+    ("arch", "sizes"),
+    [
+        ("llama", (2, 4)),
+        pytest.param("qwen2", (4,), marks=pytest.mark.slow),
+        pytest.param("qwen3", (2,), marks=pytest.mark.slow),
+    ],
+)
 def test_a_model_split_over_ranks_matches_one_rank(
     arch: str, sizes: tuple[int, ...], tiny_model_paths: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -69,6 +69,7 @@ def test_a_worker_split_over_three_processes_streams_one_processes_text(
     assert outputs == [list(r.token_ids) for r in reference]
 
 
+@pytest.mark.slow
 def test_losing_one_rank_replaces_the_whole_worker(service: ServiceProcess) -> None:
     followers = _pids("TPFollower")
     assert len(followers) == 2, followers
