@@ -176,9 +176,13 @@ class DecodeWorker(KVExporter, WorkerBase):
     def num_layers(self) -> int:
         return int(self.runner.kv_cache.shape[1])
 
-    def staging(self, num_blocks: int, layers: tuple[int, int]) -> torch.Tensor:
+    def staging(
+        self, num_blocks: int, layers: tuple[int, int], num_heads: int | None = None
+    ) -> torch.Tensor:
+        """`num_heads`: a buffer for only that many of this rank's KV heads (a part)."""
         cache = self.runner.kv_cache
-        shape = (num_blocks, layers[1] - layers[0], *cache.shape[2:])
+        heads = cache.shape[4] if num_heads is None else num_heads
+        shape = (num_blocks, layers[1] - layers[0], *cache.shape[2:4], heads, cache.shape[5])
         return torch.empty(shape, dtype=cache.dtype, device=cache.device)
 
     def scatter(

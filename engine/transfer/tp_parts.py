@@ -330,9 +330,7 @@ class MainPartTarget:
         return int(self._worker.num_layers)
 
     def staging(self, num_blocks: int, layers: tuple[int, int]) -> torch.Tensor:
-        cache = self._worker.runner.kv_cache
-        shape = (num_blocks, layers[1] - layers[0], *cache.shape[2:4], self._num_heads)
-        return torch.empty((*shape, cache.shape[5]), dtype=cache.dtype, device=cache.device)
+        return self._worker.staging(num_blocks, layers, num_heads=self._num_heads)
 
     def scatter(
         self,
