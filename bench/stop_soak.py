@@ -22,31 +22,25 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import REPO, free_port, service_env, wait_until
+from bench.harness import wait_until
 from bench.harness.service import health_status
-from bench.harness.stopping import STOP_MODES, StopResult, stop_with_streams
+from bench.harness.stopping import (
+    STOP_MODES,
+    StopResult,
+    serve_in_own_session,
+    stop_with_streams,
+)
 from bench.report import provenance
 
 
 def one_try(mode: str, drain_grace_s: float, log: Path, rng: random.Random) -> StopResult:
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--port", str(port)]
-            + ["--metrics-port", "0", "--drain-grace-s", str(drain_grace_s)],
-            cwd=REPO,
-            env=service_env(None),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc, port = serve_in_own_session(log, drain_grace_s)
     address = f"127.0.0.1:{port}"
     try:
         wait_until(lambda: health_status(address) == "SERVING" or proc.poll() is not None, 300)

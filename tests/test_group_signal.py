@@ -13,15 +13,13 @@ import asyncio
 import os
 import random
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from bench.harness import REPO, free_port, service_env, wait_until
+from bench.harness import wait_until
 from bench.harness.service import health_status
-from bench.harness.stopping import StopResult, stop_with_streams
+from bench.harness.stopping import StopResult, serve_in_own_session, stop_with_streams
 
 # The targets: each stream has its final message within a second of the signal, the
 # process exits 0 within five, and nothing of the service is left running.
@@ -29,24 +27,9 @@ FINAL_WITHIN_S = 1.0
 EXIT_WITHIN_S = 5.0
 
 
-def _serve(log: Path, drain_grace_s: float) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--port", str(port)]
-            + ["--metrics-port", "0", "--drain-grace-s", str(drain_grace_s)],
-            cwd=REPO,
-            env=service_env(None),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, as under a service manager
-        )
-    return proc, port
-
-
 def _stop(tmp_path: Path, mode: str, drain_grace_s: float) -> tuple[StopResult, str]:
     log = tmp_path / "serve.log"
-    proc, port = _serve(log, drain_grace_s)
+    proc, port = serve_in_own_session(log, drain_grace_s)
     address = f"127.0.0.1:{port}"
     try:
         wait_until(lambda: health_status(address) == "SERVING" or proc.poll() is not None, 240)

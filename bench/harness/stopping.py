@@ -19,13 +19,35 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.harness.polling import wait_until_async
+from bench.harness.ports import free_port
+from bench.harness.service import REPO, service_env
 from bench.harness.sockets import process_alive, process_tree
 from bench.harness.streams import StreamResult, generate
+
+
+def serve_in_own_session(log: Path, drain_grace_s: float) -> tuple[subprocess.Popen[bytes], int]:
+    """`pdserve serve` on the embedded model in a session (process group) of its own, as a
+    service manager starts it; its output goes to `log`. The process and its port."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--port", str(port)]
+            + ["--metrics-port", "0", "--drain-grace-s", str(drain_grace_s)],
+            cwd=REPO,
+            env=service_env(None),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return proc, port
+
 
 STOP_MODES = ("group", "every-ray-first", "every-router-first", "every-shuffled")
 
