@@ -193,7 +193,8 @@ def bench_model(
     compiled (the engine's default) or the whole stack (engine.model.compiled)."""
     from unittest import mock
 
-    from engine.model import attention, triton_gemv
+    from engine.model import attention
+    from engine.model.kernels import triton_gemv
     from engine.model.model_runner import ModelRunner
 
     max_blocks = -(-(max(contexts) + 1) // BLOCK_SIZE)
@@ -291,7 +292,7 @@ def bench_model(
 
 def bench_kernel(batch_sizes: list[int], context: int) -> list[dict[str, Any]]:
     """One layer of the Triton decode kernel on the Llama-3.1-8B shape, per tile size."""
-    from engine.model import triton_attention as ta
+    from engine.model.kernels import triton_attention as ta
 
     rows = []
     default_block_n = ta._BLOCK_N
@@ -312,7 +313,7 @@ def bench_kernel(batch_sizes: list[int], context: int) -> list[dict[str, Any]]:
 
 
 def _kernel_row(n: int, context: int, block_n: int) -> dict[str, Any]:
-    from engine.model import triton_attention as ta
+    from engine.model.kernels import triton_attention as ta
 
     heads, kv_heads, head_dim = 32, 8, 128
     per_seq = -(-context // BLOCK_SIZE)

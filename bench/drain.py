@@ -42,8 +42,8 @@ from bench.harness.polling import wait_until_async
 from bench.harness.service import service_process
 from bench.report import distribution, provenance
 from pdserve.v1 import generation_pb2 as pb
-from router.admin_client import scale_pool
-from router.client import get_pool_stats, stream_generate
+from router.cli.admin_client import scale_pool
+from router.cli.client import get_pool_stats, stream_generate
 
 
 class Stream:

@@ -33,9 +33,9 @@ from engine.wire import (
     TokenUpdate,
     WorkerStats,
 )
-from engine.worker import WorkerInfo
-from router.clients import WorkerDied
-from router.pools import WorkerRef
+from engine.worker.actor import WorkerInfo
+from router.fleet.clients import WorkerDied
+from router.fleet.pools import WorkerRef
 
 EPOCH = 5
 NUM_BLOCKS = 1024
@@ -360,7 +360,7 @@ class FakeWorker:
 
 
 class FakePools:
-    """The slice of router.pools.Pools the serving core uses, over fake workers."""
+    """The slice of router.fleet.pools.Pools the serving core uses, over fake workers."""
 
     def __init__(
         self,
@@ -403,7 +403,7 @@ class FakePools:
         return WorkerRef(pool, index, None, info, client_impl=fake)
 
     def replace(self, worker_id: str) -> WorkerRef:
-        """As router.pools.Pools does for a dead worker: a new incarnation with the same id
+        """As router.fleet.pools.Pools does for a dead worker: a new incarnation with the same id
         and a new epoch, paired with the other pool, live, announced to the hooks."""
         old = next(w for w in self.all() if w.worker_id == worker_id)
         self.workers[old.pool].remove(old)
@@ -440,13 +440,13 @@ class FakePools:
         return ChannelSpec("127.0.0.1", 0, sender.worker_id, EPOCH, receiver.worker_id, EPOCH)
 
     def announce_live(self, worker_id: str) -> None:
-        """As router.pools.Pools does once a worker is live and paired: the hooks."""
+        """As router.fleet.pools.Pools does once a worker is live and paired: the hooks."""
         ref = next(w for w in self.all() if w.worker_id == worker_id)
         for callback in self.on_live:
             callback(ref)
 
     async def drain(self, worker_id: str) -> None:
-        """As router.pools.Pools.drain: no new work, the hooks, then wait until empty."""
+        """As router.fleet.pools.Pools.drain: no new work, the hooks, then wait until empty."""
         ref = next(w for w in self.all() if w.worker_id == worker_id)
         ref.state = "draining"
         for hook in self.drain_hooks:

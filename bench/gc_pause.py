@@ -38,7 +38,7 @@ print(json.dumps({{"objects": objects, "full_ms": before, "frozen_full_ms": afte
 
 _SETUPS = {
     "worker": "from engine.llm import LLM\nllm = LLM(model={model!r}, load_format='dummy')",
-    "router": "import ray, router.service, router.cluster, router.grpc_server",
+    "router": "import ray, router.service, router.fleet.cluster, router.edge.grpc_server",
 }
 
 

@@ -7,7 +7,7 @@ product over enough distinct copies of the weight to exceed the L2 cache, as a d
 step does (each weight is read once per step, never from cache). Reports microseconds per
 product, the weight-read rate, and the Triton kernel's result against a float32
 reference. `--sweep` also times a grid of kernel configurations and reports the best per
-shape, which is how `engine.model.triton_gemv.default_config` was chosen.
+shape, which is how `engine.model.kernels.triton_gemv.default_config` was chosen.
 
     python -m bench.gemv --out $OUT/gemv.json [--sweep]
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.report import provenance
-from engine.model.triton_gemv import GemvConfig, default_config, gemv
+from engine.model.kernels.triton_gemv import GemvConfig, default_config, gemv
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "deploy" / "model_configs"

@@ -1,6 +1,6 @@
 """What the gRPC edge costs one request at concurrency 1, against a bare grpc.aio server.
 
-The router's gRPC server (`router.grpc_server.GrpcServer`: interceptors, servicer,
+The router's gRPC server (`router.edge.grpc_server.GrpcServer`: interceptors, servicer,
 metrics) over a core that gives its first token `--work-ms` after the call reaches it,
 side by side with a bare `grpc.aio` server whose handler waits the same time, both in
 processes of their own on loopback, alternating rounds. The wait ends from another
@@ -79,12 +79,12 @@ class _TimedCore:
         yield FinalResult(FinishReason.LENGTH, Usage(len(call.prompt_token_ids or ()), 2))
 
     def server_info(self) -> Any:
-        from router.protocol import ServerInfo
+        from router.serving.protocol import ServerInfo
 
         return ServerInfo("edge", 4096, 16, 0, 0, 1, 1, num_colocated_workers=1)
 
     async def pool_stats(self) -> Any:
-        from router.protocol import PoolStats
+        from router.serving.protocol import PoolStats
 
         return PoolStats(workers=(), num_in_flight=0, num_queued=0)
 
@@ -101,8 +101,8 @@ def _serve(kind: str, work_s: float, ports: Any) -> None:
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
         else:
-            from router.grpc_server import GrpcServer
-            from router.metrics import RouterMetrics
+            from router.edge.grpc_server import GrpcServer
+            from router.observability.metrics import RouterMetrics
 
             edge = GrpcServer(_TimedCore(work_s), port=0, metrics=RouterMetrics())
             port = await edge.start()

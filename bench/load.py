@@ -31,7 +31,7 @@ import grpc
 from bench.report import distribution, provenance
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.client import ClientSecurity, add_security_arguments
+from router.cli.client import ClientSecurity, add_security_arguments
 
 # Words for --text-prompts; token counts per word vary by tokenizer, so prompt
 # lengths are approximate in that mode (usage.prompt_tokens reports the truth).

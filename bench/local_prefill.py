@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.harness import ServiceProcess
 from bench.report import percentile, write_result
-from router.client import stream_generate
+from router.cli.client import stream_generate
 
 NEVER = 1_000_000
 

@@ -4,14 +4,15 @@ routing, against an oracle (one worker with an unbounded cache).
 Sessions share a long system prompt; each turn's prompt is the system prompt, the
 session's history (every earlier user message and answer) and a new user message.
 
-The simulation runs the real routing code (router.kv_index, router.routing) over N
-real engine caches (engine.core KVCacheManager with a bounded number of blocks, fed
-back to the index through KV events), with no model: hit rates depend only on which
-prompt meets which cache, not on the hardware. Time is simulated too: a prefill takes
-`prefill_s_per_token` per uncached prompt token, an answer `decode_s_per_token` per
-token, and a user thinks `think_s` between turns. `--pool prefill` models the prefill
-pool (a worker caches prompts only; answers are decoded elsewhere), `--pool colocated`
-replicas that decode too (answers are cached where they were generated).
+The simulation runs the real routing code (router.routing.kv_index,
+router.routing.cache_aware) over N real engine caches (engine.core KVCacheManager with a
+bounded number of blocks, fed back to the index through KV events), with no model: hit
+rates depend only on which prompt meets which cache, not on the hardware. Time is
+simulated too: a prefill takes `prefill_s_per_token` per uncached prompt token, an
+answer `decode_s_per_token` per token, and a user thinks `think_s` between turns.
+`--pool prefill` models the prefill pool (a worker caches prompts only; answers are
+decoded elsewhere), `--pool colocated` replicas that decode too (answers are cached
+where they were generated).
 
     python -m bench.multiturn --sessions 64 --turns 6 --workers 4 --out multiturn.json
 
@@ -33,8 +34,8 @@ from typing import Any, Literal, Protocol
 
 from bench.report import provenance
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
-from router.kv_index import PrefixIndex
-from router.routing import RoutingConfig, RoutingPolicy, choose_by_work, choose_worker
+from router.routing.cache_aware import RoutingConfig, RoutingPolicy, choose_by_work, choose_worker
+from router.routing.kv_index import PrefixIndex
 
 Pool = Literal["prefill", "colocated"]
 

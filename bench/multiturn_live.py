@@ -39,7 +39,7 @@ from bench.multiturn import (
     summarize,
 )
 from bench.report import percentile, write_result
-from router.client import get_server_info, stream_generate
+from router.cli.client import get_server_info, stream_generate
 
 DEFAULT_SERVE_ARGS = (
     "--prefill-workers 2 --decode-workers 1 --prefill-kv-cache-gib 0.05 "

@@ -167,7 +167,7 @@ async def _one(stub: Any, prompt: list[int], max_tokens: int, sent: Sent, t0: fl
 async def _watch_pools(address: str, t0: float, stop: asyncio.Event, out: list[list[Any]]) -> None:
     """(t, live prefill, live decode, prefill target, decode target) every second."""
     from pdserve.v1 import admin_pb2 as admin_pb
-    from router.admin_client import list_workers
+    from router.cli.admin_client import list_workers
 
     while not stop.is_set():
         try:

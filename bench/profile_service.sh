@@ -37,7 +37,7 @@ for _ in $(seq 1200); do
   sleep 0.5
 done
 sleep "${PROFILE_AFTER_S:-15}"
-for pid in $(pgrep -f "pdserve serve|bin/pdserve|router.cli") $(pgrep -f "ray::(Prefill|Decode|Colocated)Worker"); do
+for pid in $(pgrep -f "pdserve serve|bin/pdserve|router.cli.main") $(pgrep -f "ray::(Prefill|Decode|Colocated)Worker"); do
   name=$(tr '\0' ' ' </proc/"$pid"/cmdline | cut -c1-40 | tr -c 'a-zA-Z0-9\n' '_')
   "$pyspy" record --pid "$pid" --duration "${PROFILE_FOR_S:-10}" --rate 200 --format raw \
     --threads $how --output "$OUT/$pid-$name.txt" >/dev/null 2>&1 &

@@ -30,16 +30,16 @@ from typing import Any
 from bench.fake_workers import FakePools
 from bench.report import percentile, provenance
 from bench.suite_common import free_port
-from router.streams import StreamInterval
+from router.edge.streams import StreamInterval
 
 
 def _serve(
     port: int, args: argparse.Namespace, interval: StreamInterval, ready: Any, done: Any
 ) -> None:
-    from router.config import RouterConfig
-    from router.grpc_server import serve
-    from router.metrics import get_metrics
-    from router.orchestrator import DisaggregatedGenerator
+    from router.edge.grpc_server import serve
+    from router.observability.metrics import get_metrics
+    from router.serving.config import RouterConfig
+    from router.serving.orchestrator import DisaggregatedGenerator
 
     async def main() -> None:
         pools = FakePools(1, 1, step_s=args.step_ms / 1000, steps_by_clock=True)

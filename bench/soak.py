@@ -50,8 +50,8 @@ from bench.report import distribution, provenance
 from bench.soak_group_stop import run_phase as group_stop
 from bench.soak_sole_decode import run_phase as sole_decode_kill
 from pdserve.v1 import admin_pb2 as admin_pb
-from router.admin_client import list_workers, scale_pool
-from router.client import get_pool_stats
+from router.cli.admin_client import list_workers, scale_pool
+from router.cli.client import get_pool_stats
 
 SENTENCES = (
     "The river runs past the old mill and on to the sea.",

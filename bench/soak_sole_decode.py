@@ -23,7 +23,7 @@ from bench.harness.polling import wait_until_async
 from bench.harness.pools import wait_pool_sizes
 from bench.harness.streams import StreamResult, generate
 from pdserve.v1 import admin_pb2 as admin_pb
-from router.admin_client import list_workers, scale_pool
+from router.cli.admin_client import list_workers, scale_pool
 
 MIN_TOKENS_BEFORE_KILL = 8  # each stream's, so that every one is mid-way when it dies
 COMPLETED = "final:FINISH_REASON_LENGTH"  # every request sets ignore_eos

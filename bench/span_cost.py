@@ -25,16 +25,16 @@ from engine.transfer.base import KVPoll
 from engine.transfer.handoff import HandoffEntry, HandoffHeader, HandoffTarget, HeaderKind
 from engine.transfer.receiver import KVArrival
 from engine.wire import GenerationInput, TokenUpdate
-from engine.worker_phases import (
+from engine.worker.phases import (
     Waiting,
     arrival_phases,
     decode_start_phases,
     prompt_phases,
     record_kv_send,
 )
-from router.config import RouterConfig
-from router.orchestrator import DisaggregatedGenerator
-from router.protocol import GenerateCall
+from router.serving.config import RouterConfig
+from router.serving.orchestrator import DisaggregatedGenerator
+from router.serving.protocol import GenerateCall
 
 PROMPT = tuple(range(100, 356))  # 256 tokens: prefilled remotely, handed off
 OUTPUT_TOKENS = 32

@@ -150,8 +150,8 @@ def run_level(
 def step_times(llm: Any, context: int, k: int, reps: int) -> dict[str, float]:
     """Median ms of a plain decode step and of a verifying step (1 + k tokens), batch 1."""
     from engine.core.batch import Batch, ScheduledSeq
-    from engine.core.speculation import PROPOSAL_TOKEN
     from engine.sampling_params import GREEDY
+    from engine.spec.speculation import PROPOSAL_TOKEN
 
     runner = llm.runner
     block_size = runner.block_size
@@ -246,7 +246,7 @@ def build(ns: argparse.Namespace, speculative: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.core.spec_config import SpeculativeConfig
+    from engine.spec.spec_config import SpeculativeConfig
 
     ns = parse_args(argv)
     spec = SpeculativeConfig(

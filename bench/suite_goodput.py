@@ -245,7 +245,7 @@ def gpu_count() -> int | None:
 
 async def _settle(address: str, timeout_s: float = 60.0) -> float:
     """Seconds until the router and every worker hold nothing (after cancelled calls)."""
-    from router.client import get_pool_stats
+    from router.cli.client import get_pool_stats
 
     start = time.perf_counter()
     while time.perf_counter() - start < timeout_s:
@@ -413,7 +413,7 @@ def run_sweep(
 async def _aim(address: str, tpot_ms: float, ttft_s: float) -> None:
     """The router's local-prefill rule aimed at these targets from now on."""
     from pdserve.v1 import admin_pb2
-    from router.admin_client import set_prefill_policy
+    from router.cli.admin_client import set_prefill_policy
 
     request = admin_pb2.SetPrefillPolicyRequest(slo_tpot_ms=tpot_ms, slo_ttft_ms=1000 * ttft_s)
     await set_prefill_policy(address, request)
@@ -422,7 +422,7 @@ async def _aim(address: str, tpot_ms: float, ttft_s: float) -> None:
 async def _blocks(address: str) -> dict[str, int]:
     """KV blocks of each worker, as it sized its cache."""
     from pdserve.v1 import generation_pb2 as pb
-    from router.client import get_pool_stats
+    from router.cli.client import get_pool_stats
 
     stats = await get_pool_stats(address)
     return {

@@ -40,7 +40,7 @@ from bench.suite_plan import RunSpec, prompts_for
 def serve_help() -> str:
     """`pdserve serve --help`, to see which flags this checkout has."""
     out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "serve", "--help"],
+        [sys.executable, "-m", "router.cli.main", "serve", "--help"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -45,8 +45,8 @@ import torch.multiprocessing as mp
 from bench.decode_step import BLOCK_SIZE, CONFIGS, REPO, int_list
 from bench.report import provenance
 from bench.tp_decode_rank import RankJob, log, rank_main
-from engine.core.tp_heads import num_local_kv_heads, tp_size_problem
 from engine.model.model_spec import kv_bytes_per_token
+from engine.parallel.tp_heads import num_local_kv_heads, tp_size_problem
 
 # NVLink multicast (NVLS) can take a shared host's GPUs down: off in every rank.
 NO_MULTICAST = {

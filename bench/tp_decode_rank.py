@@ -33,7 +33,7 @@ from engine.core.batch import Batch
 from engine.model.compiled import is_compiled
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.model_runner import ModelRunner
-from engine.model.tensor_parallel import TPRank, all_reduce, join_tp_group
+from engine.parallel.tensor_parallel import TPRank, all_reduce, join_tp_group
 
 # All-reduces per timed sample of the all-reduce alone: back to back, so a sample is not
 # one launch's host latency (and the graph replays them as the model's graph does).

@@ -32,8 +32,8 @@ from engine.transfer.handoff import Reservation
 from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import AbortOutcome, ReservationBook
 from engine.wire import GenerationInput, TokenBatch, TokenUpdate, coalesce
-from engine.worker import WorkerBase
-from engine.worker_phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
+from engine.worker.actor import WorkerBase
+from engine.worker.phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
 
 log = logging.getLogger(__name__)
 

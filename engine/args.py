@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from engine.core.config import SchedulerConfig
-from engine.core.spec_config import SpeculativeConfig
+from engine.spec.spec_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +70,7 @@ class EngineArgs:
     kv_stream_min_tokens: int | Literal["auto"] = DEFAULT_KV_STREAM_MIN_TOKENS
     # Speculative decoding (decode and colocated engines; a prefill engine ignores it).
     speculative: SpeculativeConfig | None = None
-    # GPUs (processes) one worker's model is split over (engine.model.tensor_parallel).
+    # GPUs (processes) one worker's model is split over (engine.parallel.tensor_parallel).
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

@@ -20,7 +20,7 @@ from engine.core.config import CacheConfig
 from engine.core.engine_core import EngineCore
 from engine.core.role import EngineRole
 from engine.model.model_spec import ModelSpec
-from engine.model.tensor_parallel import SINGLE, TPRank
+from engine.parallel.tensor_parallel import SINGLE, TPRank
 from engine.transfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,8 @@ def _load_draft(
 ) -> tuple[tuple[torch.nn.Module, ModelSpec], float]:
     """The draft model, loaded, and the target's share of the KV budget (by bytes per
     block); ValueError for a draft the target cannot verify."""
-    from engine.model.draft_model import check_draft_vocabulary
     from engine.model.model_loader import load_model
+    from engine.spec.draft_model import check_draft_vocabulary
 
     assert args.speculative is not None and args.speculative.model is not None
     draft_path = Path(args.speculative.model)
@@ -154,7 +154,7 @@ def build_engine(
     share = 1.0 if draft is None else draft[1]
     runner = build_runner(args, role, tp, budget_share=share)
     if draft is not None:
-        from engine.model.draft_model import DraftModel
+        from engine.spec.draft_model import DraftModel
 
         assert speculative is not None and speculative.model is not None
         runner.drafter = DraftModel(

@@ -40,8 +40,8 @@ from engine.transfer.handoff import NO_TOKEN, HandoffHeader
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, open_stream
 from engine.wire import GenerationInput, HandoffTarget, PrefillResult, Reservation, TokenUpdate
-from engine.worker import WorkerBase
-from engine.worker_phases import prompt_phases, record_kv_send
+from engine.worker.actor import WorkerBase
+from engine.worker.phases import prompt_phases, record_kv_send
 
 log = logging.getLogger(__name__)
 

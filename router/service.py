@@ -17,26 +17,26 @@ from typing import TYPE_CHECKING
 
 from engine import tracing
 from engine.core.outputs import FinalResult, TextChunk
-from router import port_holds
-from router.admin import AdminServicer
-from router.cluster_config import ClusterConfig
-from router.config import RouterConfig
-from router.daemon_calls import call_in_daemon_thread
-from router.errors import NotReadyError
-from router.fleet_metrics import FleetState, get_fleet_metrics
-from router.grpc_server import GrpcServer, serve
-from router.local_watch import ray_daemons, watch_processes
-from router.metrics import DEFAULT_METRICS_PORT, get_metrics
-from router.phase_metrics import get_phase_metrics
+from router.edge.admin import AdminServicer
+from router.edge.grpc_server import GrpcServer, serve
+from router.edge.security import EdgeSecurity
+from router.fleet import port_holds
+from router.fleet.cluster_config import ClusterConfig
+from router.fleet.daemon_calls import call_in_daemon_thread
+from router.fleet.local_watch import ray_daemons, watch_processes
+from router.observability.fleet_metrics import FleetState, get_fleet_metrics
+from router.observability.metrics import DEFAULT_METRICS_PORT, get_metrics
+from router.observability.phase_metrics import get_phase_metrics
 from router.planner.config import PlannerConfig
-from router.protocol import GenerateCall, PoolStats, ServerInfo
-from router.security import EdgeSecurity
+from router.serving.config import RouterConfig
+from router.serving.errors import NotReadyError
+from router.serving.protocol import GenerateCall, PoolStats, ServerInfo
 
 if TYPE_CHECKING:
-    from router.cluster import Cluster
-    from router.orchestrator import DisaggregatedGenerator
+    from router.fleet.cluster import Cluster
+    from router.fleet.pools import Pools
     from router.planner.loop import PlannerLoop
-    from router.pools import Pools
+    from router.serving.orchestrator import DisaggregatedGenerator
 
 log = logging.getLogger("pdserve")
 # Workers stop in well under a second when asked; a shutdown that takes longer is one
@@ -84,9 +84,9 @@ class ServeConfig:
 
 # What the service needs once it listens: Ray, torch, the serving core (seconds to import).
 _RUNTIME_MODULES = (
-    "router.cluster",
-    "router.pools",
-    "router.orchestrator",
+    "router.fleet.cluster",
+    "router.fleet.pools",
+    "router.serving.orchestrator",
     "router.planner.loop",
     "router.planner.metrics",
     "engine.model.model_loader",
@@ -190,11 +190,11 @@ async def run_service(
         # Off the event loop, which keeps answering health checks meanwhile.
         await call_in_daemon_thread(_import_runtime, "runtime-imports")
         from engine.model.model_loader import has_tokenizer, load_tokenizer
-        from router.cluster import Cluster
-        from router.orchestrator import DisaggregatedGenerator
+        from router.fleet.cluster import Cluster
+        from router.fleet.pools import Pools
         from router.planner.loop import PlannerLoop
         from router.planner.metrics import planner_metrics
-        from router.pools import Pools
+        from router.serving.orchestrator import DisaggregatedGenerator
 
         cluster = rt.cluster = Cluster(config.cluster)
         if on_cluster is not None:

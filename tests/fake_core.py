@@ -15,9 +15,9 @@ from engine.core.outputs import FinalResult, PhaseTimings, TextChunk, Usage
 from engine.core.request import FinishReason
 from engine.wire import WorkerStats
 from pdserve.v1 import generation_pb2 as pb
-from router.client import stream_generate
-from router.grpc_server import GrpcServer
-from router.protocol import GenerateCall, PoolStats, ServerInfo
+from router.cli.client import stream_generate
+from router.edge.grpc_server import GrpcServer
+from router.serving.protocol import GenerateCall, PoolStats, ServerInfo
 
 MAX_MODEL_LEN = 64
 

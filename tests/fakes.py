@@ -10,9 +10,9 @@ from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore, StepTokens
 from engine.core.request import PLACEHOLDER_TOKEN
 from engine.core.role import EngineRole
-from engine.core.spec_config import SpeculativeConfig
-from engine.core.speculation import PROPOSAL_TOKEN, accepted_prefix
 from engine.sampling_params import SamplingParams
+from engine.spec.spec_config import SpeculativeConfig
+from engine.spec.speculation import PROPOSAL_TOKEN, accepted_prefix
 from engine.wire import GenerationInput
 
 

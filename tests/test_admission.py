@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from router.admission import Admission
-from router.errors import QueueFullError
+from router.serving.admission import Admission
+from router.serving.errors import QueueFullError
 
 
 class FakeClock:

@@ -14,8 +14,8 @@ import pytest
 from bench.harness import wait_until_async
 from bench.load import main, parse_args, run_load, summarize
 from engine.core.request import FinishReason
-from router.errors import QueueFullError
-from router.grpc_server import GrpcServer
+from router.edge.grpc_server import GrpcServer
+from router.serving.errors import QueueFullError
 from tests.fake_core import FakeCore, run_with_server
 
 

@@ -1,4 +1,4 @@
-"""The router's call connection to a worker (engine/calls.py): replies matched to their
+"""The router's call connection to a worker (engine/worker/calls.py): replies matched to their
 calls, calls run side by side, the worker's errors raised at the caller, strangers
 refused, and a lost worker failing every call in flight instead of leaving it hanging."""
 
@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from engine.calls import VERBS, CallClient, CallServer, CallsLost, listen_host
-from router.clients import DirectWorkerClient, WorkerClient, WorkerDied
+from engine.worker.calls import VERBS, CallClient, CallServer, CallsLost, listen_host
+from router.fleet.clients import DirectWorkerClient, WorkerClient, WorkerDied
 
 TOKEN = b"t" * 32
 

@@ -19,10 +19,10 @@ import pytest
 from bench.harness import REPO, service_env
 from engine.core.request import FinishReason
 from engine.model.model_loader import load_tokenizer
-from router.cli import build_parser, main
-from router.commands import sampling_params
-from router.engine_flags import engine_args
-from router.grpc_server import GrpcServer
+from router.cli.commands import sampling_params
+from router.cli.engine_flags import engine_args
+from router.cli.main import build_parser, main
+from router.edge.grpc_server import GrpcServer
 from tests.fake_core import FakeCore, run_with_server
 
 
@@ -67,7 +67,7 @@ def test_bad_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_stream_interval_is_auto_unless_a_number_is_given() -> None:
-    from router.flags import router_config
+    from router.cli.flags import router_config
 
     parser = build_parser()
     assert router_config(parser.parse_args(["serve"])).stream_interval == "auto"
@@ -279,7 +279,7 @@ def test_port_in_use_is_one_line_and_nonzero_exit() -> None:
         holder.listen()
         port = holder.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "router.cli", "serve", "--port", str(port)],
+            [sys.executable, "-m", "router.cli.main", "serve", "--port", str(port)],
             cwd=REPO,
             env=service_env(),
             capture_output=True,
@@ -306,7 +306,7 @@ def test_a_usage_error_is_refused_at_once_by_the_installed_command(
     # checking come before torch, Ray or transformers are imported (seconds each).
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "router.cli", *argv],
+        [sys.executable, "-m", "router.cli.main", *argv],
         cwd=REPO,
         env=service_env(),
         capture_output=True,
@@ -322,7 +322,7 @@ def test_a_usage_error_is_refused_at_once_by_the_installed_command(
 def test_checking_flags_imports_no_torch_ray_or_transformers() -> None:
     code = (
         "import sys\n"
-        "from router.cli import main\n"
+        "from router.cli.main import main\n"
         "try:\n"
         "    main(['serve', '--port', '99999'])\n"
         "except SystemExit:\n"
@@ -343,7 +343,7 @@ def test_checking_flags_imports_no_torch_ray_or_transformers() -> None:
 def test_scale_to_zero_is_refused_by_the_rule_the_server_applies(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from router.pool_sizes import MAX_POOL_SIZE, pool_size_problem
+    from router.fleet.pool_sizes import MAX_POOL_SIZE, pool_size_problem
 
     for size in (0, MAX_POOL_SIZE + 1):
         err = _fails(["scale", "--server", "127.0.0.1:1", "--decode", str(size)], capsys)
@@ -373,7 +373,7 @@ def test_busy_metrics_port_fails_before_ray_starts() -> None:
         holder.listen()
         port = holder.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "router.cli", "serve", *flags, "--metrics-port", str(port)],
+            [sys.executable, "-m", "router.cli.main", "serve", *flags, "--metrics-port", str(port)],
             cwd=REPO,
             env=service_env(),
             capture_output=True,
@@ -439,7 +439,7 @@ def test_ctrl_c_in_the_client_exits_quietly() -> None:
         silent.listen()
         target = f"127.0.0.1:{silent.getsockname()[1]}"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "generate", "--server", target, "hi"],
+            [sys.executable, "-m", "router.cli.main", "generate", "--server", target, "hi"],
             cwd=REPO,
             env=service_env(),
             stdout=subprocess.PIPE,

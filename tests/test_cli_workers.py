@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
-from router.cli import main
+from router.cli.main import main
 
 
 def worker(

@@ -7,9 +7,9 @@ import asyncio
 from typing import Any
 
 from engine.wire import TokenBatch, TokenUpdate
-from router.delivery import LOADED_FROM_STREAMS, TokenDelivery
-from router.inbox import UpdateInbox
-from router.worker_load import WorkerLoad
+from router.routing.worker_load import WorkerLoad
+from router.serving.delivery import LOADED_FROM_STREAMS, TokenDelivery
+from router.serving.inbox import UpdateInbox
 
 
 class _Client:

@@ -23,8 +23,8 @@ import yaml
 from google.protobuf import json_format
 
 from pdserve.v1 import generation_pb2 as pb
-from router.cli import build_parser
-from router.flag_checks import check_planner_flags, given_flags
+from router.cli.flag_checks import check_planner_flags, given_flags
+from router.cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

@@ -12,7 +12,7 @@ import pytest
 from bench.harness import wait_until_async
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.grpc_server import GrpcServer, serve
+from router.edge.grpc_server import GrpcServer, serve
 from tests.fake_core import FakeCore, read_rest, refuses_new_calls, run_with_server
 
 

@@ -18,9 +18,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from router.client import ClientSecurity, get_server_info, stream_generate
-from router.grpc_server import GrpcServer
-from router.security import EdgeSecurity
+from router.cli.client import ClientSecurity, get_server_info, stream_generate
+from router.edge.grpc_server import GrpcServer
+from router.edge.security import EdgeSecurity
 from tests.fake_core import FakeCore
 
 # The test certificates are made with `cryptography` (a test dependency); an image
@@ -203,7 +203,7 @@ def test_bad_settings_are_refused_with_a_reason(tmp_path: Path, pki: dict) -> No
 
 
 def test_plaintext_on_a_public_address_warns(pki: dict, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="router.security")
+    caplog.set_level(logging.WARNING, logger="router.edge.security")
     for host in ("127.0.0.1", "localhost", "::1"):
         EdgeSecurity().warn_if_exposed(host)
     EdgeSecurity(auth_token_file=str(pki["tokens"])).warn_if_exposed("0.0.0.0")
@@ -216,8 +216,8 @@ def test_plaintext_on_a_public_address_warns(pki: dict, caplog: pytest.LogCaptur
 # A TLS server on loopback probed with plaintext, first as a gRPC client, then as raw bytes.
 _PLAINTEXT_PROBE = """
 import asyncio, socket, sys
-from router.grpc_server import GrpcServer
-from router.security import EdgeSecurity
+from router.edge.grpc_server import GrpcServer
+from router.edge.security import EdgeSecurity
 from tests.fake_core import FakeCore
 import grpc
 

@@ -331,7 +331,7 @@ def service_2p2d(tmp_path: Path) -> Iterator[ServiceProcess]:
 
 
 async def _served(address: str, prompt: list[int], max_tokens: int) -> tuple[list[int], Any]:
-    from router.client import stream_generate
+    from router.cli.client import stream_generate
 
     tokens: list[int] = []
     final = None
@@ -358,7 +358,7 @@ def test_2p2d_service_on_four_gpus_uses_both_pairs_and_matches_colocated_engine(
     service_2p2d: ServiceProcess,
 ) -> None:
     from pdserve.v1 import generation_pb2 as pb
-    from router.client import get_pool_stats
+    from router.cli.client import get_pool_stats
 
     assert "2 prefill + 2 decode + 0 colocated workers on GPUs" in service_2p2d.log_tail(20000)
     check_service_matches_colocated(service_2p2d.address, CONFIG_1B, "cuda")

@@ -21,9 +21,8 @@ import torch
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.model.compiled import uncompile_decoder
-from engine.model.model_runner import ModelRunner
-from engine.model.triton_attention import triton_available
-from engine.model.triton_gemv import (
+from engine.model.kernels.triton_attention import triton_available
+from engine.model.kernels.triton_gemv import (
     GemvConfig,
     gemv,
     packed_modules,
@@ -31,6 +30,7 @@ from engine.model.triton_gemv import (
     use_gemv,
     uses_gemv,
 )
+from engine.model.model_runner import ModelRunner
 from engine.sampling_params import GREEDY
 
 pytestmark = [

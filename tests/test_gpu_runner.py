@@ -24,9 +24,9 @@ from engine.core.batch import Batch, ScheduledSeq
 from engine.model.attention import paged_attention_forward, paged_step, write_kv
 from engine.model.attention_metadata import PagedAttentionMetadata, build_metadata
 from engine.model.compiled import is_compiled, uncompile_decoder
+from engine.model.kernels.triton_attention import paged_decode_attention, triton_available
 from engine.model.model_runner import ModelRunner
 from engine.model.prompt_graphs import prompt_graph_sizes
-from engine.model.triton_attention import paged_decode_attention, triton_available
 from engine.sampling_params import GREEDY
 from tests.fakes import assert_engine_empty
 from tests.tiny_models import tiny_config

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core.spec_config import SpeculativeConfig
 from engine.factory import EngineArgs
 from engine.llm import LLM
-from engine.model.triton_attention import triton_available
+from engine.model.kernels.triton_attention import triton_available
 from engine.sampling_params import SamplingParams
+from engine.spec.spec_config import SpeculativeConfig
 from tests.fakes import assert_engine_empty
 from tests.tiny_models import tiny_config
 

@@ -8,7 +8,7 @@ import pytest
 
 from engine.core.request import FinishReason
 from engine.wire import TokenUpdate
-from router.inbox import UpdateInbox
+from router.serving.inbox import UpdateInbox
 
 
 def run(coro):  # type: ignore[no-untyped-def]

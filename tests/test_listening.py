@@ -29,7 +29,7 @@ def test_the_port_answers_not_serving_within_a_second_while_ray_starts(tmp_path:
     started = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--port", str(port)]
+            [sys.executable, "-m", "router.cli.main", "serve", "--port", str(port)]
             + ["--metrics-port", "0"],
             cwd=REPO,
             env=service_env(),

@@ -17,9 +17,9 @@ from bench.fake_workers import FakePools
 from bench.harness.polling import wait_until_async
 from engine.core.request import FinishReason
 from pdserve.v1 import admin_pb2 as pb
-from router import metrics
-from router.admin import AdminServicer
-from router.migrations import migrations_counter
+from router.edge.admin import AdminServicer
+from router.observability import metrics
+from router.serving.migrations import migrations_counter
 from tests.test_migration import _stream, _text, _token
 from tests.test_orchestrator import PROMPT, _call, _generator, _run
 

@@ -18,12 +18,12 @@ import pytest
 from bench.harness import REPO, free_port
 from bench.harness.metrics import scrape, value
 from engine.wire import WorkerStats
-from router import metrics as router_metrics
-from router.client import ClientSecurity, stream_generate
-from router.grpc_server import GrpcServer
-from router.metrics import RouterMetrics
-from router.protocol import PoolStats
-from router.security import EdgeSecurity
+from router.cli.client import ClientSecurity, stream_generate
+from router.edge.grpc_server import GrpcServer
+from router.edge.security import EdgeSecurity
+from router.observability import metrics as router_metrics
+from router.observability.metrics import RouterMetrics
+from router.serving.protocol import PoolStats
 from tests.fake_core import FakeCore
 
 HISTOGRAMS = (
@@ -63,10 +63,10 @@ PLANNER_SERIES = {
     "pdserve_planner_target_workers",
     "pdserve_planner_load_workers",
 }
-# Registered by the serving core (router/migrations.py) on the same registry.
+# Registered by the serving core (router/serving/migrations.py) on the same registry.
 MIGRATION_SERIES = {"pdserve_request_migrations_total"}
 
-# Requests moved off lost or drained workers (router/migrations.py, same registry).
+# Requests moved off lost or drained workers (router/serving/migrations.py, same registry).
 MIGRATION_SERIES = {"pdserve_request_migrations_total"}
 
 PHASE_AND_FLEET_SERIES = {
@@ -228,7 +228,8 @@ def test_grafana_dashboard_queries_only_existing_metrics() -> None:
     for name in HISTOGRAMS:
         exposed |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
     exposed |= {f"{name}_total" for name in COUNTERS} | set(GAUGES) | PLANNER_SERIES
-    exposed |= PHASE_AND_FLEET_SERIES  # router/phase_metrics.py, router/fleet_metrics.py
+    # router/observability/phase_metrics.py, router/observability/fleet_metrics.py
+    exposed |= PHASE_AND_FLEET_SERIES
     exposed |= MIGRATION_SERIES
     titles = []
     for panel in dashboard["panels"]:
@@ -246,7 +247,7 @@ def test_a_message_of_several_tokens_counts_each_gap_in_the_itl_histogram() -> N
     """One update for N equal gaps leaves the histogram as N observations would."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from router.metrics_edge import observe_repeated
+    from router.observability.metrics_edge import observe_repeated
 
     registry = CollectorRegistry()
     buckets = (0.001, 0.01, 0.1)
@@ -273,7 +274,7 @@ def test_a_message_of_several_tokens_counts_each_gap_in_the_itl_histogram() -> N
 def test_each_live_workers_tensor_parallel_size_is_a_gauge() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from router.fleet_metrics import FleetCollector, FleetState
+    from router.observability.fleet_metrics import FleetCollector, FleetState
 
     collector = FleetCollector()
     registry = CollectorRegistry()

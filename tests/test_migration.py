@@ -23,9 +23,9 @@ from engine.core.request import FinishReason
 from engine.frontend.output_processor import OutputProcessor
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from router import metrics
-from router.migrations import migrations_counter
-from router.protocol import GenerateCall
+from router.observability import metrics
+from router.serving.migrations import migrations_counter
+from router.serving.protocol import GenerateCall
 from tests.test_orchestrator import PROMPT, _call, _generator, _run, _settle
 
 SEED = 3

@@ -15,9 +15,9 @@ from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.wire import GenerationInput
-from router.config import RouterConfig
-from router.orchestrator import DisaggregatedGenerator
-from router.protocol import GenerateCall
+from router.serving.config import RouterConfig
+from router.serving.orchestrator import DisaggregatedGenerator
+from router.serving.protocol import GenerateCall
 
 PROMPT = tuple(range(100, 164))  # 64 tokens: above the short-prompt threshold
 

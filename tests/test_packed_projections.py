@@ -1,4 +1,4 @@
-"""Packed sibling projections (engine.model.triton_gemv) keep every supported model's
+"""Packed sibling projections (engine.model.kernels.triton_gemv) keep every supported model's
 transformers forward intact: the attention and MLP modules of Llama, Mistral, Qwen2 (q/k/v
 biases) and Qwen3 (q/k norms) compute q/k/v and gate/up as one product each for one row,
 give the same logits as the model left alone, and leave its parameters and state dict as
@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from engine.model import triton_gemv
+from engine.model.kernels import triton_gemv
 
 LAYERS = 2
 ARCHITECTURES = {

@@ -17,7 +17,7 @@ from bench.harness.metrics import scrape, value
 from bench.harness.pools import assert_pools_empty, wait_pool_sizes
 from bench.harness.streams import StreamResult, generate
 from pdserve.v1 import generation_pb2 as pb
-from router.admin_client import list_workers
+from router.cli.admin_client import list_workers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

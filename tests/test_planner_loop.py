@@ -16,16 +16,16 @@ from bench.harness import wait_until_async
 from engine.core.outputs import FinalResult
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2 as pb
-from router.admin import AdminServicer
-from router.config import RouterConfig
-from router.orchestrator import DisaggregatedGenerator
+from router.edge.admin import AdminServicer
+from router.fleet.pools import Pools
 from router.planner.config import PlannerConfig
 from router.planner.loop import PlannerLoop
 from router.planner.metrics import PlannerMetrics
 from router.planner.signals import ServingSignals
-from router.pools import Pools
-from router.prefill_policy import PrefillPolicyConfig
-from router.protocol import GenerateCall
+from router.routing.prefill_policy import PrefillPolicyConfig
+from router.serving.config import RouterConfig
+from router.serving.orchestrator import DisaggregatedGenerator
+from router.serving.protocol import GenerateCall
 from tests.test_pools import FakeCluster
 
 

@@ -18,10 +18,10 @@ from ray.exceptions import RayActorError
 from bench.harness import wait_until_async
 from engine.transfer.layout import KVLayout
 from engine.wire import epoch_hex
-from engine.worker import WorkerInfo
-from router.admin import describe
-from router.cluster import ClusterConfig, SpawnedWorker
-from router.pools import Pools, WorkerRef
+from engine.worker.actor import WorkerInfo
+from router.edge.admin import describe
+from router.fleet.cluster import ClusterConfig, SpawnedWorker
+from router.fleet.pools import Pools, WorkerRef
 
 LAYOUT = KVLayout("m", "float32", 16, 2, 2, 8)
 _epochs = itertools.count(1)

@@ -34,8 +34,8 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2 as admin_pb
 from pdserve.v1 import generation_pb2 as pb
-from router.admin_client import list_workers, migrate_requests, scale_pool
-from router.client import get_pool_stats
+from router.cli.admin_client import list_workers, migrate_requests, scale_pool
+from router.cli.client import get_pool_stats
 
 pytestmark = pytest.mark.e2e
 
@@ -485,8 +485,8 @@ def test_scale_down_while_streaming(
 
 
 def test_admin_is_refused_unless_enabled() -> None:
-    from router.admin import AdminServicer
-    from router.grpc_server import GrpcServer
+    from router.edge.admin import AdminServicer
+    from router.edge.grpc_server import GrpcServer
     from router.service import WarmingGenerator
 
     async def scenario() -> None:

@@ -14,18 +14,18 @@ from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.wire import EngineSpeed, WorkerStats
 from pdserve.v1 import admin_pb2 as pb
-from router.admin import AdminServicer
-from router.config import RouterConfig
-from router.orchestrator import DisaggregatedGenerator
-from router.prefill_policy import (
+from router.edge.admin import AdminServicer
+from router.routing.prefill_policy import (
     PathInputs,
     PrefillPolicyConfig,
     PrefillRate,
     StepWindow,
     decide,
 )
-from router.protocol import GenerateCall
-from router.worker_load import WorkerLoad
+from router.routing.worker_load import WorkerLoad
+from router.serving.config import RouterConfig
+from router.serving.orchestrator import DisaggregatedGenerator
+from router.serving.protocol import GenerateCall
 
 IDLE = PathInputs(
     has_prefill=True,
@@ -118,7 +118,7 @@ def test_a_decode_worker_slow_at_its_own_prompts_is_priced_at_its_own_rate() -> 
 
 
 def test_local_prompts_teach_the_load_their_time_per_token_short_ones_do_not() -> None:
-    from router.worker_load import WorkerLoad
+    from router.routing.worker_load import WorkerLoad
 
     load = WorkerLoad()
     load.lease(400, prices_local_prefill=True).done_with_tokens(0.2)
@@ -213,7 +213,7 @@ def test_a_saturated_prefill_pool_sends_prompts_to_an_idle_decode_worker() -> No
     than half the TTFT target, the next ones run on the decode worker; every request
     completes, and each decision is counted with its reason."""
     from bench.harness.polling import wait_until_async
-    from router import metrics
+    from router.observability import metrics
     from tests.test_orchestrator import _collect, _generator
 
     def counted(path: str, reason: str) -> float:
@@ -273,7 +273,7 @@ def test_a_burst_on_a_fresh_service_is_placed_from_the_workers_warm_up_speeds() 
     the prefill worker overflows to the decode worker at once, and no prompt is placed
     without an estimate."""
     from bench.harness.polling import wait_until_async
-    from router import metrics
+    from router.observability import metrics
     from tests.test_orchestrator import _collect, _generator
 
     reasons = ("no_estimate", "prefill_within_slo", "prefill_saturated")

@@ -16,12 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness.prometheus import DEPLOY, find_binary
 from engine.wire import PhaseReport, WorkerStats
-from router.fleet_metrics import FleetCollector, FleetState
-from router.metrics import RouterMetrics
-from router.migrations import migrations_counter
-from router.phase_metrics import PhaseMetrics
+from router.observability.fleet_metrics import FleetCollector, FleetState
+from router.observability.metrics import RouterMetrics
+from router.observability.phase_metrics import PhaseMetrics
 from router.planner.metrics import planner_metrics
-from router.protocol import PoolStats
+from router.serving.migrations import migrations_counter
+from router.serving.protocol import PoolStats
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = DEPLOY / "pdserve-rules.yml"

@@ -12,8 +12,8 @@ from engine.core.config import SchedulerConfig
 from engine.factory import DEFAULT_PROMPT_GRAPH_MAX_TOKENS, EngineArgs, longest_graph_chunk
 from engine.model.prompt_graphs import fits_prompt_graph, prompt_graph_sizes, within_context
 from engine.sampling_params import GREEDY
-from router.engine_flags import engine_args
-from router.flags import build_parser
+from router.cli.engine_flags import engine_args
+from router.cli.flags import build_parser
 
 
 def _seq(

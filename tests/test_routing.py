@@ -9,8 +9,8 @@ import pytest
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_events import KVEvents
-from router.kv_index import PrefixIndex
-from router.routing import RouteChoice, RoutingConfig, choose_by_work, choose_worker
+from router.routing.cache_aware import RouteChoice, RoutingConfig, choose_by_work, choose_worker
+from router.routing.kv_index import PrefixIndex
 
 BLOCK = 4
 # Cache balancing off, where a test is about overlap and load alone.

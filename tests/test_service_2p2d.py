@@ -22,7 +22,7 @@ from bench.harness.streams import generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
-from router.client import get_pool_stats
+from router.cli.client import get_pool_stats
 
 pytestmark = pytest.mark.e2e
 

@@ -29,8 +29,8 @@ from engine.llm import LLM, CompletionOutput
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.client import build_request, stream_generate
-from router.tracing import GENERATE_SPAN
+from router.cli.client import build_request, stream_generate
+from router.observability.tracing import GENERATE_SPAN
 
 pytestmark = pytest.mark.e2e
 
@@ -395,7 +395,7 @@ CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 TRACED_PROMPT = "Write a short poem about the sea, the wind and the stars over the harbour."
 # One traced 1P1D request: the router's spans, the prefill worker's, the decode worker's.
-ROUTER_SPANS = {GENERATE_SPAN, "router.admission", "router.attempt", "router.route"}
+ROUTER_SPANS = {GENERATE_SPAN, "router.serving.admission", "router.attempt", "router.route"}
 ROUTER_SPANS |= {"router.prefill", "router.stream"}
 PREFILL_SPANS = {"prefill.queue", "prefill.compute", "kv.send"}
 DECODE_SPANS = {"kv.transfer", "kv.receive", "decode.admission", "decode.first_step"}

@@ -17,10 +17,10 @@ from bench.harness import wait_until_async
 from engine.core.request import FinishReason
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router import port_holds
-from router.client import get_pool_stats, stream_generate
-from router.errors import NotReadyError, QueueFullError
-from router.grpc_server import GENERATION_SERVICE, GrpcServer, serve
+from router.cli.client import get_pool_stats, stream_generate
+from router.edge.grpc_server import GENERATION_SERVICE, GrpcServer, serve
+from router.fleet import port_holds
+from router.serving.errors import NotReadyError, QueueFullError
 from tests.fake_core import (
     MAX_MODEL_LEN,
     FakeCore,

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from engine.core.engine_core import EngineCore
-from engine.core.ngram import NgramIndex
 from engine.core.request import FinishReason
-from engine.core.spec_config import SpeculativeConfig
-from engine.core.speculation import PROPOSAL_TOKEN, accepted_prefix
 from engine.sampling_params import SamplingParams
+from engine.spec.ngram import NgramIndex
+from engine.spec.spec_config import SpeculativeConfig
+from engine.spec.speculation import PROPOSAL_TOKEN, accepted_prefix
 from engine.wire import GenerationInput
 from tests.fakes import (
     FakeRunner,

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core.spec_config import SpeculativeConfig
 from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.spec.spec_config import SpeculativeConfig
 from tests.fakes import assert_engine_empty
 
 NGRAM = SpeculativeConfig("ngram", 4, prompt_lookup_min=2, prompt_lookup_max=4)

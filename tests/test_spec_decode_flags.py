@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.spec_config import SpeculativeConfig
-from router.cli import build_parser, main
-from router.engine_flags import engine_args
+from engine.spec.spec_config import SpeculativeConfig
+from router.cli.engine_flags import engine_args
+from router.cli.main import build_parser, main
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

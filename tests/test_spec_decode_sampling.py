@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from engine.core.batch import Batch, ScheduledSeq
-from engine.core.speculation import accepted_prefix
 from engine.model import model_runner, step_tokens
 from engine.model.model_runner import ModelRunner
 from engine.model.step_tokens import sample_rows
 from engine.sampling_params import SamplingParams
+from engine.spec.speculation import accepted_prefix
 
 NUM_SEEDS = 2000
 TOP_K = 6  # a few categories, each expected often enough for the chi-square rule

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from engine.factory import EngineArgs
-from router.cluster import Cluster, ClusterConfig, StartupError
-from router.pools import Pools
+from router.fleet.cluster import Cluster, ClusterConfig, StartupError
+from router.fleet.pools import Pools
 
 pytestmark = pytest.mark.e2e
 

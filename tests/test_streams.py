@@ -15,13 +15,13 @@ from engine.core.outputs import TextChunk, Usage
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
-from router.client import stream_generate
-from router.config import RouterConfig
-from router.grpc_server import GrpcServer
-from router.orchestrator import DisaggregatedGenerator
-from router.protocol import GenerateCall, ServerAbort
-from router.servicer import _final_from_core
-from router.streams import check_stream_interval, close_stream, tokens_per_message
+from router.cli.client import stream_generate
+from router.edge.grpc_server import GrpcServer
+from router.edge.servicer import _final_from_core
+from router.edge.streams import check_stream_interval, close_stream, tokens_per_message
+from router.serving.config import RouterConfig
+from router.serving.orchestrator import DisaggregatedGenerator
+from router.serving.protocol import GenerateCall, ServerAbort
 
 PROMPT = list(range(100, 164))  # above the short-prompt threshold: prefilled remotely
 

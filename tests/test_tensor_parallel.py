@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.model.model_runner import ModelRunner
-from engine.model.tensor_parallel import SINGLE, TPRank, join_tp_group
+from engine.parallel.tensor_parallel import SINGLE, TPRank, join_tp_group
 from engine.sampling_params import GREEDY
 
 BLOCK_SIZE = 8

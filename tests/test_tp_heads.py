@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.core.tp_heads import (
+from engine.parallel.tp_heads import (
     handoff_plan,
     kv_heads_of_rank,
     num_local_kv_heads,

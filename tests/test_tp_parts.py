@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.core.tp_heads import kv_heads_of_rank
 from engine.model.kv_blocks import KVBlocks
+from engine.parallel.tp_heads import kv_heads_of_rank
 from engine.transfer.channel import ChannelSpec
 from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
 from engine.transfer.tp_parts import (

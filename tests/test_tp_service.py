@@ -17,7 +17,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2 as apb  # noqa: F401 - the admin API's types load
 from pdserve.v1 import generation_pb2 as pb
-from router.client import get_pool_stats
+from router.cli.client import get_pool_stats
 
 pytestmark = pytest.mark.e2e
 

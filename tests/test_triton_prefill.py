@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from engine.model.triton_attention import triton_available
+from engine.model.kernels.triton_attention import triton_available
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,7 +87,7 @@ def run_kernel(
     positions: list[int],
     scale: float,
 ) -> torch.Tensor:
-    from engine.model.triton_prefill import paged_varlen_attention
+    from engine.model.kernels.triton_prefill import paged_varlen_attention
 
     width = max(len(t) for t in tables)
     table = torch.zeros((len(tables), width), dtype=torch.int32)

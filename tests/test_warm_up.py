@@ -11,7 +11,7 @@ from engine.core.role import EngineRole
 from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.warm_up import CPU_PROMPT_TOKENS, FIRST_TOKEN_ID, WarmUpPlan, measure_speed
+from engine.worker.warm_up import CPU_PROMPT_TOKENS, FIRST_TOKEN_ID, WarmUpPlan, measure_speed
 
 
 @pytest.fixture(scope="module")

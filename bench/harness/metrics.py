@@ -31,7 +31,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
-# The workers' phases (router/phase_metrics.py) by the name the report gives them.
+# The workers' phases (router/observability/phase_metrics.py) by the name the report gives them.
 PHASES = {
     "queue": "pdserve_phase_queue_seconds",
     "compute": "pdserve_phase_prefill_seconds",

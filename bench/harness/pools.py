@@ -14,8 +14,8 @@ import asyncio
 from bench.harness.polling import wait_until_async
 from pdserve.v1 import admin_pb2 as admin_pb
 from pdserve.v1 import generation_pb2 as pb
-from router.admin_client import list_workers
-from router.client import get_pool_stats
+from router.cli.admin_client import list_workers
+from router.cli.client import get_pool_stats
 
 
 def _in_use(stats: pb.GetPoolStatsResponse) -> list[str]:

@@ -43,7 +43,7 @@ def health_status(address: str, timeout: float = 2.0) -> str | None:
 
 
 class ServiceProcess:
-    """`python -m router.cli serve --port <free> ARGS`; stdout and stderr go to `log_path`.
+    """`python -m router.cli.main serve --port <free> ARGS`; stdout and stderr go to `log_path`.
 
     Unless ARGS name one, the service gets a free metrics port of its own, so services
     (and a `make run` on the default port) can run side by side. `new_session`: in a
@@ -70,7 +70,7 @@ class ServiceProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port), *args],
+            [sys.executable, "-m", "router.cli.main", "serve", "--port", str(self.port), *args],
             cwd=REPO,
             env=service_env(env),
             stdout=self._log,

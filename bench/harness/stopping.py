@@ -38,7 +38,7 @@ def serve_in_own_session(log: Path, drain_grace_s: float) -> tuple[subprocess.Po
     port = free_port()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--port", str(port)]
+            [sys.executable, "-m", "router.cli.main", "serve", "--port", str(port)]
             + ["--metrics-port", "0", "--drain-grace-s", str(drain_grace_s)],
             cwd=REPO,
             env=service_env(None),

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from pdserve.v1 import generation_pb2 as pb
-from router.client import stream_generate
+from router.cli.client import stream_generate
 
 
 @dataclass
@@ -48,7 +48,7 @@ async def generate(
     on_tokens: Callable[[int], None] | None = None,
     **kwargs: Any,
 ) -> StreamResult:
-    """Run one Generate call (`router.client.stream_generate` arguments) to its end.
+    """Run one Generate call (`router.cli.client.stream_generate` arguments) to its end.
 
     A failed call is a result too (its status in `code`); `on_tokens(n)` is called with
     the number of tokens received so far whenever more arrive.

@@ -28,7 +28,7 @@ class ScheduledSeq(NamedTuple):
     # Speculative decoding: the last this many of token_ids are proposals to verify. The
     # step samples a token after each input token from the one before them on (its
     # positions end_position - num_draft_tokens .. end_position), and keeps the proposals
-    # the sampler agrees with (engine.core.speculation). PROPOSAL_TOKEN marks a proposal
+    # the sampler agrees with (engine.spec.speculation). PROPOSAL_TOKEN marks a proposal
     # the runner's draft model fills in first.
     num_draft_tokens: int = 0
     # Draft model: the tokens just before token_ids whose draft KV is not cached yet.

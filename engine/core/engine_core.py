@@ -8,7 +8,7 @@ the device (the runner keeps it); the scheduler holds a placeholder until it is 
 A request that stops at step N has a step N+1 computed for nothing, which is dropped;
 a length stop is known in advance and never costs one.
 
-A step that speculates (engine.core.speculation) runs with every token known: the loop
+A step that speculates (engine.spec.speculation) runs with every token known: the loop
 first applies the step in flight, and the verifying step itself is finished before the
 next is scheduled (where the next starts depends on how many proposals it keeps).
 """
@@ -25,10 +25,10 @@ from engine.core.kv_events import KVEvents
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
 from engine.core.scheduler import Scheduler
-from engine.core.spec_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
-from engine.core.speculation import spec_stats
 from engine.core.validation import validate_prompt
 from engine.sampling_params import MAX_SEED
+from engine.spec.spec_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from engine.spec.speculation import spec_stats
 from engine.wire import DetachedRequest, GenerationInput, TokenUpdate, WorkerStats
 
 # A step's sampled tokens by request: one token, or for a sequence with proposals

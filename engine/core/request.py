@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, overload
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.core.speculation import SpecState
+    from engine.spec.speculation import SpecState
 
 # Stands for a token that a launched step is sampling and the host has not seen yet
 # (scheduling one step ahead). The runner feeds the real id on the device.
@@ -113,7 +113,7 @@ class Request:
     # so they stay valid), filled by prefix-cache lookups: a request that waits for
     # blocks is not re-hashed every step.
     block_hashes: list[int] = field(default_factory=list, init=False, repr=False)
-    # Speculative decoding's per-request state (engine.core.speculation), when it speculates.
+    # Speculative decoding's per-request state (engine.spec.speculation), when it speculates.
     spec_state: SpecState | None = field(default=None, init=False, repr=False)
     # The stop rules, resolved once (the scheduler checks them for every request every
     # step): the token ids that end it (its stop tokens, and EOS unless ignored), and the

@@ -25,9 +25,9 @@ from engine.core.inflight import InflightBatches
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
-from engine.core.spec_config import SpeculativeConfig
-from engine.core.speculation import Speculator
 from engine.core.waiting_queue import WaitingQueue
+from engine.spec.spec_config import SpeculativeConfig
+from engine.spec.speculation import Speculator
 from engine.wire import TokenUpdate, sampled_update
 
 

@@ -12,9 +12,9 @@ shared by every layer; the forward pass has no per-request Python loop and no ho
 
 * On CUDA (with Triton) the kernels read K/V through the block tables themselves, so
   nothing is gathered or padded: a pure-decode step runs the split-K decode kernel of
-  `engine.model.triton_attention` (shapes independent of context lengths: what CUDA
+  `engine.model.kernels.triton_attention` (shapes independent of context lengths: what CUDA
   graphs need), any step with a prompt chunk runs every sequence, decodes included,
-  through the varlen kernel of `engine.model.triton_prefill` in one launch.
+  through the varlen kernel of `engine.model.kernels.triton_prefill` in one launch.
 * Elsewhere (CPU) sequences are split into decode groups (one query token each) and a
   prefill group, each run as one padded, masked, batched SDPA over gathered rows.
   Decodes of very different context lengths form two groups, so a short sequence does
@@ -36,13 +36,13 @@ from engine.model.attention_metadata import (
     PagedAttentionMetadata,
     VarlenGroup,
 )
-from engine.model.triton_attention import (
+from engine.model.kernels.triton_attention import (
     num_splits_for,
     paged_decode_attention,
     use_triton_for,
     write_kv_rows,
 )
-from engine.model.triton_prefill import paged_varlen_attention
+from engine.model.kernels.triton_prefill import paged_varlen_attention
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 

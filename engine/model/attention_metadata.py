@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.batch import Batch
+from engine.model.kernels.triton_attention import triton_available
 from engine.model.staging import to_device
-from engine.model.triton_attention import triton_available
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from engine.model.model_spec import DTYPE_NAMES, ModelSpec, read_generation_eos
-from engine.model.tensor_parallel import SINGLE, TPRank
+from engine.parallel.tensor_parallel import SINGLE, TPRank
 
 # Seed of `load_format="dummy"` weights of a one-process model (fixed: see load_model).
-# A tensor-parallel model draws its own (engine.model.sharded_loader).
+# A tensor-parallel model draws its own (engine.parallel.sharded_loader).
 DUMMY_WEIGHTS_SEED = 0
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def load_model(
     tp: TPRank = SINGLE,
 ) -> tuple[torch.nn.Module, ModelSpec]:
     """Load the model in `path` for inference on `device`; returns it with its ModelSpec.
-    With `tp` of more than one rank, this rank's share only (engine.model.sharded_loader)."""
+    With `tp` of more than one rank, this rank's share only (engine.parallel.sharded_loader)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import is_accelerate_available
 
@@ -135,7 +135,7 @@ def _load_shard(
     device: torch.device,
     load_format: LoadFormat,
 ) -> torch.nn.Module:
-    from engine.model import sharded_loader
+    from engine.parallel import sharded_loader
 
     if load_format == "dummy":
         return sharded_loader.build_sharded_model(

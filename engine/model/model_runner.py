@@ -22,21 +22,21 @@ from engine.model.attention import paged_step, register_paged_attention
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, captured_or_none, graph_batch_sizes
-from engine.model.draft_model import Proposer, fill_proposals
+from engine.model.kernels.triton_attention import triton_available
+from engine.model.kernels.triton_gemv import use_gemv
 from engine.model.kv_blocks import KVBlocks, LayerStream
 from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
 from engine.model.prompt_graphs import PromptGraphs, within_context
 from engine.model.staging import to_device
 from engine.model.startup_log import startup_phase
-from engine.model.step_broadcast import StepPublisher
 from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
-from engine.model.tensor_parallel import SINGLE, TPRank, min_over_group
-from engine.model.triton_attention import triton_available
-from engine.model.triton_gemv import use_gemv
 from engine.model.verify_graphs import VerifyGraphs, capture_verify_graphs
 from engine.model.verify_graphs import logits_rows as verify_logits_rows
+from engine.parallel.step_broadcast import StepPublisher
+from engine.parallel.tensor_parallel import SINGLE, TPRank, min_over_group
 from engine.sampling_params import GREEDY
+from engine.spec.draft_model import Proposer, fill_proposals
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class ModelRunner(KVBlocks):
         Triton imports); it compiles here, at start-up, not on the first request, each
         decoder layer (`compile_scope` "layer") or the whole stack ("decoder").
         `small_batch_gemv` runs one-row products of 16-bit weights (batch-1 decode steps,
-        a lone sequence's logits) with the Triton GEMV (engine.model.triton_gemv; None:
+        a lone sequence's logits) with the Triton GEMV (engine.model.kernels.triton_gemv; None:
         on CUDA when Triton imports). `preloaded`: the model and its spec, already
         loaded from `model_path` (a draft model whose weights must count before the
         target sizes its cache). `verify_graph_tokens` q >= 2 (speculative decoding: 1 +
@@ -164,7 +164,7 @@ class ModelRunner(KVBlocks):
         # Fills proposal slots before a verifying step (speculative decoding's draft model).
         self.drafter: Proposer | None = None
         # Rank 0 of a tensor-parallel worker: the other ranks, told of every model call
-        # before it runs here (engine.model.step_broadcast).
+        # before it runs here (engine.parallel.step_broadcast).
         self.followers: StepPublisher | None = None
         if is_compiled(self.model):
             # The same first shapes in every engine, whether it captures graphs or not:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.core.tp_heads import check_tp_size, num_local_kv_heads
+from engine.parallel.tp_heads import check_tp_size, num_local_kv_heads
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -70,7 +70,7 @@ class ModelSpec:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     dtype: str  # the dtype weights and KV cache run in, e.g. "bfloat16"
-    # Ranks the model is split over (engine.model.tensor_parallel); each holds
+    # Ranks the model is split over (engine.parallel.tensor_parallel); each holds
     # `num_local_kv_heads` of the KV heads, and the KV sizes below are one rank's.
     tensor_parallel_size: int = 1
 

@@ -4,7 +4,7 @@ A sequence that samples takes one logits row, the last of its inputs; one with p
 to verify (ScheduledSeq.num_draft_tokens = k) takes k + 1 rows, one after its newest
 known token and one after each proposal. Every row is sampled exactly as a plain step
 would sample that position (the counter-based noise of (seed, position)), so
-verification only compares: `engine.core.speculation.accepted_prefix` keeps the
+verification only compares: `engine.spec.speculation.accepted_prefix` keeps the
 proposals the sampler agrees with.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from engine.core.batch import ScheduledSeq
-from engine.core.speculation import accepted_prefix
 from engine.model.sampler import SamplingBatch, is_greedy, sample
+from engine.spec.speculation import accepted_prefix
 
 StepTokens = dict[str, int | tuple[int, ...]]
 

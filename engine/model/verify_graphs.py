@@ -5,7 +5,7 @@ attending to its cache. Eagerly, at small batches, the launches of that step cos
 than its GPU work, as a plain decode step's do (engine.model.cuda_graphs). Each graph
 here replays the whole forward for n sequences of up to q = 1 + num_speculative_tokens
 tokens each, laid out at a fixed stride of q: sequence i's tokens are rows
-i*q .. i*q + len - 1. The varlen Triton kernel (engine.model.triton_prefill) takes each
+i*q .. i*q + len - 1. The varlen Triton kernel (engine.model.kernels.triton_prefill) takes each
 sequence's real token count from a device tensor and its grid from (n, q), so one graph
 serves every mix of proposal counts, plain decodes (one token) included.
 

@@ -80,7 +80,7 @@ class ChannelSpec:
     decode_epoch: int
     timeout_s: float = 60.0
     # Tensor parallelism: each side's group size and the model's KV heads (the hand-off
-    # plan, engine.core.tp_heads.handoff_plan), and which rank pair this channel joins
+    # plan, engine.parallel.tp_heads.handoff_plan), and which rank pair this channel joins
     # (0, 0: the workers' own channel, headers included; others carry one part each).
     sender_tp: int = 1
     receiver_tp: int = 1

@@ -1,7 +1,7 @@
 """A hand-off between tensor-parallel groups, in parts: one per rank pair of the plan.
 
 The workers' own channel (rank 0 to rank 0) carries every message's header and rank 0's
-part. Each other rank pair of the plan (engine.core.tp_heads.handoff_plan) has a channel
+part. Each other rank pair of the plan (engine.parallel.tp_heads.handoff_plan) has a channel
 of its own that carries that pair's part of every message, in the same order: the KV
 heads the receiving rank holds and the sending rank sends, one contiguous buffer. So each
 prefill rank sends its own heads straight to the decode ranks that hold them; nothing is
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from engine.core.tp_heads import HeadSlice, handoff_plan, num_local_kv_heads
 from engine.model.staging import to_device
+from engine.parallel.tp_heads import HeadSlice, handoff_plan, num_local_kv_heads
 from engine.transfer.base import ChannelClosed
 from engine.transfer.channel import RECEIVER_RANK, SENDER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import HandoffHeader

@@ -1,11 +1,11 @@
 """`pdserve serve`'s planner flags, and the PlannerConfig they become (kept here, beside
-the planner, rather than in `router.flags`)."""
+the planner, rather than in `router.cli.flags`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from router.flag_types import at_least, number_in
+from router.cli.flag_types import at_least, number_in
 from router.planner.config import DEFAULT_INTERVAL_S, PlannerConfig
 
 

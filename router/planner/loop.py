@@ -16,14 +16,14 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from router.fleet.pools import Pools
 from router.planner.config import PLANNED_POOLS, PlannerConfig
 from router.planner.decision import Decision
 from router.planner.metrics import PlannerMetrics
 from router.planner.policy import PlannerState, plan
 from router.planner.signals import ServingSignals
 from router.planner.snapshot import PoolSnapshot, Snapshot
-from router.pools import Pools
-from router.prefill_policy import PrefillPolicyConfig
+from router.routing.prefill_policy import PrefillPolicyConfig
 
 log = logging.getLogger("pdserve.planner")
 

@@ -1,0 +1,1 @@
+"""Triton kernels: paged attention, prefill attention, one-row GEMV."""

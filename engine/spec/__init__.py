@@ -1,0 +1,1 @@
+"""Speculative decoding: configuration, n-gram and draft-model proposers."""

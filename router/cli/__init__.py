@@ -1,0 +1,1 @@
+"""`pdserve`'s command line: flags, their checks, the commands, and the clients it drives."""

@@ -1,0 +1,2 @@
+"""The gRPC edge: the public GenerationService and AdminService servers, health,
+security, message limits."""

@@ -1,0 +1,1 @@
+"""Where a request goes: placement, cache-aware choice, the local-prefill rule, load accounts."""
