@@ -39,7 +39,7 @@ test: model style
 	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
 
 # The longest end-to-end scenarios (marked `slow`: worker kills under traffic, scaling
-# while streaming, the planner, several Ray nodes), about 4 minutes; CI runs them after
+# while streaming, the planner, several Ray nodes), about 5 minutes; CI runs them after
 # `make test`.
 test-slow: model
 	$(PY) -m pytest -q -m slow
