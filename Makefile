@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: setup model run test test-slow soak soak-stop style lint protos clean
+.PHONY: setup model run test test-slow soak soak-stop style lint protos flags-doc clean
 
 setup: $(VENV)/.installed
 
@@ -39,7 +39,7 @@ test: model style
 	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
 
 # The longest end-to-end scenarios (marked `slow`: worker kills under traffic, scaling
-# while streaming, the planner, several Ray nodes), about 4 minutes; CI runs them after
+# while streaming, the planner, several Ray nodes), about 5 minutes; CI runs them after
 # `make test`.
 test-slow: model
 	$(PY) -m pytest -q -m slow
@@ -59,6 +59,11 @@ soak-stop: model
 
 protos:
 	scripts/gen_protos.sh
+
+# docs/flags.md, every subcommand's flags from the parser itself (tests/test_flags_doc.py
+# fails when it is stale).
+flags-doc: setup
+	$(PY) -m router.cli.flags_doc --write
 
 clean:
 	rm -rf $(VENV) build *.egg-info

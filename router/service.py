@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from router.planner.loop import PlannerLoop
     from router.serving.orchestrator import DisaggregatedGenerator
 
-log = logging.getLogger("pdserve")
+log = logging.getLogger(__name__)
 # Workers stop in well under a second when asked; a shutdown that takes longer is one
 # whose Ray stopped answering.
 STOP_WORKERS_S = 3.0

@@ -14,7 +14,7 @@ from bench.drain import drain_phases, problems
 def _router_lines(caplog: pytest.LogCaptureFixture) -> str:
     """The lines, as the router's loggers format them for a drain of two requests."""
     with caplog.at_level(logging.INFO):
-        router = logging.getLogger("pdserve.router")
+        router = logging.getLogger("router.serving.live_migration")
         for req_id, paused_ms in (("a", 32.4), ("b", 66.7)):
             router.info(
                 "request %s moved from %s to %s with its KV (%d tokens, %.1f ms paused; "
@@ -22,7 +22,7 @@ def _router_lines(caplog: pytest.LogCaptureFixture) -> str:
                 req_id, "decode-1", "decode-0", 1861, paused_ms, 25690112, 2,
             )  # fmt: skip
         router.info("%s: %d of %d requests moved with their KV in %.3f s", "decode-1", 2, 2, 0.121)
-        logging.getLogger("pdserve.pools").info(
+        logging.getLogger("router.fleet.pools").info(
             "%s drained and stopped (%d peer channels closed in %.3f s, stopped in %.3f s)",
             "decode-1", 1, 0.552, 0.579,
         )  # fmt: skip

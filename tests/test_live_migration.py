@@ -98,7 +98,7 @@ def test_a_drain_moves_running_requests_with_their_kv_and_returns_at_once() -> N
 def test_the_log_names_a_moved_request_by_the_clients_request_id(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="pdserve.router")
+    caplog.set_level(logging.INFO, logger="router.serving.live_migration")
 
     async def body() -> None:
         pools = FakePools(1, 2, step_s=0.005)

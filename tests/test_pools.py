@@ -184,7 +184,7 @@ def test_an_epoch_reads_the_same_in_the_log_and_in_pdserve_workers(
 ) -> None:
     """An epoch with leading zeros keeps them in the log line of a worker going live, as
     in `pdserve workers`: grepping one finds the other."""
-    caplog.set_level(logging.INFO, logger="pdserve.pools")
+    caplog.set_level(logging.INFO, logger="router.fleet.pools")
 
     async def scenario() -> list[WorkerRef]:
         pools = Pools(FakeCluster(prefill=1, decode=1))  # type: ignore[arg-type]

@@ -395,7 +395,7 @@ CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 TRACED_PROMPT = "Write a short poem about the sea, the wind and the stars over the harbour."
 # One traced 1P1D request: the router's spans, the prefill worker's, the decode worker's.
-ROUTER_SPANS = {GENERATE_SPAN, "router.serving.admission", "router.attempt", "router.route"}
+ROUTER_SPANS = {GENERATE_SPAN, "router.admission", "router.attempt", "router.route"}
 ROUTER_SPANS |= {"router.prefill", "router.stream"}
 PREFILL_SPANS = {"prefill.queue", "prefill.compute", "kv.send"}
 DECODE_SPANS = {"kv.transfer", "kv.receive", "decode.admission", "decode.first_step"}

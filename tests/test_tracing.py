@@ -99,12 +99,12 @@ def test_a_request_is_one_tree_under_the_callers_span(spans: InMemorySpanExporte
     assert final.finish_reason is FinishReason.LENGTH and len(tokens) == 6
     assert final.trace_id == CLIENT_TRACE_ID  # the caller's trace continues here
     named = _by_name(spans)
-    for name in (GENERATE_SPAN, "router.serving.admission", "router.attempt", "router.route"):
+    for name in (GENERATE_SPAN, "router.admission", "router.attempt", "router.route"):
         assert len(named.get(name, [])) == 1, (name, sorted(named))
     root, attempt = named[GENERATE_SPAN][0], named["router.attempt"][0]
     assert {s.context.trace_id for s in spans.get_finished_spans()} == {int(CLIENT_TRACE_ID, 16)}
     assert _parent_id(root) == int(CLIENT_SPAN_ID, 16)
-    assert _parent_id(named["router.serving.admission"][0]) == root.context.span_id
+    assert _parent_id(named["router.admission"][0]) == root.context.span_id
     assert _parent_id(named["router.stream"][0]) == root.context.span_id
     assert _parent_id(attempt) == root.context.span_id
     for name in ("router.route", "router.prefill"):

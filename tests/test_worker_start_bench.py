@@ -10,11 +10,11 @@ from bench.worker_start import parse_runs, parse_startup_phases
 
 LOG = """\
 2026-01-05 10:00:01,002 INFO worker.py:1 -- Started a local Ray instance.
-(ColocatedWorker pid=4242) 2026-01-05 10:00:09,120 INFO pdserve.startup: start-up: weights 12.41 s (deploy/model_configs/llama-3.1-8b, dummy)
-(ColocatedWorker pid=4242) 2026-01-05 10:00:10,500 INFO pdserve.startup: start-up: kv_cache 1.38 s (4096 blocks of 16 tokens)
-(ColocatedWorker pid=4242) 2026-01-05 10:00:31,000 INFO pdserve.startup: start-up: compile 20.50 s
-(ColocatedWorker pid=4242) 2026-01-05 10:00:34,000 INFO pdserve.startup: start-up: cuda_graphs 3.00 s (batch sizes [1, 2, 4, 8])
-(ColocatedWorker pid=4242) 2026-01-05 10:00:34,010 INFO pdserve.startup: start-up: engine 37.42 s (worker-0, every phase above)
+(ColocatedWorker pid=4242) 2026-01-05 10:00:09,120 INFO engine.model.startup_log: start-up: weights 12.41 s (deploy/model_configs/llama-3.1-8b, dummy)
+(ColocatedWorker pid=4242) 2026-01-05 10:00:10,500 INFO engine.model.startup_log: start-up: kv_cache 1.38 s (4096 blocks of 16 tokens)
+(ColocatedWorker pid=4242) 2026-01-05 10:00:31,000 INFO engine.model.startup_log: start-up: compile 20.50 s
+(ColocatedWorker pid=4242) 2026-01-05 10:00:34,000 INFO engine.model.startup_log: start-up: cuda_graphs 3.00 s (batch sizes [1, 2, 4, 8])
+(ColocatedWorker pid=4242) 2026-01-05 10:00:34,010 INFO engine.model.startup_log: start-up: engine 37.42 s (worker-0, every phase above)
 2026-01-05 10:00:34,300 INFO router: start-up: the pools are up
 the weights took 3 s, start-up: nothing to see
 """  # noqa: E501

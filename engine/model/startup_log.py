@@ -10,12 +10,11 @@ start says where the rest went (Ray placement, imports, channel pairing).
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-log = logging.getLogger("pdserve.startup")
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -27,15 +26,3 @@ def startup_phase(name: str, detail: str = "") -> Iterator[None]:
     finally:
         elapsed = time.perf_counter() - start
         log.info("start-up: %s %.2f s%s", name, elapsed, f" ({detail})" if detail else "")
-
-
-def show_startup_lines() -> None:
-    """Make the start-up lines visible in a process that configured no logging (a Ray
-    actor: its stderr reaches the service's log, but Python drops INFO records there)."""
-    if logging.getLogger().handlers or log.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False

@@ -25,8 +25,9 @@ from engine.core.kv_events import KVEvents
 from engine.core.role import EngineRole
 from engine.factory import BuiltEngine, EngineArgs, build_engine
 from engine.heap import freeze_startup_heap
+from engine.log_setup import configure_logging
 from engine.model.startup_log import log as startup_log
-from engine.model.startup_log import show_startup_lines, startup_phase
+from engine.model.startup_log import startup_phase
 from engine.parallel.step_broadcast import StepPublisher
 from engine.parallel.tensor_parallel import SINGLE, join_tp_group
 from engine.parallel.tp_rank0 import RankZero
@@ -114,7 +115,7 @@ class WorkerBase:
         threads = int(os.environ.get("PDSERVE_TORCH_THREADS", "0"))
         if threads > 0:
             torch.set_num_threads(threads)
-        show_startup_lines()
+        configure_logging()
         group = self.tp_group
         # Listening before the model loads: the other ranks connect once theirs has.
         publisher = (

@@ -105,9 +105,25 @@ def add_admin_arguments(
         metavar="N",
         help="with --migrate: at most N requests, the largest token budgets first (default: all)",
     )
-    policy.add_argument("--local-prefill-max-tokens", type=at_least(0), metavar="N")
-    policy.add_argument("--slo-ttft-ms", type=number_in(0, open_low=True), metavar="MS")
-    policy.add_argument("--slo-tpot-ms", type=number_in(0, open_low=True), metavar="MS")
+    # Each one given is set; none given: the policy is shown, unchanged.
+    policy.add_argument(
+        "--local-prefill-max-tokens",
+        type=at_least(0),
+        metavar="N",
+        help="set serve's --local-prefill-max-tokens (default: unchanged)",
+    )
+    policy.add_argument(
+        "--slo-ttft-ms",
+        type=number_in(0, open_low=True),
+        metavar="MS",
+        help="set serve's --slo-ttft-ms (default: unchanged)",
+    )
+    policy.add_argument(
+        "--slo-tpot-ms",
+        type=number_in(0, open_low=True),
+        metavar="MS",
+        help="set serve's --slo-tpot-ms (default: unchanged)",
+    )
 
 
 def _sort_key(w: pb.WorkerDescription) -> tuple[int, str, int]:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from router.fleet.cluster import Cluster
     from router.service import ServeConfig
 
-log = logging.getLogger("pdserve")
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- serve

@@ -24,7 +24,10 @@ class HelpFormatter(argparse.HelpFormatter):
             return text
         if "default" in text:
             return text
-        if action.default is False:
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        if action.nargs == 0:
+            # A switch is off until given, whatever it stores (--no-compile stores False).
             return f"{text} (default: off)"
         return f"{text} (default: %(default)s)"
 

@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description=DESCRIPTION, formatter_class=HelpFormatter, allow_abbrev=False
     )
-    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO")
+    parser.add_argument(
+        "--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO", help="log verbosity"
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
 
     serve = sub.add_parser("serve", help="run the disaggregated gRPC service")

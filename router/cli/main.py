@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from engine.log_setup import configure_logging
 from router.cli.flag_checks import (
     check_generate_flags,
     check_scale_flags,
@@ -71,9 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = subcommand_parser(parser, ns.command)
     if unknown:
         sub.error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(
-        level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(ns.log_level)
     try:
         return _run(ns, sub, given_flags(argv))
     except KeyboardInterrupt:

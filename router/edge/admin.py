@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the server answers (NOT_SERVING) before Ray and torch are i
     from router.planner.loop import PlannerLoop
     from router.serving.live_migration import LiveMigrator
 
-log = logging.getLogger("pdserve.admin")
+log = logging.getLogger(__name__)
 
 ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["AdminService"].full_name
 _STATES = {

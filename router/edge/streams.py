@@ -20,7 +20,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Literal
 
-logger = logging.getLogger("router.edge.servicer")
+logger = logging.getLogger(__name__)
 
 # `--stream-interval auto`: one token a message while fewer than AUTO_FROM_STREAMS streams
 # are open (the per-message cost is then small), then one more token a message for every

@@ -26,6 +26,7 @@ from torch.distributed import TCPStore
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine.core.role import EngineRole
+from engine.log_setup import LOG_LEVEL_ENV, current_level
 from engine.parallel.tp_follower import TPFollower
 from engine.wire import POOLS, TPGroupSpec  # noqa: F401 - the pools, named once
 from engine.worker.actor import WorkerInfo
@@ -157,6 +158,7 @@ class Cluster:
         total = max(1, sum(cfg.initial_sizes.values()))
         threads = cfg.cpu_threads_per_worker or max(1, (os.cpu_count() or 1) // total)
         env = {"OMP_NUM_THREADS": str(threads), "PDSERVE_TORCH_THREADS": str(threads)}
+        env[LOG_LEVEL_ENV] = current_level()  # the workers log at the router's --log-level
         # The OpenTelemetry SDK's own settings (batching, exporter headers, TLS) reach
         # the workers' exporters as they reach the router's.
         env |= {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}

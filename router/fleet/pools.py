@@ -31,7 +31,7 @@ from router.observability import metrics
 from router.routing.cache_aware import WorkerLoadView
 from router.routing.worker_load import WorkerLoad
 
-log = logging.getLogger("pdserve.pools")
+log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = (1.0, 5.0, 15.0)
 STARTUPS_KEPT = 5  # recent start-up times per pool (the planner reads their mean)

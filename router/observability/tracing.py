@@ -4,7 +4,7 @@ context it hands each attempt for the workers' spans.
 A traced request's tree (router spans here, worker spans in engine/worker/phases.py):
 
     pdserve.v1.GenerationService/Generate   (SERVER; child of the client's traceparent)
-    ├── router.serving.admission                    (waiting for a slot in the router's queue)
+    ├── router.admission                    (waiting for a slot in the router's queue)
     ├── router.attempt                      (one per attempt: a retry or a resume after a
     │   │                                    lost worker is the next one, with the reason)
     │   ├── router.route                    (the workers chosen, where the prompt runs, why)
@@ -171,7 +171,7 @@ class _RecordedRequest(RequestTrace):
 
     def admitted(self) -> None:
         tracing.record(
-            "router.serving.admission",
+            "router.admission",
             tracing.context_of(self._span),
             tracing.wall_ns_perf(self._arrival),
             time.time_ns(),

@@ -25,7 +25,7 @@ from router.planner.signals import ServingSignals
 from router.planner.snapshot import PoolSnapshot, Snapshot
 from router.routing.prefill_policy import PrefillPolicyConfig
 
-log = logging.getLogger("pdserve.planner")
+log = logging.getLogger(__name__)
 
 
 class ServingCore(Protocol):

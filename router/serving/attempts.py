@@ -23,7 +23,7 @@ from router.observability.tracing import NO_ATTEMPT, AttemptTrace, RequestTrace
 from router.routing.worker_load import WorkerLease
 from router.serving.inbox import UpdateInbox
 
-log = logging.getLogger("pdserve.router")
+log = logging.getLogger(__name__)
 
 
 class WorkerLost(RuntimeError):

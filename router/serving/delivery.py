@@ -38,7 +38,7 @@ from router.serving.inbox import UpdateInbox
 # where `--stream-interval auto` starts to merge tokens, the loop being the limit.
 LOADED_FROM_STREAMS = AUTO_FROM_STREAMS
 
-log = logging.getLogger("pdserve.router")
+log = logging.getLogger(__name__)
 TOKEN_POOLS = ("decode", "colocated")
 
 

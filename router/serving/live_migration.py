@@ -46,7 +46,7 @@ from router.serving.config import RouterConfig
 from router.serving.inbox import Moved
 from router.serving.migrations import migrations_counter
 
-log = logging.getLogger("pdserve.router")
+log = logging.getLogger(__name__)
 
 LINK_TIMEOUT_S = 60.0
 _Link = tuple[WorkerRef, WorkerRef, "asyncio.Future[None]"]  # sender, receiver, made

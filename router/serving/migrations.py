@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter
 from router.observability import metrics
 from router.serving.attempts import Progress, WorkerLost
 
-log = logging.getLogger("pdserve.router")
+log = logging.getLogger(__name__)
 
 MIGRATION_POOLS = ("decode", "colocated")
 MIGRATION_REASONS = ("worker_died", "drained", "drained_kv", "rebalanced", "rebalanced_kv")

@@ -52,7 +52,7 @@ from router.serving.migrations import migrates, migrations_counter
 from router.serving.paths import ServingPaths
 from router.serving.protocol import GenerateCall, PoolStats, ServerInfo, server_abort
 
-log = logging.getLogger("pdserve.router")
+log = logging.getLogger(__name__)
 WORKER_WAIT_POLL_S = 0.05
 T = TypeVar("T")
 
