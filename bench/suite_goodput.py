@@ -243,7 +243,7 @@ def gpu_count() -> int | None:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
-async def _settle(address: str, timeout_s: float = 60.0) -> float:
+async def settle(address: str, timeout_s: float = 60.0) -> float:
     """Seconds until the router and every worker hold nothing (after cancelled calls)."""
     from router.cli.client import get_pool_stats
 
@@ -306,7 +306,7 @@ def run_point(
     gave_up = any(t.error.endswith("gave up") for t in timings)
     point = summarize("", 0, timings, wall, rate=rate, attainment=met, gave_up=gave_up)
     del point["system"], point["concurrency"]
-    point["settle_s"] = asyncio.run(_settle(address))
+    point["settle_s"] = asyncio.run(settle(address))
     point["requests"] = requests
     return point
 
@@ -353,11 +353,11 @@ def run_system(
         warm = make_prompts(2 * ns.gpus, ns.goodput_prompt_len, geo.vocab_size, seed=96)
         warm_timings, _ = asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
         check_warm_up(warm_timings)
-        out["warm_settle_s"] = asyncio.run(_settle(svc.address))
-        out["workers"] = asyncio.run(_blocks(svc.address))
+        out["warm_settle_s"] = asyncio.run(settle(svc.address))
+        out["workers"] = asyncio.run(worker_blocks(svc.address))
         for sweep, aim in enumerate(targets):
             if aim is not None:
-                asyncio.run(_aim(svc.address, aim, ns.ttft_slo))
+                asyncio.run(aim_router(svc.address, aim, ns.ttft_slo))
             stopped = run_sweep(system, svc.address, geo, ns, deadline, aim, sweep, out["points"])
             if stopped:
                 out["stopped"] = stopped
@@ -410,7 +410,7 @@ def run_sweep(
     return None
 
 
-async def _aim(address: str, tpot_ms: float, ttft_s: float) -> None:
+async def aim_router(address: str, tpot_ms: float, ttft_s: float) -> None:
     """The router's local-prefill rule aimed at these targets from now on."""
     from pdserve.v1 import admin_pb2
     from router.cli.admin_client import set_prefill_policy
@@ -419,7 +419,7 @@ async def _aim(address: str, tpot_ms: float, ttft_s: float) -> None:
     await set_prefill_policy(address, request)
 
 
-async def _blocks(address: str) -> dict[str, int]:
+async def worker_blocks(address: str) -> dict[str, int]:
     """KV blocks of each worker, as it sized its cache."""
     from pdserve.v1 import generation_pb2 as pb
     from router.cli.client import get_pool_stats

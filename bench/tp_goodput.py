@@ -1,0 +1,511 @@
+"""Goodput of tensor-parallel layouts side by side, one service at a time on the same
+GPUs, in one run: per layout and TPOT objective the highest Poisson rate sustained
+(>= `--attainment` of the requests meet TTFT <= --slo-ttft-ms and TPOT <= the
+objective), then every disaggregated layout ÷ the colocated layouts of as many GPUs
+(bench.goodput_compare: pairs, best of each kind, and whether disaggregation is never
+worse).
+
+Layouts (bench.goodput_layouts): `colocated:NxtpT`, `disagg:PxtpA+DxtpB` (prefill pool
+first). Each layout's service starts once; its process tree is gone and the GPUs'
+memory released before the next one starts. Requests are `--prompt-len` random tokens
+asking for `--output-len` (bench.suite_goodput.run_point: the same prompts and arrival
+gaps at a given rate for every layout; a probe is cut short once its misses at the
+objective it is aimed at are past saving).
+
+Probes (bench.goodput_search): a coarse search from `--start-rate` (×2 per step; from a
+seed, the goodput an earlier layout reached, ×1.5) to the first miss, then bisection
+until the bracket is within `--resolution` or `--max-probes` is spent. A colocated
+layout runs one sweep, scored at every objective. A disaggregated layout's router aims
+its local-prefill rule at a TPOT target, so by default (`--aim per-slo`) it runs one
+sweep per objective with the router aimed at it through the admin API (the service
+is not restarted); `--aim tightest` runs one sweep aimed at the tightest objective and
+scores it at all of them (cheaper; the looser objectives then are lower bounds).
+
+Time: `--budget-s` bounds the whole run; each layout gets `--layout-budget-s` (default:
+what is left ÷ the layouts left) from its start to its stop, and no probe starts that
+would end past it. The JSON (bench.report.write_result) is rewritten after each layout.
+
+GPU runs (4× H200; pasted from the repository root, results under $OUT). The table's
+last parts answer them: the `pairs` row of the two layouts for (a), the `best` row of 4
+GPUs for (b), the `never worse` rows for (c).
+
+(a) 70B shape, 1 prefill TP 2 + 1 decode TP 2 ÷ 2 colocated workers of TP 2 (both on
+    the same 4 GPUs), TPOT 25 and 50 ms; about 9 minutes with 60-s starts:
+
+    source bench/gpu_env.sh && python3 -m bench.tp_goodput \\
+      --model-config deploy/model_configs/llama-70b --load-format dummy \\
+      --layouts colocated:2xtp2,disagg:1xtp2+1xtp2 --slo-tpot-ms 25,50 \\
+      --start-rate 1 --probe-s 15 --max-probes 5 --budget-s 520 \\
+      --out "$OUT/tp_goodput_70b.json" 2>&1 | tee "$OUT/tp_goodput_70b.log"
+
+(b) 8B on 4 GPUs, the best disaggregated ÷ the best colocated layout, TPOT 25 ms (and
+    (c) for each disaggregated one); about 9 minutes with 25-40-s starts, 2-3 probes a
+    layout:
+
+    L=colocated:4xtp1,colocated:2xtp2,disagg:3xtp1+1xtp1
+    L=$L,disagg:2xtp1+2xtp1,disagg:2xtp1+1xtp2,disagg:1xtp2+1xtp2
+    source bench/gpu_env.sh && python3 -m bench.tp_goodput \\
+      --model-config deploy/model_configs/llama-3.1-8b --load-format dummy --layouts "$L" \\
+      --slo-tpot-ms 25 --start-rate 12 --probe-s 8 --max-probes 4 --budget-s 530 \\
+      --out "$OUT/tp_goodput_8b.json" 2>&1 | tee "$OUT/tp_goodput_8b.log"
+
+    For narrower brackets, run the layouts in two commands (three each, `--out` of
+    their own) and merge: `python -m bench.tp_goodput --report A.json B.json`.
+
+CPU smoke (the tiny Llama of bench.suite_common, random weights; three layouts of two
+"GPUs", one of them TP 2 over gloo; about 2 minutes on 2 cores):
+
+    python -m bench.tp_goodput --quick --out /tmp/tp_goodput_quick.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.goodput_compare import comparisons, format_tables, layout_bracket, slo_key
+from bench.goodput_layouts import Layout, parse_layouts
+from bench.goodput_search import Bracket, RateProbeSearch, looser_than
+from bench.report import write_result
+
+DEFAULT_LAYOUTS = "colocated:2xtp2,disagg:1xtp2+1xtp2"
+QUICK_LAYOUTS = "colocated:2xtp1,colocated:1xtp2,disagg:1xtp1+1xtp1"
+# Seconds kept at the end of a layout's budget for its stop and the GPUs' release,
+# until a stop has been timed (then the longest one so far and a margin).
+STOP_RESERVE_S = 20.0
+# A GPU counts as released when at most this much of its memory is in use.
+GPU_FREE_MIB = 1024
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.tp_goodput",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Defaults in [brackets] are --quick's.",
+    )
+    p.add_argument("--quick", action="store_true", help="a short CPU-sized run (see below)")
+    p.add_argument("--layouts", help=f"comma list (default {DEFAULT_LAYOUTS} [{QUICK_LAYOUTS}])")
+    p.add_argument(
+        "--model-config",
+        help="model folder (config.json), or a shape of bench.suite_common: 1b, 8b, tiny "
+        "(default deploy/model_configs/llama-70b [tiny])",
+    )
+    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    p.add_argument("--slo-tpot-ms", help="TPOT objectives, comma list (default 25,50 [50,200])")
+    p.add_argument("--slo-ttft-ms", type=float, help="TTFT objective (default 1000 [2000])")
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests meeting it")
+    p.add_argument("--prompt-len", type=int, help="tokens (default 2048 [64])")
+    p.add_argument("--output-len", type=int, help="tokens (default 128 [16])")
+    p.add_argument("--start-rate", type=float, help="req/s of the first probe (default 2 [4])")
+    p.add_argument("--min-rate", type=float, default=0.25, help="req/s; below: goodput 0")
+    p.add_argument("--max-rate", type=float, default=256.0, help="req/s")
+    p.add_argument(
+        "--rates", help="comma list of req/s: probe only these (default: any rate the search picks)"
+    )
+    p.add_argument("--resolution", type=float, default=1.2, help="stop at failed/sustained <= this")
+    p.add_argument("--max-probes", type=int, help="per sweep (default 5 [2])")
+    p.add_argument("--probe-s", type=float, help="seconds of arrivals per probe (default 15 [3])")
+    p.add_argument("--min-requests", type=int, help="per probe (default 12 [6])")
+    p.add_argument(
+        "--aim",
+        choices=("per-slo", "tightest", "router-default"),
+        default="per-slo",
+        help="disaggregated layouts: one sweep per objective, the router aimed at it "
+        "(per-slo); one sweep aimed at the tightest (tightest); one at the router's "
+        "defaults (router-default)",
+    )
+    p.add_argument("--budget-s", type=float, help="seconds for the whole run (default: none)")
+    p.add_argument("--layout-budget-s", type=float, help="seconds per layout, start to stop")
+    p.add_argument("--start-timeout", type=float, default=400.0, help="per service start, s")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="per worker (default: on GPUs each worker sizes its cache from free memory; "
+        "on CPU 0.25)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="decode / colocated workers")
+    p.add_argument("--serve-extra", default="", help="more `pdserve serve` flags, one string")
+    p.add_argument("--workdir", help="service logs (default $OUT/tp_goodput_logs, else a temp dir)")
+    p.add_argument("--out", help="JSON (default $OUT/tp_goodput.json, else tp_goodput.json)")
+    p.add_argument(
+        "--report",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: print the tables of these runs' layouts, merged (later files win)",
+    )
+    ns = p.parse_args(argv)
+
+    def pick(value: Any, full: Any, small: Any) -> Any:
+        return value if value is not None else (small if ns.quick else full)
+
+    ns.layouts = pick(ns.layouts, DEFAULT_LAYOUTS, QUICK_LAYOUTS)
+    ns.model_config = pick(ns.model_config, "deploy/model_configs/llama-70b", "tiny")
+    ns.slo_tpot_ms = pick(ns.slo_tpot_ms, "25,50", "50,200")
+    ns.slo_ttft_ms = pick(ns.slo_ttft_ms, 1000.0, 2000.0)
+    ns.prompt_len = pick(ns.prompt_len, 2048, 64)
+    ns.output_len = pick(ns.output_len, 128, 16)
+    ns.start_rate = pick(ns.start_rate, 2.0, 4.0)
+    ns.max_probes = pick(ns.max_probes, 5, 2)
+    ns.probe_s = pick(ns.probe_s, 15.0, 3.0)
+    ns.min_requests = pick(ns.min_requests, 12, 6)
+    ns.serve_extra = shlex.split(ns.serve_extra)
+    try:
+        ns.layouts = parse_layouts(ns.layouts)
+        ns.slos = sorted({float(x) for x in ns.slo_tpot_ms.split(",") if x})
+        ns.rates = tuple(sorted(float(x) for x in (ns.rates or "").split(",") if x))
+    except ValueError as exc:
+        p.error(str(exc))
+    if not ns.slos:
+        p.error("--slo-tpot-ms needs at least one objective")
+    if not 0 < ns.attainment <= 1:
+        p.error("--attainment must be in (0, 1]")
+    return ns
+
+
+# ---------------------------------------------------------------- one layout
+
+
+def point_settings(ns: argparse.Namespace) -> argparse.Namespace:
+    """What bench.suite_goodput.run_point reads, from this command's flags."""
+    return argparse.Namespace(
+        goodput_min_requests=ns.min_requests,
+        goodput_duration=ns.probe_s,
+        goodput_prompt_len=ns.prompt_len,
+        goodput_output_len=ns.output_len,
+        attainment=ns.attainment,
+        ttft_slo=ns.slo_ttft_ms / 1000,
+        tpot_slos=ns.slos,
+    )
+
+
+def sweeps(layout: Layout, aim: str, slos: list[float]) -> list[tuple[float | None, list[str]]]:
+    """A layout's sweeps: the TPOT target its router is aimed at (None: left as
+    started) and the objectives the sweep is scored at."""
+    keys = [slo_key(s) for s in slos]
+    if not layout.disaggregated or aim == "router-default":
+        return [(None, keys)]
+    if aim == "tightest":
+        return [(slos[0], keys)]
+    return [(s, [slo_key(s)]) for s in slos]
+
+
+def seed_rates(
+    earlier: list[dict[str, Any]], points: list[dict[str, Any]], keys: list[str], target: float
+) -> dict[str, float]:
+    """Per objective, a first rate near the answer: the best goodput an earlier layout
+    reached, or what this layout's earlier sweeps sustained at it."""
+    seeds: dict[str, float] = {}
+    for key in keys:
+        known = [r["goodput"][key]["sustained"] for r in earlier if key in r.get("goodput", {})]
+        own = [{**p, "counts_for": [key]} for p in points]
+        known.append(layout_bracket(own, key, target).sustained)
+        if max(known, default=0.0) > 0:
+            seeds[key] = max(known)
+    return seeds
+
+
+def run_sweep(
+    address: str,
+    geo: Any,
+    ns: argparse.Namespace,
+    keys: list[str],
+    seeds: dict[str, float],
+    sweep: int,
+    deadline: float,
+    label: str,
+    points: list[dict[str, Any]],
+) -> str | None:
+    """Probes of one sweep until its brackets are narrow or its time is spent, each
+    point added to `points`; why it stopped early, if it did."""
+    from bench.suite_goodput import run_point
+
+    search = RateProbeSearch(
+        keys=tuple(keys),
+        start={k: seeds.get(k, ns.start_rate) for k in keys},
+        growth=1.5 if seeds else 2.0,
+        resolution=ns.resolution,
+        min_rate=ns.min_rate,
+        max_rate=ns.max_rate,
+        max_probes=ns.max_probes,
+        grid=ns.rates,
+    )
+    settings = point_settings(ns)
+    results: dict[float, dict[str, bool | None]] = {}
+    while (probe := search.next_probe(results)) is not None:
+        rate, tpot_ms = probe.rate, float(probe.aim)
+        n = max(ns.min_requests, round(rate * ns.probe_s))
+        # Arrivals, the last request's answer at the objective, the drain after it.
+        need = n / rate + ns.slo_ttft_ms / 1000 + ns.output_len * tpot_ms / 1000 + 3
+        if time.perf_counter() + need > deadline:
+            return f"time budget: rate {rate:g} (about {need:.0f} s) not run"
+        print(f"  {label}: {rate:g} req/s, {n} requests, at TPOT {probe.aim} ms", flush=True)
+        point = run_point(address, geo, settings, rate, tpot_ms, sweep)
+        point["probe_aim_tpot_ms"] = tpot_ms
+        point["counts_for"] = keys
+        if point["gave_up"]:  # the looser objectives saw an incomplete run
+            for key in looser_than(probe.aim, point["attainment"]):
+                point["attainment"][key] = None
+        points.append(point)
+        met = point["attainment"]
+        results[rate] = {k: None if met[k] is None else met[k] >= ns.attainment for k in keys}
+        print(f"    attainment {met}, {point['num_ok']}/{point['num_requests']} ok", flush=True)
+        failed = [e for e in point["errors"] if not e.endswith("gave up")]
+        if failed and point["num_ok"] == 0:
+            return f"every request failed at {rate:g} req/s: {failed[0]}"
+    return None
+
+
+def run_layout(
+    layout: Layout,
+    ns: argparse.Namespace,
+    model: Path,
+    workdir: Path,
+    deadline: float,
+    earlier: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Start the layout's service, run its sweeps, stop it and wait for its GPUs, all
+    by `deadline` (the earlier layouts' records seed the search and time the stop)."""
+    from bench.harness.sockets import process_tree
+    from bench.suite_common import KVGeometry, error_record, make_prompts
+    from bench.suite_goodput import aim_router, settle, worker_blocks
+    from bench.suite_service import Service, check_warm_up, drive, kv_args
+
+    plan = sweeps(layout, ns.aim, ns.slos)
+    stops = [r["stop_s"] for r in earlier if "stop_s" in r]
+    reserve = max(stops) + 5 if stops else STOP_RESERVE_S
+    args = ["--model", str(model), "--load-format", ns.load_format, *layout.serve_flags()]
+    args += kv_args(layout.disaggregated, ns.kv_cache_gib)
+    args += ["--decode-max-num-seqs", str(ns.max_num_seqs)]
+    args += ["--max-in-flight", "1024", "--max-queue", "4096", "--drain-grace-s", "5"]
+    if any(aim is not None for aim, _ in plan):
+        args += ["--enable-admin"]
+    slug = layout.name.replace(":", "-").replace("+", "-")
+    record: dict[str, Any] = {
+        "layout": layout.name,
+        "gpus": layout.gpus,
+        "disaggregated": layout.disaggregated,
+        "points": [],
+        "sweeps": [],
+    }
+    started = time.perf_counter()
+    svc = Service([*args, *ns.serve_extra], workdir / f"service-{slug}.log")
+    record["args"] = svc.args
+    try:
+        timeout = min(ns.start_timeout, deadline - time.perf_counter() - reserve)
+        record["startup_s"] = round(svc.wait_serving(max(timeout, 1.0)), 1)
+        print(f"  {layout}: SERVING after {record['startup_s']} s", flush=True)
+        record["on_gpus"] = "on GPUs" in svc.log_path.read_text(errors="replace")
+        geo = KVGeometry.of(model)
+        workers = layout.first.workers + (layout.decode.workers if layout.decode else 0)
+        warm = make_prompts(2 * workers, ns.prompt_len, geo.vocab_size, seed=96)
+        warm_timings, _ = asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
+        check_warm_up(warm_timings)
+        record["warm_settle_s"] = asyncio.run(settle(svc.address))
+        record["workers"] = asyncio.run(worker_blocks(svc.address))
+        for index, (aim, keys) in enumerate(plan):
+            # The time left is shared evenly by the sweeps left.
+            left = deadline - reserve - time.perf_counter()
+            sweep_deadline = time.perf_counter() + left / (len(plan) - index)
+            if aim is not None:
+                asyncio.run(aim_router(svc.address, aim, ns.slo_ttft_ms / 1000))
+            seeds = seed_rates(earlier, record["points"], keys, ns.attainment)
+            label = layout.name + ("" if aim is None else f" aimed at {aim:g} ms")
+            count = len(record["points"])
+            stopped = run_sweep(
+                svc.address, geo, ns, keys, seeds, index, sweep_deadline, label, record["points"]
+            )
+            for point in record["points"][count:]:
+                point["aimed_tpot_ms"] = aim
+            record["sweeps"].append({"aim_tpot_ms": aim, "scored": keys, "stopped": stopped})
+    except Exception as exc:  # noqa: BLE001 - recorded with what was measured before it
+        print(f"  {layout}: {exc}", file=sys.stderr, flush=True)
+        record.update(error_record(exc))
+    finally:
+        stopping = time.perf_counter()
+        tree = process_tree(svc.proc.pid)
+        record["exit_code"] = svc.stop()
+        record["release"] = release(tree, on_cuda=ns.on_cuda)
+        record["stop_s"] = round(time.perf_counter() - stopping, 1)
+        record["elapsed_s"] = round(time.perf_counter() - started, 1)
+        if record["exit_code"] != 0 or "error" in record:
+            record["log_tail"] = svc.log_tail()
+    record["goodput"] = goodput_record(record["points"], ns)
+    return record
+
+
+def goodput_record(points: list[dict[str, Any]], ns: argparse.Namespace) -> dict[str, Any]:
+    """Per objective: the bracket, and how many probes speak for it."""
+    out: dict[str, Any] = {}
+    for slo in ns.slos:
+        key = slo_key(slo)
+        counted = [p for p in points if key in p.get("counts_for", ())]
+        if counted:
+            b: Bracket = layout_bracket(counted, key, ns.attainment)
+            out[key] = {"sustained": b.sustained, "failed": b.failed, "probes": len(counted)}
+    return out
+
+
+# ---------------------------------------------------------------- between layouts
+
+
+def gpu_memory_used_mib() -> list[int]:
+    """Memory in use on each GPU (nvidia-smi); [] without nvidia-smi."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    out = subprocess.run(query, capture_output=True, text=True, timeout=30)
+    return [int(x) for x in out.stdout.split() if x.strip().isdigit()]
+
+
+def release(pids: set[int], *, on_cuda: bool, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Wait until every process of a stopped service has exited (those still there
+    after `timeout_s` are killed, each by its id) and, on GPUs, until their memory is
+    free: the next layout starts on empty GPUs."""
+    from bench.harness.sockets import process_alive
+
+    start = time.perf_counter()
+    alive = {pid for pid in pids if process_alive(pid)}
+    while alive and time.perf_counter() - start < timeout_s:
+        time.sleep(0.2)
+        alive = {pid for pid in alive if process_alive(pid)}
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    out: dict[str, Any] = {"processes": len(pids), "processes_killed": len(alive)}
+    if on_cuda:
+        used = gpu_memory_used_mib()
+        while used and max(used) > GPU_FREE_MIB and time.perf_counter() - start < 2 * timeout_s:
+            time.sleep(0.5)
+            used = gpu_memory_used_mib()
+        out["gpu_mib_used"] = used
+        out["gpus_free"] = bool(used) and max(used) <= GPU_FREE_MIB
+    out["after_s"] = round(time.perf_counter() - start, 1)
+    return out
+
+
+# ---------------------------------------------------------------- the run
+
+
+def resolve_model(name: str, workdir: Path) -> Path:
+    """A model folder, or a named shape of the GPU suite (the tiny one is written out)."""
+    from bench.suite_common import SHAPES, shape_path
+
+    if name in SHAPES or name == "tiny":
+        return shape_path(name, workdir)
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model-config {name}: no config.json there")
+    return path.resolve()
+
+
+def output_paths(ns: argparse.Namespace) -> tuple[Path, Path]:
+    env_out = os.environ.get("OUT")
+    out = Path(ns.out) if ns.out else Path(env_out or ".") / "tp_goodput.json"
+    if ns.workdir:
+        workdir = Path(ns.workdir)
+    elif env_out:
+        workdir = Path(env_out) / "tp_goodput_logs"
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="tp-goodput-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out, workdir
+
+
+def config_record(ns: argparse.Namespace, model: Path) -> dict[str, Any]:
+    skip = {"layouts", "report", "slo_tpot_ms"}
+    config = {k: v for k, v in vars(ns).items() if k not in skip}
+    config["layouts"] = [layout.name for layout in ns.layouts]
+    config["model"] = str(model)
+    config["rates"] = list(ns.rates)
+    return config
+
+
+def report(paths: list[str]) -> int:
+    """Tables of earlier runs' layouts, merged by name (a later file's record wins)."""
+    records: dict[str, dict[str, Any]] = {}
+    slos: set[float] = set()
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        slos.update(data["config"]["slos"])
+        records.update({r["layout"]: r for r in data["layouts"]})
+    keys = [slo_key(s) for s in sorted(slos)]
+    merged = list(records.values())
+    print(format_tables(merged, keys, comparisons(merged, keys)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    if ns.report:
+        return report(ns.report)
+    from bench.suite_common import error_record
+    from bench.suite_goodput import gpu_count
+
+    out, workdir = output_paths(ns)
+    model = resolve_model(ns.model_config, workdir)
+    have = gpu_count() or 0
+    ns.on_cuda = have > 0
+    if ns.kv_cache_gib is None and not ns.on_cuda:
+        ns.kv_cache_gib = 0.25
+    keys = [slo_key(s) for s in ns.slos]
+    config = config_record(ns, model)
+    where = f"{have} GPUs" if have else "CPU"
+    print(f"{len(ns.layouts)} layouts of {model.name} on {where}; logs in {workdir}", flush=True)
+    t0 = time.perf_counter()
+    run_deadline = t0 + (ns.budget_s if ns.budget_s is not None else float("inf"))
+    records: list[dict[str, Any]] = []
+
+    def save(tables: str | None = None) -> None:
+        comp = comparisons(records, keys)
+        extra = {"tables": tables} if tables is not None else {}
+        elapsed = round(time.perf_counter() - t0, 1)
+        write_result(
+            out, "bench.tp_goodput", argv, config=config, elapsed_s=elapsed,
+            layouts=records, comparisons=comp, **extra,
+        )  # fmt: skip
+
+    for index, layout in enumerate(ns.layouts):
+        now = time.perf_counter()
+        share = (run_deadline - now) / (len(ns.layouts) - index)
+        deadline = min(run_deadline, now + (ns.layout_budget_s or share))
+        # A start as long as the longest so far, a warm-up, one probe and the stop.
+        need = max((r.get("startup_s", 0.0) for r in records), default=30.0) + 40
+        base: dict[str, Any] = {
+            "layout": layout.name,
+            "gpus": layout.gpus,
+            "disaggregated": layout.disaggregated,
+        }
+        if ns.on_cuda and have < layout.gpus:
+            records.append({**base, "skipped": f"needs {layout.gpus} GPUs, found {have}"})
+        elif deadline - now < need:
+            records.append({**base, "skipped": f"time budget ({deadline - now:.0f} s left)"})
+        else:
+            print(f"[{now - t0:5.0f}s] {layout} ({layout.gpus} GPUs)", flush=True)
+            try:
+                records.append(run_layout(layout, ns, model, workdir, deadline, records))
+            except Exception as exc:  # noqa: BLE001 - recorded; the next layout still runs
+                print(f"  {layout}: {exc}", file=sys.stderr, flush=True)
+                records.append({**base, **error_record(exc)})
+        save()
+    tables = format_tables(records, keys, comparisons(records, keys))
+    save(tables)
+    print(f"\n{tables}\n\nwrote {out} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0 if all(r.get("goodput") for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
