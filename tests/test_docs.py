@@ -41,3 +41,38 @@ def test_benchmarks_are_named_by_a_command_that_runs() -> None:
         assert not paths, f"{doc.relative_to(REPO)} names {paths}: say `python -m bench.x`"
         for module in set(re.findall(r"\bbench\.([a-z_]+)\b", text)):
             assert (REPO / "bench" / f"{module}.py").is_file(), f"{doc.name}: bench.{module}"
+
+
+def heading_anchors(doc: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: the text as rendered, lower
+    case, every character but letters, digits, `_`, `-` and spaces dropped, spaces as
+    `-`; a repeated anchor gets `-1`, `-2`, ... Lines in code fences are not headings."""
+    seen: dict[str, int] = {}
+    anchors: set[str] = set()
+    in_fence = False
+    for line in doc.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+            continue
+        heading = None if in_fence else re.match(r"#{1,6} +(.*?) *#*$", line)
+        if heading is None:
+            continue
+        text = re.sub(r"`([^`]*)`", r"\1", heading.group(1))
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+        text = re.sub(r"[*_]{1,2}([^*_]+)[*_]{1,2}", r"\1", text)
+        base = re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        anchors.add(base if count == 0 else f"{base}-{count}")
+    return anchors
+
+
+def test_links_to_a_heading_reach_one() -> None:
+    # Sections move between benchmarks.md and its history: a link into a Markdown file's
+    # heading must still find it.
+    for doc in DOCS:
+        for target, anchor in re.findall(r"\]\(([^)\s#]*)#([^)\s]+)\)", doc.read_text()):
+            linked = doc if not target else (doc.parent / target).resolve()
+            if linked.suffix != ".md" or not linked.is_file():
+                continue
+            assert anchor in heading_anchors(linked), f"{doc.name}: ({target}#{anchor})"
