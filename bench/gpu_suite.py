@@ -264,7 +264,7 @@ def run_service(
 
 
 def machine_meta(ns: argparse.Namespace) -> dict[str, Any]:
-    from bench.offline import git_commit
+    from bench.report import git_commit
 
     meta: dict[str, Any] = {
         "argv": sys.argv[1:],

@@ -24,9 +24,10 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +41,10 @@ from bench.suite_common import (
     summarize,
 )
 from bench.suite_plan import parse_ints, plan_from_args, prompts_for
+
+if TYPE_CHECKING:
+    from engine.core.batch import Batch
+    from engine.llm import LLM
 
 # ---------------------------------------------------------------- floor
 
@@ -87,6 +92,72 @@ ENGINE_PARTS = {
 }
 
 
+@dataclass
+class StepRecord:
+    """One engine step: its time, the runner's share of it, and the batch's shape."""
+
+    step_s: float
+    execute_s: float = 0.0
+    num_seqs: int = 0
+    num_tokens: int = 0
+    num_prefill_seqs: int = 0  # sequences with more than one query token this step
+    max_context: int = 0  # longest sequence (tokens in the cache after this step)
+
+
+@dataclass
+class StepProfile:
+    """Counts every `llm.core.step` and `llm.runner.execute` (or `launch`) call while
+    installed. With async scheduling a step launches one batch and waits for the one
+    before, so its time is the interval between steps, and `execute_s` is the launch."""
+
+    records: list[StepRecord] = field(default_factory=list)
+    _pending_execute: tuple[float, Batch] | None = None
+
+    def install(self, llm: LLM) -> Callable[[], None]:
+        """Wrap the step and execute methods of this LLM; returns a function that unwraps."""
+        core, runner = llm.core, llm.runner
+        orig_step, orig_execute = core.step, runner.execute
+        orig_launch = getattr(runner, "launch", None)
+
+        def execute(batch: Batch) -> dict[str, int]:
+            t0 = time.perf_counter()
+            out = orig_execute(batch)
+            self._pending_execute = (time.perf_counter() - t0, batch)
+            return out
+
+        def launch(batch: Batch, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = orig_launch(batch, **kwargs)  # type: ignore[misc]
+            self._pending_execute = (time.perf_counter() - t0, batch)
+            return out
+
+        def step() -> Any:
+            self._pending_execute = None
+            t0 = time.perf_counter()
+            out = orig_step()
+            rec = StepRecord(time.perf_counter() - t0)
+            if self._pending_execute is not None:
+                rec.execute_s, batch = self._pending_execute
+                rec.num_seqs = len(batch.seqs)
+                rec.num_tokens = batch.num_tokens
+                rec.num_prefill_seqs = sum(1 for s in batch.seqs if s.num_tokens > 1)
+                rec.max_context = max(s.end_position for s in batch.seqs)
+            self.records.append(rec)
+            return out
+
+        core.step = step  # type: ignore[method-assign]
+        runner.execute = execute  # type: ignore[method-assign]
+        if orig_launch is not None:
+            runner.launch = launch
+
+        def uninstall() -> None:
+            del core.step, runner.execute  # back to the class methods
+            if orig_launch is not None:
+                del runner.launch
+
+        return uninstall
+
+
 def run_engine(
     ns: argparse.Namespace,
     device: torch.device,
@@ -94,7 +165,6 @@ def run_engine(
     bandwidth: dict | None,
     part: str = "b",
 ) -> dict[str, Any]:
-    from bench.offline import StepProfile
     from engine.core.config import SchedulerConfig
     from engine.factory import EngineArgs
     from engine.heap import freeze_startup_heap

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext, suppress
@@ -28,26 +26,12 @@ import grpc
 from bench.harness import ServiceProcess as Service
 from bench.harness.metrics import Samples, phase_means_ms, prefill_paths, scrape
 from bench.suite_common import (
-    REPO,
     KVGeometry,
     ReqTiming,
     make_prompts,
     summarize,
 )
 from bench.suite_plan import RunSpec, prompts_for
-
-
-def serve_help() -> str:
-    """`pdserve serve --help`, to see which flags this checkout has."""
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli.main", "serve", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return out.stdout
-
 
 # ---------------------------------------------------------------- gRPC driver
 

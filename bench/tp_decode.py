@@ -10,7 +10,7 @@ pure-decode batch, every sequence holding `--context` tokens of random KV
 * the median step (host clock: one engine step, its tokens read back);
 * with CUDA graphs, the GPU time of the step's graph replayed alone;
 * the memory floor of one rank: its weight bytes plus the KV bytes its heads' attention
-  reads, over the device copy bandwidth measured in the same run (as bench.decode_step);
+  reads, over the device copy bandwidth measured in the same run;
 * step ÷ floor, and step ÷ the step of the same model and batch at TP 1;
 * one all-reduce of a [batch, hidden] tensor on the group, alone (launched one by one,
   and replayed from a CUDA graph), and its share of the step: 2 per layer × layers × its
@@ -42,11 +42,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from bench.decode_step import BLOCK_SIZE, CONFIGS, REPO, int_list
 from bench.report import provenance
-from bench.tp_decode_rank import RankJob, log, rank_main
+from bench.tp_decode_rank import BLOCK_SIZE, RankJob, log, rank_main
 from engine.model.model_spec import kv_bytes_per_token
 from engine.parallel.tp_heads import num_local_kv_heads, tp_size_problem
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "deploy" / "model_configs"
 
 # NVLink multicast (NVLS) can take a shared host's GPUs down: off in every rank.
 NO_MULTICAST = {
@@ -57,6 +59,11 @@ NO_MULTICAST = {
 # What a rank holds besides its weights and KV: the compiler's and cuBLAS's workspaces,
 # the graphs' pool, NCCL's buffers, one full-size tensor while random weights are drawn.
 HEADROOM_BYTES = 8 << 30
+
+
+def int_list(text: str) -> list[int]:
+    """A comma-separated flag as integers: "1,32,128" → [1, 32, 128]."""
+    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

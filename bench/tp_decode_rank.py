@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,26 +21,100 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.decode_step import (
-    BLOCK_SIZE,
-    copy_bandwidth,
-    decode_batch,
-    event_times,
-    time_stats,
-    wall_times,
-)
 from bench.device import free
-from engine.core.batch import Batch
+from bench.report import percentile
+from engine.core.batch import Batch, ScheduledSeq
 from engine.model.compiled import is_compiled
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.model_runner import ModelRunner
 from engine.parallel.tensor_parallel import TPRank, all_reduce, join_tp_group
+from engine.sampling_params import GREEDY
+
+BLOCK_SIZE = 16
 
 # All-reduces per timed sample of the all-reduce alone: back to back, so a sample is not
 # one launch's host latency (and the graph replays them as the model's graph does).
 ALL_REDUCES_PER_SAMPLE = 10
 # A layer's two row-parallel products (attention output, MLP down) each end in one.
 ALL_REDUCES_PER_LAYER = 2
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Bytes moved (read + written) per second by a large device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    times = event_times(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / (statistics.median(times) / 1e3)
+
+
+def event_times(fn: Any, reps: int, warmup: int = 3, calls: int = 1) -> list[float]:
+    """Milliseconds per call of fn, timed with CUDA events, `reps` times. Each sample
+    times `calls` calls back to back; with several, the host's launch of the first one
+    (which the start event also times: the device waits for it) is spread over them."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return times
+
+
+def wall_times(fn: Any, reps: int, warmup: int = 3) -> list[float]:
+    """Milliseconds per call of fn (which must end in a host sync), by the host clock."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def time_stats(times: list[float]) -> dict[str, float]:
+    """Median, p10 and p90 of a list of times."""
+    return {
+        "median": percentile(times, 50),
+        "p10": percentile(times, 10),
+        "p90": percentile(times, 90),
+    }
+
+
+def decode_batch(
+    n: int, context: int, num_blocks: int, vocab_size: int, rng: random.Random
+) -> Batch:
+    """A pure-decode batch of n sequences, each with `context` tokens of KV (its new
+    token's own K/V the last of them) in blocks drawn at random from the cache's
+    `num_blocks`: no two sequences share a block, and reads are not in block order."""
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    per_seq = -(-context // BLOCK_SIZE)
+    if n * per_seq > num_blocks:
+        raise ValueError(
+            f"{n} sequences of {context} tokens need {n * per_seq} blocks; the cache has "
+            f"{num_blocks}"
+        )
+    return Batch(
+        tuple(
+            ScheduledSeq(
+                f"r{i}",
+                (rng.randrange(vocab_size),),
+                context - 1,  # the new token's position: context tokens after its write
+                tuple(ids[i * per_seq : (i + 1) * per_seq]),
+                True,
+                GREEDY,
+                0,
+            )
+            for i in range(n)
+        ),
+        BLOCK_SIZE,
+    )
 
 
 @dataclass(frozen=True)

@@ -18,18 +18,18 @@ if TYPE_CHECKING:
 
 
 # From this much KV on (2048 tokens of the 8B shape), streaming it during the pass pays:
-# the hand-off after the first token shrinks 3-4x and the first inter-token gap by about
-# a fifth, for ~3 % on the pass. Smaller hand-offs come from passes bound by the host
-# launching kernels (shorter prompts, smaller models), where posting the parts costs more
-# than the transfer it hides (docs/benchmarks.md, "Layer-wise KV streaming").
+# the hand-off left after the first token and the first inter-token gap shrink, for
+# little on the pass. Smaller hand-offs come from passes bound by the host launching
+# kernels (shorter prompts, smaller models), where posting the parts costs more than the
+# transfer it hides (docs/benchmarks-history.md, "Layer-wise KV streaming").
 # `kv_stream_min_tokens="auto"` turns it into a token count for the model being served,
 # compared with a message's (one pass's prompts to one decode worker), not a prompt's.
 KV_STREAM_MIN_BYTES = 256 << 20
 DEFAULT_KV_STREAM_MIN_TOKENS: int | Literal["auto"] = "auto"
 
 # The longest prompt chunk that runs alone from a CUDA graph (engine.model.prompt_graphs).
-# Past it a pass is bound by the GPU's arithmetic on the models served here (8B: ~40 ms
-# of matmuls against a few ms of launches), and such a prompt of an 8B streams its KV
+# Past it a pass is bound by the GPU's arithmetic on the models served here (an 8B's
+# matmuls take many times its launches), and such a prompt of an 8B streams its KV
 # layer by layer, which runs eagerly anyway.
 DEFAULT_PROMPT_GRAPH_MAX_TOKENS = 2048
 

@@ -308,8 +308,8 @@ class TokenBatch:
     It crosses the process boundary as columns: the plain updates (tokens, a finish, the
     cached count) as request ids and packed integer arrays, the few that carry more (an
     error, phases, the KV's arrival) as they are. Pickling one object per request per
-    poll cost the decode worker about 0.8 ms for 128 requests, time its engine thread
-    waited for the interpreter; the columns take a tenth of that. `scheduled_at` stays
+    poll cost the decode worker time its engine thread waited for the interpreter; the
+    columns take a fraction of it. `scheduled_at` stays
     behind (0.0 on arrival): it is the worker's own, and an update that carried it
     would not be plain.
     """

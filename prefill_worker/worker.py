@@ -134,9 +134,8 @@ class PrefillWorker(WorkerBase):
         graphs = self.runner.prompt_graphs
         if self._graphs_over_streaming and graphs is not None and graphs.can_run(batch):
             # A lone prompt a CUDA graph runs sends its KV in one message after the pass:
-            # the eager pass that streams costs more than the hand-off it hides (8B, 2048
-            # tokens: 60.8 ms to the first token against the graph's 52; streaming hides
-            # about 2 ms of hand-off, after the first token).
+            # the eager pass that streams costs its first token more than the hand-off it
+            # hides after it (docs/benchmarks.md, "KV hand-off").
             return None
         ready: list[ReadyKV] = []
         for seq in batch.seqs:

@@ -6,8 +6,7 @@
 * `polling`: deadline-bounded waits (`wait_until`, `wait_until_async`);
 * `streams`: one Generate call read to its end (`generate` → `StreamResult`);
 * `pools`: the leak check (`assert_pools_empty`) and `wait_pool_sizes`;
-* `metrics`: the Prometheus endpoint (`scrape`, `value`);
-* `cpu`: a service's CPU time from /proc (`process_cpu_s`, `service_cpu_s`).
+* `metrics`: the Prometheus endpoint (`scrape`, `value`).
 
 Nothing here imports from `tests/`; tests import from here.
 """

@@ -8,8 +8,8 @@ from engine.core.waiting_queue import QUEUE_POLICIES, QueuePolicy
 
 # Tokens per step when none is given, by device type. On a GPU a step of 2048 tokens
 # leaves the prompt GEMMs short and pays each step's fixed cost (the running decodes, the
-# launch) four times as often: 128 prompts of 512 tokens on one H100 finish 1.6x sooner
-# with 8192 (docs/benchmarks-history.md); vLLM and SGLang use 8192 on GPUs of this size too.
+# launch) four times as often: a burst of prompts finishes clearly sooner with 8192
+# (docs/benchmarks-history.md); vLLM and SGLang use 8192 on GPUs of this size too.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192}
 FALLBACK_MAX_NUM_BATCHED_TOKENS = 2048
 

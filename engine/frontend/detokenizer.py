@@ -2,9 +2,9 @@
 
 The text of each new token comes from the tokenizers library's streaming decoder
 (`tokenizers.decoders.DecodeStream`, primed with the end of the prompt): one step in
-Rust per token, where re-decoding a window costs two `tokenizer.decode` calls (2.2
-against 9.8 µs a token for SmolLM2's tokenizer; the router streams every request's
-tokens through here, docs/benchmarks.md). Where that decoder would not give
+Rust per token, where re-decoding a window costs two `tokenizer.decode` calls (several
+times the cost, and the router streams every request's tokens through here,
+docs/benchmarks.md). Where that decoder would not give
 `tokenizer.decode`'s text (a tokenizer without a fast backend, one that cleans up spaces
 after decoding, a prompt that ends part-way through a character, an older library), a
 short window of tokens is re-decoded with `tokenizer.decode` for each new token, as

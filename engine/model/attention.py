@@ -4,7 +4,7 @@ KV cache layout: `kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, 
 Block-major, so a request's KV for a hand-off is one `index_select` on dim 0.
 Reads and writes address the cache as rows of `num_kv_heads * head_dim` contiguous
 values (`kv_cache.view(-1, KVH * D)`): one token's K (or V) of one layer is one row, and
-row-wise `index_select` / `index_copy_` move whole rows (5x faster on an H200 than
+row-wise `index_select` / `index_copy_` move whole rows (far faster on a GPU than
 advanced indexing with a (block, offset) index pair).
 
 All index tensors are built once per step (`engine.model.attention_metadata`) and
@@ -122,8 +122,8 @@ def _attend_paged(
     `new_kv`: an identity group's new K and V, not yet in the cache. When the step splits
     each context (few sequences, where launches cost more than bytes) the attention
     kernel writes them itself; otherwise the write kernel runs first, since carrying them
-    through the attention kernel slowed a full batch's loop by 7 % (1B, batch 128,
-    `bench.decode_step --kv-write`)."""
+    through the attention kernel slowed a full batch's loop (docs/benchmarks-history.md,
+    "packed sibling projections and the K/V write in the decode kernel")."""
     q = query if group.identity else query.index_select(0, group.q_index[:, 0])
     n = q.shape[0]
     splits = num_splits_for(n, kv_cache.shape[4], group.max_context, q.device)

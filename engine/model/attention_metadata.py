@@ -127,7 +127,7 @@ def bucket_size(n: int, granule: int) -> int:
 
 
 # cuDNN's SDPA (what torch picks on CUDA for a masked GQA call) builds an execution
-# graph for every new shape, ~40 ms of host time on an H200, then caches it. Group
+# graph for every new shape, tens of ms of host time, then caches it. Group
 # shapes change every step (contexts grow by one), so on CUDA they are rounded up
 # to buckets: few distinct graphs, each built once.
 _SEQ_GRANULE = 8

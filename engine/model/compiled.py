@@ -11,10 +11,10 @@ truth: nothing is rewritten by hand.
 
 Compiled at start-up with a symbolic token count (one more graph for a single token),
 one decoder layer at a time: the layers share their compiled code, so start-up compiles
-one layer, not the stack (1B shape: 27 s against 125 s, docs/benchmarks.md). The CUDA
+one layer, not the stack, a fraction of the time (docs/benchmarks-history.md). The CUDA
 graphs of decode steps are captured from it, and steps without a graph (prefill chunks,
-mixed steps, every step of a prefill engine) run it directly. Prefill gains as much as
-decode: a 2048-token step of the 1B shape runs 2.4x faster (docs/benchmarks-history.md).
+mixed steps, every step of a prefill engine) run it directly. Prefill gains from its
+fused kernels as much as decode does (docs/benchmarks-history.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """CUDA graphs of a step that runs one prompt chunk alone, one per padded token count.
 
 A prompt of a few hundred tokens on a small model is bound by the host launching its
-kernels, not by the GPU: eagerly, a 512-token pass of a 1B Llama took 11-24 ms on an
-H100 or H200, moving with the host's state; replayed from a graph, 4 ms on an H100
-(docs/benchmarks.md). It is the whole time to first token of a lone request, on a
-prefill worker and on a colocated engine alike. Each graph here replays the whole
+kernels, not by the GPU: eagerly, its time moves with the host's state; replayed from a
+graph, it is a fraction of that and steady (docs/benchmarks.md, "Prompt CUDA graphs").
+It is the whole time to first token of a lone request, on a prefill worker and on a
+colocated engine alike. Each graph here replays the whole
 forward of one sequence of up to `q` tokens, attending to its cached prefix with the
 varlen Triton kernel (the verifying step's layout, engine.model.verify_graphs, with one
 sequence), and the LM head on its last real token only.

@@ -136,7 +136,7 @@ def _kth_largest(scores: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Ten
 def _nucleus_cut(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per row, the smallest value kept by top-p: tokens >= it hold mass >= top_p.
 
-    On CPU no full-vocab sort (70 ms for 16 rows of 49k on one core): a top-k of
+    On CPU no full-vocab sort (slow over a whole vocabulary on one core): a top-k of
     growing k until it holds `top_p` of the mass. The cut depends on the row alone, whatever k
     found it, so a row's sample never depends on the rest of the batch.
     """

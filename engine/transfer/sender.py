@@ -3,8 +3,8 @@
 Requests whose KV became ready in the same engine step and go to the same peer travel
 together: one gather of all their blocks (one `index_select` on the block-major cache),
 one header, one payload. NCCL point-to-point runs far below the link for small messages
-(about 18 GiB/s at 1 MiB against 260-340 GiB/s from 16 MiB on H100/H200 NVLink), so a
-burst of 512-token prompts sent one by one would queue behind per-message costs. A
+(a MiB moves an order of magnitude slower than tens of MiB over NVLink), so a burst of
+512-token prompts sent one by one would queue behind per-message costs. A
 message is capped in entries (the header's capacity) and in bytes (so the gathered copy
 stays a bounded share of device memory).
 """

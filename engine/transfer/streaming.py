@@ -29,13 +29,13 @@ from engine.transfer.handoff import NO_TOKEN, HandoffHeader, HeaderKind
 from engine.transfer.sender import Message
 
 # A part smaller than this is merged with the next layers: point-to-point messages of
-# a few hundred KiB run far below the link, and each part costs a fixed few tens of µs.
+# a few hundred KiB run far below the link, and each part has a fixed cost.
 MIN_PART_BYTES = 2 << 20
 # At most this many parts a message. Each part costs both workers' sending and receiving
 # threads a few calls that give up the interpreter's lock, and under load each call may
-# wait milliseconds to take it back from a busy engine thread (a burst's 16 one-layer
-# parts of 16 MiB took the receiving thread 20-50 ms to post, against 4-10 ms for 4),
-# while the last part, the one left after the pass, moves at ~300 GB/s (64 MiB: 0.2 ms).
+# wait milliseconds to take it back from a busy engine thread (a burst's one-layer parts
+# took the receiving thread several times as long to post as four larger ones), while
+# the last part, the one left after the pass, is quick over NVLink even when large.
 MAX_PARTS = 4
 
 # gather(index, (first layer, stop layer)) -> (payload, ready event or None), where

@@ -1,8 +1,8 @@
 """The router's calls to a worker over a TCP connection of their own, not Ray's.
 
-A Ray actor call costs about 2 ms for its round trip on one host (measured: an empty
-async method), and a request waits for one to its prefill worker before its first
-token is in the router's hands. Ray still places, starts,
+A Ray actor call's round trip costs milliseconds on one host, even to an empty async
+method, and a request waits for one to its prefill worker before its first token is in
+the router's hands. Ray still places, starts,
 watches and stops every worker; once started, a worker also listens here and the router
 sends each of its verbs (prefill, reserve, next_tokens, ...) over one connection per
 worker: frames of a length and a pickle, a call id to match each reply, every call run

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 WARM_UP_REQ_ID = "speed-warm-up"
 # A prompt as long as a chat turn on a GPU, where a shorter one is launch-bound and would
 # understate the rate; on a CPU the time grows with the tokens from a few dozen on (the
-# embedded model on a loaded 2-core machine: 64 tokens at the same rate as 512 within
-# 10 %, about 4 ms each), so a short one keeps the warm-up within a few hundred ms.
+# embedded model's rate at 64 tokens is close to its rate at 512), so a short one keeps
+# the warm-up within a few hundred ms.
 PROMPT_TOKENS = {"cuda": 512}
 CPU_PROMPT_TOKENS = 64
 # Passes of each kind, the fastest kept: on a GPU the first eager pass may still pick or

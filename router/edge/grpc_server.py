@@ -127,7 +127,7 @@ class _HeadersAhead:
     """A writing handler's context while its response headers are on their way.
 
     Sending headers is a round of the call's own (through gRPC's poller thread and
-    back to the event loop, about 0.2 ms on an idle router). A Generate call's handler
+    back to the event loop), which a lone call would wait out. A Generate call's handler
     needs them only with its first token, so they leave while it admits, routes and
     submits the request; a write or an abort waits for them first, since gRPC sends
     headers once, before any message or status, and the handler's end waits too."""

@@ -138,9 +138,9 @@ def decide(inputs: PathInputs, config: PrefillPolicyConfig) -> PathDecision:
     # A prompt on the decode worker runs no faster than the prefill pool's rate (the same
     # engine on the same kind of device), and is often far slower: the pool's rate is a
     # loaded worker's, many prompts sharing each pass, while the decode worker runs one
-    # or two in its steps, launch-bound (a 1B prompt of 512 tokens: about 2 ms at the
-    # pool's rate, 65 ms measured on the decode worker; docs/benchmarks.md). What it
-    # took there lately is the better estimate once there is one.
+    # or two in its steps, launch-bound (a short prompt of a small model takes many times
+    # longer there than the pool's rate implies). What it took there lately is the better
+    # estimate once there is one.
     s_per_token = max(1.0 / rate, inputs.decode_local_s_per_token or 0.0)
     step_s = inputs.decode_step_s or 0.0
     local_s = (inputs.decode_queued_tokens + inputs.num_uncached_decode) * s_per_token

@@ -12,10 +12,10 @@ than all of them. A gRPC server takes in one new call per turn of its loop: with
 streams woken in one turn, a turn lasts the whole batch's work (detokenize, message,
 write for each) and new calls queue behind it; in short turns they come in between. The
 price is fewer, larger messages: the next poll waits for the batch's streams, so each
-update carries more steps (over fake workers: 1.5x the tokens a second at 64 streams, 2x
-at 128, the wait to be accepted a fifth or less; message gaps 25-34 ms p50 against 7-13;
-docs/benchmarks.md). Under that many streams, `--stream-interval auto` already trades
-per-token messages for the loop's capacity; below it nothing changes.
+update carries more steps and a stream's messages come further apart, while the router
+streams more tokens a second and new calls wait far less to be accepted. Under that many
+streams, `--stream-interval auto` already trades per-token messages for the loop's
+capacity; below it nothing changes.
 """
 
 from __future__ import annotations

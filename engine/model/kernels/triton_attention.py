@@ -23,7 +23,7 @@ if triton is not None:
     from engine.model.kernels.triton_paged import attend_tile, kv_row
 
 # Context tokens per tile. On an H200 (one 8B layer, context 2048) 64 beat 32 and 16 at
-# batch 1, 32 and 128: 3.6 TB/s of K/V at batch 128 (bench/decode_step.py).
+# batch 1, 32 and 128 (the retired `bench.decode_step`, docs/benchmarks-history.md).
 _BLOCK_N = 64
 _MAX_SPLITS = 32
 _MIN_TOKENS_PER_SPLIT = 64  # one tile: below this a split's fixed cost outweighs the parallelism

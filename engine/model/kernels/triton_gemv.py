@@ -1,9 +1,9 @@
 """Matrix-vector products for decode steps of one sequence, in Triton.
 
 A batch-1 decode step is a chain of GEMVs: every weight byte is read once for one row of
-activations, so the step's floor is the weights' size over the memory bandwidth. On an
-H100 (about 3 TB/s copy rate) cuBLAS read the weights of these shapes at 0.4-2.4 TB/s,
-the small projections slowest (bench/gemv.py). Here each program owns `BLOCK_N` output
+activations, so the step's floor is the weights' size over the memory bandwidth. cuBLAS
+reads the weights of these shapes well below the card's copy rate, the small projections
+slowest (docs/benchmarks-history.md, "one-row GEMV"). Here each program owns `BLOCK_N` output
 features, streams their weight rows once in `BLOCK_K`-wide tiles, multiplies them with
 every activation row (all of which fit in registers) and sums in float32. No split-K: each output is
 summed by one program in one fixed order, so the result does not depend on timing and
@@ -26,9 +26,9 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
 
-# Rows of activations the kernel takes. It beats cuBLAS at one row by 3-47 % per
-# projection and at two by a little; from four rows on cuBLAS's GEMM kernels win
-# (bench/gemv.py), so the model's linear layers use it for one row only.
+# Rows of activations the kernel takes. It beats cuBLAS at one row on every projection
+# and at two by a little; from four rows on cuBLAS's GEMM kernels win (the retired
+# `bench.gemv`), so the model's linear layers use it for one row only.
 MAX_ROWS = 8
 
 
@@ -99,8 +99,8 @@ if triton is not None:
 def default_config(m: int, n: int, k: int) -> GemvConfig:
     """The configuration for an [m, k] x [n, k]^T product: fixed, never picked by timing,
     so every process runs the same kernel. On an H100 two weight rows a program, 2048
-    columns a tile, was within 0.5 us of the best of 28 configurations for every one-row
-    projection of the 1B and 8B Llama shapes (bench/gemv.py --sweep); with more rows
+    columns a tile, was close to the best of the configurations swept for every one-row
+    projection of the 1B and 8B Llama shapes (the retired `bench.gemv`); with more rows
     the per-lane sums would not fit in registers, so those reduce each tile at once."""
     block_k = min(2048, triton.next_power_of_2(k))
     if m == 1:
@@ -158,8 +158,8 @@ def _launch(
 
 # For torch.compile: a Triton operator the compiler traces into, so the compiled decoder
 # launches the kernel from its own generated code, between its fused kernels and inside
-# CUDA graphs, without a dispatcher call per product (an opaque custom operator cost
-# about 90 us of host time per call, which doubled an ungraphed one-token step).
+# CUDA graphs, without a dispatcher call per product (an opaque custom operator's host
+# time per call made an ungraphed one-token step far slower).
 # Registered only where Triton imports (torch warns at registration otherwise).
 if triton is not None:
 
@@ -199,8 +199,8 @@ class GemvLinear(torch.nn.Linear):
 
 # Sibling projections of one input that a one-row step runs as a single GEMV over their
 # stacked weights: attention's q, k and v, and the gated MLP's gate and up. At one row
-# the small products cost launch and ramp-up more than bytes (a 1B k or v: 3.1 us for
-# 0.7 us of reads), so one launch of the stacked weights beats three. Each output is
+# the small products cost launch and ramp-up more than bytes (a 1B k or v takes several
+# times its reads), so one launch of the stacked weights beats three. Each output is
 # still summed by the program that owns its weight rows, in the same order, so the
 # packed product gives each projection exactly the bits its own GEMV would.
 PACKED_SIBLINGS: tuple[tuple[str, ...], ...] = (
