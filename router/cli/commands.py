@@ -100,6 +100,8 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
         metrics_host=ns.metrics_host,
         metrics_port=ns.metrics_port,
         enable_admin=ns.enable_admin,
+        router_processes=ns.router_processes,
+        resume_grace_s=ns.resume_grace_s,
     )
 
 
@@ -111,7 +113,13 @@ def serve(config: ServeConfig) -> int:
 
     # The service's ports are bound now and kept through Ray's start, whose processes
     # would otherwise be free to take them (router/fleet/port_holds.py).
-    for host, port in ((config.host, config.port), (config.metrics_host, config.metrics_port)):
+    ports = [(config.host, config.port), (config.metrics_host, config.metrics_port)]
+    if config.metrics_port:  # a router tier's other processes: the next ones
+        ports += [
+            (config.metrics_host, config.metrics_port + i)
+            for i in range(1, config.router_processes)
+        ]
+    for host, port in ports:
         problem = port_holds.hold(host, port)
         if problem is not None:
             port_holds.release_all()

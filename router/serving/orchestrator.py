@@ -40,7 +40,7 @@ from router.planner.signals import ServingSignals
 from router.routing.kv_index import PrefixIndex
 from router.routing.prefill_policy import PrefillPolicyConfig
 from router.routing.worker_load import WorkerLease
-from router.serving.admission import Admission
+from router.serving.admission import Admission, AdmissionControl
 from router.serving.attempts import Attempt, Progress, WorkerLost, continuation, final_result
 from router.serving.config import RouterConfig
 from router.serving.delivery import TokenDelivery
@@ -60,13 +60,19 @@ T = TypeVar("T")
 class DisaggregatedGenerator(ServingPaths):
     """Implements router.serving.protocol.Generator over the live pools."""
 
-    def __init__(self, pools: Pools, tokenizer: Any, config: RouterConfig | None = None) -> None:
+    def __init__(
+        self,
+        pools: Pools,
+        tokenizer: Any,
+        config: RouterConfig | None = None,
+        admission: AdmissionControl | None = None,  # a router tier's shared budget
+    ) -> None:
         self.pools = pools
         self.colocated_mode = pools.targets["colocated"] > 0
         self.tokenizer = tokenizer
         self.config = config or RouterConfig()
         self.prefill_policy: PrefillPolicyConfig = self.config.prefill_policy
-        self.admission = Admission(
+        self.admission: AdmissionControl = admission or Admission(
             self.config.max_in_flight,
             self.config.max_queue,
             policy=self.config.admission_policy,
@@ -223,7 +229,13 @@ class DisaggregatedGenerator(ServingPaths):
         if sampling.seed is None:
             # Fixed here so prefill and decode (and a retry) draw from the same stream.
             sampling = replace(sampling, seed=uuid.uuid4().int >> 65)
-        return GenerationInput(uuid.uuid4().hex, tuple(token_ids), sampling, call.priority)
+        return GenerationInput(
+            uuid.uuid4().hex,
+            tuple(token_ids),
+            sampling,
+            call.priority,
+            request_id=call.request_id,  # a router tier's resumed stream finds it by this
+        )
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
         """Stream one request's chunks, then exactly one FinalResult."""
