@@ -401,12 +401,13 @@ class DecodeWorker(KVExporter, WorkerBase):
         lost, expired = self.outboxes.sweep()
         for consumer in lost:
             mine = self.outboxes.requests_of(consumer)
-            log.warning(
-                "router process %s stopped polling; keeping its %d requests for another "
-                "to take over",
-                consumer,
-                len(mine),
-            )
+            if mine:
+                log.warning(
+                    "router process %s stopped polling; keeping its %d requests for "
+                    "another to take over",
+                    consumer,
+                    len(mine),
+                )
             if mine and self.loop_thread is not None:
                 self.loop_thread.submit(functools.partial(self._record_orphans, mine))
             self.kv_fanout.forget(consumer)

@@ -5,7 +5,12 @@ one port, every stream gives the colocated engine's text, and nothing is left he
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
 import socket
+import time
+from typing import Any
 
 import grpc
 import pytest
@@ -13,16 +18,20 @@ import pytest
 from bench.harness import ServiceProcess, StartService
 from bench.harness.metrics import scrape
 from bench.harness.metrics import value as metric_value
+from bench.harness.polling import wait_until_async
 from bench.harness.pools import assert_pools_empty
 from bench.harness.ports import free_port
+from bench.harness.streams import generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.cli.client import build_request
+from router.cli.client import build_request, resumable_generate
 
 pytestmark = pytest.mark.e2e
 
+GRACE_S = 10  # a killed router process's requests are kept this long for a resume
+LATE_RESUME_S = 6.5  # past the decode worker's deeming it gone (5 s without a poll)
 NUM_STREAMS = 32
 NUM_CONNECTIONS = 8
 PROMPTS = [f"Question {i}: what comes after {i}?" for i in range(NUM_STREAMS)]
@@ -57,6 +66,9 @@ def tier(start_service: StartService, ray_session: str) -> ServiceProcess:
             "--decode-kv-cache-gib",
             "0.25",
             "--enable-admin",
+            # Requests a killed router process leaves and nobody resumes are freed soon.
+            "--resume-grace-s",
+            str(GRACE_S),
         ],
         name="tier",
     )
@@ -118,3 +130,119 @@ def test_both_router_processes_serve_streams_with_the_colocated_engines_tokens(
     assert sum(per_process) == NUM_STREAMS
     # Nothing held on either worker, and the tier's shared admission is back to zero.
     asyncio.run(assert_pools_empty(tier.address, pools={pb.POOL_PREFILL, pb.POOL_DECODE}))
+
+
+def _child_pids(tier: ServiceProcess) -> list[int]:
+    """Every pid router process 1 ran as, in order, from the service's log."""
+    return [
+        int(pid)
+        for pid in re.findall(r"router process 1 started \(pid (\d+)\)", tier.log_tail(10**7))
+    ]
+
+
+@pytest.mark.slow
+def test_a_killed_router_process_is_restarted_and_its_streams_resume_elsewhere(
+    tier: ServiceProcess, reference_llm: LLM
+) -> None:
+    """SIGKILL router process 1 with streams on both: the owner starts it again within
+    5 s, the owner's streams go on untouched, a new call is taken at once, and each
+    broken stream, resumed with its request id and token count at once (the decode
+    worker hands its request over at a step boundary) or seconds later (from the
+    record it kept of the gone process's request), ends with exactly the tokens of an
+    undisturbed run; the requests nobody resumes are freed after the grace."""
+    num, max_tokens = 12, 40
+    prompts = [f"Tell me about the number {i}." for i in range(num)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reference = reference_llm.generate(prompts, params)
+    late_prompts = [f"Late resume {i}:" for i in range(2)]
+    late_reference = reference_llm.generate(late_prompts, params)
+    (victim,) = _child_pids(tier)[-1:]
+    resumed: list[int] = []
+    late_resumed: list[int] = []
+    progress = [0] * num
+
+    async def one(i: int) -> list[int]:
+        tokens: list[int] = []
+        async for response in resumable_generate(
+            tier.address,
+            prompt=prompts[i],
+            request_id=f"tier-kill-{i}",
+            on_resume=lambda received, exc: resumed.append(received),
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+        ):
+            tokens.extend(response.token_ids)
+            progress[i] = len(tokens)
+        return tokens
+
+    async def run() -> tuple[list[list[int]], list[int], float]:
+        streams = [asyncio.ensure_future(one(i)) for i in range(num)]
+        kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        # Streams resumed seconds after they break, and streams never resumed (their
+        # requests are the decode worker's to abort once the grace is over).
+        late = [
+            asyncio.ensure_future(
+                generate(tier.address, prompt=p, request_id=f"tier-late-{i}", **kw)
+            )
+            for i, p in enumerate(late_prompts)
+        ]
+        never = [
+            asyncio.ensure_future(generate(tier.address, prompt=f"Never resumed {i}", **kw))
+            for i in range(2)
+        ]
+        await wait_until_async(lambda: min(progress) >= 4, timeout=120)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        restart = asyncio.ensure_future(asyncio.to_thread(_wait_for_restart, tier, victim, 5.0))
+        # A survivor takes a new call at once.
+        fresh = await _collect_tokens(tier.address, "A new call after the kill.", 4)
+        for result in await asyncio.gather(*never):
+            assert result.code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE), result
+        for i, first in enumerate(await asyncio.gather(*late)):
+            if first.code == grpc.StatusCode.OK:
+                assert first.tokens == list(late_reference[i].token_ids)
+                continue
+            assert first.code == grpc.StatusCode.UNAVAILABLE, first
+            await asyncio.sleep(max(0.0, killed_at + LATE_RESUME_S - time.monotonic()))
+            rest = await generate(
+                tier.address,
+                prompt=late_prompts[i],
+                request_id=f"tier-late-{i}",
+                resume_from_tokens=len(first.tokens),
+                **kw,
+            )
+            assert rest.code == grpc.StatusCode.OK, rest
+            assert first.tokens + rest.tokens == list(late_reference[i].token_ids)
+            late_resumed.append(i)
+        return await asyncio.gather(*streams), fresh, await restart - killed_at
+
+    served, fresh, restart_s = asyncio.run(run())
+    assert len(fresh) == 4
+    assert restart_s <= 5.0, f"router process 1 started again after {restart_s:.1f} s"
+    assert resumed, "no stream was on the killed process"
+    assert len(resumed) < num, "every stream broke: the owner's should have gone on"
+    for i, tokens in enumerate(served):
+        assert tokens == list(reference[i].token_ids), f"stream {i} differs after resuming"
+    asyncio.run(
+        assert_pools_empty(tier.address, timeout=30, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
+    )
+
+
+async def _collect_tokens(address: str, prompt: str, n: int) -> list[int]:
+    tokens: list[int] = []
+    async for response in resumable_generate(
+        address, prompt=prompt, max_tokens=n, temperature=0.0, ignore_eos=True
+    ):
+        tokens.extend(response.token_ids)
+    return tokens
+
+
+def _wait_for_restart(tier: ServiceProcess, old_pid: int, timeout: float) -> float:
+    """When (time.monotonic()) the log first names a new pid for router process 1."""
+    deadline = time.monotonic() + timeout + 5
+    while time.monotonic() < deadline:
+        if _child_pids(tier)[-1] != old_pid:
+            return time.monotonic()
+        time.sleep(0.05)
+    raise AssertionError(f"router process 1 not started again:\n{tier.log_tail()}")

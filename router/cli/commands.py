@@ -256,7 +256,10 @@ async def generate_from_server(
     import grpc
 
     from pdserve.v1 import generation_pb2 as pb
-    from router.cli.client import stream_generate
+    from router.cli.client import resumable_generate
+
+    def resuming(received: int, exc: grpc.aio.AioRpcError) -> None:
+        log.warning("stream broke (%s) after %d tokens; resuming", exc.code().name, received)
 
     inputs: dict[str, Any] = (
         {"messages": [("user", ns.prompt)]} if ns.chat else {"prompt": ns.prompt}
@@ -264,9 +267,11 @@ async def generate_from_server(
     start = time.perf_counter()
     final: generation_pb2.GenerateResponse | None = None
     try:
-        async for response in stream_generate(
+        # A stream that breaks (its router process died) picks up where it was.
+        async for response in resumable_generate(
             ns.server,
             **inputs,
+            on_resume=resuming,
             request_id=ns.request_id,
             timeout=ns.timeout,
             security=security,

@@ -44,13 +44,14 @@ from router.serving.admission import Admission, AdmissionControl
 from router.serving.attempts import Attempt, Progress, WorkerLost, continuation, final_result
 from router.serving.config import RouterConfig
 from router.serving.delivery import TokenDelivery
-from router.serving.errors import NotReadyError, QueueFullError
+from router.serving.errors import NotReadyError, QueueFullError, ResumeNotFoundError
 from router.serving.inbox import Moved, UpdateInbox
 from router.serving.lease_renewal import LeaseRenewer
 from router.serving.live_migration import LiveMigrator
 from router.serving.migrations import migrates, migrations_counter
 from router.serving.paths import ServingPaths
 from router.serving.protocol import GenerateCall, PoolStats, ServerInfo, server_abort
+from router.serving.resume import take_over
 
 log = logging.getLogger(__name__)
 WORKER_WAIT_POLL_S = 0.05
@@ -255,10 +256,18 @@ class DisaggregatedGenerator(ServingPaths):
         try:
             async with self.admission.slot(priority=base.priority):
                 trace.admitted()
+                resumed = None
+                if call.resume_from_tokens is not None:  # a broken stream, picked up
+                    resumed = await take_over(self, call, base, progress, request_id)
                 for number in itertools.count():
-                    attempt = self._begin(base, number, progress, trace, request_id)
+                    if number == 0 and resumed is not None:
+                        base, attempt = resumed.base, resumed.attempt
+                    else:
+                        attempt = self._begin(base, number, progress, trace, request_id)
                     try:
-                        if self.colocated_mode:
+                        if number == 0 and resumed is not None:
+                            chunks = resumed.chunks
+                        elif self.colocated_mode:
                             chunks = self._run_colocated(attempt, progress)
                         else:
                             chunks = self._run_disaggregated(attempt, progress, run_locally)
@@ -313,7 +322,7 @@ class DisaggregatedGenerator(ServingPaths):
             if attempt is not None:
                 self._end(attempt)
             yield final_result(request_id, base, progress, FinishReason.ABORT, abort.reason, trace)
-        except (QueueFullError, NotReadyError) as exc:
+        except (QueueFullError, NotReadyError, ResumeNotFoundError) as exc:
             finished = True  # refused at the door: nothing to abort, not a cancellation
             log.info("request %s refused: %s", request_id, exc)
             trace.finish(None, None, f"refused: {exc}")

@@ -170,6 +170,7 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
     if config.metrics_port:
         stop_metrics = metrics.serve(config.metrics_host, config.metrics_port + index)
     admin = AdminProxy(boot.admin_address)
+
     def listening(server: GrpcServer) -> None:
         servers.append(server)
         link.send(Listening())
