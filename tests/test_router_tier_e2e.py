@@ -24,8 +24,10 @@ from bench.harness.ports import free_port
 from bench.harness.streams import generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from pdserve.v1 import admin_pb2 as admin_pb
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.cli.admin_client import list_workers
 from router.cli.client import build_request, resumable_generate
 
 pytestmark = pytest.mark.e2e
@@ -246,3 +248,18 @@ def _wait_for_restart(tier: ServiceProcess, old_pid: int, timeout: float) -> flo
             return time.monotonic()
         time.sleep(0.05)
     raise AssertionError(f"router process 1 not started again:\n{tier.log_tail()}")
+
+
+def test_admin_calls_are_answered_by_the_owner_on_whichever_process_they_land(
+    tier: ServiceProcess,
+) -> None:
+    """Sixteen connections (each to one process or the other, as the kernel deals them):
+    every ListWorkers is the owner's answer, the same fleet."""
+
+    async def run() -> list[list[tuple[str, int]]]:
+        replies = await asyncio.gather(*(list_workers(tier.address) for _ in range(16)))
+        return [sorted((w.worker_id, w.state) for w in r.workers) for r in replies]
+
+    listings = asyncio.run(run())
+    live = admin_pb.WORKER_STATE_LIVE
+    assert all(listing == [("decode-0", live), ("prefill-0", live)] for listing in listings)
