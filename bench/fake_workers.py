@@ -356,6 +356,9 @@ class FakeWorker:
     async def adopt(self, req_id: str) -> Handover | None:
         return None
 
+    async def let_go(self, req_id: str) -> bool:
+        return False  # not kept: the router aborts it
+
     def _stats(self) -> WorkerStats:
         pool, _, index = self.worker_id.partition("-")
         held = len(self.reserved) + len(self.running)

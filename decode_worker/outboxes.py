@@ -51,11 +51,14 @@ class _Box:
 
 @dataclass
 class Orphan:
-    """A request whose consumer went away: every token it produced, and its end."""
+    """A request whose consumer went away (or let it go): every token it produced, and
+    its end. `until`: when a request let go of is given up (a gone consumer's requests
+    go with its grace)."""
 
     outputs: list[int]
     finish_reason: FinishReason | None = None
     error: str = ""
+    until: float | None = None
 
 
 class Outboxes:
@@ -165,6 +168,8 @@ class Outboxes:
                 orphan.outputs.extend(u[1])
                 if u[2] is not None:
                     orphan.finish_reason, orphan.error = u[2], u.error
+                if orphan.until is not None:
+                    continue  # let go of: its consumer no longer reads it
             elif u[2] is not None:
                 self.forget(u[0])
             box = self._boxes.get(inp.consumer)
@@ -192,6 +197,10 @@ class Outboxes:
         now = self._clock()
         lost: list[str] = []
         expired: list[str] = []
+        for req_id, orphan in list(self._orphans.items()):
+            if orphan.until is not None and now > orphan.until:
+                self.forget(req_id)
+                expired.append(req_id)
         for consumer, box in list(self._boxes.items()):
             if box.lost_since is None:
                 if box.num_polling == 0 and now - box.last_seen > LOST_AFTER_S:
@@ -208,18 +217,23 @@ class Outboxes:
     def requests_of(self, consumer: str) -> list[str]:
         return [r for r, inp in self._inputs.items() if inp.consumer == consumer]
 
-    def start_orphans(self, outputs: dict[str, tuple[int, ...] | None]) -> None:
+    def start_orphans(
+        self, outputs: dict[str, tuple[int, ...] | None], keep_s: float | None = None
+    ) -> None:
         """Records for a gone consumer's requests, from their tokens read at a step
         boundary (None: not on the engine yet, its KV still to land). Called in order
-        with the steps' updates: each later update adds to the record."""
+        with the steps' updates: each later update adds to the record. `keep_s`: the
+        requests were let go of by a consumer that is still there (`let_go`), and are
+        given up after that long."""
+        until = None if keep_s is None else self._clock() + keep_s
         for req_id, tokens in outputs.items():
             inp = self._inputs.get(req_id)
             if inp is None or req_id in self._orphans:
                 continue  # ended meanwhile
             box = self._boxes.get(inp.consumer)
-            if box is None or box.lost_since is None:
+            if until is None and (box is None or box.lost_since is None):
                 continue  # back meanwhile
-            self._orphans[req_id] = Orphan(list(tokens or ()))
+            self._orphans[req_id] = Orphan(list(tokens or ()), until=until)
             if tokens is None:
                 self._awaiting_first.add(req_id)
 

@@ -377,6 +377,15 @@ class DecodeWorker(KVExporter, WorkerBase):
         await self.on_engine(read)
         return await done
 
+    async def let_go(self, req_id: str, consumer: str, keep_s: float) -> bool:
+        """The router process `consumer` no longer streams the request (its client's
+        stream broke): keep it decoding for `keep_s`, for a resumed stream to take over
+        (`adopt`), then abort it. False when it is not that consumer's here."""
+        if self.outboxes.consumer_of(req_id) != consumer or self.loop_thread is None:
+            return False
+        self.loop_thread.submit(functools.partial(self._record_orphans, [req_id], keep_s))
+        return True
+
     def _outputs_of(self, req_id: str) -> tuple[int, ...] | None:
         """Engine thread: the tokens the request produced so far (None: not on the
         engine), as far as the updates already posted for it go."""
@@ -389,11 +398,12 @@ class DecodeWorker(KVExporter, WorkerBase):
             end -= 1  # a step in flight's placeholder: its token is not out yet
         return tuple(tokens[req.num_prompt_tokens : end])
 
-    def _record_orphans(self, req_ids: list[str]) -> None:
-        """Engine thread: a gone router process's requests' tokens so far, recorded on
-        the event loop behind the updates already posted."""
+    def _record_orphans(self, req_ids: list[str], keep_s: float | None = None) -> None:
+        """Engine thread: the tokens so far of requests nobody reads (a gone router
+        process's, or let go of), recorded on the event loop behind the updates already
+        posted."""
         outputs = {r: self._outputs_of(r) for r in req_ids}
-        self._loop.call_soon_threadsafe(self.outboxes.start_orphans, outputs)
+        self._loop.call_soon_threadsafe(self.outboxes.start_orphans, outputs, keep_s)
 
     def _sweep_consumers(self) -> None:
         """Router processes that went away: their requests' tokens are recorded for a

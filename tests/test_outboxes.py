@@ -149,3 +149,24 @@ def test_a_live_take_over_switches_at_the_step_boundary() -> None:
         assert tokens(boxes.take(boxes.poll_started("r2", None))) == {"c": [42]}
 
     asyncio.run(main())
+
+
+def test_a_request_let_go_of_is_kept_for_a_while_then_given_up() -> None:
+    async def main() -> None:
+        clock = Clock()
+        boxes = Outboxes(clock)
+        boxes.assign(inp("a", "r1", request_id="client-a"))
+        box = boxes.poll_started("r1", 30.0)
+        boxes.start_orphans({"a": (4,)}, keep_s=8.0)  # its stream broke; r1 lives on
+        boxes.route([TokenUpdate("a", (5,))])
+        assert tokens(boxes.take(box)) == {}  # r1 no longer reads it
+        clock.now += 5.0
+        handover = boxes.handover_now("a", "r2")
+        assert handover is not None and handover.output_token_ids == (4, 5)
+        boxes.assign(inp("b", "r1"))
+        boxes.start_orphans({"b": ()}, keep_s=8.0)
+        clock.now += 9.0
+        assert boxes.sweep()[1] == ["b"]  # nobody took it over: abort it
+        assert boxes.consumer_of("b") is None
+
+    asyncio.run(main())

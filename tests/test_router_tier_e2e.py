@@ -21,14 +21,14 @@ from bench.harness.metrics import value as metric_value
 from bench.harness.polling import wait_until_async
 from bench.harness.pools import assert_pools_empty
 from bench.harness.ports import free_port
-from bench.harness.streams import generate
+from bench.harness.streams import StreamResult, generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2 as admin_pb
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.cli.admin_client import list_workers
-from router.cli.client import build_request, resumable_generate
+from router.cli.client import build_request, resumable_generate, stream_generate
 
 pytestmark = pytest.mark.e2e
 
@@ -263,3 +263,40 @@ def test_admin_calls_are_answered_by_the_owner_on_whichever_process_they_land(
     listings = asyncio.run(run())
     live = admin_pb.WORKER_STATE_LIVE
     assert all(listing == [("decode-0", live), ("prefill-0", live)] for listing in listings)
+
+
+@pytest.mark.slow
+def test_a_resumable_stream_broken_on_the_client_side_goes_on_where_it_was(
+    tier: ServiceProcess, reference_llm: LLM
+) -> None:
+    """The client's side of a resumable stream goes away after a few tokens (its router
+    process lives on): the request is kept, and the next call with its id and token
+    count gets the rest, the same tokens as an undisturbed run."""
+    prompt, max_tokens = "Name three rivers.", 24
+    reference = reference_llm.generate(
+        [prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    )[0]
+    kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[int], StreamResult]:
+        first: list[int] = []
+        async for response in stream_generate(
+            tier.address, prompt=prompt, request_id="client-break", resume_from_tokens=0, **kw
+        ):
+            first.extend(response.token_ids)
+            if len(first) >= 5:
+                break  # cancels the call, as a broken connection does
+        await asyncio.sleep(0.5)
+        rest = await generate(
+            tier.address,
+            prompt=prompt,
+            request_id="client-break",
+            resume_from_tokens=len(first),
+            **kw,
+        )
+        return first, rest
+
+    first, rest = asyncio.run(run())
+    assert rest.code == grpc.StatusCode.OK, rest
+    assert rest.final is not None and rest.final.usage.completion_tokens == max_tokens
+    assert first + rest.tokens == list(reference.token_ids)

@@ -199,15 +199,18 @@ async def resumable_generate(
     and the number of tokens received (`resume_from_tokens`), and the stream goes on
     from the next token, on whichever router process takes the new connection. Up to
     `len(RESUME_BACKOFF_S)` times, waiting that long before each; then the error is
-    raised. The request id is made up here when none is given (a resume needs it).
+    raised. Every call carries `resume_from_tokens` (0 on the first), which also asks
+    the server to keep the request decoding for a while should the stream break. The
+    request id (unique among requests in flight) is made up here when none is given.
     `on_resume(tokens_received, error)` is told of each retry."""
     request_id = request_id or uuid.uuid4().hex
     received = 0
-    for attempt, backoff_s in enumerate((*RESUME_BACKOFF_S, None)):
+    for backoff_s in (*RESUME_BACKOFF_S, None):
         try:
-            resume = received if attempt else None
+            # 0 on the first call too: the server then keeps the request for a while
+            # should this stream break, for the next call to take over.
             async for response in stream_generate(
-                target, request_id=request_id, resume_from_tokens=resume, **kwargs
+                target, request_id=request_id, resume_from_tokens=received, **kwargs
             ):
                 received += len(response.token_ids)
                 yield response

@@ -58,6 +58,7 @@ class DecodeClient(Protocol):
     # take it over from the router process that had it.
     async def locate(self, request_id: str) -> str | None: ...
     async def adopt(self, req_id: str) -> Handover | None: ...
+    async def let_go(self, req_id: str) -> bool: ...
     # Live migration (decode_worker/export.py): a channel to a peer, and moving a request.
     async def connect(self, spec: ChannelSpec) -> None: ...
     async def disconnect(self, peer_id: str, notify_peer: bool) -> None: ...
@@ -132,6 +133,12 @@ class _VerbClient:
 
     async def adopt(self, req_id: str) -> Handover | None:
         return cast("Handover | None", await self._invoke("adopt", req_id, self.consumer))
+
+    async def let_go(self, req_id: str) -> bool:
+        """Keep the request for `grace_s` for a resumed stream (False: not kept)."""
+        if not self.consumer:
+            return False
+        return cast(bool, await self._invoke("let_go", req_id, self.consumer, self.grace_s))
 
     async def load(self) -> WorkerStats:
         return cast(WorkerStats, await self._invoke("load"))

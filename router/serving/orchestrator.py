@@ -51,7 +51,7 @@ from router.serving.live_migration import LiveMigrator
 from router.serving.migrations import migrates, migrations_counter
 from router.serving.paths import ServingPaths
 from router.serving.protocol import GenerateCall, PoolStats, ServerInfo, server_abort
-from router.serving.resume import take_over
+from router.serving.resume import let_go, take_over
 
 log = logging.getLogger(__name__)
 WORKER_WAIT_POLL_S = 0.05
@@ -334,7 +334,8 @@ class DisaggregatedGenerator(ServingPaths):
                 self._end(attempt)
             yield final_result(request_id, base, progress, FinishReason.ERROR, str(exc), trace)
         finally:
-            if attempt is not None:
+            # A resumable call's request outlives its broken stream, for a while.
+            if attempt is not None and (finished or not let_go(self, call, attempt, progress)):
                 self._end(attempt, abort=not finished)
             self.signals.request_ended(progress, progress.num_out, None, completed=False)
             if not finished:

@@ -12,6 +12,11 @@ included), the ones it lacks are streamed first, then the request's own updates;
 later loss of its worker migrates it as any request (the prompt plus every token the
 client has, the original seed). A call whose request is not found is NOT_FOUND, unless
 the client has no token yet: then the request simply runs anew.
+
+A call that carries `resume_from_tokens` (0 on its first try) is resumable: should its
+client go away while the request decodes (a broken connection), the request is not
+aborted but let go of (`let_go`): its decode worker keeps it for the grace, for the
+resumed call to take over, and aborts it after.
 """
 
 from __future__ import annotations
@@ -170,3 +175,31 @@ async def _continue(
     )
     seeded = replace(base, sampling=replace(base.sampling, seed=inp.sampling.seed))
     return Resumed(seeded, attempt, core._stream(attempt, progress, rest, reason))
+
+
+def let_go(
+    core: DisaggregatedGenerator, call: GenerateCall, attempt: Attempt, progress: Progress
+) -> bool:
+    """A resumable call's client went away while its request decodes: hand the request
+    to its decode worker's keeping instead of aborting it (True); False when the call is
+    not resumable or the request is not decoding (abort it as any)."""
+    ref = attempt.decode_ref
+    if call.resume_from_tokens is None or ref is None or not progress.num_out:
+        return False
+    if ref.state not in ("live", "draining"):
+        return False
+    core._end(attempt, abort=False)
+    req_id = attempt.req_id
+
+    async def keep() -> None:
+        try:
+            kept = await ref.client.let_go(req_id)
+        except WorkerDied:
+            return
+        if not kept:  # no tier (one router process), or it ended meanwhile
+            await core._abort_on(ref, req_id)
+        else:
+            log.info("request %s kept for a resumed stream", attempt.request_id)
+
+    core._spawn(keep())
+    return True
