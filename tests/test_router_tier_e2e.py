@@ -300,3 +300,52 @@ def test_a_resumable_stream_broken_on_the_client_side_goes_on_where_it_was(
     assert rest.code == grpc.StatusCode.OK, rest
     assert rest.final is not None and rest.final.usage.completion_tokens == max_tokens
     assert first + rest.tokens == list(reference.token_ids)
+
+
+@pytest.mark.slow
+def test_streams_on_both_processes_move_on_when_their_decode_worker_dies(
+    tier: ServiceProcess, reference_llm: LLM
+) -> None:
+    """SIGKILL the only decode worker with streams on both router processes: each
+    process learns it is lost (its own calls, or the owner's next membership), the owner
+    starts the replacement, every process follows it, and every stream ends with the
+    tokens of an undisturbed run."""
+    num, max_tokens = 8, 32
+    prompts = [f"Describe the colour number {i}." for i in range(num)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reference = reference_llm.generate(prompts, params)
+    progress = [0] * num
+
+    async def one(stub: pb_grpc.GenerationServiceStub, i: int) -> list[int]:
+        tokens: list[int] = []
+        request = build_request(
+            prompt=prompts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        )
+        async for response in stub.Generate(request):
+            tokens.extend(response.token_ids)
+            progress[i] = len(tokens)
+        return tokens
+
+    async def run() -> list[list[int]]:
+        workers = await list_workers(tier.address)
+        (decode,) = [w for w in workers.workers if w.pool == "decode"]
+        chans = channels(tier.address, NUM_CONNECTIONS)
+        try:
+            stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
+            streams = [asyncio.ensure_future(one(stubs[i % len(stubs)], i)) for i in range(num)]
+            await wait_until_async(lambda: min(progress) >= 3, timeout=120)
+            os.kill(decode.pid, signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*streams), 240)
+        finally:
+            for c in chans:
+                await c.close()
+
+    served = asyncio.run(run())
+    for i, tokens in enumerate(served):
+        assert tokens == list(reference[i].token_ids), f"stream {i} differs after migrating"
+    # Both processes had streams to move.
+    log = tier.log_tail(10**7)
+    assert "[router 1]" in log and "migrates off decode-0" in log
+    asyncio.run(
+        assert_pools_empty(tier.address, timeout=30, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
+    )
