@@ -89,10 +89,18 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
     first: asyncio.Future[Membership] = loop.create_future()
     handlers: dict[type, Callable[[Any], None]] = {}
     owner_lost = asyncio.Event()
+    drain_asked = asyncio.Event()  # whenever it comes: before serving, it ends the start
+
+    latest: list[Membership] = []  # the owner's last word on the fleet, whenever it came
 
     def on_message(message: Any) -> None:
-        if isinstance(message, Membership) and not first.done():
-            first.set_result(message)
+        if isinstance(message, Membership):
+            latest[:] = [message]
+            if not first.done():
+                first.set_result(message)
+        if isinstance(message, Drain):
+            log.info("draining: %s", message.reason)
+            drain_asked.set()
         handler = handlers.get(type(message))
         if handler is not None:
             handler(message)
@@ -147,14 +155,13 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
             core.set_prefill_policy(m.prefill_policy)
 
     handlers[Membership] = on_membership
+    on_membership(latest[0])  # what changed while this process was getting ready
     servers: list[GrpcServer] = []
 
-    def on_drain(message: Drain) -> None:
-        log.info("draining: %s", message.reason)
+    async def drain_when_asked() -> None:
+        await drain_asked.wait()
         for server in servers:
             server.request_stop()
-
-    handlers[Drain] = on_drain
 
     async def stop_if_orphaned() -> None:
         await owner_lost.wait()
@@ -163,6 +170,7 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
             server.stop_now("the fleet owner went away")
 
     watcher = asyncio.ensure_future(stop_if_orphaned())
+    drainer = asyncio.ensure_future(drain_when_asked())
     reporter = asyncio.ensure_future(report_signals(core, link.send))
     metrics = get_metrics()
     get_phase_metrics()
@@ -174,12 +182,18 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
     def listening(server: GrpcServer) -> None:
         servers.append(server)
         link.send(Listening())
+        if drain_asked.is_set():
+            server.request_stop()
 
     deadline = loop.time() + READY_WAIT_S
-    while not core.is_ready() and loop.time() < deadline and not owner_lost.is_set():
+
+    def stopping() -> bool:
+        return owner_lost.is_set() or drain_asked.is_set()
+
+    while not core.is_ready() and loop.time() < deadline and not stopping():
         await asyncio.sleep(0.05)
     try:
-        if not owner_lost.is_set():
+        if not stopping():
             await serve(
                 core,
                 config.host,
@@ -194,6 +208,7 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
             )
     finally:
         watcher.cancel()
+        drainer.cancel()
         reporter.cancel()
         await core.stop()
         await admin.close()
