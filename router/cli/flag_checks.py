@@ -156,17 +156,18 @@ def check_router_tier(ns: argparse.Namespace) -> None:
         last = ns.metrics_port + n - 1
         if last > 65535:
             raise ValueError(
-                f"--metrics-port {ns.metrics_port}: processes 1..{n - 1} need ports up to {last}"
+                f"--metrics-port {ns.metrics_port} and --router-processes {n}: the router "
+                f"processes' metrics ports would reach {last}"
             )
         if ns.metrics_port <= ns.port <= last:
             raise ValueError(
-                f"--port {ns.port} is among the router processes' metrics ports "
-                f"{ns.metrics_port}-{last}"
+                f"--port {ns.port} is among the metrics ports of --router-processes {n} "
+                f"({ns.metrics_port}-{last})"
             )
         for port in range(ns.metrics_port + 1, last + 1):
             problem = port_holds.check(ns.metrics_host, port)
             if problem is not None:
-                raise ValueError(f"router process metrics port {port}: {problem}")
+                raise ValueError(f"--router-processes {n}: metrics port {port}: {problem}")
 
 
 def check_tensor_parallel(ns: argparse.Namespace) -> None:
