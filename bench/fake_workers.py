@@ -25,6 +25,7 @@ from engine.wire import (
     EngineSpeed,
     GenerationInput,
     HandoffTarget,
+    Handover,
     PhaseReport,
     Precopy,
     PrefillResult,
@@ -348,6 +349,15 @@ class FakeWorker:
     async def load(self) -> WorkerStats:
         self._check()
         return self._stats()
+
+    async def locate(self, request_id: str) -> str | None:
+        return None  # a router tier's resumed streams are tested on real workers
+
+    async def adopt(self, req_id: str) -> Handover | None:
+        return None
+
+    async def let_go(self, req_id: str) -> bool:
+        return False  # not kept: the router aborts it
 
     def _stats(self) -> WorkerStats:
         pool, _, index = self.worker_id.partition("-")

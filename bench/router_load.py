@@ -9,10 +9,19 @@ A client process drives it with the suite's closed loop. Compare the result with
 tokens per second a GPU delivers: where the router's ceiling is near it, the router,
 not the GPU, sets the service's throughput.
 
+With `--router-processes 1,2,4` it measures a router tier's ceiling at each size in
+turn: N router processes on one port (SO_REUSEPORT, as `pdserve serve
+--router-processes N` runs them), each with a fake fleet of its own (each process's
+ceiling is its own event loop's; the fleet behind a real tier is shared) and the tier's
+shared admission, driven over 8 connections per router process (the kernel deals each
+connection to one process) by `--client-processes` client processes per router process.
+The table gives tokens a second at each N and the ratio to N = 1.
+
     python -m bench.router_load --concurrency 128 --requests 512 --profile out.prof
     python -m bench.router_load --stream-intervals 1,4,auto   # each in turn, one table
     python -m bench.router_load --concurrency 128 --client-processes 4   # cores to spare
     python -m bench.router_load --detokenize   # with text, as for a served model
+    python -m bench.router_load --router-processes 1,2,4 --concurrency 256 --requests 2048
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ import cProfile
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -32,14 +43,29 @@ from bench.report import percentile, provenance
 from bench.suite_common import free_port
 from router.edge.streams import StreamInterval
 
+# Connections each client process opens per router process: enough that the kernel's
+# hash of their addresses deals every process a fair share.
+CONNECTIONS_PER_ROUTER = 8
+MAX_IN_FLIGHT = 4096
+
 
 def _serve(
-    port: int, args: argparse.Namespace, interval: StreamInterval, ready: Any, done: Any
+    port: int,
+    args: argparse.Namespace,
+    interval: StreamInterval,
+    ready: Any,
+    done: Any,
+    tier: tuple[int, int, str] | None = None,
+    served: Any = None,
 ) -> None:
+    """One router process over fakes of its own; `tier`: (its index, the tier's size,
+    the shared admission table's file) when it is one of several on the port. It
+    writes the requests it completed into `served[index]`."""
     from router.edge.grpc_server import serve
     from router.observability.metrics import get_metrics
     from router.serving.config import RouterConfig
     from router.serving.orchestrator import DisaggregatedGenerator
+    from router.tier.shared_admission import AdmissionTable, SharedAdmission
 
     async def main() -> None:
         pools = FakePools(1, 1, step_s=args.step_ms / 1000, steps_by_clock=True)
@@ -49,10 +75,18 @@ def _serve(
             from engine.model.model_loader import load_tokenizer
 
             tokenizer = load_tokenizer(str(ensure_embedded_model()))
+        admission = None
+        if tier is not None:
+            index, size, table_path = tier
+            table = AdmissionTable(table_path, size)
+            admission = SharedAdmission(table, index, MAX_IN_FLIGHT, 1024)
         core = DisaggregatedGenerator(
             pools,  # type: ignore[arg-type]
             tokenizer,
-            RouterConfig(max_in_flight=4096, local_prefill_max_tokens=0, stream_interval=interval),
+            RouterConfig(
+                max_in_flight=MAX_IN_FLIGHT, local_prefill_max_tokens=0, stream_interval=interval
+            ),
+            admission,
         )
         core.start()
 
@@ -69,13 +103,20 @@ def _serve(
             drain_grace_s=1.0,
             on_started=lambda _server: ready.set(),
             metrics=get_metrics(),
+            reuse_port=tier is not None,
         )
 
-    profiler = cProfile.Profile() if args.profile else None
+    # One router process's profile (the first's, when there are several).
+    profiler = cProfile.Profile() if args.profile and (tier is None or tier[0] == 0) else None
     if profiler is not None:
         profiler.enable()
     try:
         asyncio.run(main())
+        if served is not None:
+            completed = get_metrics().registry.get_sample_value(
+                "pdserve_requests_total", {"finish_reason": "length"}
+            )
+            served[0 if tier is None else tier[0]] = int(completed or 0)
     finally:
         if profiler is not None:
             profiler.disable()
@@ -109,36 +150,52 @@ def main(argv: list[str] | None = None) -> int:
         default="1",
         help="comma-separated --stream-interval values, each run in turn (e.g. 1,4,auto)",
     )
+    p.add_argument(
+        "--router-processes",
+        default="1",
+        help="comma-separated router tier sizes, each run in turn (e.g. 1,2,4); "
+        "--client-processes is then per router process",
+    )
     args = p.parse_args(argv)
     intervals: list[StreamInterval] = [
         v if v == "auto" else int(v) for v in args.stream_intervals.split(",")
     ]
-    runs = [_run(args, interval) for interval in intervals]
+    sizes = [int(n) for n in args.router_processes.split(",")]
+    if any(n < 1 for n in sizes):
+        p.error("--router-processes: sizes of 1 or more")
+    runs = [_run(args, interval, n) for n in sizes for interval in intervals]
     if any(r is None for r in runs):
         return 1
     result = {
         "provenance": provenance("bench.router_load", sys.argv[1:] if argv is None else argv),
         "concurrency": args.concurrency,
         "requests": args.requests,
-        "client_processes": args.client_processes,
+        "client_processes": args.client_processes,  # per router process
+        "router_processes": sizes,
         "step_ms": args.step_ms,
         "detokenize": args.detokenize,
         "offered_tok_s": round(args.concurrency / (args.step_ms / 1000), 1),
         "runs": runs,
     }
-    base = runs[0]["tok_s"]  # type: ignore[index]
+    # Each run against the first of its stream interval: N = 1 when the sizes start there.
+    base = {r["stream_interval"]: r["tok_s"] for r in reversed(runs) if r is not None}
+    for r in runs:
+        assert r is not None
+        r["ratio"] = round(r["tok_s"] / base[r["stream_interval"]], 2)
     print(
         f"router over fake workers, {args.concurrency} streams "
         f"(workers offer {result['offered_tok_s']} tok/s)"
     )
     print(
-        f"{'interval':>8} {'tok/s':>9} {'ratio':>6} {'msgs/req':>8} {'TTFT p50 ms':>11} "
-        f"{'accept p50 ms':>13} {'TPOT p50':>9} {'gap p50':>8} {'gap p99':>8} {'ok':>9}"
+        f"{'routers':>7} {'interval':>8} {'tok/s':>9} {'ratio':>6} {'msgs/req':>8} "
+        f"{'TTFT p50 ms':>11} {'accept p50 ms':>13} {'TPOT p50':>9} {'gap p50':>8} "
+        f"{'gap p99':>8} {'ok':>9}"
     )
     for r in runs:
         assert r is not None
         print(
-            f"{r['stream_interval']:>8} {r['tok_s']:>9} {r['tok_s'] / base:>6.2f} "
+            f"{r['router_processes']:>7} {r['stream_interval']:>8} {r['tok_s']:>9} "
+            f"{r['ratio']:>6.2f} "
             f"{r['messages_per_request']:>8} {r['ttft_ms_p50']!s:>11} {r['accept_ms_p50']!s:>13} "
             f"{r['tpot_ms_p50']!s:>9} {r['message_gap_ms_p50']!s:>8} "
             f"{r['message_gap_ms_p99']!s:>8} {r['ok']:>4}/{args.requests}"
@@ -149,17 +206,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r is not None and r["ok"] == args.requests for r in runs) else 1
 
 
-def _run(args: argparse.Namespace, interval: StreamInterval) -> dict[str, Any] | None:
-    """One router process at `interval`, driven by this one's closed loop."""
+def _run(
+    args: argparse.Namespace, interval: StreamInterval, num_routers: int = 1
+) -> dict[str, Any] | None:
+    """`num_routers` router processes at `interval`, driven by this one's closed loop."""
     from bench.suite_service import drive_processes
+    from router.tier.shared_admission import AdmissionTable
 
     port = free_port()
     ctx = mp.get_context("spawn")
-    ready, done = ctx.Event(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(port, args, interval, ready, done))
-    server.start()
-    if not ready.wait(60):
-        server.kill()
+    done = ctx.Event()
+    folder = tempfile.mkdtemp(prefix="router-load-")
+    table = None
+    if num_routers > 1:
+        table = AdmissionTable(os.path.join(folder, "admission"), num_routers, create=True)
+    servers, readies = [], []
+    served = ctx.Array("i", num_routers)
+    for index in range(num_routers):
+        ready = ctx.Event()
+        tier = None if table is None else (index, num_routers, table.path)
+        server = ctx.Process(target=_serve, args=(port, args, interval, ready, done, tier, served))
+        server.start()
+        servers.append(server)
+        readies.append(ready)
+        # The first binds the port (and a free one found); the rest share it.
+        if index == 0 and not ready.wait(60):
+            break
+    if not all(ready.wait(60) for ready in readies):
+        for server in servers:
+            server.kill()
         print("router did not start", file=sys.stderr)
         return None
     prompts = [
@@ -171,11 +246,17 @@ def _run(args: argparse.Namespace, interval: StreamInterval) -> dict[str, Any] |
         prompts,
         args.output_len,
         concurrency=args.concurrency,
-        processes=args.client_processes,
+        processes=args.client_processes * num_routers,
+        channels=CONNECTIONS_PER_ROUTER if num_routers > 1 else 4,
+        connections=num_routers > 1,
     )
     elapsed = time.perf_counter() - start
     done.set()
-    server.join(30)
+    for server in servers:
+        server.join(30)
+    if table is not None:
+        table.close()
+    shutil.rmtree(folder, ignore_errors=True)
     ok = [t for t in timings if t.ok]
     tokens = sum(t.num_tokens for t in ok)
     ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
@@ -183,6 +264,8 @@ def _run(args: argparse.Namespace, interval: StreamInterval) -> dict[str, Any] |
     gaps = [g for t in ok for g in t.gaps_s]  # between a stream's messages, as the client saw
     tpots = [t.tpot_s for t in ok if t.tpot_s is not None]
     return {
+        "router_processes": num_routers,
+        "requests_per_router": served[:],  # how the kernel dealt the connections
         "stream_interval": interval,
         "ok": len(ok),
         "tok_s": round(tokens / wall, 1),

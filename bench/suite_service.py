@@ -82,6 +82,7 @@ async def drive(
     channels: int = 4,
     give_up: Callable[[list[ReqTiming], float], bool] | None = None,
     ready: Callable[[], None] | None = None,
+    connections: bool = False,
 ) -> tuple[list[ReqTiming], float]:
     """Closed loop (`concurrency` in flight) or open loop (Poisson `rate`); returns each
     request's timings and the wall time from the first send to the last answer.
@@ -90,10 +91,13 @@ async def drive(
     True: nothing more is sent and the calls in flight are cancelled (the router aborts
     them in every pool); those requests and the unsent ones end not ok. `ready()` runs
     once the channels are up, before the first send (several client processes start
-    together through it)."""
+    together through it). `connections`: each channel on a TCP connection of its own
+    (a process's channels to one address share one otherwise): a router tier's
+    processes each take whole connections."""
     from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
-    chans = [grpc.aio.insecure_channel(address) for _ in range(channels)]
+    options = [("grpc.use_local_subchannel_pool", 1)] if connections else []
+    chans = [grpc.aio.insecure_channel(address, options=options) for _ in range(channels)]
     stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
     limit = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(seed)
@@ -162,11 +166,21 @@ def _drive_slice(
     barrier: Any,
     results: Any,
     slot: int,
+    channels: int = 4,
+    connections: bool = False,
 ) -> None:
     """One client process of `drive_processes`: its share of the prompts and of the
     concurrency, started with the others."""
     timings, _ = asyncio.run(
-        drive(address, prompts, max_tokens, concurrency=concurrency, ready=barrier.wait)
+        drive(
+            address,
+            prompts,
+            max_tokens,
+            concurrency=concurrency,
+            ready=barrier.wait,
+            channels=channels,
+            connections=connections,
+        )
     )
     results.put((slot, timings))
 
@@ -178,6 +192,8 @@ def drive_processes(
     *,
     concurrency: int,
     processes: int,
+    channels: int = 4,
+    connections: bool = False,
 ) -> tuple[list[ReqTiming], float]:
     """`drive`'s closed loop spread over several client processes, for loads one Python
     client cannot read fast enough (at 128 streams of a small model it would spend as
@@ -185,10 +201,20 @@ def drive_processes(
     Prompts are dealt round robin, the concurrency split as evenly as it goes; every
     process sends its first request after all are connected. The timings come back in
     the prompts' order; the wall time runs from the first send to the last token, on the
-    host's monotonic clock that every process shares."""
+    host's monotonic clock that every process shares. `channels` and `connections`:
+    each process's, as `drive` takes them."""
     processes = max(1, min(processes, concurrency, len(prompts)))
     if processes == 1:
-        return asyncio.run(drive(address, prompts, max_tokens, concurrency=concurrency))
+        return asyncio.run(
+            drive(
+                address,
+                prompts,
+                max_tokens,
+                concurrency=concurrency,
+                channels=channels,
+                connections=connections,
+            )
+        )
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # this process has used grpc: no fork
@@ -197,7 +223,17 @@ def drive_processes(
     procs = [
         ctx.Process(
             target=_drive_slice,
-            args=(address, prompts[i::processes], max_tokens, shares[i], barrier, results, i),
+            args=(
+                address,
+                prompts[i::processes],
+                max_tokens,
+                shares[i],
+                barrier,
+                results,
+                i,
+                channels,
+                connections,
+            ),
             daemon=True,
         )
         for i in range(processes)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from decode_worker.export import KVExporter
+from decode_worker.outboxes import Outboxes
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
 from engine.model.staging import to_device
@@ -31,7 +33,14 @@ from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
 from engine.transfer.handoff import Reservation
 from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import AbortOutcome, ReservationBook
-from engine.wire import GenerationInput, TokenBatch, TokenUpdate, coalesce
+from engine.wire import (
+    DetachedRequest,
+    GenerationInput,
+    Handover,
+    TokenBatch,
+    TokenUpdate,
+    coalesce,
+)
 from engine.worker.actor import WorkerBase
 from engine.worker.phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
 
@@ -54,8 +63,8 @@ class DecodeWorker(KVExporter, WorkerBase):
         # token closes their phases here (worker_phases). Written from the receiving
         # threads too: one dict operation at a time.
         self._starting: dict[str, Waiting] = {}
-        self._outbox: list[TokenUpdate] = []
-        self._outbox_ready = asyncio.Event()
+        # Updates per router process (one, "", without a router tier).
+        self.outboxes = Outboxes()
         self._sweeper: asyncio.Task[None] | None = None
         self._sources: dict[str, str] = {}  # req_id → the peer its KV comes from
         self.send_channels: dict[str, KVChannel] = {}  # to peer decode workers (export.py)
@@ -129,6 +138,7 @@ class DecodeWorker(KVExporter, WorkerBase):
             self.book.add(inp, reservation, lease_s, writable_after)
         elif not self.book.adopt(inp, reservation, lease_s, writable_after):
             return None  # aborted or expired meanwhile: its blocks went with it
+        self.outboxes.assign(inp)
         if source is not None:
             self._sources[inp.req_id] = source
         return reservation
@@ -170,6 +180,7 @@ class DecodeWorker(KVExporter, WorkerBase):
             for req_id in self.book.expire_precopies():  # no request waits on these
                 log.info("pre-copy for %s not adopted; freeing its blocks", req_id)
                 self.release(req_id)
+            self._sweep_consumers()
 
     # ---------------------------------------------------------------- ImportTarget
     @property
@@ -205,6 +216,10 @@ class DecodeWorker(KVExporter, WorkerBase):
         assert self.loop_thread is not None
         req_id = inp.req_id
         self._sources.pop(req_id, None)
+        if inp.consumer:
+            # Handed over (or orphaned) before its KV landed: the first token, which the
+            # prefill reply carried to the router process that is gone, is its first news.
+            self._loop.call_soon_threadsafe(self.outboxes.first_token, req_id, first_token)
         self.loop_thread.submit(
             lambda: self.core.admit_imported(inp, first_token)
         ).add_done_callback(lambda fut: self._admit_failed(req_id, fut.exception()))
@@ -283,8 +298,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         self._loop.call_soon_threadsafe(self._append, [update])
 
     def _append(self, updates: list[TokenUpdate]) -> None:
-        self._outbox.extend(updates)
-        self._outbox_ready.set()
+        self.outboxes.route(updates)
 
     # ---------------------------------------------------------------- tokens out
     def on_updates(self, updates: list[TokenUpdate], stepped_at: float) -> None:
@@ -309,17 +323,108 @@ class DecodeWorker(KVExporter, WorkerBase):
             )
         return u._replace(phases=phases)
 
-    async def next_tokens(self, wait_s: float = 1.0) -> TokenBatch:
-        """Long-poll: every update produced since the last call (empty after wait_s)."""
-        if not self._outbox:
-            self._outbox_ready.clear()
-            # A timeout scope, not `wait_for`: no task of its own for every poll.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_s):
-                    await self._outbox_ready.wait()
-        out, self._outbox = self._outbox, []
+    async def next_tokens(
+        self, wait_s: float = 1.0, consumer: str = "", grace_s: float | None = None
+    ) -> TokenBatch:
+        """Long-poll: every update of `consumer`'s requests produced since its last call
+        (empty after wait_s). `grace_s`: how long its requests are kept for another
+        router process to take over, should it go away."""
+        box = self.outboxes.poll_started(consumer, grace_s)
+        try:
+            if not box.updates:
+                box.ready.clear()
+                # A timeout scope, not `wait_for`: no task of its own for every poll.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait_s):
+                        await box.ready.wait()
+            out = self.outboxes.take(box)
+        finally:
+            self.outboxes.poll_ended(box)
         # Steps that piled up since the last poll travel as one update per request.
-        return TokenBatch(tuple(coalesce(out)), self.take_kv_events(), self.latest_stats())
+        return TokenBatch(tuple(coalesce(out)), self.take_kv_events(consumer), self.latest_stats())
+
+    # ---------------------------------------------------------------- router processes
+    async def locate(self, request_id: str) -> str | None:
+        """The id under which the client's request `request_id` runs here, if it does
+        (a router process re-attaching a stream; a router tier's requests only)."""
+        return self.outboxes.locate(request_id)
+
+    async def adopt(self, req_id: str, consumer: str) -> Handover | None:
+        """Hand the request to router process `consumer`: its tokens so far, and from
+        now on its updates in that consumer's outbox. None when it is not here (ended,
+        aborted, or never here)."""
+        if self.outboxes.consumer_of(req_id) is None:
+            return None
+        handover = self.outboxes.handover_now(req_id, consumer)
+        if handover is not None:
+            return handover
+        # Read its tokens at a step boundary and switch it there, in order with the
+        # steps' updates (those before the read stay behind, those after go to it).
+        loop = self._loop
+        done: asyncio.Future[Handover | None] = loop.create_future()
+
+        def switch(outputs: tuple[int, ...] | None, kv_pending: bool) -> None:
+            if not done.done():
+                done.set_result(
+                    self.outboxes.handover_at_boundary(req_id, consumer, outputs, kv_pending)
+                )
+
+        def read() -> None:
+            outputs = self._outputs_of(req_id)
+            kv_pending = outputs is None and self.book.holds(req_id)
+            loop.call_soon_threadsafe(switch, outputs, kv_pending)
+
+        await self.on_engine(read)
+        return await done
+
+    async def let_go(self, req_id: str, consumer: str, keep_s: float) -> bool:
+        """The router process `consumer` no longer streams the request (its client's
+        stream broke): keep it decoding for `keep_s`, for a resumed stream to take over
+        (`adopt`), then abort it. False when it is not that consumer's here."""
+        if self.outboxes.consumer_of(req_id) != consumer or self.loop_thread is None:
+            return False
+        self.loop_thread.submit(functools.partial(self._record_orphans, [req_id], keep_s))
+        return True
+
+    def _outputs_of(self, req_id: str) -> tuple[int, ...] | None:
+        """Engine thread: the tokens the request produced so far (None: not on the
+        engine), as far as the updates already posted for it go."""
+        req = self.core.scheduler.requests.get(req_id)
+        if req is None:
+            return None
+        tokens = req.all_token_ids
+        end = len(tokens)
+        while end > req.num_prompt_tokens and tokens[end - 1] < 0:
+            end -= 1  # a step in flight's placeholder: its token is not out yet
+        return tuple(tokens[req.num_prompt_tokens : end])
+
+    def _record_orphans(self, req_ids: list[str], keep_s: float | None = None) -> None:
+        """Engine thread: the tokens so far of requests nobody reads (a gone router
+        process's, or let go of), recorded on the event loop behind the updates already
+        posted."""
+        outputs = {r: self._outputs_of(r) for r in req_ids}
+        self._loop.call_soon_threadsafe(self.outboxes.start_orphans, outputs, keep_s)
+
+    def _sweep_consumers(self) -> None:
+        """Router processes that went away: their requests' tokens are recorded for a
+        take-over; those whose grace is over are aborted here."""
+        lost, expired = self.outboxes.sweep()
+        for consumer in lost:
+            mine = self.outboxes.requests_of(consumer)
+            if mine:
+                log.warning(
+                    "router process %s stopped polling; keeping its %d requests for "
+                    "another to take over",
+                    consumer,
+                    len(mine),
+                )
+            if mine and self.loop_thread is not None:
+                self.loop_thread.submit(functools.partial(self._record_orphans, mine))
+            self.kv_fanout.forget(consumer)
+        if expired:
+            log.warning("aborting %d requests nobody took over", len(expired))
+        for req_id in expired:
+            asyncio.ensure_future(self.abort(req_id))
 
     async def submit(self, inp: GenerationInput) -> None:
         """Run a request's prompt here too (no hand-off: short or cached prompts, a
@@ -327,14 +432,27 @@ class DecodeWorker(KVExporter, WorkerBase):
         arrive through next_tokens()."""
         if self.is_buried(inp.req_id):
             return  # aborted before it got here
+        self.outboxes.assign(inp)
         self._starting[inp.req_id] = Waiting(inp, time.monotonic(), imported=False)
         # The router validated the prompt already.
         await self.on_engine(lambda: self.core.add_request(inp, validate=False))
 
+    async def detach(self, req_ids: Sequence[str]) -> list[DetachedRequest | None]:
+        detached = await super().detach(req_ids)
+        for req_id, moved in zip(req_ids, detached, strict=True):
+            if moved is not None:
+                self.outboxes.forget(req_id)  # it goes on elsewhere, under a new id
+        return detached
+
     # ---------------------------------------------------------------- abort
-    async def abort(self, req_id: str) -> None:
+    async def abort(self, req_id: str, consumer: str = "") -> None:
         """Idempotent, any state: reserved → released; importing → discarded on arrival;
-        running → finished and freed at the next step boundary."""
+        running → finished and freed at the next step boundary. From a router process
+        (`consumer`) that no longer owns the request (another took it over), nothing."""
+        owner = self.outboxes.consumer_of(req_id)
+        if consumer and owner is not None and owner != consumer:
+            return
+        self.outboxes.forget(req_id)
         self.bury(req_id)
         self._starting.pop(req_id, None)
         outcome = AbortOutcome.NOT_HELD if self._book is None else self.book.abort(req_id)

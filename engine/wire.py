@@ -54,6 +54,12 @@ class GenerationInput:
     # request is not traced (then workers record no spans for it). Not part of the
     # request's identity.
     trace_context: dict[str, str] = field(default_factory=dict, compare=False)
+    # The router process that owns the request (a decode worker sends its updates to that
+    # consumer's `next_tokens`; "" is the only one of a single-process router), and the
+    # client's id for it, by which another router process may re-attach to it
+    # (docs/architecture.md, Router tier). Neither is part of the request's identity.
+    consumer: str = field(default="", compare=False)
+    request_id: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,20 @@ class Precopy:
 
     req_id: str
     as_req_id: str
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A request a decode worker hands to another router process (a resumed stream):
+    the attempt's input, every token it produced so far, and its end if it ended while
+    nobody read it. `waiting_for_kv`: its KV has not landed yet; its first token will
+    come as its first update."""
+
+    inp: GenerationInput
+    output_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    waiting_for_kv: bool = False
 
 
 @dataclass(frozen=True)

@@ -278,7 +278,7 @@ class PrefillWorker(WorkerBase):
         if isinstance(target, Reservation):
             target = target.target
         result = await self._prefill(inp, target)
-        return replace(result, kv_events=self.take_kv_events())
+        return replace(result, kv_events=self.take_kv_events(inp.consumer))
 
     async def _prefill(self, inp: GenerationInput, target: HandoffTarget | None) -> PrefillResult:
         start = time.perf_counter()
@@ -341,9 +341,10 @@ class PrefillWorker(WorkerBase):
 
         return record
 
-    async def abort(self, req_id: str) -> None:
+    async def abort(self, req_id: str, consumer: str = "") -> None:
         """Idempotent, any state: queued or prefilling requests end here; once the KV
-        is on its way, there is nothing left to free on this side."""
+        is on its way, there is nothing left to free on this side. (`consumer`, the
+        router process asking, matters only on a decode worker.)"""
         self.bury(req_id)
         self._targets.pop(req_id, None)
         await self.on_engine(lambda: self.core.abort(req_id))

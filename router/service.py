@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from router.fleet.pools import Pools
     from router.planner.loop import PlannerLoop
     from router.serving.orchestrator import DisaggregatedGenerator
+    from router.tier.owner import TierOwner
+    from router.tier.owner_side import OwnerSide
 
 log = logging.getLogger(__name__)
 # Workers stop in well under a second when asked; a shutdown that takes longer is one
@@ -80,11 +82,18 @@ class ServeConfig:
     metrics_port: int = DEFAULT_METRICS_PORT  # 0 = no metrics endpoint
     enable_admin: bool = False  # AdminService (scale, drain); refused when off
     planner: PlannerConfig | None = None  # None: the pools keep the sizes they are given
+    # Router processes serving the port (router/tier/): this one owns the fleet, the
+    # others route over it. 1: no tier.
+    router_processes: int = 1
+    # With a tier: how long a decode worker keeps the requests of a router process that
+    # went away, for a resumed stream to take over, before it aborts them.
+    resume_grace_s: float = 30.0
 
 
 # What the service needs once it listens: Ray, torch, the serving core (seconds to import).
 _RUNTIME_MODULES = (
     "router.fleet.cluster",
+    "router.tier.owner_side",
     "router.fleet.pools",
     "router.serving.orchestrator",
     "router.planner.loop",
@@ -104,6 +113,8 @@ class _Runtime:
     cluster: Cluster | None = None
     pools: Pools | None = None
     planner: PlannerLoop | None = None
+    tier_owner: TierOwner | None = None  # the other router processes (--router-processes)
+    tier: OwnerSide | None = None  # and what this one does for them once its pools run
     ray_lost: str | None = None  # why, once the local Ray is going down
 
 
@@ -195,10 +206,16 @@ async def run_service(
         from router.planner.loop import PlannerLoop
         from router.planner.metrics import planner_metrics
         from router.serving.orchestrator import DisaggregatedGenerator
+        from router.tier.owner import TierOwner
+        from router.tier.owner_side import OwnerSide
 
         cluster = rt.cluster = Cluster(config.cluster)
         if on_cluster is not None:
             on_cluster(cluster)
+        if config.router_processes > 1:
+            # They import what they need while Ray and the pools start.
+            rt.tier_owner = TierOwner(config, servers[0].port, cluster.call_token)
+            await rt.tier_owner.start()
         await cluster.start_ray()
         for server in servers:
             # Ray's driver installs a SIGTERM handler of its own as it connects (a stack
@@ -215,14 +232,20 @@ async def run_service(
         tokenizer = None
         if has_tokenizer(model_path):
             tokenizer = await loop.run_in_executor(None, load_tokenizer, str(model_path))
-        core = DisaggregatedGenerator(pools, tokenizer, config.router)
+        admission = None
+        if rt.tier_owner is not None:
+            rt.tier = OwnerSide(rt.tier_owner, pools)
+            admission = rt.tier.admission
+        core = DisaggregatedGenerator(pools, tokenizer, config.router, admission)
         core.start()
         front.inner = core
+        if rt.tier is not None:
+            await rt.tier.start(core, admin)
         if config.planner is not None:
             rt.planner = PlannerLoop(
                 config.planner,
                 pools,
-                core,
+                core if rt.tier is None else rt.tier.planner_core(core),
                 max_num_seqs=config.cluster.decode_args.scheduler.max_num_seqs,
                 metrics=planner_metrics(metrics.registry),
             )
@@ -234,6 +257,15 @@ async def run_service(
         # rather than moving.
         if front.inner is not None:
             front.inner.begin_shutdown()
+        if rt.tier_owner is not None:
+            rt.tier_owner.begin_drain("the service is stopping")
+
+    admin = AdminServicer(
+        lambda: rt.pools if front.inner is not None else None,
+        config.enable_admin,
+        lambda: front.inner,
+        lambda: rt.planner,
+    )
 
     try:
         await serve(
@@ -245,13 +277,9 @@ async def run_service(
             on_started=started,
             security=config.security,
             metrics=metrics,
-            admin=AdminServicer(
-                lambda: rt.pools if front.inner is not None else None,
-                config.enable_admin,
-                lambda: front.inner,
-                lambda: rt.planner,
-            ),
+            admin=admin,
             on_drain=on_drain,
+            reuse_port=config.router_processes > 1,
         )
     finally:
         if watcher is not None:
@@ -262,6 +290,11 @@ async def run_service(
             stop_metrics()
         if rt.planner is not None:
             await rt.planner.stop()
+        if rt.tier is not None:
+            await rt.tier.stop()
+        if rt.tier_owner is not None:
+            # The other processes' requests run on the workers: they go first.
+            await rt.tier_owner.stop(config.drain_grace_s)
         if front.inner is not None:
             await front.inner.stop()
         pools, cluster = rt.pools, rt.cluster

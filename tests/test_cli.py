@@ -195,6 +195,8 @@ def test_bad_values_are_one_line_usage_errors_before_anything_starts(
         (["--planner", "--max-gpus", "3", "--min-decode", "3"], "exceed --max-gpus 3"),
         (["--planner", "--max-gpus", "4", "--min-prefill", "2"], "--prefill-workers 1 is below"),
         (["--planner", "--max-gpus", "3", "--decode-workers", "3"], "--decode-workers 3"),
+        (["--router-processes", "2", "--worker-calls", "ray"], "--worker-calls direct"),
+        (["--router-processes", "3", "--port", "9401", "--metrics-port", "9400"], "--port"),
     ],
 )
 def test_flags_that_cannot_both_apply_are_refused_naming_both(

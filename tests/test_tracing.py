@@ -264,3 +264,17 @@ def test_an_imported_request_reports_admission_and_first_step(
     named = _by_name(spans)
     assert _parent_id(named["decode.admission"][0]) == parent_id
     assert _parent_id(named["decode.first_step"][0]) == parent_id
+
+
+def test_a_request_span_names_the_router_process_that_served_it(
+    spans: InMemorySpanExporter,
+) -> None:
+    from router.observability.tracing import set_router_process
+
+    set_router_process(2)  # as router process 2 of a router tier
+    try:
+        _serve(FakePools(1, 1), _call())
+    finally:
+        set_router_process(0)
+    (root,) = _by_name(spans)[GENERATE_SPAN]
+    assert (root.attributes or {})["pdserve.router_process"] == 2

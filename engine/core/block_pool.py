@@ -119,6 +119,10 @@ class BlockPool:
         self._cached[block_hash] = block
         self._events.stored(block_hash)
 
+    def cached_hashes(self) -> tuple[int, ...]:
+        """Every hash in the prefix cache now."""
+        return tuple(self._cached)
+
     def take_events(self) -> KVEvents:
         """Prefix-cache hashes stored and evicted since the last call (a snapshot at first)."""
         return self._events.take(self._cached)

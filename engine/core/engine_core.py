@@ -217,6 +217,11 @@ class EngineCore:
         """Prefix-cache changes since the last call, for a cache-aware router."""
         return self.scheduler.kv.take_kv_events()
 
+    def kv_snapshot(self) -> KVEvents:
+        """Every hash the prefix cache holds, as a full batch (for a router process that
+        starts reading this engine's events), leaving the pending changes for the others."""
+        return KVEvents(stored=self.scheduler.kv.pool.cached_hashes(), full=True)
+
     def step(self) -> list[TokenUpdate]:
         """Run one iteration; returns the new tokens and finishes it produced (with async
         scheduling: those of the step before, while this one runs on the device)."""

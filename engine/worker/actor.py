@@ -39,6 +39,7 @@ from engine.transfer.receiver import ImportMirror
 from engine.transfer.sender import Message
 from engine.wire import EngineSpeed, TokenUpdate, TPGroupSpec, WorkerStats
 from engine.worker.calls import CallServer, CallSpec, listen_host
+from engine.worker.kv_fanout import KVEventFanout
 from engine.worker.warm_up import measure_speed
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ class WorkerBase:
         self.built: BuiltEngine | None = None
         self.loop_thread: EngineLoop | None = None
         self.channels: dict[str, KVChannel] = {}  # peer worker id → channel
-        self._kv_events: list[KVEvents] = []
+        # The prefix-cache events each router process has not read yet.
+        self.kv_fanout = KVEventFanout(self._snapshot_kv_for)
         self._stopped = asyncio.Event()
         # Ids aborted here, remembered for a while: an abort may overtake the call it
         # cancels (the router aborts on every worker the request might have reached).
@@ -276,15 +278,25 @@ class WorkerBase:
         self.on_updates(updates, stepped_at)
 
     def add_kv_events(self, events: KVEvents) -> None:
-        """Event loop: keep a step's prefix-cache changes for the next message to the
-        router (a token batch, a prefill reply)."""
-        if not events.is_empty:
-            self._kv_events.append(events)
+        """Event loop: keep a step's prefix-cache changes for the next message to each
+        router process (a token batch, a prefill reply)."""
+        self.kv_fanout.add(events)
 
-    def take_kv_events(self) -> tuple[KVEvents, ...]:
-        """Event loop: the collected prefix-cache changes, oldest first."""
-        events, self._kv_events = tuple(self._kv_events), []
-        return events
+    def take_kv_events(self, consumer: str = "") -> tuple[KVEvents, ...]:
+        """Event loop: the prefix-cache changes `consumer` has not read, oldest first."""
+        return self.kv_fanout.take(consumer)
+
+    def _snapshot_kv_for(self, consumer: str) -> None:
+        """Event loop: a router process new here gets the whole cache first, read on the
+        engine thread and queued behind the events of the steps before it."""
+        if self.loop_thread is None:
+            return  # not started: its first take is the engine's own first snapshot
+
+        def read() -> None:
+            snapshot = self.core.kv_snapshot()
+            self._loop.call_soon_threadsafe(self.kv_fanout.set_snapshot, consumer, snapshot)
+
+        self.loop_thread.submit(read)
 
     def on_updates(self, updates: list[TokenUpdate], stepped_at: float) -> None:
         """Called on the event loop with each step's updates (and the time.monotonic()

@@ -43,6 +43,7 @@ VERBS = frozenset(
     {
         "prefill", "abort", "load", "reserve", "reserve_many", "renew", "submit",
         "next_tokens", "connect", "disconnect", "precopy", "detach", "send_detached",
+        "locate", "adopt", "let_go",
     }
 )  # fmt: skip
 

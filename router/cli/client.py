@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import AsyncIterator, Iterable, Sequence
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,9 +46,12 @@ class ClientSecurity:
         return self.tls or bool(self.tls_ca or self.tls_cert)
 
     def channel(self, target: str) -> grpc.aio.Channel:
-        """An open channel to `target` (host:port) with these settings."""
+        """An open channel to `target` (host:port) with these settings, on a connection
+        of its own: channels of one process would otherwise share one, and a router
+        tier's processes each take whole connections (SO_REUSEPORT)."""
+        options: list[tuple[str, Any]] = [("grpc.use_local_subchannel_pool", 1)]
         if not self.uses_tls:
-            return grpc.aio.insecure_channel(target)
+            return grpc.aio.insecure_channel(target, options=options)
 
         def read(path: str | None) -> bytes | None:
             return Path(path).read_bytes() if path else None
@@ -56,7 +61,6 @@ class ClientSecurity:
             private_key=read(self.tls_key),
             certificate_chain=read(self.tls_cert),
         )
-        options = []
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
         return grpc.aio.secure_channel(target, credentials, options=options)
@@ -105,6 +109,7 @@ def build_request(
     request_id: str = "",
     priority: int = 0,
     include_trace_id: bool = False,
+    resume_from_tokens: int | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; sampling kwargs left at None stay unset."""
@@ -114,6 +119,8 @@ def build_request(
     request = pb.GenerateRequest(
         request_id=request_id, priority=priority, include_trace_id=include_trace_id
     )
+    if resume_from_tokens is not None:
+        request.resume_from_tokens = resume_from_tokens
     # Leave the oneof unset unless a value was given, so the server's "no input"
     # check is reachable from tests.
     if prompt is not None:
@@ -143,6 +150,7 @@ async def stream_generate(
     metadata: Sequence[tuple[str, str]] | None = None,
     security: ClientSecurity | None = None,
     include_trace_id: bool = False,
+    resume_from_tokens: int | None = None,
     **sampling: Any,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """Yield every GenerateResponse of one call; raises grpc.aio.AioRpcError on failure.
@@ -161,6 +169,7 @@ async def stream_generate(
         request_id=request_id,
         priority=priority,
         include_trace_id=include_trace_id,
+        resume_from_tokens=resume_from_tokens,
         **sampling,
     )
     if isinstance(target, str):
@@ -170,6 +179,48 @@ async def stream_generate(
     else:
         async for response in _stream(target, request, timeout, metadata):
             yield response
+
+
+# A broken stream worth resuming: the connection, or the router process behind it, went
+# away (or the one reached was draining); each retry opens a new connection.
+RESUMABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+RESUME_BACKOFF_S = (0.1, 0.3, 0.6, 1.0, 2.0, 4.0)
+
+
+async def resumable_generate(
+    target: str,
+    *,
+    request_id: str = "",
+    on_resume: Callable[[int, grpc.aio.AioRpcError], None] | None = None,
+    **kwargs: Any,
+) -> AsyncIterator[pb.GenerateResponse]:
+    """`stream_generate` that picks a broken stream up where it broke: on UNAVAILABLE
+    (a reset connection, a router process gone) it calls again with the same request id
+    and the number of tokens received (`resume_from_tokens`), and the stream goes on
+    from the next token, on whichever router process takes the new connection. Up to
+    `len(RESUME_BACKOFF_S)` times, waiting that long before each; then the error is
+    raised. Every call carries `resume_from_tokens` (0 on the first), which also asks
+    the server to keep the request decoding for a while should the stream break. The
+    request id (unique among requests in flight) is made up here when none is given.
+    `on_resume(tokens_received, error)` is told of each retry."""
+    request_id = request_id or uuid.uuid4().hex
+    received = 0
+    for backoff_s in (*RESUME_BACKOFF_S, None):
+        try:
+            # 0 on the first call too: the server then keeps the request for a while
+            # should this stream break, for the next call to take over.
+            async for response in stream_generate(
+                target, request_id=request_id, resume_from_tokens=received, **kwargs
+            ):
+                received += len(response.token_ids)
+                yield response
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in RESUMABLE_CODES or backoff_s is None:
+                raise
+            if on_resume is not None:
+                on_resume(received, exc)
+            await asyncio.sleep(backoff_s)
 
 
 async def _stream(

@@ -100,6 +100,8 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
         metrics_host=ns.metrics_host,
         metrics_port=ns.metrics_port,
         enable_admin=ns.enable_admin,
+        router_processes=ns.router_processes,
+        resume_grace_s=ns.resume_grace_s,
     )
 
 
@@ -111,7 +113,13 @@ def serve(config: ServeConfig) -> int:
 
     # The service's ports are bound now and kept through Ray's start, whose processes
     # would otherwise be free to take them (router/fleet/port_holds.py).
-    for host, port in ((config.host, config.port), (config.metrics_host, config.metrics_port)):
+    ports = [(config.host, config.port), (config.metrics_host, config.metrics_port)]
+    if config.metrics_port:  # a router tier's other processes: the next ones
+        ports += [
+            (config.metrics_host, config.metrics_port + i)
+            for i in range(1, config.router_processes)
+        ]
+    for host, port in ports:
         problem = port_holds.hold(host, port)
         if problem is not None:
             port_holds.release_all()
@@ -248,7 +256,10 @@ async def generate_from_server(
     import grpc
 
     from pdserve.v1 import generation_pb2 as pb
-    from router.cli.client import stream_generate
+    from router.cli.client import resumable_generate
+
+    def resuming(received: int, exc: grpc.aio.AioRpcError) -> None:
+        log.warning("stream broke (%s) after %d tokens; resuming", exc.code().name, received)
 
     inputs: dict[str, Any] = (
         {"messages": [("user", ns.prompt)]} if ns.chat else {"prompt": ns.prompt}
@@ -256,9 +267,11 @@ async def generate_from_server(
     start = time.perf_counter()
     final: generation_pb2.GenerateResponse | None = None
     try:
-        async for response in stream_generate(
+        # A stream that breaks (its router process died) picks up where it was.
+        async for response in resumable_generate(
             ns.server,
             **inputs,
+            on_resume=resuming,
             request_id=ns.request_id,
             timeout=ns.timeout,
             security=security,

@@ -133,11 +133,41 @@ def check_serve_flags(ns: argparse.Namespace, given: set[str]) -> None:
         raise ValueError("--metrics-host and --metrics-port 0 (metrics off) cannot both apply")
     if ns.metrics_port and ns.metrics_port == ns.port:
         raise ValueError(f"--port and --metrics-port are both {ns.port}")
+    check_router_tier(ns)
     check_model_folder(ns.model)
     check_speculative_config(ns)
     check_tensor_parallel(ns)
     if not ns.ray_address:  # a cluster's GPUs are on its nodes, not necessarily here
         check_device_visible(ns.device)
+
+
+def check_router_tier(ns: argparse.Namespace) -> None:
+    """Several router processes call the workers over their own connections, each with
+    its metrics on a port of its own (the metrics port plus its index)."""
+    n = ns.router_processes
+    if n == 1:
+        return
+    if ns.worker_calls == "ray":
+        raise ValueError(
+            "--router-processes above 1 needs --worker-calls direct: the other router "
+            "processes call the workers over connections of their own, not through Ray"
+        )
+    if ns.metrics_port:
+        last = ns.metrics_port + n - 1
+        if last > 65535:
+            raise ValueError(
+                f"--metrics-port {ns.metrics_port} and --router-processes {n}: the router "
+                f"processes' metrics ports would reach {last}"
+            )
+        if ns.metrics_port <= ns.port <= last:
+            raise ValueError(
+                f"--port {ns.port} is among the metrics ports of --router-processes {n} "
+                f"({ns.metrics_port}-{last})"
+            )
+        for port in range(ns.metrics_port + 1, last + 1):
+            problem = port_holds.check(ns.metrics_host, port)
+            if problem is not None:
+                raise ValueError(f"--router-processes {n}: metrics port {port}: {problem}")
 
 
 def check_tensor_parallel(ns: argparse.Namespace) -> None:

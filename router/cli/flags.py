@@ -237,6 +237,24 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "node) or as Ray actor calls (ray; about 2 ms a round trip)",
     )
     serve.add_argument(
+        "--router-processes",
+        type=at_least(1),
+        default=1,
+        help="router processes serving the port, each with its own event loop (the "
+        "first owns the workers; the others route over them, and the first starts any "
+        "that exits again): raise it when the router's event loop is the limit or so "
+        "that one process's failure is no outage. Process i serves /metrics on "
+        "--metrics-port + i",
+    )
+    serve.add_argument(
+        "--resume-grace-s",
+        type=number_in(0),
+        default=30.0,
+        help="with --router-processes above 1: how long a decode worker keeps the "
+        "requests of a router process that went away, for a client to resume their "
+        "streams through another, before it aborts them",
+    )
+    serve.add_argument(
         "--enable-admin",
         action="store_true",
         help="serve AdminService (pdserve scale / workers); refused with PERMISSION_DENIED "

@@ -180,12 +180,18 @@ class GrpcServer:
         drain_notice_s: float = 0.0,
         security: EdgeSecurity | None = None,
         metrics: RouterMetrics | None = None,
-        admin: AdminServicer | None = None,
+        admin: admin_pb2_grpc.AdminServiceServicer | None = None,
         on_drain: Callable[[], None] | None = None,
+        reuse_port: bool = False,
     ) -> None:
         self._generator = generator
+        # Share the port with the router tier's other processes (SO_REUSEPORT): the
+        # kernel spreads new connections over every process listening on it.
+        self.reuse_port = reuse_port
         self._on_drain = on_drain  # told first when a drain starts
-        self._admin = admin or AdminServicer(lambda: None, enabled=False)
+        self._admin: admin_pb2_grpc.AdminServiceServicer = admin or AdminServicer(
+            lambda: None, enabled=False
+        )
         self.security = security or EdgeSecurity()
         self.metrics = metrics
         self._host = host
@@ -223,8 +229,12 @@ class GrpcServer:
         server = grpc.aio.server(
             interceptors=[*metrics, *self.security.interceptors(), RequestIdInterceptor()],
             # grpc sets SO_REUSEPORT by default, which lets a second server bind an
-            # occupied port silently and steal half the traffic; fail loudly instead.
-            options=[("grpc.so_reuseport", 0), *self.security.server_options()],
+            # occupied port silently and steal half the traffic; fail loudly instead,
+            # unless the port is the router tier's to share.
+            options=[
+                ("grpc.so_reuseport", 1 if self.reuse_port else 0),
+                *self.security.server_options(),
+            ],
         )
         pb_grpc.add_GenerationServiceServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -393,8 +403,9 @@ async def serve(
     on_started: Callable[[GrpcServer], None] | None = None,
     security: EdgeSecurity | None = None,
     metrics: RouterMetrics | None = None,
-    admin: AdminServicer | None = None,
+    admin: admin_pb2_grpc.AdminServiceServicer | None = None,
     on_drain: Callable[[], None] | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Run until SIGTERM/SIGINT has drained the server; the caller then stops the workers.
 
@@ -413,6 +424,7 @@ async def serve(
         metrics=metrics,
         admin=admin,
         on_drain=on_drain,
+        reuse_port=reuse_port,
     )
     try:
         await server.start()

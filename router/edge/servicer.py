@@ -18,7 +18,12 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.edge.streams import close_stream
 from router.observability.tracing import trace_parent
-from router.serving.errors import InvalidRequestError, NotReadyError, QueueFullError
+from router.serving.errors import (
+    InvalidRequestError,
+    NotReadyError,
+    QueueFullError,
+    ResumeNotFoundError,
+)
 from router.serving.protocol import (
     ChatMessage,
     GenerateCall,
@@ -162,6 +167,9 @@ def to_generate_call(
         priority=request.priority,
         trace_parent=trace_context or {},
         include_trace_id=request.include_trace_id,
+        resume_from_tokens=(
+            request.resume_from_tokens if request.HasField("resume_from_tokens") else None
+        ),
     )
 
 
@@ -236,6 +244,8 @@ def _failure_status(exc: Exception, what: str) -> _Status:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "admission queue is full"
     if isinstance(exc, NotReadyError):
         return grpc.StatusCode.UNAVAILABLE, str(exc) or "server is not ready"
+    if isinstance(exc, ResumeNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     logger.exception("%s failed", what, exc_info=exc)

@@ -11,6 +11,7 @@ and aborts in milliseconds.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Protocol, cast
 
 from ray.exceptions import RayActorError
@@ -21,6 +22,7 @@ from engine.wire import (
     DetachedRequest,
     GenerationInput,
     HandoffTarget,
+    Handover,
     Precopy,
     PrefillResult,
     Reservation,
@@ -52,6 +54,11 @@ class DecodeClient(Protocol):
     async def next_tokens(self) -> TokenBatch: ...
     async def abort(self, req_id: str) -> None: ...
     async def load(self) -> WorkerStats: ...
+    # A router tier's resumed streams (router/tier/resume.py): find a client's request,
+    # take it over from the router process that had it.
+    async def locate(self, request_id: str) -> str | None: ...
+    async def adopt(self, req_id: str) -> Handover | None: ...
+    async def let_go(self, req_id: str) -> bool: ...
     # Live migration (decode_worker/export.py): a channel to a peer, and moving a request.
     async def connect(self, spec: ChannelSpec) -> None: ...
     async def disconnect(self, peer_id: str, notify_peer: bool) -> None: ...
@@ -66,37 +73,72 @@ class WorkerClient(PrefillClient, DecodeClient, Protocol):
 
 class _VerbClient:
     """Both roles' verbs, each one `_invoke(verb, *args)` (a colocated worker is a decode
-    worker); subclasses carry the calls."""
+    worker); subclasses carry the calls.
+
+    `consumer`: this router process's name in a router tier ("" without one). Every
+    request it sends carries it, and it polls and aborts as it: a decode worker sends
+    each request's updates to the process that owns it (decode_worker/outboxes.py).
+    `grace_s`: how long the worker keeps this process's requests for another to take
+    over, should this one go away."""
+
+    consumer = ""
+    grace_s = 0.0
 
     async def _invoke(self, verb: str, *args: Any) -> Any:
         raise NotImplementedError
 
+    def _owned(self, inp: GenerationInput) -> GenerationInput:
+        if self.consumer and inp.consumer != self.consumer:
+            return replace(inp, consumer=self.consumer)
+        return inp
+
     async def prefill(self, inp: GenerationInput, target: HandoffTarget) -> PrefillResult:
-        return cast(PrefillResult, await self._invoke("prefill", inp, target))
+        return cast(PrefillResult, await self._invoke("prefill", self._owned(inp), target))
 
     async def reserve(
         self, inp: GenerationInput, lease_s: float, source: str | None
     ) -> Reservation | None:
-        return cast("Reservation | None", await self._invoke("reserve", inp, lease_s, source))
+        return cast(
+            "Reservation | None",
+            await self._invoke("reserve", self._owned(inp), lease_s, source),
+        )
 
     async def reserve_many(
         self, inps: list[GenerationInput], lease_s: float, source: str | None
     ) -> list[Reservation | None]:
+        owned = [self._owned(inp) for inp in inps]
         return cast(
-            "list[Reservation | None]", await self._invoke("reserve_many", inps, lease_s, source)
+            "list[Reservation | None]", await self._invoke("reserve_many", owned, lease_s, source)
         )
 
     async def renew(self, req_ids: list[str], lease_s: float) -> int:
         return cast(int, await self._invoke("renew", req_ids, lease_s))
 
     async def submit(self, inp: GenerationInput) -> None:
-        await self._invoke("submit", inp)
+        await self._invoke("submit", self._owned(inp))
 
     async def next_tokens(self) -> TokenBatch:
-        return cast(TokenBatch, await self._invoke("next_tokens"))
+        if not self.consumer:
+            return cast(TokenBatch, await self._invoke("next_tokens"))
+        return cast(TokenBatch, await self._invoke("next_tokens", 1.0, self.consumer, self.grace_s))
 
     async def abort(self, req_id: str) -> None:
-        await self._invoke("abort", req_id)
+        if not self.consumer:
+            await self._invoke("abort", req_id)
+        else:
+            await self._invoke("abort", req_id, self.consumer)
+
+    async def locate(self, request_id: str) -> str | None:
+        return cast("str | None", await self._invoke("locate", request_id))
+
+    async def adopt(self, req_id: str) -> Handover | None:
+        return cast("Handover | None", await self._invoke("adopt", req_id, self.consumer))
+
+    async def let_go(self, req_id: str) -> bool:
+        """Keep the request for `grace_s` for a resumed stream (False: not kept)."""
+        if not self.consumer:
+            return False
+        return cast(bool, await self._invoke("let_go", req_id, self.consumer, self.grace_s))
 
     async def load(self) -> WorkerStats:
         return cast(WorkerStats, await self._invoke("load"))

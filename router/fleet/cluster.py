@@ -80,6 +80,12 @@ class Cluster:
         # What the workers' call connections authenticate the router by (engine/worker/calls.py).
         self._call_token = secrets.token_bytes(TOKEN_BYTES)
 
+    @property
+    def call_token(self) -> bytes:
+        """The secret the workers' call connections take (a router tier's other
+        processes call the workers with it too)."""
+        return self._call_token
+
     async def start_ray(self) -> None:
         """Join the cluster at `ray_address`, or start a local Ray instance in a session
         of its own (router/fleet/local_ray.py) and join that. The driver connects on a thread,

@@ -84,6 +84,16 @@ NO_ATTEMPT = AttemptTrace()
 NO_TRACE = RequestTrace()
 
 
+# Which router process of a router tier serves the calls of this process (0: the fleet
+# owner, or the only one): every request span says so (`pdserve.router_process`).
+_router_process = 0
+
+
+def set_router_process(index: int) -> None:
+    global _router_process
+    _router_process = index
+
+
 def start_request(
     parent: Mapping[str, str], request_id: str, arrival: float, priority: int
 ) -> RequestTrace:
@@ -102,6 +112,7 @@ def start_request(
             "rpc.method": "Generate",
             "pdserve.request_id": request_id,
             "pdserve.priority": priority,
+            "pdserve.router_process": _router_process,
         },
         kind="SERVER",
     )

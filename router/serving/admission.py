@@ -13,11 +13,27 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.core.waiting_queue import QueuePolicy, WaitingQueue
 from router.serving.errors import QueueFullError
+
+
+class AdmissionControl(Protocol):
+    """What the serving core needs of admission: this process's `Admission`, or a router
+    tier's budget shared by its processes (router/tier/shared_admission.py)."""
+
+    @property
+    def max_in_flight(self) -> int: ...
+    @property
+    def max_queue(self) -> int: ...
+    @property
+    def num_in_flight(self) -> int: ...
+    @property
+    def num_queued(self) -> int: ...
+    def slot(self, priority: int = 0) -> AbstractAsyncContextManager[None]: ...
 
 
 @dataclass(eq=False)

@@ -11,6 +11,10 @@ class NotReadyError(Exception):
     """The server is warming up or draining (UNAVAILABLE): retry elsewhere or later."""
 
 
+class ResumeNotFoundError(LookupError):
+    """A resumed call names no request that is still decoding (NOT_FOUND)."""
+
+
 class InvalidRequestError(ValueError):
     """A request field is out of range (INVALID_ARGUMENT); the message names field and limit."""
 

@@ -40,17 +40,18 @@ from router.planner.signals import ServingSignals
 from router.routing.kv_index import PrefixIndex
 from router.routing.prefill_policy import PrefillPolicyConfig
 from router.routing.worker_load import WorkerLease
-from router.serving.admission import Admission
+from router.serving.admission import Admission, AdmissionControl
 from router.serving.attempts import Attempt, Progress, WorkerLost, continuation, final_result
 from router.serving.config import RouterConfig
 from router.serving.delivery import TokenDelivery
-from router.serving.errors import NotReadyError, QueueFullError
+from router.serving.errors import NotReadyError, QueueFullError, ResumeNotFoundError
 from router.serving.inbox import Moved, UpdateInbox
 from router.serving.lease_renewal import LeaseRenewer
 from router.serving.live_migration import LiveMigrator
 from router.serving.migrations import migrates, migrations_counter
 from router.serving.paths import ServingPaths
 from router.serving.protocol import GenerateCall, PoolStats, ServerInfo, server_abort
+from router.serving.resume import let_go, take_over
 
 log = logging.getLogger(__name__)
 WORKER_WAIT_POLL_S = 0.05
@@ -60,13 +61,19 @@ T = TypeVar("T")
 class DisaggregatedGenerator(ServingPaths):
     """Implements router.serving.protocol.Generator over the live pools."""
 
-    def __init__(self, pools: Pools, tokenizer: Any, config: RouterConfig | None = None) -> None:
+    def __init__(
+        self,
+        pools: Pools,
+        tokenizer: Any,
+        config: RouterConfig | None = None,
+        admission: AdmissionControl | None = None,  # a router tier's shared budget
+    ) -> None:
         self.pools = pools
         self.colocated_mode = pools.targets["colocated"] > 0
         self.tokenizer = tokenizer
         self.config = config or RouterConfig()
         self.prefill_policy: PrefillPolicyConfig = self.config.prefill_policy
-        self.admission = Admission(
+        self.admission: AdmissionControl = admission or Admission(
             self.config.max_in_flight,
             self.config.max_queue,
             policy=self.config.admission_policy,
@@ -223,7 +230,13 @@ class DisaggregatedGenerator(ServingPaths):
         if sampling.seed is None:
             # Fixed here so prefill and decode (and a retry) draw from the same stream.
             sampling = replace(sampling, seed=uuid.uuid4().int >> 65)
-        return GenerationInput(uuid.uuid4().hex, tuple(token_ids), sampling, call.priority)
+        return GenerationInput(
+            uuid.uuid4().hex,
+            tuple(token_ids),
+            sampling,
+            call.priority,
+            request_id=call.request_id,  # a router tier's resumed stream finds it by this
+        )
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
         """Stream one request's chunks, then exactly one FinalResult."""
@@ -243,10 +256,18 @@ class DisaggregatedGenerator(ServingPaths):
         try:
             async with self.admission.slot(priority=base.priority):
                 trace.admitted()
+                resumed = None
+                if call.resume_from_tokens is not None:  # a broken stream, picked up
+                    resumed = await take_over(self, call, base, progress, request_id)
                 for number in itertools.count():
-                    attempt = self._begin(base, number, progress, trace, request_id)
+                    if number == 0 and resumed is not None:
+                        base, attempt = resumed.base, resumed.attempt
+                    else:
+                        attempt = self._begin(base, number, progress, trace, request_id)
                     try:
-                        if self.colocated_mode:
+                        if number == 0 and resumed is not None:
+                            chunks = resumed.chunks
+                        elif self.colocated_mode:
                             chunks = self._run_colocated(attempt, progress)
                         else:
                             chunks = self._run_disaggregated(attempt, progress, run_locally)
@@ -301,7 +322,7 @@ class DisaggregatedGenerator(ServingPaths):
             if attempt is not None:
                 self._end(attempt)
             yield final_result(request_id, base, progress, FinishReason.ABORT, abort.reason, trace)
-        except (QueueFullError, NotReadyError) as exc:
+        except (QueueFullError, NotReadyError, ResumeNotFoundError) as exc:
             finished = True  # refused at the door: nothing to abort, not a cancellation
             log.info("request %s refused: %s", request_id, exc)
             trace.finish(None, None, f"refused: {exc}")
@@ -313,7 +334,8 @@ class DisaggregatedGenerator(ServingPaths):
                 self._end(attempt)
             yield final_result(request_id, base, progress, FinishReason.ERROR, str(exc), trace)
         finally:
-            if attempt is not None:
+            # A resumable call's request outlives its broken stream, for a while.
+            if attempt is not None and (finished or not let_go(self, call, attempt, progress)):
                 self._end(attempt, abort=not finished)
             self.signals.request_ended(progress, progress.num_out, None, completed=False)
             if not finished:

@@ -33,6 +33,9 @@ class GenerateCall:
     # The caller's W3C trace context (traceparent, tracestate) from the call's metadata.
     trace_parent: dict[str, str] = field(default_factory=dict, compare=False)
     include_trace_id: bool = False  # the final message carries the trace id
+    # A resumed stream (router/serving/resume.py): the completion tokens the client has
+    # of the request `request_id`; None for a new request.
+    resume_from_tokens: int | None = None
 
     def __post_init__(self) -> None:
         num_inputs = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))

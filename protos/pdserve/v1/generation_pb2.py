@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"5\n\x08Messages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xf6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x08messages\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.MessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x18\n\x10include_trace_id\x18\x07 \x01(\x08\x42\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd6\x01\n\x07Timings\x12\x16\n\x0equeued_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x04 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fkv_wire_seconds\x18\x06 \x01(\x01\x12\x15\n\rlocal_prefill\x18\x07 \x01(\x08\x12\x10\n\x08trace_id\x18\x08 \x01(\t\"\xcf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xd3\x01\n\x15GetServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x04 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x05 \x01(\r\x12\x15\n\rmax_in_flight\x18\x06 \x01(\r\x12\x11\n\tmax_queue\x18\x07 \x01(\r\x12\x1d\n\x15num_colocated_workers\x18\x08 \x01(\r\"\x15\n\x13GetPoolStatsRequest\"\xc4\x02\n\x0bWorkerStats\x12\x1e\n\x04pool\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Pool\x12\r\n\x05index\x18\x02 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x03 \x01(\r\x12\x19\n\x11num_blocks_in_use\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\x07 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\x08 \x01(\x04\x12 \n\x18spec_decode_draft_tokens\x18\t \x01(\x04\x12#\n\x1bspec_decode_accepted_tokens\x18\n \x01(\x04\x12(\n spec_decode_mean_accepted_length\x18\x0b \x01(\x01\"k\n\x14GetPoolStatsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x15\n\rnum_in_flight\x18\x02 \x01(\r\x12\x12\n\nnum_queued\x18\x03 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*S\n\x04Pool\x12\x14\n\x10POOL_UNSPECIFIED\x10\x00\x12\x10\n\x0cPOOL_PREFILL\x10\x01\x12\x0f\n\x0bPOOL_DECODE\x10\x02\x12\x12\n\x0ePOOL_COLOCATED\x10\x03\x32\x85\x02\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12T\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a!.pdserve.v1.GetServerInfoResponse\x12Q\n\x0cGetPoolStats\x12\x1f.pdserve.v1.GetPoolStatsRequest\x1a .pdserve.v1.GetPoolStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"5\n\x08Messages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xae\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x08messages\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.MessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x18\n\x10include_trace_id\x18\x07 \x01(\x08\x12\x1f\n\x12resume_from_tokens\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_resume_from_tokens\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd6\x01\n\x07Timings\x12\x16\n\x0equeued_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x04 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fkv_wire_seconds\x18\x06 \x01(\x01\x12\x15\n\rlocal_prefill\x18\x07 \x01(\x08\x12\x10\n\x08trace_id\x18\x08 \x01(\t\"\xcf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xd3\x01\n\x15GetServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x04 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x05 \x01(\r\x12\x15\n\rmax_in_flight\x18\x06 \x01(\r\x12\x11\n\tmax_queue\x18\x07 \x01(\r\x12\x1d\n\x15num_colocated_workers\x18\x08 \x01(\r\"\x15\n\x13GetPoolStatsRequest\"\xc4\x02\n\x0bWorkerStats\x12\x1e\n\x04pool\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Pool\x12\r\n\x05index\x18\x02 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x03 \x01(\r\x12\x19\n\x11num_blocks_in_use\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\x07 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\x08 \x01(\x04\x12 \n\x18spec_decode_draft_tokens\x18\t \x01(\x04\x12#\n\x1bspec_decode_accepted_tokens\x18\n \x01(\x04\x12(\n spec_decode_mean_accepted_length\x18\x0b \x01(\x01\"k\n\x14GetPoolStatsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x15\n\rnum_in_flight\x18\x02 \x01(\r\x12\x12\n\nnum_queued\x18\x03 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*S\n\x04Pool\x12\x14\n\x10POOL_UNSPECIFIED\x10\x00\x12\x10\n\x0cPOOL_PREFILL\x10\x01\x12\x0f\n\x0bPOOL_DECODE\x10\x02\x12\x12\n\x0ePOOL_COLOCATED\x10\x03\x32\x85\x02\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12T\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a!.pdserve.v1.GetServerInfoResponse\x12Q\n\x0cGetPoolStats\x12\x1f.pdserve.v1.GetPoolStatsRequest\x1a .pdserve.v1.GetPoolStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1885
-  _globals['_FINISHREASON']._serialized_end=2030
-  _globals['_POOL']._serialized_start=2032
-  _globals['_POOL']._serialized_end=2115
+  _globals['_FINISHREASON']._serialized_start=1941
+  _globals['_FINISHREASON']._serialized_end=2086
+  _globals['_POOL']._serialized_start=2088
+  _globals['_POOL']._serialized_end=2171
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=72
   _globals['_CHATMESSAGE']._serialized_start=74
@@ -44,23 +44,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=176
   _globals['_SAMPLINGPARAMS']._serialized_end=420
   _globals['_GENERATEREQUEST']._serialized_start=423
-  _globals['_GENERATEREQUEST']._serialized_end=669
-  _globals['_USAGE']._serialized_start=671
-  _globals['_USAGE']._serialized_end=758
-  _globals['_TIMINGS']._serialized_start=761
-  _globals['_TIMINGS']._serialized_end=975
-  _globals['_GENERATERESPONSE']._serialized_start=978
-  _globals['_GENERATERESPONSE']._serialized_end=1185
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1187
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1209
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1212
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1423
-  _globals['_GETPOOLSTATSREQUEST']._serialized_start=1425
-  _globals['_GETPOOLSTATSREQUEST']._serialized_end=1446
-  _globals['_WORKERSTATS']._serialized_start=1449
-  _globals['_WORKERSTATS']._serialized_end=1773
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_start=1775
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_end=1882
-  _globals['_GENERATIONSERVICE']._serialized_start=2118
-  _globals['_GENERATIONSERVICE']._serialized_end=2379
+  _globals['_GENERATEREQUEST']._serialized_end=725
+  _globals['_USAGE']._serialized_start=727
+  _globals['_USAGE']._serialized_end=814
+  _globals['_TIMINGS']._serialized_start=817
+  _globals['_TIMINGS']._serialized_end=1031
+  _globals['_GENERATERESPONSE']._serialized_start=1034
+  _globals['_GENERATERESPONSE']._serialized_end=1241
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1243
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1265
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1268
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=1479
+  _globals['_GETPOOLSTATSREQUEST']._serialized_start=1481
+  _globals['_GETPOOLSTATSREQUEST']._serialized_end=1502
+  _globals['_WORKERSTATS']._serialized_start=1505
+  _globals['_WORKERSTATS']._serialized_end=1829
+  _globals['_GETPOOLSTATSRESPONSE']._serialized_start=1831
+  _globals['_GETPOOLSTATSRESPONSE']._serialized_end=1938
+  _globals['_GENERATIONSERVICE']._serialized_start=2174
+  _globals['_GENERATIONSERVICE']._serialized_end=2435
 # @@protoc_insertion_point(module_scope)

@@ -67,6 +67,8 @@ class GenerationServiceServicer:
         INVALID_ARGUMENT    a field is out of range; details name the field.
         RESOURCE_EXHAUSTED  the admission queue is full; retry with backoff.
         UNAVAILABLE         not warm yet or draining; retry on another replica.
+        NOT_FOUND           a resumed call (resume_from_tokens) found no such
+        request decoding.
         DEADLINE_EXCEEDED   the call's deadline passed; the request was aborted
         and its KV blocks released.
         INTERNAL            the request failed inside the server. If the failure

@@ -1,0 +1,1 @@
+"""The router tier: several router processes in front of one fleet (`--router-processes`)."""

@@ -1,0 +1,243 @@
+"""A router process of a router tier other than the fleet owner:
+`python -m router.tier.child`, started by the owner (router/tier/owner.py), which
+writes where to reach it (its control socket, the key, this process's index) on stdin.
+
+It serves the same GenerationService as the owner, on the same port (SO_REUSEPORT:
+the kernel spreads new connections over every process listening), with a serving core
+of its own over a read-only view of the owner's pools (router/tier/pools_view.py): its
+own event loop, its own connections to every worker and its own token delivery (its
+requests' updates come to its own outbox on each decode worker). Admission is the
+tier's shared budget (router/tier/shared_admission.py); AdminService calls are
+forwarded to the owner (router/tier/admin_proxy.py); /metrics is its own, on the
+metrics port plus its index. It listens only once its core can route, so the kernel
+never hands a connection to a process that would refuse it. It drains and exits on
+SIGTERM/SIGINT or when the owner says so, and stops at once (each stream with its
+ABORT message) if the owner goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+from engine import tracing
+from engine.log_setup import LOG_FORMAT, LOG_LEVEL_ENV
+from router.tier.membership import Membership
+from router.tier.messages import Bootstrap, Drain, Hello, Listening
+
+log = logging.getLogger(__name__)
+
+READY_WAIT_S = 60.0  # for the first routable workers, before listening anyway
+
+
+class OwnerLink:
+    """This process's end of the control socket."""
+
+    def __init__(self, address: str, authkey: bytes, index: int) -> None:
+        self._conn: Connection = Client(address, family="AF_UNIX", authkey=authkey)
+        self._lock = threading.Lock()
+        self._conn.send(Hello(index, os.getpid()))
+        boot = self._conn.recv()
+        if not isinstance(boot, Bootstrap):
+            raise RuntimeError(f"the fleet owner sent {type(boot).__name__}, not a bootstrap")
+        self.bootstrap = boot
+
+    def listen(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_message: Callable[[Any], None],
+        on_lost: Callable[[], None],
+    ) -> None:
+        """Hand every message to `on_message` on the loop; `on_lost` when the line ends."""
+
+        def read() -> None:
+            while True:
+                try:
+                    message = self._conn.recv()
+                except (OSError, EOFError):
+                    loop.call_soon_threadsafe(on_lost)
+                    return
+                loop.call_soon_threadsafe(on_message, message)
+
+        threading.Thread(target=read, name="tier-owner", daemon=True).start()
+
+    def send(self, message: Any) -> None:
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            self._conn.send(message)
+
+
+async def run_child(address: str, authkey: bytes, index: int) -> None:
+    """Serve as router process `index` until drained, signalled or orphaned."""
+    loop = asyncio.get_running_loop()
+    link = await loop.run_in_executor(None, OwnerLink, address, authkey, index)
+    boot = link.bootstrap
+    config = boot.config
+    from router.observability.tracing import set_router_process
+
+    set_router_process(index)
+    tracing.configure(config.cluster.tracing, "pdserve-router")
+
+    first: asyncio.Future[Membership] = loop.create_future()
+    handlers: dict[type, Callable[[Any], None]] = {}
+    owner_lost = asyncio.Event()
+    drain_asked = asyncio.Event()  # whenever it comes: before serving, it ends the start
+
+    latest: list[Membership] = []  # the owner's last word on the fleet, whenever it came
+
+    def on_message(message: Any) -> None:
+        if isinstance(message, Membership):
+            latest[:] = [message]
+            if not first.done():
+                first.set_result(message)
+        if isinstance(message, Drain):
+            log.info("draining: %s", message.reason)
+            drain_asked.set()
+        handler = handlers.get(type(message))
+        if handler is not None:
+            handler(message)
+
+    def on_lost() -> None:
+        owner_lost.set()
+        if not first.done():
+            first.set_exception(RuntimeError("the fleet owner went away"))
+
+    link.listen(loop, on_message, on_lost)
+    membership = await first
+
+    # What serving needs (seconds to import): after the line to the owner is up.
+    from engine.model.model_loader import has_tokenizer, load_tokenizer
+    from router.edge.grpc_server import GrpcServer, serve
+    from router.observability.metrics import get_metrics
+    from router.observability.phase_metrics import get_phase_metrics
+    from router.serving.orchestrator import DisaggregatedGenerator
+    from router.tier.admin_proxy import AdminProxy
+    from router.tier.pools_view import PoolsView
+    from router.tier.shared_admission import AdmissionTable, SharedAdmission
+    from router.tier.signals_relay import report_signals
+
+    view = PoolsView(boot.call_token, boot.consumer, config.resume_grace_s)
+    view.apply(membership)
+    model_path = config.cluster.decode_args.resolve_model_path()
+    tokenizer = None
+    if has_tokenizer(model_path):
+        tokenizer = await loop.run_in_executor(None, load_tokenizer, str(model_path))
+    table = AdmissionTable(boot.admission_table, boot.num_processes)
+    rc = config.router
+    admission = SharedAdmission(
+        table,
+        index,
+        rc.max_in_flight,
+        rc.max_queue,
+        policy=rc.admission_policy,
+        aging_s=rc.priority_aging_s,
+    )
+    # Channels between decode workers are the owner's to make (live migration).
+    core = DisaggregatedGenerator(
+        view,  # type: ignore[arg-type]
+        tokenizer,
+        replace(rc, decode_peer_channels="lazy"),
+        admission,
+    )
+    core.start()
+
+    def on_membership(m: Membership) -> None:
+        view.apply(m)
+        if m.prefill_policy is not None and m.prefill_policy != core.prefill_policy:
+            core.set_prefill_policy(m.prefill_policy)
+
+    handlers[Membership] = on_membership
+    on_membership(latest[0])  # what changed while this process was getting ready
+    servers: list[GrpcServer] = []
+
+    async def drain_when_asked() -> None:
+        await drain_asked.wait()
+        for server in servers:
+            server.request_stop()
+
+    async def stop_if_orphaned() -> None:
+        await owner_lost.wait()
+        log.warning("the fleet owner went away; stopping")
+        for server in servers:
+            server.stop_now("the fleet owner went away")
+
+    watcher = asyncio.ensure_future(stop_if_orphaned())
+    drainer = asyncio.ensure_future(drain_when_asked())
+    reporter = asyncio.ensure_future(report_signals(core, link.send))
+    metrics = get_metrics()
+    get_phase_metrics()
+    stop_metrics = None
+    if config.metrics_port:
+        stop_metrics = metrics.serve(config.metrics_host, config.metrics_port + index)
+    admin = AdminProxy(boot.admin_address)
+
+    def listening(server: GrpcServer) -> None:
+        servers.append(server)
+        link.send(Listening())
+        if drain_asked.is_set():
+            server.request_stop()
+
+    deadline = loop.time() + READY_WAIT_S
+
+    def stopping() -> bool:
+        return owner_lost.is_set() or drain_asked.is_set()
+
+    while not core.is_ready() and loop.time() < deadline and not stopping():
+        await asyncio.sleep(0.05)
+    try:
+        if not stopping():
+            await serve(
+                core,
+                config.host,
+                boot.port,
+                drain_grace_s=config.drain_grace_s,
+                on_started=listening,
+                security=config.security,
+                metrics=metrics,
+                admin=admin,
+                on_drain=core.begin_shutdown,
+                reuse_port=True,
+            )
+    finally:
+        watcher.cancel()
+        drainer.cancel()
+        reporter.cancel()
+        await core.stop()
+        await admin.close()
+        if stop_metrics is not None:
+            stop_metrics()
+        tracing.shutdown()
+        table.close()
+        log.info("router process %d stopped", index)
+
+
+def main() -> int:
+    secret = json.loads(sys.stdin.read())
+    index = int(secret["index"])
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(LOG_FORMAT.replace("%(name)s", f"[router {index}] %(name)s"))
+    )
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO").upper())
+    try:
+        asyncio.run(run_child(secret["address"], bytes.fromhex(secret["authkey"]), index))
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:  # noqa: BLE001 - one line for the log; the owner restarts it
+        log.error("router process %d failed: %s", index, exc, exc_info=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""What the fleet owner and the other router processes say to each other.
+
+The line is a Unix socket in the tier's private folder, authenticated with a key the
+owner hands each process it starts (multiprocessing's connection handshake); messages
+are pickles, as between the router and its workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.service import ServeConfig
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A router process, started by the owner, introduces itself."""
+
+    index: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """What a router process needs to serve: the service's configuration, the port every
+    process listens on, how to call the workers, and its share of the tier's state."""
+
+    config: ServeConfig
+    num_processes: int
+    port: int  # the gRPC port, bound by every process (SO_REUSEPORT)
+    call_token: bytes  # the workers' call connections take it
+    consumer: str  # this process's name on the workers (a new one each start)
+    admission_table: str  # the shared admission table's file
+    admin_address: str  # the owner's AdminService, for this process to forward to
+
+
+@dataclass(frozen=True)
+class Listening:
+    """A router process takes calls on the port now."""
+
+
+@dataclass(frozen=True)
+class Drain:
+    """The service is stopping: drain (within the grace) and exit."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class SignalsReport:
+    """A router process's traffic since its last report, for the owner's planner
+    (router/tier/signals_relay.py): the `ServingSignals.take` of an interval."""
+
+    taken: tuple[object, ...]

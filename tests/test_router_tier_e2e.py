@@ -1,0 +1,351 @@
+"""End to end: a router tier (`pdserve serve --router-processes 2`) in front of one
+prefill and one decode worker on the embedded model: both processes take calls on the
+one port, every stream gives the colocated engine's text, and nothing is left held."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from bench.harness import ServiceProcess, StartService
+from bench.harness.metrics import scrape
+from bench.harness.metrics import value as metric_value
+from bench.harness.polling import wait_until_async
+from bench.harness.pools import assert_pools_empty
+from bench.harness.ports import free_port
+from bench.harness.streams import StreamResult, generate
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import admin_pb2 as admin_pb
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.cli.admin_client import list_workers
+from router.cli.client import build_request, resumable_generate, stream_generate
+
+pytestmark = pytest.mark.e2e
+
+GRACE_S = 10  # a killed router process's requests are kept this long for a resume
+LATE_RESUME_S = 6.5  # past the decode worker's deeming it gone (5 s without a poll)
+NUM_STREAMS = 32
+NUM_CONNECTIONS = 8
+PROMPTS = [f"Question {i}: what comes after {i}?" for i in range(NUM_STREAMS)]
+MAX_TOKENS = [6 + i % 7 for i in range(NUM_STREAMS)]
+
+
+def metrics_port_pair() -> int:
+    """A port p with p + 1 free too: process i of the tier serves /metrics on p + i."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+@pytest.fixture(scope="module")
+def tier(start_service: StartService, ray_session: str) -> ServiceProcess:
+    return start_service(
+        [
+            "--ray-address",
+            ray_session,
+            "--router-processes",
+            "2",
+            "--metrics-port",
+            str(metrics_port_pair()),
+            "--prefill-kv-cache-gib",
+            "0.25",
+            "--decode-kv-cache-gib",
+            "0.25",
+            "--enable-admin",
+            # Requests a killed router process leaves and nobody resumes are freed soon.
+            "--resume-grace-s",
+            str(GRACE_S),
+        ],
+        name="tier",
+    )
+
+
+def channels(address: str, n: int) -> list[grpc.aio.Channel]:
+    """`n` channels with a TCP connection each (channels to one target share one unless
+    told not to): the kernel hands each connection to one of the tier's processes."""
+    return [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(n)
+    ]
+
+
+async def _stream(stub: pb_grpc.GenerationServiceStub, prompt: str, n: int) -> list[int]:
+    tokens: list[int] = []
+    finals = 0
+    request = build_request(prompt=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
+    async for response in stub.Generate(request):
+        tokens.extend(response.token_ids)
+        if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            finals += 1
+            assert response.finish_reason == pb.FINISH_REASON_LENGTH
+    assert finals == 1
+    return tokens
+
+
+def test_both_router_processes_serve_streams_with_the_colocated_engines_tokens(
+    tier: ServiceProcess, reference_llm: LLM
+) -> None:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+
+    async def run() -> list[list[int]]:
+        chans = channels(tier.address, NUM_CONNECTIONS)
+        try:
+            stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
+            return await asyncio.gather(
+                *(
+                    _stream(stubs[i % NUM_CONNECTIONS], PROMPTS[i], MAX_TOKENS[i])
+                    for i in range(NUM_STREAMS)
+                )
+            )
+        finally:
+            for c in chans:
+                await c.close()
+
+    served = asyncio.run(run())
+    reference = reference_llm.generate(PROMPTS, params)
+    for i, tokens in enumerate(served):
+        assert tokens == list(reference[i].token_ids), f"stream {i} differs from colocated"
+    # Each process counted its own calls on its own /metrics; together, every one.
+    per_process = [
+        metric_value(
+            scrape(tier.metrics_port + i)[1], "pdserve_requests_total", finish_reason="length"
+        )
+        for i in range(2)
+    ]
+    assert all(n > 0 for n in per_process), per_process
+    assert sum(per_process) == NUM_STREAMS
+    # Nothing held on either worker, and the tier's shared admission is back to zero.
+    asyncio.run(assert_pools_empty(tier.address, pools={pb.POOL_PREFILL, pb.POOL_DECODE}))
+
+
+def _child_pids(tier: ServiceProcess) -> list[int]:
+    """Every pid router process 1 ran as, in order, from the service's log."""
+    return [
+        int(pid)
+        for pid in re.findall(r"router process 1 started \(pid (\d+)\)", tier.log_tail(10**7))
+    ]
+
+
+@pytest.mark.slow
+def test_a_killed_router_process_is_restarted_and_its_streams_resume_elsewhere(
+    tier: ServiceProcess, reference_llm: LLM
+) -> None:
+    """SIGKILL router process 1 with streams on both: the owner starts it again within
+    5 s, the owner's streams go on untouched, a new call is taken at once, and each
+    broken stream, resumed with its request id and token count at once (the decode
+    worker hands its request over at a step boundary) or seconds later (from the
+    record it kept of the gone process's request), ends with exactly the tokens of an
+    undisturbed run; the requests nobody resumes are freed after the grace."""
+    num, max_tokens = 12, 40
+    prompts = [f"Tell me about the number {i}." for i in range(num)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reference = reference_llm.generate(prompts, params)
+    late_prompts = [f"Late resume {i}:" for i in range(2)]
+    late_reference = reference_llm.generate(late_prompts, params)
+    (victim,) = _child_pids(tier)[-1:]
+    resumed: list[int] = []
+    late_resumed: list[int] = []
+    progress = [0] * num
+
+    async def one(i: int) -> list[int]:
+        tokens: list[int] = []
+        async for response in resumable_generate(
+            tier.address,
+            prompt=prompts[i],
+            request_id=f"tier-kill-{i}",
+            on_resume=lambda received, exc: resumed.append(received),
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+        ):
+            tokens.extend(response.token_ids)
+            progress[i] = len(tokens)
+        return tokens
+
+    async def run() -> tuple[list[list[int]], list[int], float]:
+        streams = [asyncio.ensure_future(one(i)) for i in range(num)]
+        kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        # Streams resumed seconds after they break, and streams never resumed (their
+        # requests are the decode worker's to abort once the grace is over).
+        late = [
+            asyncio.ensure_future(
+                generate(tier.address, prompt=p, request_id=f"tier-late-{i}", **kw)
+            )
+            for i, p in enumerate(late_prompts)
+        ]
+        never = [
+            asyncio.ensure_future(generate(tier.address, prompt=f"Never resumed {i}", **kw))
+            for i in range(2)
+        ]
+        await wait_until_async(lambda: min(progress) >= 4, timeout=120)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        restart = asyncio.ensure_future(asyncio.to_thread(_wait_for_restart, tier, victim, 5.0))
+        # A survivor takes a new call at once.
+        fresh = await _collect_tokens(tier.address, "A new call after the kill.", 4)
+        for result in await asyncio.gather(*never):
+            assert result.code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE), result
+        for i, first in enumerate(await asyncio.gather(*late)):
+            if first.code == grpc.StatusCode.OK:
+                assert first.tokens == list(late_reference[i].token_ids)
+                continue
+            assert first.code == grpc.StatusCode.UNAVAILABLE, first
+            await asyncio.sleep(max(0.0, killed_at + LATE_RESUME_S - time.monotonic()))
+            rest = await generate(
+                tier.address,
+                prompt=late_prompts[i],
+                request_id=f"tier-late-{i}",
+                resume_from_tokens=len(first.tokens),
+                **kw,
+            )
+            assert rest.code == grpc.StatusCode.OK, rest
+            assert first.tokens + rest.tokens == list(late_reference[i].token_ids)
+            late_resumed.append(i)
+        return await asyncio.gather(*streams), fresh, await restart - killed_at
+
+    served, fresh, restart_s = asyncio.run(run())
+    assert len(fresh) == 4
+    assert restart_s <= 5.0, f"router process 1 started again after {restart_s:.1f} s"
+    assert resumed, "no stream was on the killed process"
+    assert len(resumed) < num, "every stream broke: the owner's should have gone on"
+    for i, tokens in enumerate(served):
+        assert tokens == list(reference[i].token_ids), f"stream {i} differs after resuming"
+    asyncio.run(
+        assert_pools_empty(tier.address, timeout=30, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
+    )
+
+
+async def _collect_tokens(address: str, prompt: str, n: int) -> list[int]:
+    tokens: list[int] = []
+    async for response in resumable_generate(
+        address, prompt=prompt, max_tokens=n, temperature=0.0, ignore_eos=True
+    ):
+        tokens.extend(response.token_ids)
+    return tokens
+
+
+def _wait_for_restart(tier: ServiceProcess, old_pid: int, timeout: float) -> float:
+    """When (time.monotonic()) the log first names a new pid for router process 1."""
+    deadline = time.monotonic() + timeout + 5
+    while time.monotonic() < deadline:
+        if _child_pids(tier)[-1] != old_pid:
+            return time.monotonic()
+        time.sleep(0.05)
+    raise AssertionError(f"router process 1 not started again:\n{tier.log_tail()}")
+
+
+def test_admin_calls_are_answered_by_the_owner_on_whichever_process_they_land(
+    tier: ServiceProcess,
+) -> None:
+    """Sixteen connections (each to one process or the other, as the kernel deals them):
+    every ListWorkers is the owner's answer, the same fleet."""
+
+    async def run() -> list[list[tuple[str, int]]]:
+        replies = await asyncio.gather(*(list_workers(tier.address) for _ in range(16)))
+        return [sorted((w.worker_id, w.state) for w in r.workers) for r in replies]
+
+    listings = asyncio.run(run())
+    live = admin_pb.WORKER_STATE_LIVE
+    assert all(listing == [("decode-0", live), ("prefill-0", live)] for listing in listings)
+
+
+@pytest.mark.slow
+def test_a_resumable_stream_broken_on_the_client_side_goes_on_where_it_was(
+    tier: ServiceProcess, reference_llm: LLM
+) -> None:
+    """The client's side of a resumable stream goes away after a few tokens (its router
+    process lives on): the request is kept, and the next call with its id and token
+    count gets the rest, the same tokens as an undisturbed run."""
+    prompt, max_tokens = "Name three rivers.", 24
+    reference = reference_llm.generate(
+        [prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    )[0]
+    kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[int], StreamResult]:
+        first: list[int] = []
+        async for response in stream_generate(
+            tier.address, prompt=prompt, request_id="client-break", resume_from_tokens=0, **kw
+        ):
+            first.extend(response.token_ids)
+            if len(first) >= 5:
+                break  # cancels the call, as a broken connection does
+        await asyncio.sleep(0.5)
+        rest = await generate(
+            tier.address,
+            prompt=prompt,
+            request_id="client-break",
+            resume_from_tokens=len(first),
+            **kw,
+        )
+        return first, rest
+
+    first, rest = asyncio.run(run())
+    assert rest.code == grpc.StatusCode.OK, rest
+    assert rest.final is not None and rest.final.usage.completion_tokens == max_tokens
+    assert first + rest.tokens == list(reference.token_ids)
+
+
+@pytest.mark.slow
+def test_streams_on_both_processes_move_on_when_their_decode_worker_dies(
+    tier: ServiceProcess, reference_llm: LLM
+) -> None:
+    """SIGKILL the only decode worker with streams on both router processes: each
+    process learns it is lost (its own calls, or the owner's next membership), the owner
+    starts the replacement, every process follows it, and every stream ends with the
+    tokens of an undisturbed run."""
+    num, max_tokens = 8, 32
+    prompts = [f"Describe the colour number {i}." for i in range(num)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reference = reference_llm.generate(prompts, params)
+    progress = [0] * num
+
+    async def one(stub: pb_grpc.GenerationServiceStub, i: int) -> list[int]:
+        tokens: list[int] = []
+        request = build_request(
+            prompt=prompts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        )
+        async for response in stub.Generate(request):
+            tokens.extend(response.token_ids)
+            progress[i] = len(tokens)
+        return tokens
+
+    async def run() -> list[list[int]]:
+        workers = await list_workers(tier.address)
+        (decode,) = [w for w in workers.workers if w.pool == "decode"]
+        chans = channels(tier.address, NUM_CONNECTIONS)
+        try:
+            stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
+            streams = [asyncio.ensure_future(one(stubs[i % len(stubs)], i)) for i in range(num)]
+            await wait_until_async(lambda: min(progress) >= 3, timeout=120)
+            os.kill(decode.pid, signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*streams), 240)
+        finally:
+            for c in chans:
+                await c.close()
+
+    served = asyncio.run(run())
+    for i, tokens in enumerate(served):
+        assert tokens == list(reference[i].token_ids), f"stream {i} differs after migrating"
+    # Both processes had streams to move.
+    log = tier.log_tail(10**7)
+    assert "[router 1]" in log and "migrates off decode-0" in log
+    asyncio.run(
+        assert_pools_empty(tier.address, timeout=30, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
+    )
