@@ -17,23 +17,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.request import FinishReason
-from engine.transfer.channel import ChannelSpec
-from engine.transfer.layout import KVLayout
 from engine.wire import (
+    ChannelSpec,
     DetachedMove,
     DetachedRequest,
     EngineSpeed,
     GenerationInput,
     HandoffTarget,
+    KVLayout,
     PhaseReport,
     Precopy,
     PrefillResult,
     Reservation,
     TokenBatch,
     TokenUpdate,
+    WorkerInfo,
     WorkerStats,
 )
-from engine.worker.actor import WorkerInfo
 from router.fleet.clients import WorkerDied
 from router.fleet.pools import WorkerRef
 

@@ -36,8 +36,8 @@ from torch.distributed import TCPStore
 
 from bench.report import provenance
 from engine.transfer.base import KVPoll
-from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
+from engine.transfer.channel import SENDER_RANK, KVChannel
+from engine.wire import ChannelSpec, HandoffEntry, HandoffHeader, HeaderKind
 
 # (layers, kv heads, head dim): block = [layers, 2, block_size, kv heads, head dim]
 SHAPES = {"tiny": (4, 2, 16), "1b": (16, 8, 64), "8b": (32, 8, 128)}

@@ -22,9 +22,15 @@ from bench.harness.otlp import OTLPSink
 from engine import tracing
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
-from engine.transfer.handoff import HandoffEntry, HandoffHeader, HandoffTarget, HeaderKind
 from engine.transfer.receiver import KVArrival
-from engine.wire import GenerationInput, TokenUpdate
+from engine.wire import (
+    GenerationInput,
+    HandoffEntry,
+    HandoffHeader,
+    HandoffTarget,
+    HeaderKind,
+    TokenUpdate,
+)
 from engine.worker.phases import (
     Waiting,
     arrival_phases,

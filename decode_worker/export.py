@@ -22,10 +22,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.transfer.base import KVPoll
-from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import NO_TOKEN, HeaderKind
+from engine.transfer.channel import SENDER_RANK, KVChannel
 from engine.transfer.sender import Message, ReadyKV, plan_messages
-from engine.wire import DetachedMove, DetachedRequest, HandoffTarget, Precopy
+from engine.wire import (
+    NO_TOKEN,
+    ChannelSpec,
+    DetachedMove,
+    DetachedRequest,
+    HandoffTarget,
+    HeaderKind,
+    Precopy,
+)
 
 
 class KVExporter:

@@ -27,11 +27,10 @@ from decode_worker.export import KVExporter
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
 from engine.model.staging import to_device
-from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import Reservation
+from engine.transfer.channel import RECEIVER_RANK, KVChannel
 from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import AbortOutcome, ReservationBook
-from engine.wire import GenerationInput, TokenBatch, TokenUpdate, coalesce
+from engine.wire import ChannelSpec, GenerationInput, Reservation, TokenBatch, TokenUpdate, coalesce
 from engine.worker.actor import WorkerBase
 from engine.worker.phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
 

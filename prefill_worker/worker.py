@@ -29,17 +29,25 @@ from typing import Any
 import torch
 
 from engine.core.batch import Batch
-from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
 from engine.factory import kv_stream_min_tokens
 from engine.model.startup_log import log as startup_log
 from engine.transfer.base import KVPoll, KVSender, TransferHandle
-from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import NO_TOKEN, HandoffHeader
+from engine.transfer.channel import SENDER_RANK, KVChannel
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, open_stream
-from engine.wire import GenerationInput, HandoffTarget, PrefillResult, Reservation, TokenUpdate
+from engine.wire import (
+    NO_TOKEN,
+    ChannelSpec,
+    GenerationInput,
+    HandoffHeader,
+    HandoffTarget,
+    KVEvents,
+    PrefillResult,
+    Reservation,
+    TokenUpdate,
+)
 from engine.worker.actor import WorkerBase
 from engine.worker.phases import prompt_phases, record_kv_send
 

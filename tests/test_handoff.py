@@ -26,9 +26,14 @@ from engine.core.config import SchedulerConfig
 from engine.core.request import FinishReason
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
-from engine.transfer.channel import ChannelSpec
-from engine.transfer.handoff import NO_TOKEN, HandoffEntry, Reservation
-from engine.wire import GenerationInput, TokenUpdate
+from engine.wire import (
+    NO_TOKEN,
+    ChannelSpec,
+    GenerationInput,
+    HandoffEntry,
+    Reservation,
+    TokenUpdate,
+)
 from prefill_worker.worker import PrefillWorker
 
 ARGS = EngineArgs(kv_cache_gib=0.05, scheduler=SchedulerConfig(long_prefill_token_threshold=16))

@@ -16,9 +16,7 @@ import pytest
 from ray.exceptions import RayActorError
 
 from bench.harness import wait_until_async
-from engine.transfer.layout import KVLayout
-from engine.wire import epoch_hex
-from engine.worker.actor import WorkerInfo
+from engine.wire import KVLayout, WorkerInfo, epoch_hex
 from router.edge.admin import describe
 from router.fleet.cluster import ClusterConfig, SpawnedWorker
 from router.fleet.pools import Pools, WorkerRef

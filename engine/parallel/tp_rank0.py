@@ -15,8 +15,6 @@ import time
 from typing import Any
 
 from engine.parallel.step_broadcast import StepPublisher
-from engine.transfer.channel import ChannelSpec
-from engine.transfer.handoff import HandoffHeader, HeaderKind
 from engine.transfer.receiver import ImportMirror
 from engine.transfer.sender import Message
 from engine.transfer.tp_parts import (
@@ -30,6 +28,7 @@ from engine.transfer.tp_parts import (
     pair_key,
     receiving_parts,
 )
+from engine.wire import ChannelSpec, HandoffHeader, HeaderKind
 
 
 class RankZero:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from engine.transfer.handoff import HandoffHeader
+from engine.wire import HandoffHeader
 
 
 class KVPoll(enum.Enum):

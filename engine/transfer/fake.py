@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.transfer.base import ChannelClosed, FutureHandle
-from engine.transfer.handoff import HandoffHeader, HeaderKind
+from engine.wire import HandoffHeader, HeaderKind
 
 _BROKEN = object()
 

@@ -25,9 +25,15 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from engine.transfer.base import ChannelClosed, KVReceiver
-from engine.transfer.handoff import NO_TOKEN, HandoffEntry, HandoffHeader, HeaderKind
 from engine.transfer.reservations import NO_RESERVATION, HeldReservation, ReservationBook
-from engine.wire import GenerationInput, Reservation
+from engine.wire import (
+    NO_TOKEN,
+    GenerationInput,
+    HandoffEntry,
+    HandoffHeader,
+    HeaderKind,
+    Reservation,
+)
 
 log = logging.getLogger(__name__)
 # A sender may post a request's KV as soon as its prompt ran, while the router's

@@ -14,14 +14,12 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from engine import tracing
 from engine.core.engine_loop import EngineLoop
-from engine.core.kv_events import KVEvents
 from engine.core.role import EngineRole
 from engine.factory import BuiltEngine, EngineArgs, build_engine
 from engine.heap import freeze_startup_heap
@@ -32,45 +30,28 @@ from engine.parallel.step_broadcast import StepPublisher
 from engine.parallel.tensor_parallel import SINGLE, join_tp_group
 from engine.parallel.tp_rank0 import RankZero
 from engine.tracing import TracingConfig
-from engine.transfer.channel import ChannelSpec, KVChannel
-from engine.transfer.handoff import HandoffHeader, HeaderKind
-from engine.transfer.layout import KVLayout
+from engine.transfer.channel import KVChannel
 from engine.transfer.receiver import ImportMirror
 from engine.transfer.sender import Message
-from engine.wire import EngineSpeed, TokenUpdate, TPGroupSpec, WorkerStats
-from engine.worker.calls import CallServer, CallSpec, listen_host
+from engine.wire import (
+    CallSpec,
+    ChannelSpec,
+    EngineSpeed,
+    HandoffHeader,
+    HeaderKind,
+    KVEvents,
+    TokenUpdate,
+    TPGroupSpec,
+    WorkerInfo,
+    WorkerStats,
+)
+from engine.worker.calls import CallServer, listen_host
 from engine.worker.warm_up import measure_speed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TOMBSTONE_TTL_S = 300.0
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """Returned by start(): what the router needs to pair and route."""
-
-    worker_id: str  # "<pool>-<index>"; a replacement keeps the id and gets a new epoch
-    pool: str
-    index: int
-    epoch: int
-    layout: KVLayout
-    num_blocks: int
-    max_model_len: int
-    vocab_size: int
-    model_name: str
-    device: str
-    pid: int
-    node_ip: str
-    # "host:port" of the worker's call connection (engine/worker/calls.py); "" when the router
-    # calls it through Ray only.
-    call_address: str = ""
-    # GPUs (processes) the worker's model is split over, and the GPUs it holds (rank order).
-    tensor_parallel_size: int = 1
-    gpu_ids: tuple[int, ...] = ()
-    # Its engine's speed, measured as it warmed up: the router's estimates start there.
-    speed: EngineSpeed | None = None
 
 
 class WorkerBase:

@@ -25,7 +25,6 @@ import logging
 import pickle
 import struct
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -49,16 +48,6 @@ VERBS = frozenset(
 
 class CallsLost(ConnectionError):
     """The connection to the worker is gone: the worker died or stopped."""
-
-
-@dataclass(frozen=True)
-class CallSpec:
-    """What a worker needs to accept the router's calls: the secret the router's
-    connections authenticate with, and the router's node, to pick the address to
-    listen on."""
-
-    token: bytes
-    router_ip: str
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> Any:

@@ -15,8 +15,8 @@ from typing import Any, Protocol, cast
 
 from ray.exceptions import RayActorError
 
-from engine.transfer.channel import ChannelSpec
 from engine.wire import (
+    ChannelSpec,
     DetachedMove,
     DetachedRequest,
     GenerationInput,

@@ -28,9 +28,8 @@ from decode_worker.worker import DecodeWorker
 from engine.core.role import EngineRole
 from engine.log_setup import LOG_LEVEL_ENV, current_level
 from engine.parallel.tp_follower import TPFollower
-from engine.wire import POOLS, TPGroupSpec  # noqa: F401 - the pools, named once
-from engine.worker.actor import WorkerInfo
-from engine.worker.calls import TOKEN_BYTES, CallSpec
+from engine.wire import POOLS, CallSpec, TPGroupSpec, WorkerInfo  # noqa: F401 - the pools, named once
+from engine.worker.calls import TOKEN_BYTES
 from prefill_worker.worker import PrefillWorker
 from router.fleet.clients import DirectWorkerClient, WorkerClient
 from router.fleet.cluster_config import ClusterConfig

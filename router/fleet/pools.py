@@ -22,9 +22,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
-from engine.transfer.channel import ChannelSpec
-from engine.wire import epoch_hex
-from engine.worker.actor import WorkerInfo
+from engine.wire import ChannelSpec, WorkerInfo, epoch_hex
 from router.fleet.clients import DirectWorkerClient, RayWorkerClient, WorkerClient, WorkerDied
 from router.fleet.cluster import POOLS, Cluster, StartupError, root_cause
 from router.observability import metrics
