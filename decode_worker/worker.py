@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,6 +32,7 @@ from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import AbortOutcome, ReservationBook
 from engine.wire import ChannelSpec, GenerationInput, Reservation, TokenBatch, TokenUpdate, coalesce
 from engine.worker.actor import WorkerBase
+from engine.worker.contract import DecodeCalls
 from engine.worker.phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ LEASE_SWEEP_S = 0.5
 class DecodeWorker(KVExporter, WorkerBase):
     pool = "decode"
     role = EngineRole.DECODE
+    contract: ClassVar[type] = DecodeCalls
 
     def __init__(
         self, args: Any, index: int, tracing_config: Any = None, tp_group: Any = None
@@ -357,3 +359,8 @@ class DecodeWorker(KVExporter, WorkerBase):
             self._sweeper.cancel()
         await asyncio.gather(*(self.disconnect_sender(p) for p in list(self.send_channels)))
         await super().shutdown()
+
+
+# The router's calls (engine/worker/contract.py), checked by mypy: a verb this class
+# lacks, or takes other arguments to, fails type-checking here.
+_ANSWERS: type[DecodeCalls] = DecodeWorker

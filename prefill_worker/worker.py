@@ -49,6 +49,7 @@ from engine.wire import (
     TokenUpdate,
 )
 from engine.worker.actor import WorkerBase
+from engine.worker.contract import PrefillCalls
 from engine.worker.phases import prompt_phases, record_kv_send
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class _Prefilled:
 class PrefillWorker(WorkerBase):
     pool = "prefill"
     role = EngineRole.PREFILL
+    contract = PrefillCalls
 
     def __init__(
         self, args: Any, index: int, tracing_config: Any = None, tp_group: Any = None
@@ -372,3 +374,8 @@ def _mark_posted(posted: list[tuple[_Posting, HandoffHeader, TransferHandle]]) -
     """Event loop: a step's messages are on their channels."""
     for posting, header, handle in posted:
         posting.posted(handle, header)
+
+
+# The router's calls (engine/worker/contract.py), checked by mypy: a verb this class
+# lacks, or takes other arguments to, fails type-checking here.
+_ANSWERS: type[PrefillCalls] = PrefillWorker

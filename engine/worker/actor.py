@@ -14,7 +14,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -46,6 +46,7 @@ from engine.wire import (
     WorkerStats,
 )
 from engine.worker.calls import CallServer, listen_host
+from engine.worker.contract import EveryWorkerCalls, verbs
 from engine.worker.warm_up import measure_speed
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class WorkerBase:
 
     pool = "worker"
     role = EngineRole.COLOCATED
+    # The router's calls this worker answers (engine/worker/contract.py): each kind names
+    # its own, and mypy checks the class against it where the class is defined.
+    contract: ClassVar[type] = EveryWorkerCalls
 
     def __init__(
         self,
@@ -124,7 +128,7 @@ class WorkerBase:
         node_ip = _node_ip()
         call_address = ""
         if calls is not None:
-            self._calls = CallServer(self, calls.token)
+            self._calls = CallServer(self, calls.token, verbs(self.contract))
             call_address = await self._calls.start(listen_host(node_ip, calls.router_ip))
         return WorkerInfo(
             worker_id=self.worker_id,
