@@ -27,7 +27,8 @@ from decode_worker.export import KVExporter
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
 from engine.model.staging import to_device
-from engine.transfer.channel import RECEIVER_RANK, KVChannel
+from engine.transfer.base import PairChannel
+from engine.transfer.channel import RECEIVER_RANK
 from engine.transfer.receiver import ChannelReceiver, KVArrival
 from engine.transfer.reservations import AbortOutcome, ReservationBook
 from engine.wire import ChannelSpec, GenerationInput, Reservation, TokenBatch, TokenUpdate, coalesce
@@ -59,7 +60,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         self._outbox_ready = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self._sources: dict[str, str] = {}  # req_id → the peer its KV comes from
-        self.send_channels: dict[str, KVChannel] = {}  # to peer decode workers (export.py)
+        self.send_channels: dict[str, PairChannel] = {}  # to peer decode workers (export.py)
 
     def on_started(self) -> None:
         self._book = ReservationBook(self.epoch, self.built.layout.block_size)  # type: ignore[union-attr]
@@ -258,7 +259,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         await self.disconnect_sender(peer_id, notify_peer)
         await super().disconnect(peer_id, notify_peer)
 
-    def on_connected(self, channel: KVChannel) -> None:
+    def on_connected(self, channel: PairChannel) -> None:
         thread = threading.Thread(
             target=self._receive,
             args=(channel,),
@@ -267,7 +268,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         )
         thread.start()
 
-    def _receive(self, channel: KVChannel) -> None:
+    def _receive(self, channel: PairChannel) -> None:
         target, mirror = self.import_target(channel)
         ChannelReceiver(channel, self.book, target, mirror=mirror).run()
         # The sender is gone: reservations waiting for its KV will never be filled.

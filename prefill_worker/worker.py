@@ -33,8 +33,8 @@ from engine.core.request import FinishReason
 from engine.core.role import EngineRole
 from engine.factory import kv_stream_min_tokens
 from engine.model.startup_log import log as startup_log
-from engine.transfer.base import KVPoll, KVSender, TransferHandle
-from engine.transfer.channel import SENDER_RANK, KVChannel
+from engine.transfer.base import KVPoll, KVSender, PairChannel, TransferHandle
+from engine.transfer.channel import SENDER_RANK
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, open_stream
 from engine.wire import (
@@ -250,7 +250,7 @@ class PrefillWorker(WorkerBase):
             block_ids = tuple(self.core.block_ids(upd.req_id))
             ready.append(ReadyKV(upd.req_id, target, block_ids, num_tokens, upd.new_token_ids[0]))
         by_id = {u.req_id: u for u in updates}
-        to_post: list[tuple[Message, KVChannel, _Posting]] = []
+        to_post: list[tuple[Message, PairChannel, _Posting]] = []
         for message in plan_messages(ready, self.block_bytes):
             channel = self.channels.get(message.target.worker_id)
             posting = None if channel is None or channel.closed else _Posting()

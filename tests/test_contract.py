@@ -10,6 +10,7 @@ import pytest
 
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
+from engine.worker.actor import WorkerBase
 from engine.worker.contract import (
     COLOCATED_VERBS,
     DECODE_VERBS,
@@ -28,7 +29,9 @@ from prefill_worker.worker import PrefillWorker
         (ColocatedWorker, COLOCATED_VERBS),
     ],
 )
-def test_each_worker_kind_answers_its_own_verbs(worker: type, expected: frozenset[str]) -> None:
+def test_each_worker_kind_answers_its_own_verbs(
+    worker: type[WorkerBase], expected: frozenset[str]
+) -> None:
     assert verbs(worker.contract) == expected
     for verb in expected:
         assert inspect.iscoroutinefunction(getattr(worker, verb, None)), f"{worker.__name__}.{verb}"

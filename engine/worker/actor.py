@@ -30,7 +30,8 @@ from engine.parallel.step_broadcast import StepPublisher
 from engine.parallel.tensor_parallel import SINGLE, join_tp_group
 from engine.parallel.tp_rank0 import RankZero
 from engine.tracing import TracingConfig
-from engine.transfer.channel import KVChannel
+from engine.transfer.backends import make_channel
+from engine.transfer.base import PairChannel
 from engine.transfer.receiver import ImportMirror
 from engine.transfer.sender import Message
 from engine.wire import (
@@ -81,7 +82,7 @@ class WorkerBase:
         self.epoch = random.getrandbits(62) | 1  # never 0: 0 means "no epoch" in a header
         self.built: BuiltEngine | None = None
         self.loop_thread: EngineLoop | None = None
-        self.channels: dict[str, KVChannel] = {}  # peer worker id → channel
+        self.channels: dict[str, PairChannel] = {}  # peer worker id → channel
         self._kv_events: list[KVEvents] = []
         self._stopped = asyncio.Event()
         # Ids aborted here, remembered for a while: an abort may overtake the call it
@@ -156,7 +157,7 @@ class WorkerBase:
             tp = join_tp_group(self.tp_group.rendezvous_file, 0, self.tp_group.size, device)
         return build_engine(self.args, role=self.role, index=self.index, tp=tp)
 
-    def import_target(self, channel: KVChannel) -> tuple[Any, ImportMirror | None]:
+    def import_target(self, channel: PairChannel) -> tuple[Any, ImportMirror | None]:
         """What a channel's receiver lands KV through, and the mirror that lands a
         message's other parts (engine.parallel.tp_rank0)."""
         assert self.rank0 is not None, "worker not started"
@@ -203,14 +204,20 @@ class WorkerBase:
         old = self.channels.pop(peer_id, None)
         if old is not None:  # the peer restarted: its old channel is dead
             await asyncio.get_running_loop().run_in_executor(None, old.close, False)
-        channel = KVChannel(spec, self.channel_rank(), torch.device(self.runner.device))
+        channel = self.new_channel(spec, self.channel_rank())
         await asyncio.get_running_loop().run_in_executor(None, channel.open)
         self.channels[peer_id] = channel
         assert self.rank0 is not None, "worker not started"
         await self.rank0.connect(spec, peer_id, sending=spec.sender_id == self.worker_id)
         self.on_connected(channel)
 
-    def on_connected(self, channel: KVChannel) -> None:
+    def new_channel(self, spec: ChannelSpec, rank: int) -> PairChannel:
+        """This worker's end of a pair's channel, on the engine's transfer backend (not
+        yet open)."""
+        device = torch.device(self.runner.device)
+        return make_channel(self.args.kv_transfer_backend, spec, rank, device)
+
+    def on_connected(self, channel: PairChannel) -> None:
         """Hook: a channel is up."""
 
     async def disconnect(self, peer_id: str, notify_peer: bool = True) -> None:
@@ -293,7 +300,7 @@ class WorkerBase:
         return int(self.runner.block_bytes)
 
     def post_message(
-        self, channel: KVChannel, message: Message, kind: HeaderKind = HeaderKind.HANDOFF
+        self, channel: PairChannel, message: Message, kind: HeaderKind = HeaderKind.HANDOFF
     ) -> tuple[HandoffHeader, Any]:
         """Engine thread: gather a message's blocks (ordered after every step that wrote
         them) and post header + payload on the channel; the header and the send's handle.
