@@ -84,7 +84,7 @@ class FakeCluster:
         info = WorkerInfo(
             f"{pool}-{index}", pool, index, next(_epochs), LAYOUT, 64, 512, 100, "m", "cpu", 1, "x"
         )
-        return SpawnedWorker(actor, info, None)  # type: ignore[arg-type]
+        return SpawnedWorker(actor, info, None)
 
     def remove(self, handle: Any, pg: Any) -> None:
         self.removed.append(handle)
@@ -102,7 +102,7 @@ async def _settle() -> None:
 def test_a_dead_worker_is_replaced_with_a_new_epoch_and_paired_again() -> None:
     async def scenario() -> None:
         cluster = FakeCluster(prefill=1, decode=2)
-        pools = Pools(cluster)  # type: ignore[arg-type]
+        pools = Pools(cluster)
         deaths: list[str] = []
         pools.on_death.append(lambda ref, reason: deaths.append(ref.worker_id))
         await pools.start()
@@ -135,7 +135,7 @@ def test_a_dead_worker_is_replaced_with_a_new_epoch_and_paired_again() -> None:
 def test_scaling_up_pairs_new_workers_and_scaling_down_drains_the_newest() -> None:
     async def scenario() -> None:
         cluster = FakeCluster()
-        pools = Pools(cluster)  # type: ignore[arg-type]
+        pools = Pools(cluster)
         await pools.start()
         await pools.scale("prefill", 2)
         await pools.scale("decode", 3)
@@ -160,7 +160,7 @@ def test_scaling_up_pairs_new_workers_and_scaling_down_drains_the_newest() -> No
 def test_a_drained_worker_that_dies_is_not_replaced() -> None:
     async def scenario() -> None:
         cluster = FakeCluster(decode=2)
-        pools = Pools(cluster)  # type: ignore[arg-type]
+        pools = Pools(cluster)
         await pools.start()
         ref = _live(pools, "decode")[1]
         ref.num_assigned = 1
@@ -185,7 +185,7 @@ def test_an_epoch_reads_the_same_in_the_log_and_in_pdserve_workers(
     caplog.set_level(logging.INFO, logger="router.fleet.pools")
 
     async def scenario() -> list[WorkerRef]:
-        pools = Pools(FakeCluster(prefill=1, decode=1))  # type: ignore[arg-type]
+        pools = Pools(FakeCluster(prefill=1, decode=1))
         await pools.start()
         refs = pools.all()
         await pools.stop()

@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError
 
 from engine.wire import ChannelSpec, WorkerInfo, epoch_hex
 from router.fleet.clients import DirectWorkerClient, RayWorkerClient, WorkerClient, WorkerDied
-from router.fleet.cluster import POOLS, Cluster, StartupError, root_cause
+from router.fleet.cluster import POOLS, StartupError, WorkerSpawner, root_cause
 from router.observability import metrics
 from router.routing.cache_aware import WorkerLoadView
 from router.routing.worker_load import WorkerLoad
@@ -94,7 +94,7 @@ class WorkerRef:
 class Pools:
     """Owns every worker of a deployment and keeps each pool at its target size."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: WorkerSpawner) -> None:
         self.cluster = cluster
         self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in POOLS}
         self.targets = dict(cluster.config.initial_sizes)
