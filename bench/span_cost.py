@@ -22,7 +22,7 @@ from bench.harness.otlp import OTLPSink
 from engine import tracing
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
-from engine.transfer.receiver import KVArrival
+from engine.transfer.import_target import KVArrival
 from engine.wire import (
     GenerationInput,
     HandoffEntry,

@@ -29,7 +29,8 @@ from engine.core.role import EngineRole
 from engine.model.staging import to_device
 from engine.transfer.base import PairChannel
 from engine.transfer.channel import RECEIVER_RANK
-from engine.transfer.receiver import ChannelReceiver, KVArrival
+from engine.transfer.import_target import KVArrival
+from engine.transfer.receiver import ChannelReceiver
 from engine.transfer.reservations import AbortOutcome, ReservationBook
 from engine.wire import ChannelSpec, GenerationInput, Reservation, TokenBatch, TokenUpdate, coalesce
 from engine.worker.actor import WorkerBase

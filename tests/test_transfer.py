@@ -15,7 +15,8 @@ from bench.harness.polling import wait_until
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
 from engine.transfer.fake import FakeChannel
-from engine.transfer.receiver import ChannelReceiver, KVArrival
+from engine.transfer.import_target import KVArrival
+from engine.transfer.receiver import ChannelReceiver
 from engine.transfer.reservations import PRECOPY_LEASE_S, AbortOutcome, ReservationBook
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, layers_per_part, open_stream

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from engine.parallel.step_broadcast import StepPublisher
-from engine.transfer.receiver import ImportMirror
+from engine.transfer.import_target import ImportMirror
 from engine.transfer.sender import Message
 from engine.transfer.tp_parts import (
     MainPartTarget,

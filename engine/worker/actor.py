@@ -32,7 +32,7 @@ from engine.parallel.tp_rank0 import RankZero
 from engine.tracing import TracingConfig
 from engine.transfer.backends import make_channel
 from engine.transfer.base import PairChannel
-from engine.transfer.receiver import ImportMirror
+from engine.transfer.import_target import ImportMirror
 from engine.transfer.sender import Message
 from engine.wire import (
     CallSpec,

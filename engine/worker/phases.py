@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from engine import tracing
 from engine.transfer.base import KVPoll
-from engine.transfer.receiver import KVArrival
+from engine.transfer.import_target import KVArrival
 from engine.wire import (
     GenerationInput,
     HandoffHeader,
