@@ -37,7 +37,7 @@ from engine.wire import (
 )
 from engine.worker.contract import WorkerCalls
 from router.fleet.clients import WorkerDied
-from router.fleet.pools import WorkerRef
+from router.fleet.worker_ref import WorkerRef
 
 EPOCH = 5
 NUM_BLOCKS = 1024

@@ -19,7 +19,8 @@ from bench.harness import wait_until_async
 from engine.wire import KVLayout, WorkerInfo, epoch_hex
 from router.edge.admin import describe
 from router.fleet.cluster import ClusterConfig, SpawnedWorker
-from router.fleet.pools import Pools, WorkerRef
+from router.fleet.pools import Pools
+from router.fleet.worker_ref import WorkerRef
 
 LAYOUT = KVLayout("m", "float32", 16, 2, 2, 8)
 _epochs = itertools.count(1)
