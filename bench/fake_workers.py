@@ -14,29 +14,31 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from engine.core.request import FinishReason
-from engine.transfer.channel import ChannelSpec
-from engine.transfer.layout import KVLayout
 from engine.wire import (
+    ChannelSpec,
     DetachedMove,
     DetachedRequest,
     EngineSpeed,
     GenerationInput,
     HandoffTarget,
     Handover,
+    KVLayout,
     PhaseReport,
+    PoolName,
     Precopy,
     PrefillResult,
     Reservation,
     TokenBatch,
     TokenUpdate,
+    WorkerInfo,
     WorkerStats,
 )
-from engine.worker.actor import WorkerInfo
+from engine.worker.contract import WorkerCalls
 from router.fleet.clients import WorkerDied
-from router.fleet.pools import WorkerRef
+from router.fleet.worker_ref import WorkerRef
 
 EPOCH = 5
 NUM_BLOCKS = 1024
@@ -114,7 +116,8 @@ class _Running:
 
 @dataclass
 class FakeWorker:
-    """One worker; answers the verbs of its pool."""
+    """One worker; answers the verbs of its pool (the contract's every verb: checked by
+    mypy below, as the workers themselves are)."""
 
     worker_id: str
     peers: dict[str, FakeWorker] = field(default_factory=dict)
@@ -362,11 +365,17 @@ class FakeWorker:
     def _stats(self) -> WorkerStats:
         pool, _, index = self.worker_id.partition("-")
         held = len(self.reserved) + len(self.running)
-        return WorkerStats(pool, int(index), NUM_BLOCKS, held, len(self.running), 0, 0, 0)  # type: ignore[arg-type]
+        return WorkerStats(
+            cast(PoolName, pool), int(index), NUM_BLOCKS, held, len(self.running), 0, 0, 0
+        )
 
     @property
     def holds_nothing(self) -> bool:
         return not (self.reserved or self.running or self.detached or self.precopied)
+
+
+# A fake of any worker kind: the router's calls (engine/worker/contract.py), checked by mypy.
+_ANSWERS: type[WorkerCalls] = FakeWorker
 
 
 class FakePools:

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from decode_worker.worker import DecodeWorker
 from engine.core.role import EngineRole
+from engine.worker.contract import ColocatedCalls
 
 
 class ColocatedWorker(DecodeWorker):
     pool = "colocated"
     role = EngineRole.COLOCATED
+    contract = ColocatedCalls  # a decode worker's calls, less the KV hand-offs and moves
+
+
+# The router's calls (engine/worker/contract.py), checked by mypy.
+_ANSWERS: type[ColocatedCalls] = ColocatedWorker

@@ -19,13 +19,18 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from engine.transfer.base import KVPoll
-from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import NO_TOKEN, HeaderKind
+from engine.transfer.base import KVPoll, PairChannel
+from engine.transfer.channel import SENDER_RANK
 from engine.transfer.sender import Message, ReadyKV, plan_messages
-from engine.wire import DetachedMove, DetachedRequest, HandoffTarget, Precopy
+from engine.wire import (
+    NO_TOKEN,
+    ChannelSpec,
+    DetachedMove,
+    DetachedRequest,
+    HandoffTarget,
+    HeaderKind,
+    Precopy,
+)
 
 
 class KVExporter:
@@ -33,7 +38,7 @@ class KVExporter:
 
     worker_id: str
     epoch: int
-    send_channels: dict[str, KVChannel]
+    send_channels: dict[str, PairChannel]
 
     if TYPE_CHECKING:  # provided by WorkerBase
 
@@ -49,8 +54,10 @@ class KVExporter:
         async def on_engine(self, fn: Any) -> Any: ...
 
         def post_message(
-            self, channel: KVChannel, message: Message, kind: HeaderKind = ...
+            self, channel: PairChannel, message: Message, kind: HeaderKind = ...
         ) -> tuple[Any, Any]: ...
+
+        def new_channel(self, spec: ChannelSpec, rank: int) -> PairChannel: ...
 
     async def connect_sender(self, spec: ChannelSpec) -> None:
         """Build this end (the sender) of a channel to a peer decode worker."""
@@ -58,7 +65,7 @@ class KVExporter:
         old = self.send_channels.pop(spec.receiver_id, None)
         if old is not None:  # the peer restarted: its old channel is dead
             await loop.run_in_executor(None, old.close, False)
-        channel = KVChannel(spec, SENDER_RANK, torch.device(self.runner.device))
+        channel = self.new_channel(spec, SENDER_RANK)
         await loop.run_in_executor(None, channel.open)
         self.send_channels[spec.receiver_id] = channel
 
@@ -133,7 +140,7 @@ class KVExporter:
                 raise RuntimeError(f"KV to {target.worker_id} failed: {handle.failure}")
 
     def _post_detached(
-        self, channel: KVChannel, target: HandoffTarget, moves: Sequence[DetachedMove]
+        self, channel: PairChannel, target: HandoffTarget, moves: Sequence[DetachedMove]
     ) -> tuple[list[Any], int]:
         """Gather the moves' blocks and post them, in as few messages as the caps allow;
         the send handles and the bytes posted."""
@@ -151,7 +158,7 @@ class KVExporter:
         return self._post_all(channel, ready, HeaderKind.HANDOFF)
 
     def _post_all(
-        self, channel: KVChannel, ready: list[ReadyKV], kind: HeaderKind
+        self, channel: PairChannel, ready: list[ReadyKV], kind: HeaderKind
     ) -> tuple[list[Any], int]:
         """Engine thread: post `ready` in as few messages as the caps allow; the send
         handles and the bytes posted."""

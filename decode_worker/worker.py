@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,19 +29,23 @@ from decode_worker.outboxes import Outboxes
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
 from engine.model.staging import to_device
-from engine.transfer.channel import RECEIVER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import Reservation
-from engine.transfer.receiver import ChannelReceiver, KVArrival
+from engine.transfer.base import PairChannel
+from engine.transfer.channel import RECEIVER_RANK
+from engine.transfer.import_target import KVArrival
+from engine.transfer.receiver import ChannelReceiver
 from engine.transfer.reservations import AbortOutcome, ReservationBook
 from engine.wire import (
+    ChannelSpec,
     DetachedRequest,
     GenerationInput,
     Handover,
+    Reservation,
     TokenBatch,
     TokenUpdate,
     coalesce,
 )
 from engine.worker.actor import WorkerBase
+from engine.worker.contract import DecodeCalls
 from engine.worker.phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,7 @@ LEASE_SWEEP_S = 0.5
 class DecodeWorker(KVExporter, WorkerBase):
     pool = "decode"
     role = EngineRole.DECODE
+    contract: ClassVar[type] = DecodeCalls
 
     def __init__(
         self, args: Any, index: int, tracing_config: Any = None, tp_group: Any = None
@@ -67,7 +72,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         self.outboxes = Outboxes()
         self._sweeper: asyncio.Task[None] | None = None
         self._sources: dict[str, str] = {}  # req_id → the peer its KV comes from
-        self.send_channels: dict[str, KVChannel] = {}  # to peer decode workers (export.py)
+        self.send_channels: dict[str, PairChannel] = {}  # to peer decode workers (export.py)
 
     def on_started(self) -> None:
         self._book = ReservationBook(self.epoch, self.built.layout.block_size)  # type: ignore[union-attr]
@@ -272,7 +277,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         await self.disconnect_sender(peer_id, notify_peer)
         await super().disconnect(peer_id, notify_peer)
 
-    def on_connected(self, channel: KVChannel) -> None:
+    def on_connected(self, channel: PairChannel) -> None:
         thread = threading.Thread(
             target=self._receive,
             args=(channel,),
@@ -281,7 +286,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         )
         thread.start()
 
-    def _receive(self, channel: KVChannel) -> None:
+    def _receive(self, channel: PairChannel) -> None:
         target, mirror = self.import_target(channel)
         ChannelReceiver(channel, self.book, target, mirror=mirror).run()
         # The sender is gone: reservations waiting for its KV will never be filled.
@@ -349,7 +354,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         (a router process re-attaching a stream; a router tier's requests only)."""
         return self.outboxes.locate(request_id)
 
-    async def adopt(self, req_id: str, consumer: str) -> Handover | None:
+    async def adopt(self, req_id: str, consumer: str = "") -> Handover | None:
         """Hand the request to router process `consumer`: its tokens so far, and from
         now on its updates in that consumer's outbox. None when it is not here (ended,
         aborted, or never here)."""
@@ -377,7 +382,7 @@ class DecodeWorker(KVExporter, WorkerBase):
         await self.on_engine(read)
         return await done
 
-    async def let_go(self, req_id: str, consumer: str, keep_s: float) -> bool:
+    async def let_go(self, req_id: str, consumer: str = "", keep_s: float = 0.0) -> bool:
         """The router process `consumer` no longer streams the request (its client's
         stream broke): keep it decoding for `keep_s`, for a resumed stream to take over
         (`adopt`), then abort it. False when it is not that consumer's here."""
@@ -476,3 +481,8 @@ class DecodeWorker(KVExporter, WorkerBase):
             self._sweeper.cancel()
         await asyncio.gather(*(self.disconnect_sender(p) for p in list(self.send_channels)))
         await super().shutdown()
+
+
+# The router's calls (engine/worker/contract.py), checked by mypy: a verb this class
+# lacks, or takes other arguments to, fails type-checking here.
+_ANSWERS: type[DecodeCalls] = DecodeWorker

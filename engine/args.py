@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 KV_STREAM_MIN_BYTES = 256 << 20
 DEFAULT_KV_STREAM_MIN_TOKENS: int | Literal["auto"] = "auto"
 
+# What carries KV between workers (engine.transfer.backends): a process group of each
+# pair's own, or a queue between two workers of one process (tests).
+KVTransferBackend = Literal["process_group", "fake"]
+KV_TRANSFER_BACKENDS: tuple[KVTransferBackend, ...] = ("process_group", "fake")
+
 # The longest prompt chunk that runs alone from a CUDA graph (engine.model.prompt_graphs).
 # Past it a pass is bound by the GPU's arithmetic on the models served here (an 8B's
 # matmuls take many times its launches), and such a prompt of an 8B streams its KV
@@ -72,6 +77,8 @@ class EngineArgs:
     speculative: SpeculativeConfig | None = None
     # GPUs (processes) one worker's model is split over (engine.parallel.tensor_parallel).
     tensor_parallel_size: int = 1
+    # What the worker's KV channels run on (engine.transfer.backends).
+    kv_transfer_backend: KVTransferBackend = "process_group"
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -88,6 +95,15 @@ class EngineArgs:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.kv_transfer_backend not in KV_TRANSFER_BACKENDS:
+            raise ValueError(
+                f"kv_transfer_backend must be one of {KV_TRANSFER_BACKENDS}, "
+                f"got {self.kv_transfer_backend!r}"
+            )
+        if self.kv_transfer_backend == "fake" and self.tensor_parallel_size > 1:
+            # A tensor-parallel worker's ranks are processes of their own: their parts of
+            # a hand-off cannot travel on one process's queue.
+            raise ValueError("the fake KV transfer backend needs tensor_parallel_size 1")
         stream_from = self.kv_stream_min_tokens
         if stream_from != "auto" and not (isinstance(stream_from, int) and stream_from >= 0):
             raise ValueError(f"kv_stream_min_tokens must be 'auto' or >= 0, got {stream_from!r}")

@@ -21,7 +21,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.role import EngineRole
 from engine.model.model_spec import ModelSpec
 from engine.parallel.tensor_parallel import SINGLE, TPRank
-from engine.transfer.layout import KVLayout
+from engine.wire import KVLayout
 
 log = logging.getLogger(__name__)
 

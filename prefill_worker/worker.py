@@ -29,18 +29,27 @@ from typing import Any
 import torch
 
 from engine.core.batch import Batch
-from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
 from engine.factory import kv_stream_min_tokens
 from engine.model.startup_log import log as startup_log
-from engine.transfer.base import KVPoll, KVSender, TransferHandle
-from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import NO_TOKEN, HandoffHeader
+from engine.transfer.base import KVPoll, KVSender, PairChannel, TransferHandle
+from engine.transfer.channel import SENDER_RANK
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, open_stream
-from engine.wire import GenerationInput, HandoffTarget, PrefillResult, Reservation, TokenUpdate
+from engine.wire import (
+    NO_TOKEN,
+    ChannelSpec,
+    GenerationInput,
+    HandoffHeader,
+    HandoffTarget,
+    KVEvents,
+    PrefillResult,
+    Reservation,
+    TokenUpdate,
+)
 from engine.worker.actor import WorkerBase
+from engine.worker.contract import PrefillCalls
 from engine.worker.phases import prompt_phases, record_kv_send
 
 log = logging.getLogger(__name__)
@@ -97,6 +106,7 @@ class _Prefilled:
 class PrefillWorker(WorkerBase):
     pool = "prefill"
     role = EngineRole.PREFILL
+    contract = PrefillCalls
 
     def __init__(
         self, args: Any, index: int, tracing_config: Any = None, tp_group: Any = None
@@ -239,7 +249,7 @@ class PrefillWorker(WorkerBase):
             block_ids = tuple(self.core.block_ids(upd.req_id))
             ready.append(ReadyKV(upd.req_id, target, block_ids, num_tokens, upd.new_token_ids[0]))
         by_id = {u.req_id: u for u in updates}
-        to_post: list[tuple[Message, KVChannel, _Posting]] = []
+        to_post: list[tuple[Message, PairChannel, _Posting]] = []
         for message in plan_messages(ready, self.block_bytes):
             channel = self.channels.get(message.target.worker_id)
             posting = None if channel is None or channel.closed else _Posting()
@@ -364,3 +374,8 @@ def _mark_posted(posted: list[tuple[_Posting, HandoffHeader, TransferHandle]]) -
     """Event loop: a step's messages are on their channels."""
     for posting, header, handle in posted:
         posting.posted(handle, header)
+
+
+# The router's calls (engine/worker/contract.py), checked by mypy: a verb this class
+# lacks, or takes other arguments to, fails type-checking here.
+_ANSWERS: type[PrefillCalls] = PrefillWorker

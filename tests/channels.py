@@ -7,7 +7,8 @@ import threading
 import torch
 from torch.distributed import TCPStore
 
-from engine.transfer.channel import RECEIVER_RANK, SENDER_RANK, ChannelSpec, KVChannel
+from engine.transfer.channel import RECEIVER_RANK, SENDER_RANK, KVChannel
+from engine.wire import ChannelSpec
 
 
 def open_cpu_pair(

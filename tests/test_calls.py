@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 from collections.abc import AsyncIterator
 
 import pytest
 
-from engine.worker.calls import VERBS, CallClient, CallServer, CallsLost, listen_host
-from router.fleet.clients import DirectWorkerClient, WorkerClient, WorkerDied
+from engine.worker.calls import CallClient, CallServer, CallsLost, listen_host
+from engine.worker.contract import WORKER_VERBS
+from router.fleet.clients import DirectWorkerClient, RayWorkerClient, WorkerDied
 
 TOKEN = b"t" * 32
 
@@ -43,7 +43,7 @@ class Target:
 
 
 async def serve(target: Target) -> tuple[CallServer, str]:
-    server = CallServer(target, TOKEN)
+    server = CallServer(target, TOKEN, WORKER_VERBS)
     return server, await server.start("127.0.0.1")
 
 
@@ -60,14 +60,32 @@ async def connected() -> AsyncIterator[tuple[Target, CallClient]]:
         await server.close()
 
 
-def test_verbs_are_the_clients_verbs() -> None:
-    """A verb added to the router's client and not here would fail only at run time."""
-    protocol = {
-        name
-        for name, fn in inspect.getmembers(WorkerClient, inspect.iscoroutinefunction)
-        if not name.startswith("_")
-    }
-    assert protocol == set(VERBS)
+def test_the_clients_carry_the_contracts_verbs_and_no_other() -> None:
+    """Both clients are made from the contract (engine/worker/contract.py): every verb
+    there is a method, and nothing else is."""
+    for client in (DirectWorkerClient("127.0.0.1:1", TOKEN), RayWorkerClient(None)):
+        for verb in WORKER_VERBS:
+            assert callable(getattr(client, verb)), verb
+        with pytest.raises(AttributeError, match="secret"):
+            client.secret  # noqa: B018 - the lookup is what is tested
+        assert not hasattr(client, "start")  # a worker method, not a router's call
+
+
+def test_a_verb_goes_out_with_its_name_and_arguments() -> None:
+    sent: list[tuple[str, tuple[object, ...]]] = []
+
+    class Recording(DirectWorkerClient):
+        async def _invoke(self, verb: str, *args: object) -> object:
+            sent.append((verb, args))
+            return len(sent)
+
+    async def main() -> None:
+        client = Recording("127.0.0.1:1", TOKEN)
+        assert await client.renew(["a", "b"], 5.0) == 1
+        assert await client.disconnect("decode-1", False) == 2
+
+    asyncio.run(main())
+    assert sent == [("renew", (["a", "b"], 5.0)), ("disconnect", ("decode-1", False))]
 
 
 def test_a_long_poll_does_not_hold_up_the_calls_behind_it() -> None:

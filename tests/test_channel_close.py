@@ -8,7 +8,7 @@ import time
 import torch
 
 from engine.transfer.base import KVPoll
-from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
+from engine.wire import HandoffEntry, HandoffHeader, HeaderKind
 from tests.channels import open_cpu_pair
 
 

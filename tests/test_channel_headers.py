@@ -9,7 +9,7 @@ import threading
 import torch
 
 from engine.transfer.base import ChannelClosed
-from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
+from engine.wire import HandoffEntry, HandoffHeader, HeaderKind
 from tests.channels import open_cpu_pair
 
 

@@ -20,8 +20,7 @@ from torch.distributed import TCPStore
 from decode_worker.worker import DecodeWorker
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
-from engine.transfer.channel import ChannelSpec
-from engine.wire import DetachedMove, GenerationInput, HandoffTarget, Precopy
+from engine.wire import ChannelSpec, DetachedMove, GenerationInput, HandoffTarget, Precopy
 
 ARGS = EngineArgs(kv_cache_gib=0.05)
 MAX_TOKENS = 400  # long enough to be running still when the test detaches it

@@ -30,8 +30,8 @@ from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
-from engine.transfer.channel import SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
+from engine.transfer.channel import SENDER_RANK, KVChannel
+from engine.wire import ChannelSpec, HandoffEntry, HandoffHeader, HeaderKind
 
 pytestmark = pytest.mark.gpu
 

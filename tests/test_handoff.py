@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,15 @@ from engine.core.config import SchedulerConfig
 from engine.core.request import FinishReason
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
-from engine.transfer.channel import ChannelSpec
-from engine.transfer.handoff import NO_TOKEN, HandoffEntry, Reservation
-from engine.wire import GenerationInput, TokenUpdate
+from engine.transfer.channel import KVChannel
+from engine.wire import (
+    NO_TOKEN,
+    ChannelSpec,
+    GenerationInput,
+    HandoffEntry,
+    Reservation,
+    TokenUpdate,
+)
 from prefill_worker.worker import PrefillWorker
 
 ARGS = EngineArgs(kv_cache_gib=0.05, scheduler=SchedulerConfig(long_prefill_token_threshold=16))
@@ -101,8 +107,8 @@ def _input(req_id: str, num_tokens: int, max_tokens: int = 4) -> GenerationInput
     return GenerationInput(req_id, prompt, sampling)
 
 
-def run(loop: asyncio.AbstractEventLoop, coro: AsyncIterator[None] | object) -> None:
-    loop.run_until_complete(coro)  # type: ignore[arg-type]
+def run(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> None:
+    loop.run_until_complete(coro)
 
 
 class SentBlocks:
@@ -257,6 +263,7 @@ def test_requests_prefilled_in_one_step_travel_in_one_message(
 ) -> None:
     async def body() -> None:
         channel = pair.prefill.channels["decode-0"]
+        assert isinstance(channel, KVChannel)  # the process-group backend counts its headers
         inputs = [_input(f"burst-{i}", 12 + i) for i in range(6)]
         reservations = await asyncio.gather(*(pair.decode.reserve(inp) for inp in inputs))
         # Queued together: they share the engine's first step (6 x ~15 tokens < 2048).

@@ -9,9 +9,9 @@ import pytest
 
 from engine.core.block_pool import prefix_block_hashes
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_events import KVEventBuffer, KVEvents
+from engine.core.kv_events import KVEventBuffer
 from engine.sampling_params import SamplingParams
-from engine.wire import GenerationInput
+from engine.wire import GenerationInput, KVEvents
 
 
 def run_prompt(kv: KVCacheManager, req_id: str, tokens: list[int]) -> int:

@@ -74,7 +74,7 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 
 
 def test_kv_layout_mismatch_names_first_differing_field(tmp_path: Path) -> None:
-    from engine.transfer.layout import KVLayout
+    from engine.wire import KVLayout
 
     a = KVLayout("m", "bfloat16", 16, 2, 2, 16)
     assert a.mismatch(a) is None

@@ -96,7 +96,7 @@ class _Context:
 def test_the_loop_grows_a_short_pool_then_drains_it_when_the_load_stops() -> None:
     async def body() -> None:
         now = [100.0]
-        pools = Pools(FakeCluster())  # type: ignore[arg-type]
+        pools = Pools(FakeCluster())
         await pools.start()
         core = _Core(ServingSignals(lambda: now[0]))
         registry = CollectorRegistry()

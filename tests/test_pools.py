@@ -16,12 +16,11 @@ import pytest
 from ray.exceptions import RayActorError
 
 from bench.harness import wait_until_async
-from engine.transfer.layout import KVLayout
-from engine.wire import epoch_hex
-from engine.worker.actor import WorkerInfo
+from engine.wire import KVLayout, WorkerInfo, epoch_hex
 from router.edge.admin import describe
 from router.fleet.cluster import ClusterConfig, SpawnedWorker
-from router.fleet.pools import Pools, WorkerRef
+from router.fleet.pools import Pools
+from router.fleet.worker_ref import WorkerRef
 
 LAYOUT = KVLayout("m", "float32", 16, 2, 2, 8)
 _epochs = itertools.count(1)
@@ -86,7 +85,7 @@ class FakeCluster:
         info = WorkerInfo(
             f"{pool}-{index}", pool, index, next(_epochs), LAYOUT, 64, 512, 100, "m", "cpu", 1, "x"
         )
-        return SpawnedWorker(actor, info, None)  # type: ignore[arg-type]
+        return SpawnedWorker(actor, info, None)
 
     def remove(self, handle: Any, pg: Any) -> None:
         self.removed.append(handle)
@@ -104,7 +103,7 @@ async def _settle() -> None:
 def test_a_dead_worker_is_replaced_with_a_new_epoch_and_paired_again() -> None:
     async def scenario() -> None:
         cluster = FakeCluster(prefill=1, decode=2)
-        pools = Pools(cluster)  # type: ignore[arg-type]
+        pools = Pools(cluster)
         deaths: list[str] = []
         pools.on_death.append(lambda ref, reason: deaths.append(ref.worker_id))
         await pools.start()
@@ -137,7 +136,7 @@ def test_a_dead_worker_is_replaced_with_a_new_epoch_and_paired_again() -> None:
 def test_scaling_up_pairs_new_workers_and_scaling_down_drains_the_newest() -> None:
     async def scenario() -> None:
         cluster = FakeCluster()
-        pools = Pools(cluster)  # type: ignore[arg-type]
+        pools = Pools(cluster)
         await pools.start()
         await pools.scale("prefill", 2)
         await pools.scale("decode", 3)
@@ -162,7 +161,7 @@ def test_scaling_up_pairs_new_workers_and_scaling_down_drains_the_newest() -> No
 def test_a_drained_worker_that_dies_is_not_replaced() -> None:
     async def scenario() -> None:
         cluster = FakeCluster(decode=2)
-        pools = Pools(cluster)  # type: ignore[arg-type]
+        pools = Pools(cluster)
         await pools.start()
         ref = _live(pools, "decode")[1]
         ref.num_assigned = 1
@@ -187,7 +186,7 @@ def test_an_epoch_reads_the_same_in_the_log_and_in_pdserve_workers(
     caplog.set_level(logging.INFO, logger="router.fleet.pools")
 
     async def scenario() -> list[WorkerRef]:
-        pools = Pools(FakeCluster(prefill=1, decode=1))  # type: ignore[arg-type]
+        pools = Pools(FakeCluster(prefill=1, decode=1))
         await pools.start()
         refs = pools.all()
         await pools.stop()

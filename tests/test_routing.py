@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_events import KVEvents
+from engine.wire import KVEvents
 from router.routing.cache_aware import RouteChoice, RoutingConfig, choose_by_work, choose_worker
 from router.routing.kv_index import PrefixIndex
 

@@ -12,8 +12,6 @@ import torch.distributed as dist
 
 from engine.model.kv_blocks import KVBlocks
 from engine.parallel.tp_heads import kv_heads_of_rank
-from engine.transfer.channel import ChannelSpec
-from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
 from engine.transfer.tp_parts import (
     PartsMirror,
     RankParts,
@@ -23,6 +21,7 @@ from engine.transfer.tp_parts import (
     pair_key,
     receiving_parts,
 )
+from engine.wire import ChannelSpec, HandoffEntry, HandoffHeader, HeaderKind
 
 NUM_BLOCKS, LAYERS, BLOCK_SIZE, HEAD_DIM = 8, 2, 4, 3
 

@@ -25,9 +25,8 @@ from engine import tracing
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.transfer.handoff import HandoffEntry, HandoffHeader, HeaderKind
-from engine.transfer.receiver import KVArrival
-from engine.wire import GenerationInput, TokenUpdate
+from engine.transfer.import_target import KVArrival
+from engine.wire import GenerationInput, HandoffEntry, HandoffHeader, HeaderKind, TokenUpdate
 from engine.worker.phases import Waiting, arrival_phases, decode_start_phases, prompt_phases
 from router.observability.metrics import get_metrics
 from router.observability.phase_metrics import get_phase_metrics

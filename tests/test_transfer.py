@@ -15,18 +15,19 @@ from bench.harness.polling import wait_until
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
 from engine.transfer.fake import FakeChannel
-from engine.transfer.handoff import (
+from engine.transfer.import_target import KVArrival
+from engine.transfer.receiver import ChannelReceiver
+from engine.transfer.reservations import PRECOPY_LEASE_S, AbortOutcome, ReservationBook
+from engine.transfer.sender import Message, ReadyKV, plan_messages
+from engine.transfer.streaming import StepStream, layers_per_part, open_stream
+from engine.wire import (
     NO_TOKEN,
+    GenerationInput,
     HandoffHeader,
     HandoffTarget,
     HeaderKind,
     Reservation,
 )
-from engine.transfer.receiver import ChannelReceiver, KVArrival
-from engine.transfer.reservations import PRECOPY_LEASE_S, AbortOutcome, ReservationBook
-from engine.transfer.sender import Message, ReadyKV, plan_messages
-from engine.transfer.streaming import StepStream, layers_per_part, open_stream
-from engine.wire import GenerationInput
 
 EPOCH = 0x77
 BLOCK = 4  # tokens a block

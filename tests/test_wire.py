@@ -10,10 +10,10 @@ import pytest
 import ray.cloudpickle
 
 from engine.core.batch import ScheduledSeq, plain_seq
-from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.wire import (
+    KVEvents,
     PhaseReport,
     TokenBatch,
     TokenUpdate,

@@ -10,7 +10,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.core.kv_events import KVEventBuffer, KVEvents
+from engine.core.kv_events import KVEventBuffer
+from engine.wire import KVEvents
 
 # Parent of the first block. Python hashes ints and tuples of ints the same in every
 # process (None and str are not), so a router hashes a prompt exactly as the engine does.

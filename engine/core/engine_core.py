@@ -21,7 +21,6 @@ from typing import Protocol
 
 from engine.core.batch import Batch
 from engine.core.config import CacheConfig, SchedulerConfig
-from engine.core.kv_events import KVEvents
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
 from engine.core.scheduler import Scheduler
@@ -29,7 +28,7 @@ from engine.core.validation import validate_prompt
 from engine.sampling_params import MAX_SEED
 from engine.spec.spec_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from engine.spec.speculation import spec_stats
-from engine.wire import DetachedRequest, GenerationInput, TokenUpdate, WorkerStats
+from engine.wire import DetachedRequest, GenerationInput, KVEvents, TokenUpdate, WorkerStats
 
 # A step's sampled tokens by request: one token, or for a sequence with proposals
 # (ScheduledSeq.num_draft_tokens) the tokens verification kept: the proposals the

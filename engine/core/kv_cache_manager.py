@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from engine.core.block_pool import Block, BlockPool, chain_hash
-from engine.core.kv_events import KVEvents
+from engine.wire import KVEvents
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""KV events: which full-block chain hashes a prefix cache gained and lost.
+"""KV events (`engine.wire.KVEvents`): which full-block chain hashes a prefix cache gained
+and lost.
 
 A router that knows these can send a prompt to the worker already holding its
 prefix. Events are buffered as a net state per hash (present or gone), so a batch
@@ -9,25 +10,8 @@ reported once, as what it ended as.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class KVEvents:
-    """One batch of prefix-cache changes from one engine.
-
-    `full` means the batch is a snapshot, not a delta: `stored` is every hash the
-    cache holds and the consumer must forget anything else it knew. The first
-    batch an engine gives out, and any batch after its buffer overflowed, is full.
-    """
-
-    stored: tuple[int, ...] = ()
-    removed: tuple[int, ...] = ()
-    full: bool = False
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.stored or self.removed or self.full)
+from engine.wire import KVEvents
 
 
 class KVEventBuffer:

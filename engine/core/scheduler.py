@@ -12,7 +12,8 @@ step loop; the engine may also schedule step N+1 before applying step N's result
 
 A request's life here: waiting (a new prompt, a preempted request, or, on a decode
 worker, an imported one: its prompt KV already in its blocks) -> running -> finished.
-Every waiting request, imported ones included, is admitted only under `max_num_seqs`.
+Every waiting request, imported ones included, is admitted only under `max_num_seqs`;
+who gives way when a step does not fit is engine.core.preemption's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from engine.core.batch import Batch, plain_seq
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.inflight import InflightBatches
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.preemption import Preemption
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason, Request, RequestStatus
 from engine.core.role import EngineRole
 from engine.core.waiting_queue import WaitingQueue
@@ -31,7 +33,7 @@ from engine.spec.speculation import Speculator
 from engine.wire import TokenUpdate, sampled_update
 
 
-class Scheduler:
+class Scheduler(Preemption):
     """Owns the waiting and running queues and every request's blocks."""
 
     def __init__(
@@ -83,10 +85,6 @@ class Scheduler:
         """The next step would speculate: it needs every running token on the host."""
         spec = self.speculator
         return spec is not None and bool(self.running) and spec.speculates_at(len(self.running))
-
-    def _enqueue_waiting(self, req: Request) -> None:
-        # Imported requests go ahead of prompts of the same priority.
-        self.waiting.push(req, tier=0 if req.req_id in self._imported else 1)
 
     def add_request(self, req: Request) -> None:
         """Queue a new request (one whose KV is already here: see add_imported)."""
@@ -164,36 +162,6 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
-    def _pick_victim(self, candidates: list[Request]) -> Request:
-        # Lowest priority (largest value) first, then the latest arrival.
-        urgency = self.waiting.effective_priority
-        return max(candidates, key=lambda r: (urgency(r), r.arrival_time))
-
-    def _preempt_for(self, req: Request, chunks: dict[str, int]) -> int | None:
-        """Priority policy: make room for `req` by preempting the least urgent running
-        request, if it is strictly less urgent than `req`. Returns the step budget the
-        victim gave back, or None when there is no such victim."""
-        if self.config.policy != "priority" or not self.running:
-            return None
-        victim = self._pick_victim(self.running)
-        if self.waiting.effective_priority(victim) <= self.waiting.effective_priority(req):
-            return None
-        freed = chunks.pop(victim.req_id, 0)
-        self._preempt(victim)
-        return freed
-
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self.kv.free(req.req_id)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_inflight_tokens = 0
-        req.drop_placeholders()
-        self._preempted_now.add(req.req_id)
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self._enqueue_waiting(req)
-
     def schedule(self) -> Batch:
         """Pick this step's work under the token budget, the seq limit and free blocks."""
         self.inflight.roll_back_abandoned()
@@ -260,21 +228,6 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _make_room(
-        self, req: Request, done: int, num_new: int, chunks: dict[str, int], budget: int
-    ) -> tuple[bool, int]:
-        """Blocks for `req`'s next `num_new` tokens, preempting the least urgent running
-        request (req itself, last) while they do not fit. Returns whether req got them,
-        and the step budget with the preempted requests' chunks given back."""
-        while self.kv.allocate_slots(req.req_id, done, num_new) is None:
-            victim = self._pick_victim(self.running)
-            if victim.req_id in chunks:
-                budget += chunks.pop(victim.req_id)
-            self._preempt(victim)
-            if victim is req:
-                return False, budget
-        return True, budget
-
     def _schedule_waiting(self, chunks: dict[str, int], budget: int) -> int:
         self.waiting.reorder()  # waiting time reorders the queue
         while self.waiting and budget > 0:
@@ -317,24 +270,6 @@ class Scheduler:
             chunks[req.req_id] = num_new
             budget -= num_new
         return budget
-
-    def _return_imported_blocks(self) -> bool:
-        """Nothing runs, so no block will come free, yet the head of the queue needs one:
-        the least urgent waiting import gives its blocks back and will recompute (its
-        blocks stay in the prefix cache until reused). False when there is none."""
-        holders = [r for r in self.waiting if r.req_id in self._imported]
-        if not holders:
-            return False
-        victim = self._pick_victim(holders)
-        self.waiting.remove(victim)
-        self._imported.discard(victim.req_id)
-        self.kv.free(victim.req_id)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
-        self._enqueue_waiting(victim)
-        return True
 
     def _build_batch(self, chunks: dict[str, int]) -> Batch:
         seqs = []

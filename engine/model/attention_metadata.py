@@ -157,21 +157,7 @@ def build_metadata(
     """Metadata from plain lists: per-sequence query counts, start positions and block tables."""
     n = len(num_q)
     num_tokens = sum(num_q)
-    q_start = [0] * n
-    for i in range(1, n):
-        q_start[i] = q_start[i - 1] + num_q[i - 1]
-    max_blocks = max((len(t) for t in block_tables), default=1)
-    # Small per-sequence tensors travel to the device; everything per token is
-    # derived there, so the host does O(num_seqs + num_blocks) work per step.
-    table = torch.zeros((n, max_blocks), dtype=torch.long)
-    for i, t in enumerate(block_tables):
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-    seqs = _SeqTensors(
-        num_q=to_device(num_q, torch.long, device),
-        q_start=to_device(q_start, torch.long, device),
-        start=to_device(start_positions, torch.long, device),
-        table=to_device(table, torch.long, device),
-    )
+    seqs = _seq_tensors(num_q, start_positions, block_tables, device)
     seq_of_token = torch.repeat_interleave(
         torch.arange(n, device=device), seqs.num_q, output_size=num_tokens
     )
@@ -183,6 +169,7 @@ def build_metadata(
     slot_rows = slot_block * rows_per_block + positions % block_size
 
     max_q = max(num_q, default=0)
+    groups: tuple[AttentionGroup | VarlenGroup, ...]
     if paged_decode and max_q > 1:
         varlen = VarlenGroup(
             block_table=seqs.table,
@@ -191,14 +178,65 @@ def build_metadata(
             positions=seqs.start,
             max_q=max_q,
         )
-        return PagedAttentionMetadata(
-            positions=positions,
-            slot_rows=slot_rows,
-            rows_per_layer=2 * block_size,
-            block_size=block_size,
-            groups=(varlen,),
+        groups = (varlen,)
+    else:
+        groups = tuple(
+            _padded_groups(
+                num_q,
+                start_positions,
+                seqs,
+                block_size,
+                rows_per_block,
+                bucket_shapes,
+                paged_decode,
+            )
         )
+    return PagedAttentionMetadata(
+        positions=positions,
+        slot_rows=slot_rows,
+        rows_per_layer=2 * block_size,
+        block_size=block_size,
+        groups=groups,
+    )
 
+
+def _seq_tensors(
+    num_q: Sequence[int],
+    start_positions: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    device: torch.device,
+) -> _SeqTensors:
+    """The step's per-sequence facts on the device. Small per-sequence tensors travel to
+    the device; everything per token is derived there, so the host does
+    O(num_seqs + num_blocks) work per step."""
+    n = len(num_q)
+    q_start = [0] * n
+    for i in range(1, n):
+        q_start[i] = q_start[i - 1] + num_q[i - 1]
+    max_blocks = max((len(t) for t in block_tables), default=1)
+    table = torch.zeros((n, max_blocks), dtype=torch.long)
+    for i, t in enumerate(block_tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    return _SeqTensors(
+        num_q=to_device(num_q, torch.long, device),
+        q_start=to_device(q_start, torch.long, device),
+        start=to_device(start_positions, torch.long, device),
+        table=to_device(table, torch.long, device),
+    )
+
+
+def _padded_groups(
+    num_q: Sequence[int],
+    start_positions: Sequence[int],
+    seqs: _SeqTensors,
+    block_size: int,
+    rows_per_block: int,
+    bucket_shapes: bool,
+    paged_decode: bool,
+) -> list[AttentionGroup]:
+    """The step's attention groups, decode groups first, then prefill (empty ones left
+    out): padded batches of gathered rows, or on CUDA one paged decode group."""
+    n = len(num_q)
     groups = []
     decode_ids = [i for i in range(n) if num_q[i] == 1]
     prefill_ids = [i for i in range(n) if num_q[i] > 1]
@@ -238,13 +276,7 @@ def build_metadata(
                 identity=identity and num_seqs == num_real,
             )
         )
-    return PagedAttentionMetadata(
-        positions=positions,
-        slot_rows=slot_rows,
-        rows_per_layer=2 * block_size,
-        block_size=block_size,
-        groups=tuple(groups),
-    )
+    return groups
 
 
 def _split_by_context(ids: list[int], start_positions: Sequence[int]) -> list[list[int]]:

@@ -1,5 +1,8 @@
 """Runs one scheduled Batch as one packed forward pass over the paged KV cache.
 
+What a runner does once, as it starts (kernels, the cache's size, compiling and
+capturing), is engine.model.startup.runner_setup's.
+
 On CUDA the decoder is compiled by torch.compile (engine.model.compiled), and pure-decode
 steps replay captured CUDA graphs of it (engine.model.cuda_graphs) unless `enforce_eager`,
 as do speculative decoding's verifying steps (engine.model.verify_graphs) and steps that
@@ -18,31 +21,70 @@ import torch
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.request import PLACEHOLDER_TOKEN
-from engine.model.attention import paged_step, register_paged_attention
+from engine.model.attention import paged_step
 from engine.model.attention_metadata import PagedAttentionMetadata
-from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
-from engine.model.cuda_graphs import DecodeGraphs, captured_or_none, graph_batch_sizes
-from engine.model.kernels.triton_attention import triton_available
-from engine.model.kernels.triton_gemv import use_gemv
+from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.kv_blocks import KVBlocks, LayerStream
 from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
-from engine.model.prompt_graphs import PromptGraphs, within_context
+from engine.model.prompt_graphs import PromptGraphs
 from engine.model.staging import to_device
+from engine.model.startup.runner_setup import (
+    cache_blocks,
+    plan_graphs,
+    prepare_model,
+    warm_up_and_capture,
+)
 from engine.model.startup_log import startup_phase
 from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
-from engine.model.verify_graphs import VerifyGraphs, capture_verify_graphs
+from engine.model.verify_graphs import VerifyGraphs
 from engine.model.verify_graphs import logits_rows as verify_logits_rows
 from engine.parallel.step_broadcast import StepPublisher
-from engine.parallel.tensor_parallel import SINGLE, TPRank, min_over_group
-from engine.sampling_params import GREEDY
+from engine.parallel.tensor_parallel import SINGLE, TPRank
 from engine.spec.draft_model import Proposer, fill_proposals
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner(KVBlocks):
-    """Owns the model and the KV cache of one worker; turns a Batch into sampled tokens."""
+    """Owns the model and the KV cache of one worker; turns a Batch into sampled tokens.
+
+    Its arguments: `enforce_eager` turns CUDA graphs off; they are captured as it is
+    built (CUDA only) for decode batches of `cuda_graph_batch_sizes` (default: up to
+    `max_num_seqs`). `paged_decode` False runs attention as padded SDPA even where
+    the Triton kernels could (None: Triton on CUDA when it imports). `compile_model`
+    runs the decoder compiled by torch.compile (engine.model.compiled; None: on CUDA
+    when Triton imports); it compiles here, at start-up, not on the first request,
+    each decoder layer (`compile_scope` "layer") or the whole stack ("decoder").
+    `small_batch_gemv` runs one-row products of 16-bit weights (batch-1 decode
+    steps, a lone sequence's logits) with the Triton GEMV
+    (engine.model.kernels.triton_gemv; None: on CUDA when Triton imports).
+    `preloaded`: the model and its spec, already loaded from `model_path` (a draft
+    model whose weights must count before the target sizes its cache).
+    `verify_graph_tokens` q >= 2 (speculative decoding: 1 + proposals) also captures
+    graphs of steps of up to q tokens per sequence, for up to
+    `verify_graph_max_seqs` sequences (engine.model.verify_graphs). `decode_graphs`
+    False captures no decode graphs (an engine that never decodes).
+    `prompt_graph_tokens` also captures graphs of one prompt chunk alone, padded to
+    these token counts (engine.model.prompt_graphs). `tp`: this process's rank in
+    its worker's tensor-parallel group; it loads and caches its share of the model
+    (every rank builds its runner with the same arguments, at the same time).
+    """
+
+    # Told of every eager step before it runs; may return a stream that hears of each
+    # layer whose KV the step has written (layer-wise KV streaming).
+    step_observer: Callable[[Batch], LayerStream | None] | None = None
+    cuda_graphs: DecodeGraphs | None = None
+    verify_graphs: VerifyGraphs | None = None
+    prompt_graphs: PromptGraphs | None = None
+    # Fills proposal slots before a verifying step (speculative decoding's draft model).
+    drafter: Proposer | None = None
+    # Rank 0 of a tensor-parallel worker: the other ranks, told of every model call
+    # before it runs here (engine.parallel.step_broadcast).
+    followers: StepPublisher | None = None
+    # Recorded after each launched step: KV imports wait for it before writing blocks
+    # the host may have freed while that step was still writing them.
+    _last_step_done: torch.cuda.Event | None = None
 
     def __init__(
         self,
@@ -69,25 +111,6 @@ class ModelRunner(KVBlocks):
         prompt_graph_tokens: Sequence[int] = (),
         tp: TPRank = SINGLE,
     ) -> None:
-        """`enforce_eager` turns CUDA graphs off; they are captured here (CUDA only) for
-        decode batches of `cuda_graph_batch_sizes` (default: up to `max_num_seqs`).
-        `paged_decode` False runs attention as padded SDPA even where the Triton
-        kernels could (None: Triton on CUDA when it imports). `compile_model` runs the
-        decoder compiled by torch.compile (engine.model.compiled; None: on CUDA when
-        Triton imports); it compiles here, at start-up, not on the first request, each
-        decoder layer (`compile_scope` "layer") or the whole stack ("decoder").
-        `small_batch_gemv` runs one-row products of 16-bit weights (batch-1 decode steps,
-        a lone sequence's logits) with the Triton GEMV (engine.model.kernels.triton_gemv; None:
-        on CUDA when Triton imports). `preloaded`: the model and its spec, already
-        loaded from `model_path` (a draft model whose weights must count before the
-        target sizes its cache). `verify_graph_tokens` q >= 2 (speculative decoding: 1 +
-        proposals) also captures graphs of steps of up to q tokens per sequence, for up to
-        `verify_graph_max_seqs` sequences (engine.model.verify_graphs). `decode_graphs`
-        False captures no decode graphs (an engine that never decodes).
-        `prompt_graph_tokens` also captures graphs of one prompt chunk alone, padded to
-        these token counts (engine.model.prompt_graphs). `tp`: this process's rank in its
-        worker's tensor-parallel group; it loads and caches its share of the model (every
-        rank builds its runner with the same arguments, at the same time)."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         if block_size < 1:
@@ -102,46 +125,20 @@ class ModelRunner(KVBlocks):
             self.model, self.spec = preloaded or load_model(
                 model_path, dtype, self.device, load_format, tp
             )
-        # nn.Module's __getattr__ types every attribute as Tensor | Module.
-        self.model.set_attn_implementation(register_paged_attention())  # type: ignore[operator]
-        any_graphs = self.device.type == "cuda" and not enforce_eager
-        if any_graphs and not triton_available():
-            log.warning("triton does not import: CUDA graphs off, attention runs SDPA")
-            any_graphs = False
-        use_graphs = any_graphs and decode_graphs
-        prompt_graph_tokens = prompt_graph_tokens if any_graphs else ()
-        prompt_graph_tokens = within_context(prompt_graph_tokens, self.spec.max_model_len)
-        # Graphs' padding rows write their K/V into one scratch block past the cache.
-        scratch = int(use_graphs or bool(prompt_graph_tokens))
-        use_triton = self.device.type == "cuda" and triton_available()
-        if use_triton if small_batch_gemv is None else small_batch_gemv:
-            use_gemv(self.model)
-        if use_triton if compile_model is None else compile_model:
-            compile_decoder(self.model, compile_scope)
-        if num_blocks is None:
-            assert kv_cache_bytes is not None
-            if callable(kv_cache_bytes):
-                # Measured now that the weights are resident (a GPU budget must see them).
-                kv_cache_bytes = kv_cache_bytes()
-            # With graphs the budget also holds the scratch block (below).
-            per_block = self.spec.kv_block_bytes(block_size)
-            num_blocks = kv_cache_bytes // per_block - scratch
-            if num_blocks < 1:
-                raise ValueError(
-                    f"a KV cache budget of {kv_cache_bytes} bytes holds no block of "
-                    f"{per_block} bytes; raise the budget or lower block_size"
-                )
-        # Every rank's cache holds the same blocks (its heads of each): the fewest any fits.
-        num_blocks = min_over_group(num_blocks, tp, self.device)
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        graphs = plan_graphs(
+            self.device, enforce_eager, decode_graphs, prompt_graph_tokens, self.spec.max_model_len
+        )
+        prepare_model(self.model, self.device, small_batch_gemv, compile_model, compile_scope)
+        num_blocks = cache_blocks(
+            self.spec, block_size, num_blocks, kv_cache_bytes, graphs.scratch, tp, self.device
+        )
         self.num_blocks = num_blocks
         self.block_size = block_size
         # With graphs, one extra block past `num_blocks` takes the padding rows' K/V;
         # the scheduler never sees it. `kv_cache` is the part requests own.
         with startup_phase("kv_cache", f"{num_blocks} blocks of {block_size} tokens"):
             self._kv_storage = torch.zeros(
-                self.kv_cache_shape(self.spec, num_blocks + scratch, block_size),
+                self.kv_cache_shape(self.spec, num_blocks + graphs.scratch, block_size),
                 dtype=self.dtype,
                 device=self.device,
             )
@@ -152,86 +149,14 @@ class ModelRunner(KVBlocks):
         self._max_sampled = max(max_num_seqs, 1)
         self._last_tokens = torch.zeros(self._max_sampled, dtype=torch.long, device=self.device)
         self._last_rows: dict[str, int] = {}
-        # Recorded after each launched step: KV imports wait for it before writing blocks
-        # the host may have freed while that step was still writing them.
-        self._last_step_done: torch.cuda.Event | None = None
-        # Told of every eager step before it runs; may return a stream that hears of each
-        # layer whose KV the step has written (layer-wise KV streaming).
-        self.step_observer: Callable[[Batch], LayerStream | None] | None = None
-        self.cuda_graphs: DecodeGraphs | None = None
-        self.verify_graphs: VerifyGraphs | None = None
-        self.prompt_graphs: PromptGraphs | None = None
-        # Fills proposal slots before a verifying step (speculative decoding's draft model).
-        self.drafter: Proposer | None = None
-        # Rank 0 of a tensor-parallel worker: the other ranks, told of every model call
-        # before it runs here (engine.parallel.step_broadcast).
-        self.followers: StepPublisher | None = None
-        if is_compiled(self.model):
-            # The same first shapes in every engine, whether it captures graphs or not:
-            # the compiler's choices may follow the shapes it first sees.
-            with startup_phase("compile"):
-                self._compile_now()
-        max_blocks = min(-(-self.spec.max_model_len // block_size), num_blocks)
-        if use_graphs:
-            sizes = cuda_graph_batch_sizes or graph_batch_sizes(max_num_seqs)
-            with startup_phase("cuda_graphs", f"batch sizes {list(sizes)}"):
-                self.capture_cuda_graphs(sizes, max_blocks)
-            if verify_graph_tokens >= 2 and self.cuda_graphs is not None:
-                limit = min(verify_graph_max_seqs or max_num_seqs, max_num_seqs)
-                self.verify_graphs = capture_verify_graphs(
-                    self.model,
-                    self._kv_storage,
-                    graph_batch_sizes(limit),
-                    max_blocks,
-                    verify_graph_tokens,
-                )
-        if prompt_graph_tokens:
-            with startup_phase("prompt_graphs", f"token counts {sorted(prompt_graph_tokens)}"):
-                graphs = PromptGraphs(
-                    self.model,
-                    self._kv_storage,
-                    scratch_block=num_blocks,
-                    block_size=block_size,
-                    max_blocks_per_seq=max_blocks,
-                    token_counts=prompt_graph_tokens,
-                )
-                self.prompt_graphs = captured_or_none(graphs, "lone prompt chunks")
-
-    def capture_cuda_graphs(self, batch_sizes: Sequence[int], max_blocks_per_seq: int) -> None:
-        """Capture decode graphs now (start-up), or stay eager with a warning if that fails."""
-        graphs = DecodeGraphs(
-            self.model,
-            self._kv_storage,
-            self._last_tokens,
-            scratch_block=self.num_blocks,
-            block_size=self.block_size,
-            max_blocks_per_seq=max_blocks_per_seq,
-            batch_sizes=batch_sizes,
+        warm_up_and_capture(
+            self,
+            graphs,
+            max_num_seqs,
+            cuda_graph_batch_sizes,
+            verify_graph_tokens,
+            verify_graph_max_seqs,
         )
-        try:
-            graphs.capture()
-        except Exception:
-            if not is_compiled(self.model):
-                log.warning("CUDA graph capture failed; decode runs eagerly", exc_info=True)
-                return
-            log.warning("the compiled decoder failed; running it uncompiled", exc_info=True)
-            uncompile_decoder(self.model)
-            self.capture_cuda_graphs(batch_sizes, max_blocks_per_seq)
-            return
-        self.cuda_graphs = graphs
-
-    def _compile_now(self) -> None:
-        """Run the compiler's two graphs (one token; a symbolic count) on a dummy step, or
-        fall back to the uncompiled decoder with a warning. The dummy K/V land in blocks
-        no request holds yet."""
-        table = tuple(range(min(2, self.num_blocks)))
-        try:
-            for n in (min(2, len(table) * self.block_size), 1):
-                seq = ScheduledSeq("compile-warm-up", (0,) * n, 0, table, True, GREEDY, 0)
-                self.execute(Batch((seq,), self.block_size))
-        except Exception:
-            log.warning("the compiled decoder failed; running it uncompiled", exc_info=True)
-            uncompile_decoder(self.model)
 
     @staticmethod
     def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:

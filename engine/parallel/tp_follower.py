@@ -23,10 +23,8 @@ from engine.core.role import EngineRole
 from engine.factory import EngineArgs, build_runner
 from engine.parallel.step_broadcast import connect, replay
 from engine.parallel.tensor_parallel import join_tp_group
-from engine.transfer.channel import ChannelSpec
-from engine.transfer.handoff import HandoffHeader
 from engine.transfer.tp_parts import RankParts, Verdict
-from engine.wire import TPGroupSpec
+from engine.wire import ChannelSpec, HandoffHeader, TPGroupSpec
 
 log = logging.getLogger(__name__)
 

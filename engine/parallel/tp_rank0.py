@@ -15,9 +15,7 @@ import time
 from typing import Any
 
 from engine.parallel.step_broadcast import StepPublisher
-from engine.transfer.channel import ChannelSpec
-from engine.transfer.handoff import HandoffHeader, HeaderKind
-from engine.transfer.receiver import ImportMirror
+from engine.transfer.import_target import ImportMirror
 from engine.transfer.sender import Message
 from engine.transfer.tp_parts import (
     MainPartTarget,
@@ -30,6 +28,7 @@ from engine.transfer.tp_parts import (
     pair_key,
     receiving_parts,
 )
+from engine.wire import ChannelSpec, HandoffHeader, HeaderKind
 
 
 class RankZero:

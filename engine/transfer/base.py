@@ -3,9 +3,11 @@
 A worker sends KV to a peer through a `KVSender` and receives from a peer through a
 `KVReceiver`. Neither names a pool: a prefill worker sends to a decode worker today,
 and a decode worker may send a running request to another decode worker through the
-same two ends. Backends: `engine.transfer.channel.KVChannel` (a 2-rank process group,
-NCCL between GPUs, gloo on CPU) and `engine.transfer.fake.FakeChannel` (in process, for
-unit tests of hand-off, abort and epoch logic without process groups).
+same two ends. A worker holds each end as a `PairChannel`, made by
+`engine.transfer.backends.make_channel` from the engine's `kv_transfer_backend`:
+`engine.transfer.channel.KVChannel` (a 2-rank process group, NCCL between GPUs, gloo on
+CPU) or `engine.transfer.fake.FakeChannel` (in process, for tests of hand-off, abort and
+epoch logic without process groups).
 
 Progress is a state, not an exception: a sent message's `TransferHandle.poll()` says
 where it is (`KVPoll`), and `failure` says why it failed.
@@ -18,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from engine.transfer.handoff import HandoffHeader
+from engine.wire import ChannelSpec, HandoffHeader
 
 
 class KVPoll(enum.Enum):
@@ -107,6 +109,17 @@ class KVReceiver(Protocol):
         ...
 
     def close(self, notify_peer: bool) -> None: ...
+
+
+class PairChannel(KVSender, KVReceiver, Protocol):
+    """One end of a pair's channel as a worker holds it, whatever carries the bytes: the
+    spec both ends were made from, and `open()`, which blocks until the pair is joined
+    (for a backend whose ends must meet first)."""
+
+    @property
+    def spec(self) -> ChannelSpec: ...
+
+    def open(self) -> None: ...
 
 
 class FutureHandle:

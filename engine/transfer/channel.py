@@ -32,15 +32,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from engine.transfer.base import ChannelClosed, FutureHandle, KVPoll
-from engine.transfer.handoff import HandoffHeader, HeaderKind
-from engine.wire import epoch_hex
+from engine.transfer.handoff import decode_header, empty_header, encode_header
+from engine.wire import ChannelSpec, HandoffHeader, HeaderKind
 
 log = logging.getLogger(__name__)
 
@@ -66,49 +65,6 @@ RECEIVER_RANK = 1
 _NEXT_HEADER_WAIT = datetime.timedelta(days=365)
 # CUDA clamps a stream priority to the device's range: this is the highest on any GPU.
 _HIGH_PRIORITY = -10
-
-
-@dataclass(frozen=True)
-class ChannelSpec:
-    """How both ends of one pair find each other; the router hands it to both."""
-
-    store_host: str
-    store_port: int
-    prefill_id: str
-    prefill_epoch: int
-    decode_id: str
-    decode_epoch: int
-    timeout_s: float = 60.0
-    # Tensor parallelism: each side's group size and the model's KV heads (the hand-off
-    # plan, engine.parallel.tp_heads.handoff_plan), and which rank pair this channel joins
-    # (0, 0: the workers' own channel, headers included; others carry one part each).
-    sender_tp: int = 1
-    receiver_tp: int = 1
-    num_kv_heads: int = 1
-    src_rank: int = 0
-    dst_rank: int = 0
-
-    @property
-    def sender_id(self) -> str:
-        return self.prefill_id
-
-    @property
-    def receiver_id(self) -> str:
-        return self.decode_id
-
-    @property
-    def prefix(self) -> str:
-        return (
-            f"kv/{self.prefill_id}.{epoch_hex(self.prefill_epoch)}/"
-            f"{self.decode_id}.{epoch_hex(self.decode_epoch)}/"
-            + (f"r{self.src_rank}-{self.dst_rank}/" if self.src_rank or self.dst_rank else "")
-        )
-
-    @property
-    def splits_heads(self) -> bool:
-        """True when either side is a tensor-parallel group: KV moves in parts, one per
-        rank pair of the plan."""
-        return self.sender_tp > 1 or self.receiver_tp > 1
 
 
 class KVChannel:
@@ -226,7 +182,7 @@ class KVChannel:
         `ready` is recorded after the payload was gathered on the engine's stream; the
         send waits for it on this channel's stream instead of stalling the engine.
         """
-        encoded = None if header is None else header.encode()
+        encoded = None if header is None else encode_header(header)
         handle = FutureHandle()
         header_sent = None  # the header's send, when it left from this thread
         if header is not None and encoded is not None:
@@ -324,11 +280,11 @@ class KVChannel:
     def recv_header(self, timeout_s: float | None = None) -> HandoffHeader:
         """Block until the next header arrives, or `timeout_s` passes (an error; None:
         no practical limit); call from the one receiving thread."""
-        raw = torch.empty(HandoffHeader.size(), dtype=torch.int64)
+        raw = empty_header()
         self._group()  # raises when closed
         wait = _NEXT_HEADER_WAIT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self._ctrl.recv([raw], self.peer, 0).wait(wait)
-        header = HandoffHeader.decode(raw)
+        header = decode_header(raw)
         if header.kind is HeaderKind.CLOSE:
             raise ChannelClosed(f"{self.peer_id} closed the channel")
         return header

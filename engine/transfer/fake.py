@@ -1,11 +1,13 @@
 """An in-process transfer backend: both ends of a pair in one process, joined by a queue.
 
-It keeps the channel's contract (order, CLOSE, a broken peer fails the pending receive)
-so hand-off, abort, epoch and routing logic can be tested in milliseconds, with no
-process group. Tests steer it: `hold()` keeps posted messages WAITING until `release()`,
-`fail_next(reason)` fails the next send, `break_()` fails every pending and later
-operation as a dead peer would, and `defer_posted()` makes a receive posted without
-waiting land only at `settle()`, as on a device.
+Workers use it with `kv_transfer_backend="fake"` (engine.transfer.backends): the two
+ends made from one `ChannelSpec` in this process join each other. Tests may also make a
+pair directly (`FakeChannel.pair`). It keeps the channel's contract (order, CLOSE, a
+broken peer fails the pending receive) so hand-off, abort, epoch and routing logic can
+be tested in milliseconds, with no process group. Tests steer it: `hold()` keeps posted
+messages WAITING until `release()`, `fail_next(reason)` fails the next send, `break_()`
+fails every pending and later operation as a dead peer would, and `defer_posted()`
+makes a receive posted without waiting land only at `settle()`, as on a device.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.transfer.base import ChannelClosed, FutureHandle
-from engine.transfer.handoff import HandoffHeader, HeaderKind
+from engine.wire import ChannelSpec, HandoffHeader, HeaderKind
 
 _BROKEN = object()
+# Pairs with one end made and the other not yet: spec prefix → (link, made by sender).
+_HALF_MADE: dict[str, tuple[_Link, bool]] = {}
+_HALF_MADE_LOCK = threading.Lock()
 
 
 class _Link:
@@ -37,9 +42,10 @@ class _Link:
 class FakeChannel:
     """One end (sender or receiver) of an in-process pair."""
 
-    def __init__(self, link: _Link, peer_id: str, sending: bool) -> None:
+    def __init__(self, link: _Link, spec: ChannelSpec, sending: bool) -> None:
+        self.spec = spec
         self._link = link
-        self._peer_id = peer_id
+        self._peer_id = spec.receiver_id if sending else spec.sender_id
         self._sending = sending
         self._seq = 0
         self._closed = threading.Event()
@@ -50,7 +56,24 @@ class FakeChannel:
     def pair(cls, sender_id: str, receiver_id: str) -> tuple[FakeChannel, FakeChannel]:
         """(the sender's end, the receiver's end)."""
         link = _Link()
-        return cls(link, receiver_id, True), cls(link, sender_id, False)
+        spec = ChannelSpec("in-process", 0, sender_id, 0, receiver_id, 0)
+        return cls(link, spec, True), cls(link, spec, False)
+
+    @classmethod
+    def for_spec(cls, spec: ChannelSpec, sending: bool) -> FakeChannel:
+        """This process's end of the pair `spec` names: joined to the other end when that
+        one is made (before or after this one; messages wait in the pair's queue)."""
+        with _HALF_MADE_LOCK:
+            half = _HALF_MADE.pop(spec.prefix, None)
+            if half is None or half[1] == sending:  # the first end (or that end again)
+                link = _Link()
+                _HALF_MADE[spec.prefix] = (link, sending)
+            else:
+                link = half[0]
+        return cls(link, spec, sending)
+
+    def open(self) -> None:
+        """Nothing to wait for: the pair's queue holds what is sent before the peer reads."""
 
     @property
     def peer_id(self) -> str:

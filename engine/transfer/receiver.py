@@ -12,8 +12,9 @@ An entry's life here, as named states of the reservation book:
   update.
 
 Plain logic over three seams: a `KVReceiver` (channel or fake), the `ReservationBook`,
-and an `ImportTarget` (the worker: staging, scatter, admission, errors), so it is
-tested without process groups or a model.
+and an `ImportTarget` (the worker: staging, scatter, admission, errors; in
+engine.transfer.import_target, with the `KVArrival` it reports), so it is tested
+without process groups or a model.
 """
 
 from __future__ import annotations
@@ -21,13 +22,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 from engine.transfer.base import ChannelClosed, KVReceiver
-from engine.transfer.handoff import NO_TOKEN, HandoffEntry, HandoffHeader, HeaderKind
+from engine.transfer.import_target import ImportMirror, ImportTarget, KVArrival
 from engine.transfer.reservations import NO_RESERVATION, HeldReservation, ReservationBook
-from engine.wire import GenerationInput, Reservation
+from engine.wire import (
+    NO_TOKEN,
+    HandoffEntry,
+    HandoffHeader,
+    HeaderKind,
+    Reservation,
+)
 
 log = logging.getLogger(__name__)
 # A sender may post a request's KV as soon as its prompt ran, while the router's
@@ -40,102 +47,26 @@ RESERVATION_GRACE_S = 2.0
 TRAILER_TIMEOUT_S = 60.0
 
 
-@dataclass(frozen=True)
-class KVArrival:
-    """One request's KV in place on the receiver, and how it came (for its timings,
-    the phase metrics and its trace)."""
-
-    inp: GenerationInput  # as reserved: it carries the request's trace context
-    peer_id: str
-    header: HandoffHeader  # the message that carried it (epochs, sequence, entries)
-    num_bytes: int  # this request's share of the payload
-    wire_s: float  # the message's receive, header read to rows scattered
-    handoff_s: float  # from the KV ready on the sender to in place here
-    received_at: float  # time.monotonic() here when it was in place
-    # Of handoff_s: the sender posting the message's last header (a streamed message's
-    # trailer) to this thread reading it; the rest waited for the payload's last bytes.
-    signal_s: float = 0.0
-
-    @property
-    def streamed(self) -> bool:
-        """Sent in parts while the sender's pass ran: its receive time includes waiting
-        for that pass, so it says nothing of the channel's speed."""
-        return self.header.kind is HeaderKind.STREAM
-
-    @property
-    def active_s(self) -> float:
-        """Its share, by bytes, of the time the channel spent receiving the message."""
-        return self.wire_s * self.num_bytes / max(1, self.header.num_bytes)
+# One entry of a message: its reservation when claimed, else why not.
+_Claim = tuple[HandoffEntry, HeldReservation | None, str | None]
 
 
-class ImportTarget(Protocol):
-    """What the receiving loop needs from its worker."""
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block of KV (all layers)."""
-        ...
-
-    @property
-    def num_layers(self) -> int: ...
-
-    def staging(self, num_blocks: int, layers: tuple[int, int]) -> Any:
-        """A buffer for layers [start, stop) of num_blocks blocks, where a payload (or
-        one part of a streamed one) lands first."""
-        ...
-
-    def scatter(
-        self,
-        block_ids: list[int],
-        rows: Any,
-        row_ids: list[int] | None,
-        layers: tuple[int, int],
-        after: list[Any],
-    ) -> None:
-        """Write staging rows (all, or `row_ids` of them) into layers [start, stop) of
-        these blocks, once the engine's work in `after` is done (the reservations'
-        `writable_after`)."""
-        ...
-
-    def reserve_precopy(
-        self, requests: list[tuple[str, int]]
-    ) -> list[tuple[Reservation, Any] | None]:
-        """Hold blocks for pre-copies' KV, (request id, tokens) each, all at one step
-        boundary: per request its blocks and the engine work they must wait for (see
-        HeldReservation.writable_after), or None where they do not fit or the id holds
-        blocks already. Called from the receiving thread: it may wait for the engine."""
-        ...
-
-    def admit(self, inp: GenerationInput, first_token: int) -> None:
-        """Queue the request to run from its imported KV (called under the book's lock,
-        so an abort issued later is ordered after it; must not block)."""
-        ...
-
-    def arrived(self, arrival: KVArrival) -> None:
-        """Tell the router the KV is in place (with the receive time)."""
-        ...
-
-    def release(self, req_id: str) -> None:
-        """Give a reservation's blocks back (any thread)."""
-        ...
-
-    def fail(self, req_id: str, error: str) -> None:
-        """End a request with an error its router sees (any thread)."""
-        ...
-
-    def is_buried(self, req_id: str) -> bool:
-        """Was it aborted here (its router is no longer waiting)?"""
-        ...
-
-
-class ImportMirror(Protocol):
-    """The other ranks of a tensor-parallel receiver (engine.transfer.tp_parts)."""
-
-    def started(
-        self, peer_id: str, seq_no: int, block_ids: list[int], row_ids: list[int]
-    ) -> None: ...
-
-    def settled(self, peer_id: str, seq_no: int) -> None: ...
+def _claimed_rows(claims: list[_Claim]) -> tuple[list[int], list[int], list[Any]]:
+    """Where the claimed entries' rows of the payload land: the blocks (past any a
+    pre-copy brought, which are there already), the payload rows, in order, and the
+    engine work each reservation's blocks must wait for."""
+    block_ids: list[int] = []
+    row_ids: list[int] = []
+    after: list[Any] = []
+    row = 0
+    for entry, held, _ in claims:
+        if held is not None:
+            block_ids += held.reservation.block_ids[held.reservation.num_precopied :]
+            row_ids += range(row, row + entry.num_blocks)
+            if held.writable_after is not None:
+                after.append(held.writable_after)
+        row += entry.num_blocks
+    return block_ids, row_ids, after
 
 
 def _part_of(buffer: Any, layers: tuple[int, int]) -> Any:
@@ -198,68 +129,79 @@ class ChannelReceiver:
 
     def receive(self, header: HandoffHeader) -> bool:
         """One message; False when the channel can no longer be trusted."""
-        expected_bytes = header.num_blocks * self.target.block_bytes
-        if header.num_bytes != expected_bytes:
-            log.error(
-                "%s from %s: %d bytes for %d blocks of %d bytes; closing",
-                header.kind.name,
-                self.channel.peer_id,
-                header.num_bytes,
-                header.num_blocks,
-                self.target.block_bytes,
-            )
-            if header.kind is not HeaderKind.PRECOPY:  # no request waits on a pre-copy
-                for entry in header.entries:
-                    self._refuse(entry, "byte count does not match the layout")
-            if self.mirror is not None:  # the other parts land nowhere
-                self.mirror.started(self.channel.peer_id, header.seq_no, [], [])
+        if not self._fits_layout(header):
             return False
         if header.kind is HeaderKind.PRECOPY:
             return self._receive_precopy(header)
         deadline = time.monotonic() + self.reservation_grace_s
-        claims: list[tuple[HandoffEntry, HeldReservation | None, str | None]] = [
+        claims: list[_Claim] = [
             (entry, *self._claim(entry, header.dst_epoch, deadline)) for entry in header.entries
         ]
-        block_ids: list[int] = []
-        row_ids: list[int] = []
-        after: list[Any] = []
-        row = 0
-        for entry, held, _ in claims:
-            if held is not None:
-                # After the blocks a pre-copy brought: those are there already.
-                block_ids += held.reservation.block_ids[held.reservation.num_precopied :]
-                row_ids += range(row, row + entry.num_blocks)
-                if held.writable_after is not None:
-                    after.append(held.writable_after)
-            row += entry.num_blocks
+        block_ids, row_ids, after = _claimed_rows(claims)
         posted = time.perf_counter()
-        parts = header.parts(self.target.num_layers)
         if self.mirror is not None:
             self.mirror.started(self.channel.peer_id, header.seq_no, block_ids, row_ids)
         try:
-            # Drained even when refused (the channel stays in step); scattered into the
-            # reserved blocks right behind each receive when accepted. Every part is
-            # posted at once, through one buffer sized for the widest (each receive is
-            # ordered after the scatter before it), and waited for once: no wake-up of
-            # this thread per part (each may wait for the interpreter's lock under load).
-            buffer = self.target.staging(header.num_blocks, (0, max(b - a for a, b in parts)))
-            for layers in parts:
-                part = _part_of(buffer, layers)
-                self._receive_part(part, layers, block_ids, row_ids, after, wait=False)
-            first_tokens, posted_at_us = self._first_tokens(header)
-            self.channel.settle()
-            self._settle_parts(header)
+            first_tokens, posted_at_us = self._land(header, block_ids, row_ids, after)
         except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
-            failed = [entry.req_id for entry, held, _ in claims if held is not None]
-            for req_id in failed:
-                self.book.fail(req_id)
-                self.target.fail(req_id, f"KV hand-off broke off: {exc}")
-            self._drain_broken()
-            self._settle_parts(header)
-            for req_id in failed:
-                self.target.release(req_id)
+            held = [entry.req_id for entry, claimed, _ in claims if claimed is not None]
+            self._broke_off(header, held, f"KV hand-off broke off: {exc}")
             return False
-        wire_s = time.perf_counter() - posted
+        self._conclude(header, claims, first_tokens, time.perf_counter() - posted, posted_at_us)
+        return True
+
+    def _fits_layout(self, header: HandoffHeader) -> bool:
+        """Does the message's byte count match its blocks? If not, nothing of it can be
+        trusted: its requests are refused and the channel is given up."""
+        expected_bytes = header.num_blocks * self.target.block_bytes
+        if header.num_bytes == expected_bytes:
+            return True
+        log.error(
+            "%s from %s: %d bytes for %d blocks of %d bytes; closing",
+            header.kind.name,
+            self.channel.peer_id,
+            header.num_bytes,
+            header.num_blocks,
+            self.target.block_bytes,
+        )
+        if header.kind is not HeaderKind.PRECOPY:  # no request waits on a pre-copy
+            for entry in header.entries:
+                self._refuse(entry, "byte count does not match the layout")
+        if self.mirror is not None:  # the other parts land nowhere
+            self.mirror.started(self.channel.peer_id, header.seq_no, [], [])
+        return False
+
+    def _land(
+        self, header: HandoffHeader, block_ids: list[int], row_ids: list[int], after: list[Any]
+    ) -> tuple[list[int], int]:
+        """Receive the message's payload into the claimed blocks; each entry's first token
+        and when the sender had the KV ready.
+
+        Drained even when refused (the channel stays in step); scattered into the
+        reserved blocks right behind each receive when accepted. Every part is posted at
+        once, through one buffer sized for the widest (each receive is ordered after the
+        scatter before it), and waited for once: no wake-up of this thread per part (each
+        may wait for the interpreter's lock under load)."""
+        parts = header.parts(self.target.num_layers)
+        buffer = self.target.staging(header.num_blocks, (0, max(b - a for a, b in parts)))
+        for layers in parts:
+            part = _part_of(buffer, layers)
+            self._receive_part(part, layers, block_ids, row_ids, after, wait=False)
+        first_tokens, posted_at_us = self._first_tokens(header)
+        self.channel.settle()
+        self._settle_parts(header)
+        return first_tokens, posted_at_us
+
+    def _conclude(
+        self,
+        header: HandoffHeader,
+        claims: list[_Claim],
+        first_tokens: list[int],
+        wire_s: float,
+        posted_at_us: int,
+    ) -> None:
+        """The message is in: each entry refused, dropped (its first token ended it) or
+        admitted, with its arrival's timings."""
         received_at = time.monotonic()
         # Sender's clock to ours: exact on one node, as good as the clocks across nodes.
         # A streamed message's KV was mostly here before its first token was sampled:
@@ -289,7 +231,18 @@ class ChannelReceiver:
                     signal_s,
                 )
                 self._admit(held, replace(entry, first_token=first_token), arrival)
-        return True
+
+    def _broke_off(self, header: HandoffHeader, held: list[str], error: str | None) -> None:
+        """A message broke off mid-payload: its held requests fail (with `error` to their
+        router, unless None), and their blocks go back once nothing lands in them."""
+        for req_id in held:
+            self.book.fail(req_id)
+            if error is not None:
+                self.target.fail(req_id, error)
+        self._drain_broken()
+        self._settle_parts(header)
+        for req_id in held:
+            self.target.release(req_id)
 
     def _receive_precopy(self, header: HandoffHeader) -> bool:
         """A live move's first round: hold each entry's blocks under its id, reserved
@@ -335,12 +288,7 @@ class ChannelReceiver:
             self._settle_parts(header)
         except Exception as exc:  # noqa: BLE001 - the peer died mid-payload
             log.warning("pre-copy from %s broke off: %s", self.channel.peer_id, exc)
-            for req_id in held:
-                self.book.fail(req_id)
-            self._drain_broken()
-            self._settle_parts(header)
-            for req_id in held:
-                self.target.release(req_id)
+            self._broke_off(header, held, None)  # no request waits on a pre-copy
             return False
         for req_id in held:
             if not self.book.precopy_landed(req_id):  # aborted while landing

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from engine.transfer.handoff import HandoffEntry, Reservation
-from engine.wire import GenerationInput, epoch_hex
+from engine.wire import GenerationInput, HandoffEntry, Reservation, epoch_hex
 
 
 @dataclass

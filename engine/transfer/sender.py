@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.transfer.handoff import MAX_ENTRIES, HandoffEntry, HandoffTarget
+from engine.wire import MAX_ENTRIES, HandoffEntry, HandoffTarget
 
 MAX_MESSAGE_BYTES = 1 << 30  # past ~256 MiB NCCL is at full speed already
 

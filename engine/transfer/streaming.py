@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.transfer.base import FutureHandle, KVPoll, KVSender, TransferHandle
-from engine.transfer.handoff import NO_TOKEN, HandoffHeader, HeaderKind
 from engine.transfer.sender import Message
+from engine.wire import NO_TOKEN, HandoffHeader, HeaderKind
 
 # A part smaller than this is merged with the next layers: point-to-point messages of
 # a few hundred KiB run far below the link, and each part has a fixed cost.

@@ -32,8 +32,8 @@ import torch
 from engine.model.staging import to_device
 from engine.parallel.tp_heads import HeadSlice, handoff_plan, num_local_kv_heads
 from engine.transfer.base import ChannelClosed
-from engine.transfer.channel import RECEIVER_RANK, SENDER_RANK, ChannelSpec, KVChannel
-from engine.transfer.handoff import HandoffHeader
+from engine.transfer.channel import RECEIVER_RANK, SENDER_RANK, KVChannel
+from engine.wire import ChannelSpec, HandoffHeader
 
 log = logging.getLogger(__name__)
 

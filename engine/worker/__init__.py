@@ -1,1 +1,2 @@
-"""What both worker kinds share: the actor base, the call server, phases, warm-up."""
+"""What every worker kind shares: the actor base, the contract with the router, the call
+server, phases, warm-up."""

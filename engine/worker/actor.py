@@ -14,14 +14,12 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from engine import tracing
 from engine.core.engine_loop import EngineLoop
-from engine.core.kv_events import KVEvents
 from engine.core.role import EngineRole
 from engine.factory import BuiltEngine, EngineArgs, build_engine
 from engine.heap import freeze_startup_heap
@@ -32,13 +30,24 @@ from engine.parallel.step_broadcast import StepPublisher
 from engine.parallel.tensor_parallel import SINGLE, join_tp_group
 from engine.parallel.tp_rank0 import RankZero
 from engine.tracing import TracingConfig
-from engine.transfer.channel import ChannelSpec, KVChannel
-from engine.transfer.handoff import HandoffHeader, HeaderKind
-from engine.transfer.layout import KVLayout
-from engine.transfer.receiver import ImportMirror
+from engine.transfer.backends import make_channel
+from engine.transfer.base import PairChannel
+from engine.transfer.import_target import ImportMirror
 from engine.transfer.sender import Message
-from engine.wire import EngineSpeed, TokenUpdate, TPGroupSpec, WorkerStats
-from engine.worker.calls import CallServer, CallSpec, listen_host
+from engine.wire import (
+    CallSpec,
+    ChannelSpec,
+    EngineSpeed,
+    HandoffHeader,
+    HeaderKind,
+    KVEvents,
+    TokenUpdate,
+    TPGroupSpec,
+    WorkerInfo,
+    WorkerStats,
+)
+from engine.worker.calls import CallServer, listen_host
+from engine.worker.contract import EveryWorkerCalls, verbs
 from engine.worker.kv_fanout import KVEventFanout
 from engine.worker.warm_up import measure_speed
 
@@ -48,37 +57,14 @@ T = TypeVar("T")
 TOMBSTONE_TTL_S = 300.0
 
 
-@dataclass(frozen=True)
-class WorkerInfo:
-    """Returned by start(): what the router needs to pair and route."""
-
-    worker_id: str  # "<pool>-<index>"; a replacement keeps the id and gets a new epoch
-    pool: str
-    index: int
-    epoch: int
-    layout: KVLayout
-    num_blocks: int
-    max_model_len: int
-    vocab_size: int
-    model_name: str
-    device: str
-    pid: int
-    node_ip: str
-    # "host:port" of the worker's call connection (engine/worker/calls.py); "" when the router
-    # calls it through Ray only.
-    call_address: str = ""
-    # GPUs (processes) the worker's model is split over, and the GPUs it holds (rank order).
-    tensor_parallel_size: int = 1
-    gpu_ids: tuple[int, ...] = ()
-    # Its engine's speed, measured as it warmed up: the router's estimates start there.
-    speed: EngineSpeed | None = None
-
-
 class WorkerBase:
     """Engine loop on its own thread plus this worker's ends of its KV channels."""
 
     pool = "worker"
     role = EngineRole.COLOCATED
+    # The router's calls this worker answers (engine/worker/contract.py): each kind names
+    # its own, and mypy checks the class against it where the class is defined.
+    contract: ClassVar[type] = EveryWorkerCalls
 
     def __init__(
         self,
@@ -97,7 +83,7 @@ class WorkerBase:
         self.epoch = random.getrandbits(62) | 1  # never 0: 0 means "no epoch" in a header
         self.built: BuiltEngine | None = None
         self.loop_thread: EngineLoop | None = None
-        self.channels: dict[str, KVChannel] = {}  # peer worker id → channel
+        self.channels: dict[str, PairChannel] = {}  # peer worker id → channel
         # The prefix-cache events each router process has not read yet.
         self.kv_fanout = KVEventFanout(self._snapshot_kv_for)
         self._stopped = asyncio.Event()
@@ -145,7 +131,7 @@ class WorkerBase:
         node_ip = _node_ip()
         call_address = ""
         if calls is not None:
-            self._calls = CallServer(self, calls.token)
+            self._calls = CallServer(self, calls.token, verbs(self.contract))
             call_address = await self._calls.start(listen_host(node_ip, calls.router_ip))
         return WorkerInfo(
             worker_id=self.worker_id,
@@ -173,7 +159,7 @@ class WorkerBase:
             tp = join_tp_group(self.tp_group.rendezvous_file, 0, self.tp_group.size, device)
         return build_engine(self.args, role=self.role, index=self.index, tp=tp)
 
-    def import_target(self, channel: KVChannel) -> tuple[Any, ImportMirror | None]:
+    def import_target(self, channel: PairChannel) -> tuple[Any, ImportMirror | None]:
         """What a channel's receiver lands KV through, and the mirror that lands a
         message's other parts (engine.parallel.tp_rank0)."""
         assert self.rank0 is not None, "worker not started"
@@ -220,14 +206,20 @@ class WorkerBase:
         old = self.channels.pop(peer_id, None)
         if old is not None:  # the peer restarted: its old channel is dead
             await asyncio.get_running_loop().run_in_executor(None, old.close, False)
-        channel = KVChannel(spec, self.channel_rank(), torch.device(self.runner.device))
+        channel = self.new_channel(spec, self.channel_rank())
         await asyncio.get_running_loop().run_in_executor(None, channel.open)
         self.channels[peer_id] = channel
         assert self.rank0 is not None, "worker not started"
         await self.rank0.connect(spec, peer_id, sending=spec.sender_id == self.worker_id)
         self.on_connected(channel)
 
-    def on_connected(self, channel: KVChannel) -> None:
+    def new_channel(self, spec: ChannelSpec, rank: int) -> PairChannel:
+        """This worker's end of a pair's channel, on the engine's transfer backend (not
+        yet open)."""
+        device = torch.device(self.runner.device)
+        return make_channel(self.args.kv_transfer_backend, spec, rank, device)
+
+    def on_connected(self, channel: PairChannel) -> None:
         """Hook: a channel is up."""
 
     async def disconnect(self, peer_id: str, notify_peer: bool = True) -> None:
@@ -320,7 +312,7 @@ class WorkerBase:
         return int(self.runner.block_bytes)
 
     def post_message(
-        self, channel: KVChannel, message: Message, kind: HeaderKind = HeaderKind.HANDOFF
+        self, channel: PairChannel, message: Message, kind: HeaderKind = HeaderKind.HANDOFF
     ) -> tuple[HandoffHeader, Any]:
         """Engine thread: gather a message's blocks (ordered after every step that wrote
         them) and post header + payload on the channel; the header and the send's handle.

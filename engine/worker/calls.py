@@ -25,7 +25,6 @@ import logging
 import pickle
 import struct
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -37,29 +36,8 @@ MAX_FRAME_BYTES = 1 << 30
 AUTH_TIMEOUT_S = 10.0
 
 
-# The router's verbs a worker answers over this connection (router.fleet.clients.WorkerClient's
-# methods; a test keeps the two in step). A pool's worker lacks the other pool's verbs.
-VERBS = frozenset(
-    {
-        "prefill", "abort", "load", "reserve", "reserve_many", "renew", "submit",
-        "next_tokens", "connect", "disconnect", "precopy", "detach", "send_detached",
-        "locate", "adopt", "let_go",
-    }
-)  # fmt: skip
-
-
 class CallsLost(ConnectionError):
     """The connection to the worker is gone: the worker died or stopped."""
-
-
-@dataclass(frozen=True)
-class CallSpec:
-    """What a worker needs to accept the router's calls: the secret the router's
-    connections authenticate with, and the router's node, to pick the address to
-    listen on."""
-
-    token: bytes
-    router_ip: str
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> Any:
@@ -75,9 +53,10 @@ def _frame(obj: Any) -> bytes:
 
 
 class CallServer:
-    """The worker's end: runs `getattr(target, verb)(*args)` for each call of `verbs`."""
+    """The worker's end: runs `getattr(target, verb)(*args)` for each call of `verbs` (its
+    kind's, engine/worker/contract.py); any other is refused."""
 
-    def __init__(self, target: object, token: bytes, verbs: Collection[str] = VERBS) -> None:
+    def __init__(self, target: object, token: bytes, verbs: Collection[str]) -> None:
         self._target = target
         self._verbs = frozenset(verbs)
         self._token = token

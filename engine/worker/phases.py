@@ -21,9 +21,15 @@ from dataclasses import dataclass
 
 from engine import tracing
 from engine.transfer.base import KVPoll
-from engine.transfer.handoff import HandoffHeader
-from engine.transfer.receiver import KVArrival
-from engine.wire import GenerationInput, HandoffTarget, PhaseReport, TokenUpdate, epoch_hex
+from engine.transfer.import_target import KVArrival
+from engine.wire import (
+    GenerationInput,
+    HandoffHeader,
+    HandoffTarget,
+    PhaseReport,
+    TokenUpdate,
+    epoch_hex,
+)
 
 
 @dataclass(frozen=True)

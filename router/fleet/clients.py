@@ -2,82 +2,51 @@
 
 Each carries the calls to one worker, over the worker's own call connection
 (`DirectWorkerClient`, the default; engine/worker/calls.py) or as Ray actor calls
-(`RayWorkerClient`), and turns a lost worker into `WorkerDied`, so the serving
-core speaks in the workers' own verbs and types and a renamed worker method fails at
-type-check time, not in an end-to-end test. Tests give the serving core fakes with the
-same methods (bench/fake_workers.py) and exercise retries, the local path, stop strings
-and aborts in milliseconds.
+(`RayWorkerClient`), and turns a lost worker into `WorkerDied`. Both carry exactly the
+verbs of the workers' contract (engine/worker/contract.py, `WorkerCalls`), each one
+`_invoke(verb, *args)`: the serving core speaks in the workers' own verbs and types, and
+a renamed worker method fails at type-check time, not in an end-to-end test. Tests give
+the serving core fakes with the same methods (bench/fake_workers.py) and exercise
+retries, the local path, stop strings and aborts in milliseconds.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 from ray.exceptions import RayActorError
 
-from engine.transfer.channel import ChannelSpec
 from engine.wire import (
-    DetachedMove,
-    DetachedRequest,
     GenerationInput,
     HandoffTarget,
     Handover,
-    Precopy,
     PrefillResult,
     Reservation,
     TokenBatch,
-    WorkerStats,
 )
 from engine.worker.calls import CallClient, CallsLost
+from engine.worker.contract import WORKER_VERBS, WorkerCalls
+
+# What the router may call on a worker of any pool: the contract's every verb.
+WorkerClient = WorkerCalls
 
 
 class WorkerDied(RuntimeError):
     """The worker's process is gone (the call may or may not have run)."""
 
 
-class PrefillClient(Protocol):
-    async def prefill(self, inp: GenerationInput, target: HandoffTarget) -> PrefillResult: ...
-    async def abort(self, req_id: str) -> None: ...
-    async def load(self) -> WorkerStats: ...
-
-
-class DecodeClient(Protocol):
-    async def reserve(
-        self, inp: GenerationInput, lease_s: float, source: str | None
-    ) -> Reservation | None: ...
-    async def reserve_many(
-        self, inps: list[GenerationInput], lease_s: float, source: str | None
-    ) -> list[Reservation | None]: ...
-    async def renew(self, req_ids: list[str], lease_s: float) -> int: ...
-    async def submit(self, inp: GenerationInput) -> None: ...
-    async def next_tokens(self) -> TokenBatch: ...
-    async def abort(self, req_id: str) -> None: ...
-    async def load(self) -> WorkerStats: ...
-    # A router tier's resumed streams (router/tier/resume.py): find a client's request,
-    # take it over from the router process that had it.
-    async def locate(self, request_id: str) -> str | None: ...
-    async def adopt(self, req_id: str) -> Handover | None: ...
-    async def let_go(self, req_id: str) -> bool: ...
-    # Live migration (decode_worker/export.py): a channel to a peer, and moving a request.
-    async def connect(self, spec: ChannelSpec) -> None: ...
-    async def disconnect(self, peer_id: str, notify_peer: bool) -> None: ...
-    async def precopy(self, target: HandoffTarget, moves: list[Precopy]) -> dict[str, int]: ...
-    async def detach(self, req_ids: list[str]) -> list[DetachedRequest | None]: ...
-    async def send_detached(self, target: HandoffTarget, moves: list[DetachedMove]) -> int: ...
-
-
-class WorkerClient(PrefillClient, DecodeClient, Protocol):
-    """Every verb of a worker; each pool's workers answer their own role's."""
-
-
 class _VerbClient:
-    """Both roles' verbs, each one `_invoke(verb, *args)` (a colocated worker is a decode
-    worker); subclasses carry the calls.
+    """Every verb of the contract, each one `_invoke(verb, *args)`, made on first use;
+    subclasses carry the calls. Typed as the contract's `WorkerCalls` (mypy reads the
+    verbs through `__getattr__`), the one place the verbs are declared.
 
     `consumer`: this router process's name in a router tier ("" without one). Every
     request it sends carries it, and it polls and aborts as it: a decode worker sends
-    each request's updates to the process that owns it (decode_worker/outboxes.py).
+    each request's updates to the process that owns it (decode_worker/outboxes.py); the
+    verbs that carry it are written out below, the others made from the contract.
     `grace_s`: how long the worker keeps this process's requests for another to take
     over, should this one go away."""
 
@@ -98,10 +67,8 @@ class _VerbClient:
     async def reserve(
         self, inp: GenerationInput, lease_s: float, source: str | None
     ) -> Reservation | None:
-        return cast(
-            "Reservation | None",
-            await self._invoke("reserve", self._owned(inp), lease_s, source),
-        )
+        owned = self._owned(inp)
+        return cast("Reservation | None", await self._invoke("reserve", owned, lease_s, source))
 
     async def reserve_many(
         self, inps: list[GenerationInput], lease_s: float, source: str | None
@@ -110,9 +77,6 @@ class _VerbClient:
         return cast(
             "list[Reservation | None]", await self._invoke("reserve_many", owned, lease_s, source)
         )
-
-    async def renew(self, req_ids: list[str], lease_s: float) -> int:
-        return cast(int, await self._invoke("renew", req_ids, lease_s))
 
     async def submit(self, inp: GenerationInput) -> None:
         await self._invoke("submit", self._owned(inp))
@@ -128,9 +92,6 @@ class _VerbClient:
         else:
             await self._invoke("abort", req_id, self.consumer)
 
-    async def locate(self, request_id: str) -> str | None:
-        return cast("str | None", await self._invoke("locate", request_id))
-
     async def adopt(self, req_id: str) -> Handover | None:
         return cast("Handover | None", await self._invoke("adopt", req_id, self.consumer))
 
@@ -140,23 +101,12 @@ class _VerbClient:
             return False
         return cast(bool, await self._invoke("let_go", req_id, self.consumer, self.grace_s))
 
-    async def load(self) -> WorkerStats:
-        return cast(WorkerStats, await self._invoke("load"))
-
-    async def connect(self, spec: ChannelSpec) -> None:
-        await self._invoke("connect", spec)
-
-    async def disconnect(self, peer_id: str, notify_peer: bool) -> None:
-        await self._invoke("disconnect", peer_id, notify_peer)
-
-    async def precopy(self, target: HandoffTarget, moves: list[Precopy]) -> dict[str, int]:
-        return cast("dict[str, int]", await self._invoke("precopy", target, moves))
-
-    async def detach(self, req_ids: list[str]) -> list[DetachedRequest | None]:
-        return cast("list[DetachedRequest | None]", await self._invoke("detach", req_ids))
-
-    async def send_detached(self, target: HandoffTarget, moves: list[DetachedMove]) -> int:
-        return cast(int, await self._invoke("send_detached", target, moves))
+    def __getattr__(self, verb: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+        if verb not in WORKER_VERBS:
+            raise AttributeError(f"{type(self).__name__} has no verb {verb!r}")
+        call = functools.partial(self._invoke, verb)
+        setattr(self, verb, call)  # found without __getattr__ from now on
+        return call
 
 
 class RayWorkerClient(_VerbClient):

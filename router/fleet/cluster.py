@@ -16,7 +16,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -28,9 +28,8 @@ from decode_worker.worker import DecodeWorker
 from engine.core.role import EngineRole
 from engine.log_setup import LOG_LEVEL_ENV, current_level
 from engine.parallel.tp_follower import TPFollower
-from engine.wire import POOLS, TPGroupSpec  # noqa: F401 - the pools, named once
-from engine.worker.actor import WorkerInfo
-from engine.worker.calls import TOKEN_BYTES, CallSpec
+from engine.wire import POOLS, CallSpec, TPGroupSpec, WorkerInfo  # noqa: F401 - the pools, named once
+from engine.worker.calls import TOKEN_BYTES
 from prefill_worker.worker import PrefillWorker
 from router.fleet.clients import DirectWorkerClient, WorkerClient
 from router.fleet.cluster_config import ClusterConfig
@@ -59,12 +58,29 @@ class StartupError(RuntimeError):
 class SpawnedWorker:
     handle: Any
     info: WorkerInfo
-    pg: PlacementGroup
+    pg: PlacementGroup | None  # None: no placement group of its own to give back
     # Its verbs over its call connection; None: as Ray actor calls on `handle`.
     client: WorkerClient | None = None
     # A tensor-parallel worker's other ranks (engine.parallel.tp_follower), held here: Ray ends
     # an actor once no handle to it is left.
     followers: tuple[Any, ...] = ()
+
+
+class WorkerSpawner(Protocol):
+    """What the pools need of a cluster (`Cluster`; tests give a fake): its config, the
+    KV rendezvous store's address, and workers made and removed."""
+
+    @property
+    def config(self) -> ClusterConfig: ...
+    @property
+    def store_host(self) -> str: ...
+    @property
+    def store_port(self) -> int: ...
+    @property
+    def use_gpus(self) -> bool: ...
+    def start_store(self) -> None: ...
+    async def spawn(self, pool: str, index: int) -> SpawnedWorker: ...
+    def remove(self, handle: Any, pg: PlacementGroup | None) -> None: ...
 
 
 class Cluster:

@@ -17,19 +17,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ray.exceptions import RayActorError
 
-from engine.transfer.channel import ChannelSpec
-from engine.wire import epoch_hex
-from engine.worker.actor import WorkerInfo
-from router.fleet.clients import DirectWorkerClient, RayWorkerClient, WorkerClient, WorkerDied
-from router.fleet.cluster import POOLS, Cluster, StartupError, root_cause
+from engine.wire import ChannelSpec, WorkerInfo, epoch_hex
+from router.fleet.clients import DirectWorkerClient, WorkerDied
+from router.fleet.cluster import POOLS, StartupError, WorkerSpawner, root_cause
+from router.fleet.worker_ref import WorkerRef  # the serving core imports it from here too
 from router.observability import metrics
-from router.routing.cache_aware import WorkerLoadView
-from router.routing.worker_load import WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -41,62 +37,10 @@ GCS_ANSWER_S = 2.0
 DRAIN_POLL_S = 0.1
 
 
-@dataclass(eq=False)
-class WorkerRef:
-    """The router's view of one worker incarnation."""
-
-    pool: str
-    index: int
-    handle: Any
-    info: WorkerInfo
-    pg: Any = None
-    state: str = "live"  # live | draining | dead | gone
-    peers: set[str] = field(default_factory=set)  # worker ids with a connected channel
-    load: WorkerLoad = field(default_factory=WorkerLoad)
-    # The worker's verbs (tests give a fake; None: the Ray actor behind `handle`).
-    client_impl: WorkerClient | None = None
-    # A tensor-parallel worker's other ranks: kept alive by this reference, ended with
-    # the placement group when the worker is removed.
-    followers: tuple[Any, ...] = ()
-
-    def __post_init__(self) -> None:
-        self.load.assume(self.info.speed)
-
-    @property
-    def client(self) -> WorkerClient:
-        """The typed client for this worker's verbs."""
-        if self.client_impl is None:
-            self.client_impl = RayWorkerClient(self.handle)
-        return self.client_impl
-
-    @property
-    def num_assigned(self) -> int:
-        """Requests this router has in flight on it."""
-        return self.load.num_assigned
-
-    @num_assigned.setter
-    def num_assigned(self, value: int) -> None:
-        self.load.num_assigned = value
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
-
-    @property
-    def alive(self) -> bool:
-        """Routable: live and not draining."""
-        return self.state == "live"
-
-    def view(self) -> WorkerLoadView:
-        stats = self.load.stats
-        free = stats.num_blocks_free if stats is not None else 0
-        return WorkerLoadView(self.index, self.alive, self.num_assigned, free)
-
-
 class Pools:
     """Owns every worker of a deployment and keeps each pool at its target size."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: WorkerSpawner) -> None:
         self.cluster = cluster
         self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in POOLS}
         self.targets = dict(cluster.config.initial_sizes)

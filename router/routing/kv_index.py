@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.core.block_pool import prefix_block_hashes
-from engine.core.kv_events import KVEvents
+from engine.wire import KVEvents
 
 
 class PrefixIndex:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from router.fleet.pools import WorkerRef
+from router.fleet.worker_ref import WorkerRef
 from router.routing.cache_aware import RoutingConfig, choose_by_work, choose_worker
 from router.routing.kv_index import PrefixIndex
 from router.routing.prefill_policy import PathDecision, PathInputs, PrefillPolicyConfig, decide

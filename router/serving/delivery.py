@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Sized
 
-from engine.core.kv_events import KVEvents
+from engine.wire import KVEvents
 from router.edge.streams import AUTO_FROM_STREAMS
 from router.fleet.clients import WorkerDied
 from router.fleet.pools import Pools, WorkerRef

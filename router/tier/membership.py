@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.worker.actor import WorkerInfo
+from engine.wire import WorkerInfo
 from router.routing.prefill_policy import PrefillPolicyConfig
 
 if TYPE_CHECKING:

@@ -17,8 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine.wire import POOLS
-from engine.worker.actor import WorkerInfo
+from engine.wire import POOLS, WorkerInfo
 from router.fleet.clients import DirectWorkerClient
 from router.fleet.pools import WorkerRef
 from router.tier.membership import Membership
