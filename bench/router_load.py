@@ -50,7 +50,7 @@ def _serve(
 
             tokenizer = load_tokenizer(str(ensure_embedded_model()))
         core = DisaggregatedGenerator(
-            pools,  # type: ignore[arg-type]
+            pools,
             tokenizer,
             RouterConfig(max_in_flight=4096, local_prefill_max_tokens=0, stream_interval=interval),
         )
@@ -63,7 +63,7 @@ def _serve(
 
         asyncio.ensure_future(stop_when_done())
         await serve(
-            core,  # type: ignore[arg-type]
+            core,
             "127.0.0.1",
             port,
             drain_grace_s=1.0,

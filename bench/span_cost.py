@@ -47,7 +47,7 @@ def router_cpu_us(num_requests: int) -> float:
     async def body() -> None:
         pools = FakePools(1, 1, step_s=0.001)
         gen = DisaggregatedGenerator(
-            pools,  # type: ignore[arg-type]
+            pools,
             WordTokenizer(),
             RouterConfig(retry_delay_s=0.0, local_prefill_max_tokens=0),
         )

@@ -26,14 +26,14 @@ def measure(point: int, requests: int, polls: int) -> dict[str, float]:
     import pickle
     import time
 
-    from engine.wire import TokenBatch, TokenUpdate, WorkerStats, coalesce
+    from engine.wire import PoolName, TokenBatch, TokenUpdate, WorkerStats, coalesce
 
     updates = [
         TokenUpdate(f"cmpl-{i:032x}", (1000 + step,), None, 16, scheduled_at=100.0 + i)
         for step in range(point)
         for i in range(requests)
     ]
-    stats = WorkerStats("decode", 0, 8192, 4096, requests, 0, 0, 0)
+    stats = WorkerStats(PoolName.DECODE, 0, 8192, 4096, requests, 0, 0, 0)
 
     def send() -> bytes:
         batch = TokenBatch(tuple(coalesce(list(updates))), (), stats)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 from array import array
 from dataclasses import dataclass, field, fields
-from typing import Literal, NamedTuple
+from enum import StrEnum
+from typing import NamedTuple
 
 from engine.core.kv_events import KVEvents
 from engine.core.request import FinishReason
@@ -34,8 +35,15 @@ def epoch_hex(epoch: int) -> str:
     return f"{epoch:0{EPOCH_HEX_DIGITS}x}"
 
 
-PoolName = Literal["prefill", "decode", "colocated"]
-POOLS: tuple[PoolName, ...] = ("prefill", "decode", "colocated")
+class PoolName(StrEnum):
+    """A pool's name; a member is its plain string everywhere (logs, labels, the API)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+POOLS: tuple[PoolName, ...] = tuple(PoolName)
 
 
 @dataclass(frozen=True)

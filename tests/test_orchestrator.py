@@ -29,7 +29,7 @@ def _call(max_tokens: int = 8, prompt: tuple[int, ...] = PROMPT, **sampling: Any
 
 def _generator(pools: FakePools, **config: Any) -> DisaggregatedGenerator:
     gen = DisaggregatedGenerator(
-        pools,  # type: ignore[arg-type]
+        pools,
         WordTokenizer(),
         RouterConfig(retry_delay_s=0.0, **config),
     )

@@ -30,12 +30,12 @@ async def _messages(interval: int | str) -> tuple[list[pb.GenerateResponse], Fak
     """One 10-token request through the gRPC edge over the serving core and fake pools."""
     pools = FakePools(1, 1)
     core = DisaggregatedGenerator(
-        pools,  # type: ignore[arg-type]
+        pools,
         WordTokenizer(),
         RouterConfig(retry_delay_s=0.0, stream_interval=interval),  # type: ignore[arg-type]
     )
     core.start()
-    server = GrpcServer(core, host="127.0.0.1", port=0, drain_grace_s=2.0)  # type: ignore[arg-type]
+    server = GrpcServer(core, host="127.0.0.1", port=0, drain_grace_s=2.0)
     await server.start()
     await server.set_serving()
     try:
@@ -90,12 +90,12 @@ def test_a_stream_the_drain_ends_gets_its_usage_and_timings_in_the_final_abort()
         pools = FakePools(1, 1)
         pools.fakes["decode-0"].hold_after_position = len(PROMPT) + 4  # then stalls
         core = DisaggregatedGenerator(
-            pools,  # type: ignore[arg-type]
+            pools,
             WordTokenizer(),
             RouterConfig(retry_delay_s=0.0),
         )
         core.start()
-        server = GrpcServer(core, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+        server = GrpcServer(core, host="127.0.0.1", port=0)
         await server.start()
         await server.set_serving()
         responses: list[pb.GenerateResponse] = []
@@ -138,7 +138,7 @@ def test_a_server_abort_between_two_messages_gets_the_cores_final_message() -> N
     async def main() -> None:
         pools = FakePools(1, 1)
         core = DisaggregatedGenerator(
-            pools,  # type: ignore[arg-type]
+            pools,
             WordTokenizer(),
             RouterConfig(retry_delay_s=0.0),
         )

@@ -18,10 +18,10 @@ from engine.core.outputs import FinalResult, PhaseTimings, Usage
 from engine.core.request import FinishReason
 from engine.frontend.output_processor import OutputProcessor
 from engine.wire import GenerationInput
-from router.fleet.pools import WorkerRef
 from router.observability.tracing import NO_ATTEMPT, AttemptTrace, RequestTrace
 from router.routing.worker_load import WorkerLease
 from router.serving.inbox import UpdateInbox
+from router.serving.workers import WorkerRef
 
 log = logging.getLogger(__name__)
 

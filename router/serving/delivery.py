@@ -26,20 +26,22 @@ import time
 from collections.abc import Callable, Sized
 
 from engine.core.kv_events import KVEvents
+from engine.wire import PoolName
 from router.edge.streams import AUTO_FROM_STREAMS
 from router.fleet.clients import WorkerDied
-from router.fleet.pools import Pools, WorkerRef
+from router.fleet.worker_state import WorkerState
 from router.observability import phase_metrics
 from router.planner.signals import ServingSignals
 from router.routing.kv_index import PrefixIndex
 from router.serving.inbox import UpdateInbox
+from router.serving.workers import Pools, WorkerRef
 
 # Open streams from which the poller yields between woken streams (see the module doc):
 # where `--stream-interval auto` starts to merge tokens, the loop being the limit.
 LOADED_FROM_STREAMS = AUTO_FROM_STREAMS
 
 log = logging.getLogger(__name__)
-TOKEN_POOLS = ("decode", "colocated")
+TOKEN_POOLS = (PoolName.DECODE, PoolName.COLOCATED)
 
 
 class TokenDelivery:
@@ -48,7 +50,7 @@ class TokenDelivery:
     def __init__(
         self,
         pools: Pools,
-        indexes: dict[str, PrefixIndex],
+        indexes: dict[PoolName, PrefixIndex],
         inbox_of: Callable[[str], UpdateInbox | None],
         signals: ServingSignals | None = None,
         streams: Sized = (),
@@ -62,8 +64,8 @@ class TokenDelivery:
         self._stopped = False
 
     def ensure_pollers(self) -> None:
-        for pool in TOKEN_POOLS:
-            for ref in self.pools.workers[pool]:
+        for ref in self.pools.all():
+            if ref.pool in TOKEN_POOLS:
                 self.follow(ref)
 
     def follow(self, ref: WorkerRef) -> None:
@@ -73,7 +75,7 @@ class TokenDelivery:
         the poll."""
         if self._stopped or ref.pool not in TOKEN_POOLS or ref in self._pollers:
             return
-        if ref.state in ("live", "draining"):
+        if ref.state.serving:
             self._pollers[ref] = asyncio.ensure_future(self._poll(ref))
 
     async def stop(self) -> None:
@@ -86,7 +88,7 @@ class TokenDelivery:
     async def _poll(self, ref: WorkerRef) -> None:
         """One remote call per batch of steps for all of a worker's requests."""
         try:
-            while ref.state in ("live", "draining", "starting"):
+            while ref.state.serving or ref.state is WorkerState.STARTING:
                 try:
                     batch = await ref.client.next_tokens()
                 except WorkerDied as exc:
@@ -114,7 +116,7 @@ class TokenDelivery:
             self._pollers.pop(ref, None)
 
     def apply_kv_events(self, ref: WorkerRef, batches: tuple[KVEvents, ...]) -> None:
-        if ref.state in ("dead", "gone"):
+        if ref.state.ended:
             return  # late news from a worker that is no longer routed to
         for events in batches:
             self.indexes[ref.pool].apply(ref.index, events)

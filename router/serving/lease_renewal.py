@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.fleet.clients import WorkerDied
-from router.fleet.pools import Pools, WorkerRef
+from router.serving.workers import Pools, WorkerRef
 
 
 class LeaseRenewer:
@@ -40,7 +40,7 @@ class LeaseRenewer:
         while True:
             await asyncio.sleep(period)
             for ref, req_ids in list(self.renewing.items()):
-                if ref.state in ("dead", "gone"):
+                if ref.state.ended:
                     del self.renewing[ref]  # its reservations went with it
                 elif req_ids:
                     self.spawn(self._renew(ref, list(req_ids)))

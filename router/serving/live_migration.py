@@ -38,13 +38,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from engine.wire import DetachedMove, DetachedRequest, GenerationInput, HandoffTarget, Precopy
+from engine.wire import (
+    DetachedMove,
+    DetachedRequest,
+    GenerationInput,
+    HandoffTarget,
+    PoolName,
+    Precopy,
+)
 from router.fleet.clients import WorkerDied
-from router.fleet.pools import Pools, WorkerRef
 from router.serving.attempts import Attempt, WorkerLost
 from router.serving.config import RouterConfig
 from router.serving.inbox import Moved
 from router.serving.migrations import migrations_counter
+from router.serving.workers import Pools, WorkerRef
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +114,13 @@ class LiveMigrator:
         pools.on_removed.append(self._forget)
         if config.decode_peer_channels == "eager":
             pools.on_live.append(self._link_ahead)
-            live = pools.routable("decode")  # the pools started before the router
+            live = pools.routable(PoolName.DECODE)  # the pools started before the router
             for sender, receiver in itertools.permutations(live, 2):
                 spawn(self._link_quietly(sender, receiver))
 
     async def drain(self, source: WorkerRef) -> None:
         """Move every request running on `source` to the other decode workers."""
-        if source.pool != "decode":
+        if source.pool is not PoolName.DECODE:
             return
         on_it = [a for a in list(self.attempts.values()) if a.decode_ref is source]
         if on_it:
@@ -147,7 +154,7 @@ class LiveMigrator:
     async def _move_together(
         self, source: WorkerRef, attempts: list[Attempt], reason: MoveReason
     ) -> MoveResult:
-        peers = [w for w in self.pools.routable("decode") if w is not source]
+        peers = [w for w in self.pools.routable(PoolName.DECODE) if w is not source]
         if not peers:
             log.info("%s: no peer to take its requests; they stay", source.worker_id)
             return MoveResult(len(attempts), 0, 0)
@@ -318,7 +325,7 @@ class LiveMigrator:
                 self._recompute(p.attempt, source, f"moving its KV failed: {exc}", reason)
             return 0
         sent_at = time.perf_counter()
-        migrations_counter().labels(pool="decode", reason=f"{reason}_kv").inc(len(group))
+        migrations_counter().labels(pool=PoolName.DECODE, reason=f"{reason}_kv").inc(len(group))
         for p in group:
             log.info(
                 "request %s moved from %s to %s with its KV (%d tokens, %.1f ms paused; "
@@ -396,9 +403,9 @@ class LiveMigrator:
     def _link_ahead(self, ref: WorkerRef) -> None:
         """A decode worker is live: make its channels with every live peer, both ways,
         now, so that a drain pays no set-up (`--decode-peer-channels eager`)."""
-        if ref.pool != "decode":
+        if ref.pool is not PoolName.DECODE:
             return
-        for peer in self.pools.routable("decode"):
+        for peer in self.pools.routable(PoolName.DECODE):
             if peer is not ref:
                 self.spawn(self._link_quietly(ref, peer))
                 self.spawn(self._link_quietly(peer, ref))
@@ -428,7 +435,7 @@ class LiveMigrator:
                 continue
             del self._links[key]
             peer = receiver if ref is sender else sender
-            if peer.state in ("live", "draining"):
+            if peer.state.serving:
                 self.spawn(self._disconnect(peer, ref.worker_id))
 
     async def _disconnect(self, peer: WorkerRef, gone_id: str) -> None:

@@ -23,12 +23,13 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter
 
+from engine.wire import PoolName
 from router.observability import metrics
 from router.serving.attempts import Progress, WorkerLost
 
 log = logging.getLogger(__name__)
 
-MIGRATION_POOLS = ("decode", "colocated")
+MIGRATION_POOLS = (PoolName.DECODE, PoolName.COLOCATED)
 MIGRATION_REASONS = ("worker_died", "drained", "drained_kv", "rebalanced", "rebalanced_kv")
 
 _counters: dict[int, Counter] = {}

@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -30,11 +30,9 @@ from engine.core.request import FinishReason
 from engine.core.validation import validate_prompt
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.prompt import encode_prompt
-from engine.wire import GenerationInput
+from engine.wire import POOLS, GenerationInput, PoolName
 from router.edge.streams import tokens_per_message
 from router.fleet.clients import WorkerDied
-from router.fleet.cluster import POOLS
-from router.fleet.pools import Pools, WorkerRef
 from router.observability.tracing import NO_TRACE, RequestTrace, start_request
 from router.planner.signals import ServingSignals
 from router.routing.kv_index import PrefixIndex
@@ -51,9 +49,11 @@ from router.serving.live_migration import LiveMigrator
 from router.serving.migrations import migrates, migrations_counter
 from router.serving.paths import ServingPaths
 from router.serving.protocol import GenerateCall, PoolStats, ServerInfo, server_abort
+from router.serving.workers import Pools, WorkerRef
 
 log = logging.getLogger(__name__)
 WORKER_WAIT_POLL_S = 0.05
+PAIRED_POOLS = (PoolName.PREFILL, PoolName.DECODE)
 T = TypeVar("T")
 
 
@@ -62,7 +62,7 @@ class DisaggregatedGenerator(ServingPaths):
 
     def __init__(self, pools: Pools, tokenizer: Any, config: RouterConfig | None = None) -> None:
         self.pools = pools
-        self.colocated_mode = pools.targets["colocated"] > 0
+        self.colocated_mode = pools.targets[PoolName.COLOCATED] > 0
         self.tokenizer = tokenizer
         self.config = config or RouterConfig()
         self.prefill_policy: PrefillPolicyConfig = self.config.prefill_policy
@@ -125,23 +125,23 @@ class DisaggregatedGenerator(ServingPaths):
         if not self._ready:
             return False
         if self.colocated_mode:
-            return bool(self.pools.routable("colocated"))
-        return bool(self.pools.routable("prefill")) and bool(self.pools.routable("decode"))
+            return bool(self.pools.routable(PoolName.COLOCATED))
+        return all(self.pools.routable(pool) for pool in PAIRED_POOLS)
 
     def server_info(self) -> ServerInfo:
         return ServerInfo(
             model=self.model_name,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
-            num_prefill_workers=len(self.pools.routable("prefill")),
-            num_decode_workers=len(self.pools.routable("decode")),
-            num_colocated_workers=len(self.pools.routable("colocated")),
+            num_prefill_workers=len(self.pools.routable(PoolName.PREFILL)),
+            num_decode_workers=len(self.pools.routable(PoolName.DECODE)),
+            num_colocated_workers=len(self.pools.routable(PoolName.COLOCATED)),
             max_in_flight=self.admission.max_in_flight,
             max_queue=self.admission.max_queue,
         )
 
     async def pool_stats(self) -> PoolStats:
-        refs = [w for w in self.pools.all() if w.state in ("live", "draining")]
+        refs = [w for w in self.pools.all() if w.state.serving]
         loads = await asyncio.gather(*(w.client.load() for w in refs), return_exceptions=True)
         workers = [load for load in loads if not isinstance(load, BaseException)]
         return PoolStats(tuple(workers), self.admission.num_in_flight, self.admission.num_queued)
@@ -167,7 +167,7 @@ class DisaggregatedGenerator(ServingPaths):
         task.add_done_callback(self._background.discard)
 
     async def _abort_on(self, ref: WorkerRef, req_id: str) -> None:
-        if ref.state in ("dead", "gone"):
+        if ref.state.ended:
             return
         try:
             await ref.client.abort(req_id)
@@ -176,9 +176,9 @@ class DisaggregatedGenerator(ServingPaths):
 
     async def _pick(
         self,
-        candidates: Callable[[], list[WorkerRef]],
+        candidates: Callable[[], Sequence[WorkerRef]],
         what: str,
-        route: Callable[[list[WorkerRef]], WorkerRef],
+        route: Callable[[Sequence[WorkerRef]], WorkerRef],
     ) -> WorkerRef:
         """The worker `route` picks among the candidates, waiting (not failing) while a
         whole pool is down and being replaced."""
@@ -357,10 +357,10 @@ class DisaggregatedGenerator(ServingPaths):
             self._renewing[attempt.decode_ref].discard(attempt.req_id)
         if not abort:
             return
-        pools = ["colocated"] if self.colocated_mode else ["prefill", "decode"]
+        pools = (PoolName.COLOCATED,) if self.colocated_mode else PAIRED_POOLS
         known = [r for r in (attempt.prefill_ref, attempt.decode_ref) if r is not None]
         targets = (
-            known if len(known) == len(pools) else [w for p in pools for w in self.pools.workers[p]]
+            known if len(known) == len(pools) else [w for w in self.pools.all() if w.pool in pools]
         )
         for ref in targets:
             self._spawn(self._abort_on(ref, attempt.req_id))

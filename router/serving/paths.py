@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.core.outputs import PhaseTimings, TextChunk
 from engine.core.request import FinishReason
-from engine.wire import HandoffTarget, PrefillResult, Reservation
+from engine.wire import HandoffTarget, PoolName, PrefillResult, Reservation
 from router.fleet.clients import WorkerDied
-from router.fleet.pools import Pools, WorkerRef
 from router.observability import metrics, phase_metrics
 from router.planner.signals import ServingSignals
 from router.routing.kv_index import PrefixIndex
@@ -30,6 +29,7 @@ from router.routing.worker_load import WorkerLease
 from router.serving.attempts import Attempt, Progress, WorkerLost
 from router.serving.config import RouterConfig
 from router.serving.delivery import TokenDelivery
+from router.serving.workers import Pools, WorkerRef
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ class ServingPaths:
     pools: Pools
     config: RouterConfig
     prefill_policy: PrefillPolicyConfig
-    indexes: dict[str, PrefixIndex]
+    indexes: dict[PoolName, PrefixIndex]
     delivery: TokenDelivery
     signals: ServingSignals
     block_size: int
@@ -50,9 +50,9 @@ class ServingPaths:
 
         async def _pick(
             self,
-            candidates: Callable[[], list[WorkerRef]],
+            candidates: Callable[[], Sequence[WorkerRef]],
             what: str,
-            route: Callable[[list[WorkerRef]], WorkerRef],
+            route: Callable[[Sequence[WorkerRef]], WorkerRef],
         ) -> WorkerRef: ...  # type: ignore[empty-body]
 
         async def _call(self, ref: WorkerRef, pending: Awaitable[T]) -> T: ...  # type: ignore[empty-body]
@@ -73,12 +73,12 @@ class ServingPaths:
     async def _run_colocated(
         self, attempt: Attempt, progress: Progress
     ) -> AsyncIterator[TextChunk]:
-        hashes = self.indexes["colocated"].hash_prompt(attempt.inp.prompt_token_ids)
+        hashes = self.indexes[PoolName.COLOCATED].hash_prompt(attempt.inp.prompt_token_ids)
         while True:
             ref = await self._pick(
-                lambda: self.pools.routable("colocated"),
-                "colocated",
-                route_by_cache(self.indexes["colocated"], hashes, self.config.routing),
+                lambda: self.pools.routable(PoolName.COLOCATED),
+                PoolName.COLOCATED,
+                route_by_cache(self.indexes[PoolName.COLOCATED], hashes, self.config.routing),
             )
             attempt.decode_ref = ref  # before submit: tokens may come back at once
             attempt.trace.routed(worker=ref.worker_id, policy=self.config.routing.policy)
@@ -97,11 +97,11 @@ class ServingPaths:
         self, attempt: Attempt, progress: Progress, run_locally: bool
     ) -> AsyncIterator[TextChunk]:
         inp = attempt.inp
-        hashes = self.indexes["prefill"].hash_prompt(inp.prompt_token_ids)
+        hashes = self.indexes[PoolName.PREFILL].hash_prompt(inp.prompt_token_ids)
         decode_ref = await self._pick(
-            lambda: self.pools.routable("decode"),
-            "decode",
-            route_by_cache(self.indexes["decode"], hashes, self.config.routing),
+            lambda: self.pools.routable(PoolName.DECODE),
+            PoolName.DECODE,
+            route_by_cache(self.indexes[PoolName.DECODE], hashes, self.config.routing),
         )
         attempt.decode_ref = decode_ref
         if run_locally:
@@ -113,7 +113,9 @@ class ServingPaths:
                 hashes=hashes,
                 decode_ref=decode_ref,
                 prefill_candidates=[
-                    w for w in self.pools.routable("prefill") if decode_ref.worker_id in w.peers
+                    w
+                    for w in self.pools.routable(PoolName.PREFILL)
+                    if decode_ref.worker_id in w.peers
                 ],
                 indexes=self.indexes,
                 routing=self.config.routing,
@@ -131,7 +133,7 @@ class ServingPaths:
         queued_s = progress.since_arrival()
         if prefill_ref is None:
             # Local path: the decode worker runs the prompt itself; no hand-off.
-            num_local = len(inp.prompt_token_ids) - self.indexes["decode"].num_cached_tokens(
+            num_local = len(inp.prompt_token_ids) - self.indexes[PoolName.DECODE].num_cached_tokens(
                 decode_ref.index, hashes
             )
             # A short prompt's time is mostly fixed cost: it neither prices local prefill
