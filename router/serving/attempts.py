@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from engine.core.outputs import FinalResult, PhaseTimings, Usage
 from engine.core.request import FinishReason
 from engine.frontend.output_processor import OutputProcessor
 from engine.wire import GenerationInput
-from router.observability.tracing import NO_ATTEMPT, AttemptTrace, RequestTrace
+from router.observability.tracing import NO_ATTEMPT, NO_TRACE, AttemptTrace, RequestTrace
 from router.routing.worker_load import WorkerLease
 from router.serving.inbox import UpdateInbox
 from router.serving.workers import WorkerRef
@@ -53,6 +54,7 @@ class Attempt:
 
     inp: GenerationInput
     request_id: str = ""  # what the client knows the request by (for the log)
+    number: int = 0  # of the request's attempts, from 0
     inbox: UpdateInbox = field(default_factory=UpdateInbox)
     decode_ref: WorkerRef | None = None
     prefill_ref: WorkerRef | None = None
@@ -107,6 +109,19 @@ class Progress:
         if not self.t_decoding:
             self.timings = timings
         self.t_decoding = self.t_decoding or time.perf_counter()
+
+
+@dataclass(eq=False)  # one per request, compared (and hashed) by identity
+class ClientRequest:
+    """A request as the client sent it: what the client knows it by (its own id, or the
+    one the router gave it), its validated input, its caller's trace context, and what
+    the client has seen so far."""
+
+    request_id: str
+    base: GenerationInput
+    progress: Progress
+    trace_parent: Mapping[str, str] = field(default_factory=dict)
+    trace: RequestTrace = NO_TRACE
 
 
 def continuation(base: GenerationInput, number: int, progress: Progress) -> GenerationInput:

@@ -28,6 +28,14 @@ class LeaseRenewer:
         self.renewing: dict[WorkerRef, set[str]] = defaultdict(set)
         self._task: asyncio.Task[None] | None = None
 
+    def hold(self, ref: WorkerRef, req_id: str) -> None:
+        """Renew `req_id`'s reservation on `ref` until released."""
+        self.renewing[ref].add(req_id)
+
+    def release(self, ref: WorkerRef, req_id: str) -> None:
+        """Renew it no more (the KV landed, or the attempt ended)."""
+        self.renewing[ref].discard(req_id)
+
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
 
