@@ -20,7 +20,7 @@ from pdserve.v1 import admin_pb2 as pb
 from router.edge.admin import AdminServicer
 from router.fleet.worker_state import WorkerState
 from router.observability import metrics
-from router.serving.migrations import migrations_counter
+from router.observability.serving_metrics import migrations_counter
 from tests.test_migration import _stream, _text, _token
 from tests.test_orchestrator import PROMPT, _call, _generator, _run
 

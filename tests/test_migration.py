@@ -25,7 +25,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from router.fleet.worker_state import WorkerState
 from router.observability import metrics
-from router.serving.migrations import migrations_counter
+from router.observability.serving_metrics import migrations_counter
 from router.serving.protocol import GenerateCall
 from tests.test_orchestrator import PROMPT, _call, _generator, _run, _settle
 

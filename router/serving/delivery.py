@@ -4,7 +4,8 @@ Each decode (or colocated) worker answers `next_tokens()` with every update of o
 more steps for all of its requests; the poller drops each update into its attempt's
 `UpdateInbox`, applies the worker's prefix-cache changes to the routing index, and
 records what the batch says about the worker's load (occupancy, step time, hand-off
-time) for the local-prefill decision and, as step samples, for the planner.
+time) for the local-prefill decision; its step times and the requests' phase reports go
+to the serving core's observers (the planner's signals, the phase metrics).
 
 With many streams open (`LOADED_FROM_STREAMS`) the poller hands the event loop back after
 each update that wakes a stream, so one turn of the loop runs one woken stream rather
@@ -30,9 +31,8 @@ from engine.wire import PoolName
 from router.edge.streams import AUTO_FROM_STREAMS
 from router.fleet.clients import WorkerDied
 from router.fleet.worker_state import WorkerState
-from router.observability import phase_metrics
-from router.planner.signals import ServingSignals
 from router.routing.kv_index import PrefixIndex
+from router.serving.events import BaseObserver, RequestObserver
 from router.serving.inbox import UpdateInbox
 from router.serving.workers import Pools, WorkerRef
 
@@ -52,11 +52,11 @@ class TokenDelivery:
         pools: Pools,
         indexes: dict[PoolName, PrefixIndex],
         inbox_of: Callable[[str], UpdateInbox | None],
-        signals: ServingSignals | None = None,
+        observer: RequestObserver | None = None,
         streams: Sized = (),
     ) -> None:
         self.pools = pools
-        self.signals = signals
+        self.observer = observer or BaseObserver()
         self.indexes = indexes
         self.inbox_of = inbox_of
         self.streams = streams  # the requests in flight: len() is the open streams
@@ -97,18 +97,14 @@ class TokenDelivery:
                 self.apply_kv_events(ref, batch.kv_events)
                 num_steps = max((len(u.new_token_ids) for u in batch.updates), default=0)
                 step_s = ref.load.observe_batch(num_steps, batch.stats, time.monotonic())
-                if step_s is not None and batch.stats is not None and self.signals is not None:
-                    self.signals.decode_step(
-                        batch.stats.num_running,
-                        batch.stats.num_blocks_in_use * ref.info.layout.block_size,
-                        step_s,
-                    )
+                if step_s is not None and batch.stats is not None:
+                    self.observer.decode_step(ref, batch.stats, step_s)
                 loaded = len(self.streams) >= LOADED_FROM_STREAMS
                 for update in batch.updates:
                     if update.kv_handoff_s:
                         ref.load.handoff_s.add(update.kv_handoff_s)
                     if update.phases is not None:
-                        phase_metrics.observe(ref.pool, ref.index, update.phases)
+                        self.observer.phases(ref, update.phases)
                     inbox = self.inbox_of(update.req_id)
                     if inbox is not None and inbox.put(update) and loaded:
                         await asyncio.sleep(0)  # the loop runs that stream, or takes a call

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from engine.wire import PoolName
 from router.serving.attempts import Attempt, ClientRequest, WorkerLost, continuation
+from router.serving.events import RequestObserver
 from router.serving.inbox import UpdateInbox
 from router.serving.workers import Pools, WorkerRef
 
@@ -27,11 +28,17 @@ class InFlight:
     """Every attempt in flight; `len()` is the requests streaming."""
 
     def __init__(
-        self, pools: Pools, aborts: Aborts, renewals: Renewals, colocated_mode: bool
+        self,
+        pools: Pools,
+        aborts: Aborts,
+        renewals: Renewals,
+        observer: RequestObserver,
+        colocated_mode: bool,
     ) -> None:
         self.pools = pools
         self.aborts = aborts
         self.renewals = renewals
+        self.observer = observer
         # Where an attempt's request may be: every worker of these pools, until known.
         self.pools_reached = (PoolName.COLOCATED,) if colocated_mode else PAIRED_POOLS
         self.by_id: dict[str, Attempt] = {}
@@ -52,16 +59,14 @@ class InFlight:
     def begin(self, request: ClientRequest, number: int) -> Attempt:
         """Attempt `number` of `request`: itself, or a continuation after streamed tokens."""
         progress = request.progress
-        attempt_trace = request.trace.attempt(number, progress.num_out)
-        inp = attempt_trace.bind(continuation(request.base, number, progress))
         attempt = Attempt(
-            inp,
+            continuation(request.base, number, progress),
             request.request_id,
             number=number,
-            trace=attempt_trace,
             resumes_after=progress.num_out,
         )
         self.by_id[attempt.req_id] = attempt
+        self.observer.attempt_started(request, attempt)
         return attempt
 
     def end(self, attempt: Attempt, abort: bool = True) -> None:
@@ -69,7 +74,7 @@ class InFlight:
         this may run while the request's stream closes on cancellation)."""
         if self.by_id.pop(attempt.req_id, None) is None:
             return
-        attempt.trace.end()
+        self.observer.attempt_ended(attempt)
         for lease in attempt.leases:
             lease.release()
         if attempt.decode_ref is not None:

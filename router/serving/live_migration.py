@@ -49,8 +49,8 @@ from engine.wire import (
 from router.fleet.clients import WorkerDied
 from router.serving.attempts import Attempt, WorkerLost
 from router.serving.config import RouterConfig
+from router.serving.events import RequestObserver
 from router.serving.inbox import Moved
-from router.serving.migrations import migrations_counter
 from router.serving.workers import Pools, WorkerRef
 
 log = logging.getLogger(__name__)
@@ -99,11 +99,13 @@ class LiveMigrator:
         attempts: dict[str, Attempt],
         config: RouterConfig,
         spawn: Callable[[Any], None],
+        observer: RequestObserver,
     ) -> None:
         self.pools = pools
         self.attempts = attempts
         self.config = config
         self.spawn = spawn
+        self.observer = observer  # told of the requests that moved with their KV
         # (sender, receiver) incarnations whose channel is up or being made.
         self._links: dict[tuple[str, int, str, int], _Link] = {}
         self._num_moves = 0
@@ -325,7 +327,7 @@ class LiveMigrator:
                 self._recompute(p.attempt, source, f"moving its KV failed: {exc}", reason)
             return 0
         sent_at = time.perf_counter()
-        migrations_counter().labels(pool=PoolName.DECODE, reason=f"{reason}_kv").inc(len(group))
+        self.observer.migrated(source, f"{reason}_kv", len(group))
         for p in group:
             log.info(
                 "request %s moved from %s to %s with its KV (%d tokens, %.1f ms paused; "

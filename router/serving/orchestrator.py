@@ -11,8 +11,9 @@ it touched; aborts are idempotent there.
 
 This file: the core's parts, made once and wired to the pools, and its public face (the
 edge's `Generator`, the admin API's policy, the planner's signals). One request runs in
-a `RequestRun` (router/serving/request_run.py); the rest of the serving core is
-described in docs/architecture.md.
+a `RequestRun` (router/serving/request_run.py); its events go to the core's observers
+(router/serving/events.py): tracing, metrics and the planner's signals. The rest of the
+serving core is described in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -30,7 +31,9 @@ from engine.core.validation import validate_prompt
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.prompt import encode_prompt
 from engine.wire import POOLS, GenerationInput, PoolName
-from router.planner.signals import ServingSignals
+from router.observability.serving_metrics import ServingMetrics
+from router.observability.tracing import RequestTracing
+from router.planner.signals import ServingSignals, SignalsObserver
 from router.routing.kv_index import PrefixIndex
 from router.routing.prefill_policy import PrefillPolicyConfig
 from router.serving.admission import Admission
@@ -38,10 +41,10 @@ from router.serving.attempts import ClientRequest, Progress
 from router.serving.config import RouterConfig
 from router.serving.delivery import TokenDelivery
 from router.serving.errors import NotReadyError
+from router.serving.events import Observers, RequestObserver
 from router.serving.in_flight import PAIRED_POOLS, InFlight
 from router.serving.lease_renewal import LeaseRenewer
 from router.serving.live_migration import LiveMigrator
-from router.serving.migrations import migrations_counter
 from router.serving.paths import ColocatedPath, DisaggregatedPath
 from router.serving.protocol import GenerateCall, PoolStats, ServerInfo
 from router.serving.request_run import RequestRun, ServingParts
@@ -56,7 +59,15 @@ log = logging.getLogger(__name__)
 class DisaggregatedGenerator:
     """Implements router.serving.protocol.Generator over the live pools."""
 
-    def __init__(self, pools: Pools, tokenizer: Any, config: RouterConfig | None = None) -> None:
+    def __init__(
+        self,
+        pools: Pools,
+        tokenizer: Any,
+        config: RouterConfig | None = None,
+        observers: Sequence[RequestObserver] | None = None,
+    ) -> None:
+        """`observers` hear every request's events besides the planner's signals (None:
+        tracing and metrics)."""
         self.pools = pools
         self.colocated_mode = pools.targets[PoolName.COLOCATED] > 0
         self.tokenizer = tokenizer
@@ -70,27 +81,31 @@ class DisaggregatedGenerator:
         )
         # What the planner reads: traffic, first tokens, worker speeds (cheap when unread).
         self.signals = ServingSignals()
+        if observers is None:
+            observers = (RequestTracing(), ServingMetrics())
+        self.observer = Observers((*observers, SignalsObserver(self.signals)))
         self._ready = False
         self._shutting_down = False
         self._limits_from(pools)
         self.calls = WorkerCalls(pools)
         self.leases = LeaseRenewer(pools, config.lease_s, self.calls.spawn)
-        self.in_flight = InFlight(pools, self.calls, self.leases, self.colocated_mode)
+        self.in_flight = InFlight(
+            pools, self.calls, self.leases, self.observer, self.colocated_mode
+        )
         pools.on_death.append(self.in_flight.on_worker_death)
         # Which prompt prefixes each worker's cache holds, fed by the workers' KV events.
         self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
         pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
         self.delivery = TokenDelivery(
-            pools, self.indexes, self.in_flight.inbox_of, self.signals, self.in_flight
+            pools, self.indexes, self.in_flight.inbox_of, self.observer, self.in_flight
         )
         # A worker that goes live (a replacement, a scale-up) is followed at once: a
         # request waiting for it is submitted there with no other traffic due.
         pools.on_live.append(self.delivery.follow)
-        migrations_counter()  # on /metrics from the start, at zero
         self.live_migration = (
             None
             if self.colocated_mode
-            else LiveMigrator(pools, self.in_flight.by_id, config, self.calls.spawn)
+            else LiveMigrator(pools, self.in_flight.by_id, config, self.calls.spawn, self.observer)
         )
         self.parts = self._parts()
 
@@ -113,19 +128,19 @@ class DisaggregatedGenerator:
         )
         path: ColocatedPath | DisaggregatedPath
         if self.colocated_mode:
-            path = ColocatedPath(choice, self.calls)
+            path = ColocatedPath(choice, self.calls, self.observer)
         else:
             path = DisaggregatedPath(
-                choice, self.calls, self.delivery, self.leases, config, self.signals
+                choice, self.calls, self.delivery, self.leases, self.observer, config
             )
         return ServingParts(
             intake=self._intake,
             admission=self.admission,
             attempts=self.in_flight,
             path=path,
-            streamer=ChunkStream(config, self.calls, self.leases, self.in_flight, self.signals),
+            streamer=ChunkStream(config, self.calls, self.leases, self.in_flight, self.observer),
             delivery=self.delivery,
-            signals=self.signals,
+            observer=self.observer,
             config=config,
             shutting_down=lambda: self._shutting_down,
         )

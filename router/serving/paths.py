@@ -9,8 +9,8 @@
   prompt waits or runs, so a long prefill queue never expires it.
 
 Each path is handed what it uses: where workers are chosen (`Placement`), how they are
-called (`Calls`), and for the disaggregated one where a prefill's KV events go and which
-reservations are renewed.
+called (`Calls`), who hears where the attempt went (`RequestObserver`), and for the
+disaggregated one where a prefill's KV events go and which reservations are renewed.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from engine.core.outputs import PhaseTimings
 from engine.core.request import FinishReason
 from engine.wire import GenerationInput, HandoffTarget, PoolName, PrefillResult, Reservation
 from router.fleet.clients import WorkerDied
-from router.observability import metrics, phase_metrics
-from router.planner.signals import ServingSignals
 from router.routing.prefill_policy import PathDecision
 from router.serving.attempts import Attempt, ClientRequest, WorkerLost
 from router.serving.config import RouterConfig
+from router.serving.events import ColocatedRoute, DisaggregatedRoute, PrefillReply, RequestObserver
 from router.serving.streaming import Started
 from router.serving.workers import WorkerRef
 
@@ -65,16 +64,19 @@ class Renewals(Protocol):
 class ColocatedPath:
     """The request runs whole on one colocated replica."""
 
-    def __init__(self, placement: Placement, calls: Calls) -> None:
+    def __init__(self, placement: Placement, calls: Calls, observer: RequestObserver) -> None:
         self.placement = placement
         self.calls = calls
+        self.observer = observer
 
     async def start(self, request: ClientRequest, attempt: Attempt, run_locally: bool) -> Started:
         hashes = self.placement.hash_prompt(PoolName.COLOCATED, attempt.inp.prompt_token_ids)
         while True:
             ref = await self.placement.token_worker(PoolName.COLOCATED, hashes)
             attempt.decode_ref = ref  # before submit: tokens may come back at once
-            attempt.trace.routed(worker=ref.worker_id, policy=self.placement.routing_policy)
+            self.observer.routed(
+                attempt, ColocatedRoute(ref.worker_id, self.placement.routing_policy)
+            )
             attempt.leases.append(ref.load.lease())
             try:
                 await ref.client.submit(attempt.inp)
@@ -96,15 +98,15 @@ class DisaggregatedPath:
         calls: Calls,
         kv_events: KVEventSink,
         renewals: Renewals,
+        observer: RequestObserver,
         config: RouterConfig,
-        signals: ServingSignals,
     ) -> None:
         self.placement = placement
         self.calls = calls
         self.kv_events = kv_events
         self.renewals = renewals
+        self.observer = observer
         self.config = config
-        self.signals = signals
 
     async def start(self, request: ClientRequest, attempt: Attempt, run_locally: bool) -> Started:
         inp = attempt.inp
@@ -114,17 +116,26 @@ class DisaggregatedPath:
         decision, prefill_ref, num_uncached = self.placement.prompt_path(
             inp, hashes, decode_ref, run_locally
         )
-        metrics.prefill_path(decision.path, decision.reason)
-        attempt.trace.routed(
+        queued_s = request.progress.since_arrival()
+        if prefill_ref is None:
+            num_placed = len(inp.prompt_token_ids) - self.placement.num_cached(decode_ref, hashes)
+            # A short prompt's time is mostly fixed cost: it neither prices local prefill
+            # nor counts as prefill work for the planner.
+            prefill_work = decision.reason != "short_prompt"
+        else:
+            num_placed, prefill_work = num_uncached, True
+        route = DisaggregatedRoute(
             decode_worker=decode_ref.worker_id,
             prefill_worker=prefill_ref.worker_id if prefill_ref is not None else "",
             path=decision.path,
             reason=decision.reason,
             uncached_tokens=num_uncached,
+            placed_tokens=num_placed,
+            prefill_work=prefill_work,
         )
-        queued_s = request.progress.since_arrival()
+        self.observer.routed(attempt, route)
         if prefill_ref is None:
-            return await self._local(request, attempt, decode_ref, decision, hashes, queued_s)
+            return await self._local(request, attempt, decode_ref, route, queued_s)
         return await self._remote(request, attempt, decode_ref, prefill_ref, num_uncached, queued_s)
 
     async def _local(
@@ -132,20 +143,12 @@ class DisaggregatedPath:
         request: ClientRequest,
         attempt: Attempt,
         decode_ref: WorkerRef,
-        decision: PathDecision,
-        hashes: list[int],
+        route: DisaggregatedRoute,
         queued_s: float,
     ) -> Started:
         """The decode worker runs the prompt itself; no hand-off."""
-        num_local = len(attempt.inp.prompt_token_ids) - self.placement.num_cached(
-            decode_ref, hashes
-        )
-        # A short prompt's time is mostly fixed cost: it neither prices local prefill
-        # nor counts as prefill work for the planner.
-        prefill_work = decision.reason != "short_prompt"
-        local = decode_ref.load.lease(num_local, prices_local_prefill=prefill_work)
+        local = decode_ref.load.lease(route.placed_tokens, prices_local_prefill=route.prefill_work)
         attempt.leases.append(local)
-        self.signals.prompt_placed(num_local, prefill_work=prefill_work)
         await self.calls.call(decode_ref, decode_ref.client.submit(attempt.inp))
         request.progress.mark_decoding(PhaseTimings(queued_s, local_prefill=True))
         return Started(local=local)
@@ -162,21 +165,15 @@ class DisaggregatedPath:
         """The prefill worker runs the prompt and hands the KV to the decode worker."""
         attempt.leases.append(decode_ref.load.lease())
         attempt.prefill_ref = prefill_ref
-        self.signals.prompt_placed(num_uncached, prefill_work=True)
         result, reservation = await self._prefill(attempt, decode_ref, prefill_ref, num_uncached)
-        attempt.trace.prefilled(prefill_ref.worker_id, result)
-        phase_metrics.observe(prefill_ref.pool, prefill_ref.index, result.phases)
         self.kv_events.apply_kv_events(prefill_ref, result.kv_events)
         progress = request.progress
         progress.mark_decoding(PhaseTimings(queued_s, result.prefill_s))
         progress.note_cached(attempt, result.num_cached_tokens)
         if result.finish_reason is FinishReason.ERROR:
-            metrics.kv_transfer_failed()
             raise WorkerLost(result.error, run_locally=True)  # nothing was sent
         if result.finish_reason is FinishReason.ABORT:
             raise RuntimeError("prefill worker aborted the request")
-        if result.transfer_bytes:
-            metrics.observe_kv_transfer(result.transfer_bytes)
         if result.finish_reason is not None:  # the first token ended it: free the reservation
             self.calls.abort(decode_ref, attempt.req_id)
         elif reservation is None:
@@ -221,7 +218,6 @@ class DisaggregatedPath:
         load.prefill_rate.observe(
             num_uncached, result.prefill_s, time.monotonic(), load.busy_since, lease.was_idle
         )
-        self.signals.prefill_reply(
-            prefill_ref.worker_id, num_uncached, result.prefill_s, load.busy_since, lease.was_idle
-        )
+        reply = PrefillReply(prefill_ref, result, num_uncached, load.busy_since, lease.was_idle)
+        self.observer.prefilled(attempt, reply)  # as it came: the reservation may be later
         return result, await reserving

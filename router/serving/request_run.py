@@ -5,7 +5,8 @@ attempt is started by the serving path (router/serving/paths.py) and streamed
 (router/serving/streaming.py). An attempt that is lost (`WorkerLost`) is followed by
 the next: after streamed tokens a migration or a resume, else a retry on other workers,
 until the attempts or migrations are spent. Whatever ends the request (its end, a
-server abort, an error, a refusal, the client leaving), it ends here, once.
+server abort, an error, a refusal, the client leaving), it ends here, once. Each step is
+an event for the serving core's observers (router/serving/events.py).
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from typing import Protocol
 
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
-from router.observability.tracing import start_request
-from router.planner.signals import ServingSignals
 from router.serving.attempts import Attempt, ClientRequest, WorkerLost, final_result
 from router.serving.config import RouterConfig
 from router.serving.errors import NotReadyError, QueueFullError
+from router.serving.events import RequestObserver
 from router.serving.migrations import migrates
 from router.serving.protocol import GenerateCall, server_abort
 from router.serving.streaming import Started
@@ -67,7 +67,7 @@ class ServingParts:
     path: Path
     streamer: Streamer
     delivery: Followers
-    signals: ServingSignals
+    observer: RequestObserver
     config: RouterConfig
     shutting_down: Callable[[], bool]
 
@@ -86,14 +86,11 @@ class RequestRun:
     async def outputs(self) -> AsyncIterator[TextChunk | FinalResult]:
         parts = self.parts
         request = self.request = parts.intake(self.call)
-        progress = request.progress
-        parts.signals.request_arrived(request)
-        request.trace = start_request(
-            request.trace_parent, request.request_id, progress.arrival, request.base.priority
-        )
+        events = parts.observer
+        events.arrived(request)
         try:
             async with parts.admission.slot(priority=request.base.priority):
-                request.trace.admitted()
+                events.admitted(request)
                 for number in itertools.count():
                     attempt = self._begin(number)
                     try:
@@ -117,7 +114,7 @@ class RequestRun:
         except (QueueFullError, NotReadyError) as exc:
             self.finished = True  # refused at the door: nothing to abort, not a cancellation
             log.info("request %s refused: %s", request.request_id, exc)
-            request.trace.finish(None, None, f"refused: {exc}")
+            events.ended(request, None, f"refused: {exc}")
             raise
         except Exception as exc:  # noqa: BLE001 - becomes this request's terminal message
             log.error("request %s failed: %s", request.request_id, exc)
@@ -135,36 +132,33 @@ class RequestRun:
     def _completed(self) -> FinalResult:
         """The stream ran to the request's end."""
         self.finished = True
-        request, progress = self.request, self.request.progress
-        self.parts.signals.request_ended(
-            request, progress.num_out, progress.tpot_s(), completed=True
-        )
-        return final_result(
-            request.request_id, request.base, progress, progress.finish_reason, trace=request.trace
-        )
+        result = final_result(self.request, self.request.progress.finish_reason)
+        self.parts.observer.finished(self.request, result)
+        return result
 
     def _ended(self, reason: FinishReason, error: str) -> FinalResult:
         """The request ends before its stream did: its final message says why."""
         self.finished = True
         if self.attempt is not None:
             self.parts.attempts.end(self.attempt)
-        request = self.request
-        return final_result(
-            request.request_id, request.base, request.progress, reason, error, request.trace
-        )
+        result = final_result(self.request, reason, error)
+        self.parts.observer.ended(self.request, result, "")
+        return result
 
     async def _after_loss(self, attempt: Attempt, exc: WorkerLost) -> FinalResult | None:
         """An attempt was lost: the request's final message when it may not go on (the
         service is going down); None when the next attempt continues it. Raises when the
         attempts or migrations are spent."""
         request, progress, config = self.request, self.request.progress, self.parts.config
-        attempt.trace.lost(str(exc), resumed=bool(progress.num_out))
+        self.parts.observer.lost(request, attempt, exc)
         self.parts.attempts.end(attempt)
         if self.parts.shutting_down():
             log.info("request %s ends with the service: %s", request.request_id, exc)
             return self._ended(FinishReason.ABORT, f"server shutting down: {exc}")
         self.run_locally = exc.run_locally
-        if migrates(request.request_id, exc, progress, config.max_migrations):
+        source = migrates(request.request_id, exc, progress, config.max_migrations)
+        if source is not None:
+            self.parts.observer.migrated(source, exc.why, 1)
             return None  # straight on: the client is waiting mid-stream
         self.num_failed += 1
         if self.num_failed >= config.max_attempts:
@@ -186,17 +180,11 @@ class RequestRun:
     def _close(self) -> None:
         """However the request ended: its last attempt is over (and aborted everywhere
         unless the request finished), and a request that was not is cancelled."""
-        request, progress = self.request, self.request.progress
+        request = self.request
         if self.attempt is not None:
             self.parts.attempts.end(self.attempt, abort=not self.finished)
-        self.parts.signals.request_ended(request, progress.num_out, None, completed=False)
         if not self.finished:
-            trace_id = request.trace.trace_id
-            traced = f" trace={trace_id}" if trace_id else ""
-            log.info(
-                "request %s cancelled after %d tokens%s",
-                request.request_id,
-                progress.num_out,
-                traced,
-            )
-        request.trace.finish(None, progress.t_first, "cancelled")  # unless it finished
+            traced = f" trace={request.trace_id}" if request.trace_id else ""
+            num_out = request.progress.num_out
+            log.info("request %s cancelled after %d tokens%s", request.request_id, num_out, traced)
+            self.parts.observer.ended(request, None, "cancelled")

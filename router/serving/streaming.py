@@ -18,10 +18,10 @@ from typing import Protocol
 from engine.core.outputs import TextChunk
 from engine.core.request import FinishReason
 from router.edge.streams import tokens_per_message
-from router.planner.signals import ServingSignals
 from router.routing.worker_load import WorkerLease
 from router.serving.attempts import Attempt, ClientRequest, WorkerLost
 from router.serving.config import RouterConfig
+from router.serving.events import RequestObserver
 from router.serving.inbox import Moved
 from router.serving.workers import WorkerRef
 
@@ -55,13 +55,13 @@ class ChunkStream:
         aborts: Aborts,
         renewals: Renewals,
         open_streams: Sized,
-        signals: ServingSignals,
+        observer: RequestObserver,
     ) -> None:
         self.config = config
         self.aborts = aborts
         self.renewals = renewals
         self.open_streams = open_streams
-        self.signals = signals
+        self.observer = observer
 
     async def stream(
         self, request: ClientRequest, attempt: Attempt, start: Started
@@ -75,7 +75,7 @@ class ChunkStream:
                 progress.token_ids += chunk.token_ids
                 if progress.t_first is None:
                     progress.t_first = time.perf_counter()
-                    self.signals.first_token(request, progress.t_first - progress.arrival)
+                    self.observer.first_token(request)
                 yield chunk
             if finish is not None:
                 if reason is None and attempt.decode_ref is not None:
