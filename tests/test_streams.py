@@ -18,7 +18,12 @@ from pdserve.v1 import generation_pb2 as pb
 from router.cli.client import stream_generate
 from router.edge.grpc_server import GrpcServer
 from router.edge.servicer import _final_from_core
-from router.edge.streams import check_stream_interval, close_stream, tokens_per_message
+from router.edge.streams import (
+    StreamInterval,
+    check_stream_interval,
+    close_stream,
+    tokens_per_message,
+)
 from router.serving.config import RouterConfig
 from router.serving.orchestrator import DisaggregatedGenerator
 from router.serving.protocol import GenerateCall, ServerAbort
@@ -26,13 +31,13 @@ from router.serving.protocol import GenerateCall, ServerAbort
 PROMPT = list(range(100, 164))  # above the short-prompt threshold: prefilled remotely
 
 
-async def _messages(interval: int | str) -> tuple[list[pb.GenerateResponse], FakePools]:
+async def _messages(interval: StreamInterval) -> tuple[list[pb.GenerateResponse], FakePools]:
     """One 10-token request through the gRPC edge over the serving core and fake pools."""
     pools = FakePools(1, 1)
     core = DisaggregatedGenerator(
         pools,
         WordTokenizer(),
-        RouterConfig(retry_delay_s=0.0, stream_interval=interval),  # type: ignore[arg-type]
+        RouterConfig(retry_delay_s=0.0, stream_interval=interval),
     )
     core.start()
     server = GrpcServer(core, host="127.0.0.1", port=0, drain_grace_s=2.0)
