@@ -5,23 +5,14 @@ request on every worker it may have reached)."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from engine.wire import PoolName
 from router.serving.attempts import Attempt, ClientRequest, WorkerLost, continuation
 from router.serving.events import RequestObserver
 from router.serving.inbox import UpdateInbox
+from router.serving.interfaces import Aborts, Renewals
 from router.serving.workers import Pools, WorkerRef
 
 PAIRED_POOLS = (PoolName.PREFILL, PoolName.DECODE)
-
-
-class Aborts(Protocol):
-    def abort(self, ref: WorkerRef, req_id: str) -> None: ...
-
-
-class Renewals(Protocol):
-    def release(self, ref: WorkerRef, req_id: str) -> None: ...
 
 
 class InFlight:

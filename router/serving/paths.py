@@ -17,48 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Sequence
-from typing import Protocol, TypeVar
 
-from engine.core.kv_events import KVEvents
 from engine.core.outputs import PhaseTimings
 from engine.core.request import FinishReason
-from engine.wire import GenerationInput, HandoffTarget, PoolName, PrefillResult, Reservation
+from engine.wire import HandoffTarget, PoolName, PrefillResult, Reservation
 from router.fleet.clients import WorkerDied
-from router.routing.prefill_policy import PathDecision
 from router.serving.attempts import Attempt, ClientRequest, WorkerLost
 from router.serving.config import RouterConfig
 from router.serving.events import ColocatedRoute, DisaggregatedRoute, PrefillReply, RequestObserver
-from router.serving.streaming import Started
+from router.serving.interfaces import Calls, KVEventSink, Placement, Renewals, Started
 from router.serving.workers import WorkerRef
-
-T = TypeVar("T")
-
-
-class Placement(Protocol):
-    @property
-    def routing_policy(self) -> str: ...
-    def hash_prompt(self, pool: PoolName, token_ids: Sequence[int]) -> list[int]: ...
-    def num_cached(self, ref: WorkerRef, hashes: list[int]) -> int: ...
-    async def token_worker(self, pool: PoolName, hashes: list[int]) -> WorkerRef: ...
-    def prompt_path(
-        self, inp: GenerationInput, hashes: list[int], decode_ref: WorkerRef, run_locally: bool
-    ) -> tuple[PathDecision, WorkerRef | None, int]: ...
-
-
-class Calls(Protocol):
-    async def call(self, ref: WorkerRef, pending: Awaitable[T]) -> T: ...
-    def abort(self, ref: WorkerRef, req_id: str) -> None: ...
-    def died(self, ref: WorkerRef, exc: WorkerDied) -> str: ...
-
-
-class KVEventSink(Protocol):
-    def apply_kv_events(self, ref: WorkerRef, batches: tuple[KVEvents, ...]) -> None: ...
-
-
-class Renewals(Protocol):
-    def hold(self, ref: WorkerRef, req_id: str) -> None: ...
-    def release(self, ref: WorkerRef, req_id: str) -> None: ...
 
 
 class ColocatedPath:

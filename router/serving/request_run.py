@@ -15,9 +15,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Protocol
 
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
@@ -25,36 +23,11 @@ from router.serving.attempts import Attempt, ClientRequest, WorkerLost, final_re
 from router.serving.config import RouterConfig
 from router.serving.errors import NotReadyError, QueueFullError
 from router.serving.events import RequestObserver
+from router.serving.interfaces import AttemptBook, Followers, Path, Slots, Streamer
 from router.serving.migrations import migrates
 from router.serving.protocol import GenerateCall, server_abort
-from router.serving.streaming import Started
 
 log = logging.getLogger(__name__)
-
-
-class Slots(Protocol):
-    def slot(self, priority: int = 0) -> AbstractAsyncContextManager[None]: ...
-
-
-class AttemptBook(Protocol):
-    def begin(self, request: ClientRequest, number: int) -> Attempt: ...
-    def end(self, attempt: Attempt, abort: bool = True) -> None: ...
-
-
-class Path(Protocol):
-    async def start(
-        self, request: ClientRequest, attempt: Attempt, run_locally: bool
-    ) -> Started: ...
-
-
-class Streamer(Protocol):
-    def stream(
-        self, request: ClientRequest, attempt: Attempt, start: Started
-    ) -> AsyncIterator[TextChunk]: ...
-
-
-class Followers(Protocol):
-    def ensure_pollers(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -74,6 +47,8 @@ class ServingParts:
 
 class RequestRun:
     """One request; `outputs()` streams its chunks, then exactly one FinalResult."""
+
+    request: ClientRequest  # what the intake made of the call, as the run starts
 
     def __init__(self, call: GenerateCall, parts: ServingParts) -> None:
         self.call = call

@@ -12,37 +12,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sized
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import replace
 
 from engine.core.outputs import TextChunk
 from engine.core.request import FinishReason
 from router.edge.streams import tokens_per_message
-from router.routing.worker_load import WorkerLease
 from router.serving.attempts import Attempt, ClientRequest, WorkerLost
 from router.serving.config import RouterConfig
 from router.serving.events import RequestObserver
 from router.serving.inbox import Moved
-from router.serving.workers import WorkerRef
-
-
-@dataclass(frozen=True)
-class Started:
-    """How an attempt's stream begins: the tokens its path already has (a prefill's first
-    token) and their finish, and the lease of a prompt run on its decode worker (the
-    stream reads the prompt's compute time off the first token's update)."""
-
-    tokens: tuple[int, ...] = ()
-    finish_reason: FinishReason | None = None
-    local: WorkerLease | None = None
-
-
-class Aborts(Protocol):
-    def abort(self, ref: WorkerRef, req_id: str) -> None: ...
-
-
-class Renewals(Protocol):
-    def release(self, ref: WorkerRef, req_id: str) -> None: ...
+from router.serving.interfaces import Aborts, Renewals, Started
 
 
 class ChunkStream:
