@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from engine.core.request import FinishReason
 from engine.wire import (
@@ -39,6 +39,8 @@ from engine.wire import (
 from engine.worker.contract import WorkerCalls
 from router.fleet.clients import WorkerDied
 from router.fleet.worker_ref import WorkerRef
+from router.fleet.worker_state import WorkerState
+from router.serving import workers
 
 EPOCH = 5
 NUM_BLOCKS = 1024
@@ -365,9 +367,7 @@ class FakeWorker:
     def _stats(self) -> WorkerStats:
         pool, _, index = self.worker_id.partition("-")
         held = len(self.reserved) + len(self.running)
-        return WorkerStats(
-            cast(PoolName, pool), int(index), NUM_BLOCKS, held, len(self.running), 0, 0, 0
-        )
+        return WorkerStats(PoolName(pool), int(index), NUM_BLOCKS, held, len(self.running), 0, 0, 0)
 
     @property
     def holds_nothing(self) -> bool:
@@ -379,7 +379,8 @@ _ANSWERS: type[WorkerCalls] = FakeWorker
 
 
 class FakePools:
-    """The slice of router.fleet.pools.Pools the serving core uses, over fake workers."""
+    """The pools as the serving core sees them (router.serving.workers.Pools), over fake
+    workers."""
 
     def __init__(
         self,
@@ -390,13 +391,17 @@ class FakePools:
         steps_by_clock: bool = False,
         speed: EngineSpeed | None = None,
     ) -> None:
-        sizes = {"prefill": num_prefill, "decode": num_decode, "colocated": num_colocated}
-        self.targets = dict(sizes)
+        sizes = {
+            PoolName.PREFILL: num_prefill,
+            PoolName.DECODE: num_decode,
+            PoolName.COLOCATED: num_colocated,
+        }
+        self.targets: dict[str, int] = {pool: size for pool, size in sizes.items()}
         self.cluster = type("Cluster", (), {"use_gpus": False})()
-        self.on_death: list[Any] = []
-        self.on_removed: list[Any] = []
-        self.on_live: list[Any] = []
-        self.drain_hooks: list[Any] = []
+        self.on_death: list[Callable[[workers.WorkerRef, str], None]] = []
+        self.on_removed: list[Callable[[workers.WorkerRef], None]] = []
+        self.on_live: list[Callable[[workers.WorkerRef], None]] = []
+        self.drain_hooks: list[Callable[[workers.WorkerRef], Awaitable[None]]] = []
         self.fakes: dict[str, FakeWorker] = {}
         self.step_s, self.steps_by_clock = step_s, steps_by_clock
         self.speed = speed  # what each worker reports its warm-up measured (None: nothing)
@@ -404,13 +409,13 @@ class FakePools:
         for pool, size in sizes.items():
             for index in range(size):
                 self.workers[pool].append(self._new_worker(pool, index, EPOCH))
-        decode_ids = [w.worker_id for w in self.workers["decode"]]
-        for ref in self.workers["prefill"] + self.workers["decode"]:
-            if ref.pool == "prefill":
+        decode_ids = [w.worker_id for w in self.workers[PoolName.DECODE]]
+        for ref in self.workers[PoolName.PREFILL] + self.workers[PoolName.DECODE]:
+            if ref.pool is PoolName.PREFILL:
                 ref.peers.update(decode_ids)
             self.fakes[ref.worker_id].peers = {d: self.fakes[d] for d in decode_ids}
 
-    def _new_worker(self, pool: str, index: int, epoch: int) -> WorkerRef:
+    def _new_worker(self, pool: PoolName, index: int, epoch: int) -> WorkerRef:
         worker_id = f"{pool}-{index}"
         fake = FakeWorker(worker_id, step_s=self.step_s, steps_by_clock=self.steps_by_clock)
         self.fakes[worker_id] = fake
@@ -430,19 +435,21 @@ class FakePools:
             callback(old)
         ref = self._new_worker(old.pool, old.index, old.info.epoch + 1)
         self.workers[old.pool].append(ref)
-        if ref.pool == "decode":
+        if ref.pool is PoolName.DECODE:
             fake = self.fakes[worker_id]
-            fake.peers = {d.worker_id: self.fakes[d.worker_id] for d in self.workers["decode"]}
+            fake.peers = {
+                d.worker_id: self.fakes[d.worker_id] for d in self.workers[PoolName.DECODE]
+            }
             for other in self.fakes.values():
                 if worker_id in other.peers:
                     other.peers[worker_id] = fake
-            for prefill in self.workers["prefill"]:
+            for prefill in self.workers[PoolName.PREFILL]:
                 prefill.peers.add(worker_id)
                 ref.peers.add(prefill.worker_id)
         self.announce_live(worker_id)
         return ref
 
-    def routable(self, pool: str) -> list[WorkerRef]:
+    def routable(self, pool: PoolName) -> list[WorkerRef]:
         return [w for w in self.workers[pool] if w.alive]
 
     def all(self) -> list[WorkerRef]:
@@ -455,7 +462,7 @@ class FakePools:
     def reference(self) -> WorkerInfo | None:
         return self.all()[0].info
 
-    def channel_spec(self, sender: WorkerRef, receiver: WorkerRef) -> ChannelSpec:
+    def channel_spec(self, sender: workers.WorkerRef, receiver: workers.WorkerRef) -> ChannelSpec:
         return ChannelSpec("127.0.0.1", 0, sender.worker_id, EPOCH, receiver.worker_id, EPOCH)
 
     def announce_live(self, worker_id: str) -> None:
@@ -467,18 +474,19 @@ class FakePools:
     async def drain(self, worker_id: str) -> None:
         """As router.fleet.pools.Pools.drain: no new work, the hooks, then wait until empty."""
         ref = next(w for w in self.all() if w.worker_id == worker_id)
-        ref.state = "draining"
+        ref.state = WorkerState.DRAINING
         for hook in self.drain_hooks:
             await hook(ref)
         while ref.num_assigned:
             await asyncio.sleep(0.001)
-        ref.state = "gone"
+        ref.state = WorkerState.GONE
         for callback in self.on_removed:
             callback(ref)
 
-    def mark_dead(self, ref: WorkerRef, reason: str) -> None:
-        if ref.state == "dead":
+    def mark_dead(self, ref: workers.WorkerRef, reason: str) -> None:
+        assert isinstance(ref, WorkerRef)  # one of these pools' own
+        if ref.state is WorkerState.DEAD:
             return
-        ref.state = "dead"
+        ref.state = WorkerState.DEAD
         for callback in self.on_death:
             callback(ref, reason)

@@ -81,7 +81,7 @@ def _serve(
             table = AdmissionTable(table_path, size)
             admission = SharedAdmission(table, index, MAX_IN_FLIGHT, 1024)
         core = DisaggregatedGenerator(
-            pools,  # type: ignore[arg-type]
+            pools,
             tokenizer,
             RouterConfig(
                 max_in_flight=MAX_IN_FLIGHT, local_prefill_max_tokens=0, stream_interval=interval
@@ -97,7 +97,7 @@ def _serve(
 
         asyncio.ensure_future(stop_when_done())
         await serve(
-            core,  # type: ignore[arg-type]
+            core,
             "127.0.0.1",
             port,
             drain_grace_s=1.0,

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.core.outputs import FinalResult, PhaseTimings, TextChunk, Usage
 from engine.core.request import FinishReason
-from engine.wire import WorkerStats
+from engine.wire import PoolName, WorkerStats
 from pdserve.v1 import generation_pb2 as pb
 from router.cli.client import stream_generate
 from router.edge.grpc_server import GrpcServer
@@ -97,7 +97,7 @@ class FakeCore:
         return ServerInfo("fake-model", MAX_MODEL_LEN, 16, 1, 2, 8, 32, num_colocated_workers=3)
 
     async def pool_stats(self) -> PoolStats:
-        worker = WorkerStats("decode", 1, 100, 7, 1, 0, 32, 64)
+        worker = WorkerStats(PoolName.DECODE, 1, 100, 7, 1, 0, 32, 64)
         return PoolStats(workers=(worker,), num_in_flight=1, num_queued=0)
 
     def is_ready(self) -> bool:

@@ -39,7 +39,15 @@ def test_each_worker_kind_answers_its_own_verbs(
 
 def test_the_kinds_verbs() -> None:
     assert {"prefill", "abort", "load", "connect", "disconnect"} == PREFILL_VERBS
-    assert {"submit", "next_tokens", "abort", "load", "locate", "adopt", "let_go"} == COLOCATED_VERBS
+    assert {
+        "submit",
+        "next_tokens",
+        "abort",
+        "load",
+        "locate",
+        "adopt",
+        "let_go",
+    } == COLOCATED_VERBS
     assert COLOCATED_VERBS < DECODE_VERBS
     assert "prefill" not in DECODE_VERBS
     assert PREFILL_VERBS | DECODE_VERBS == WORKER_VERBS

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from engine.wire import TokenBatch, TokenUpdate
+from bench.fake_workers import FakePools
+from engine.wire import PoolName, TokenBatch, TokenUpdate
+from router.fleet.worker_state import WorkerState
 from router.routing.worker_load import WorkerLoad
 from router.serving.delivery import LOADED_FROM_STREAMS, TokenDelivery
 from router.serving.inbox import UpdateInbox
@@ -19,15 +21,15 @@ class _Client:
     async def next_tokens(self) -> TokenBatch:
         batch, self._batch = self._batch, TokenBatch(())
         if not batch.updates:
-            self._ref.state = "gone"  # the second poll: the worker left, the poller ends
+            self._ref.state = WorkerState.GONE  # the second poll: the worker left, the poller ends
         return batch
 
 
 class _Ref:
-    pool, index = "decode", 0
+    pool, index = PoolName.DECODE, 0
 
     def __init__(self, batch: TokenBatch) -> None:
-        self.state = "live"
+        self.state = WorkerState.LIVE
         self.load = WorkerLoad()
         self.client = _Client(self, batch)
 
@@ -52,7 +54,7 @@ def _order_of_events(num_streams: int) -> list[str]:
         readers = [asyncio.ensure_future(stream(inbox)) for inbox in inboxes.values()]
         await asyncio.sleep(0)  # every stream waits on its inbox
         ref = _Ref(TokenBatch(tuple(TokenUpdate(req_id, (7,)) for req_id in inboxes)))
-        delivery = TokenDelivery(None, {}, inboxes.get, streams=inboxes)  # type: ignore[arg-type]
+        delivery = TokenDelivery(FakePools(0, 0), {}, inboxes.get, streams=inboxes)
         await delivery._poll(ref)  # type: ignore[arg-type]
         await asyncio.gather(*readers)
 

@@ -18,8 +18,9 @@ from bench.harness.polling import wait_until_async
 from engine.core.request import FinishReason
 from pdserve.v1 import admin_pb2 as pb
 from router.edge.admin import AdminServicer
+from router.fleet.worker_state import WorkerState
 from router.observability import metrics
-from router.serving.migrations import migrations_counter
+from router.observability.serving_metrics import migrations_counter
 from tests.test_migration import _stream, _text, _token
 from tests.test_orchestrator import PROMPT, _call, _generator, _run
 
@@ -45,14 +46,14 @@ async def _under_way(pools: FakePools, n: int, worker: str, max_tokens: int, **k
     gen = _generator(pools)
     for ref in pools.workers["decode"]:
         if ref.worker_id != worker:
-            ref.state = "starting"
+            ref.state = WorkerState.STARTING
     tasks = [
         asyncio.ensure_future(_stream(gen, _call(max_tokens=max_tokens, **kw))) for _ in range(n)
     ]
     while len(pools.fakes[worker].running) < n:
         await asyncio.sleep(0.001)
     for ref in pools.workers["decode"]:
-        ref.state = "live"
+        ref.state = WorkerState.LIVE
     return gen, tasks
 
 
@@ -103,11 +104,11 @@ def test_the_log_names_a_moved_request_by_the_clients_request_id(
     async def body() -> None:
         pools = FakePools(1, 2, step_s=0.005)
         gen = _generator(pools)
-        pools.workers["decode"][1].state = "starting"
+        pools.workers["decode"][1].state = WorkerState.STARTING
         calls = [replace(_call(max_tokens=200), request_id=f"client-{n}") for n in range(2)]
         tasks = [asyncio.ensure_future(_stream(gen, call)) for call in calls[:1]]
         await wait_until_async(lambda: pools.fakes["decode-0"].running, 5, what="running")
-        pools.workers["decode"][1].state = "live"
+        pools.workers["decode"][1].state = WorkerState.LIVE
         await pools.drain("decode-0")
         tasks.append(asyncio.ensure_future(_stream(gen, calls[1])))
         await wait_until_async(lambda: len(pools.fakes["decode-1"].running) == 2, 5, what="2")
@@ -204,10 +205,10 @@ def test_eager_peer_channels_are_up_before_a_drain_which_then_makes_none() -> No
         await wait_until_async(lambda: _connects(pools) == {"decode-0": 2, "decode-1": 2}, 5)
         pools.announce_live("decode-1")  # announced again: its channels exist, none is made
         other = pools.workers["decode"][1]
-        other.state = "starting"  # the requests all go to decode-0
+        other.state = WorkerState.STARTING  # the requests all go to decode-0
         tasks = [asyncio.ensure_future(_stream(gen, _call(max_tokens=60))) for _ in range(3)]
         await wait_until_async(lambda: len(pools.fakes["decode-0"].running) == 3, 5)
-        other.state = "live"
+        other.state = WorkerState.LIVE
         before = _moves("drained_kv")
         await asyncio.wait_for(pools.drain("decode-0"), 1.0)
         assert _connects(pools) == {"decode-0": 2, "decode-1": 2}  # none made by the drain
@@ -235,7 +236,7 @@ def test_migrate_requests_moves_some_with_their_kv_and_the_worker_stays_in_servi
         assert (reply.num_candidates, reply.moved_with_kv, reply.moved_by_recompute) == (2, 2, 0)
         assert _moves("rebalanced_kv") == before + 2
         source = pools.workers["decode"][0]
-        assert source.state == "live" and len(pools.fakes["decode-0"].running) == 2
+        assert source.state is WorkerState.LIVE and len(pools.fakes["decode-0"].running) == 2
         await _all_complete_unchanged(tasks, 200)
         assert all(f.holds_nothing for f in pools.fakes.values())
         await gen.stop()
@@ -258,7 +259,7 @@ def test_migrate_requests_refuses_what_it_cannot_do_with_a_reason() -> None:
 
         assert (await refused("decode-7")).startswith("NOT_FOUND")
         assert "decode workers; prefill-0 is a prefill worker" in await refused("prefill-0")
-        pools.workers["decode"][1].state = "starting"
+        pools.workers["decode"][1].state = WorkerState.STARTING
         assert await refused("decode-0") == (
             "FAILED_PRECONDITION: no other live decode worker to take its requests"
         )

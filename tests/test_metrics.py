@@ -17,7 +17,7 @@ import pytest
 
 from bench.harness import REPO, free_port
 from bench.harness.metrics import scrape, value
-from engine.wire import WorkerStats
+from engine.wire import PoolName, WorkerStats
 from router.cli.client import ClientSecurity, stream_generate
 from router.edge.grpc_server import GrpcServer
 from router.edge.security import EdgeSecurity
@@ -90,7 +90,7 @@ PHASE_AND_FLEET_SERIES = {
 
 
 def worker(pool: str, index: int, **kw: int) -> WorkerStats:
-    base = WorkerStats(pool, index, 100, 25, 2, 1, 32, 64, 0)  # type: ignore[arg-type]
+    base = WorkerStats(PoolName(pool), index, 100, 25, 2, 1, 32, 64, 0)
     return replace(base, **kw)
 
 

@@ -23,8 +23,9 @@ from engine.core.request import FinishReason
 from engine.frontend.output_processor import OutputProcessor
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from router.fleet.worker_state import WorkerState
 from router.observability import metrics
-from router.serving.migrations import migrations_counter
+from router.observability.serving_metrics import migrations_counter
 from router.serving.protocol import GenerateCall
 from tests.test_orchestrator import PROMPT, _call, _generator, _run, _settle
 
@@ -75,7 +76,7 @@ def test_a_worker_killed_mid_stream_continues_elsewhere_with_the_same_text(where
         pools = FakePools(1, 2) if where == "decode" else FakePools(0, 0, 2)
         first = f"{where}-0"
         for ref in pools.workers[where][1:]:
-            ref.state = "starting"  # not routable: the request starts on worker 0
+            ref.state = WorkerState.STARTING  # not routable: the request starts on worker 0
         _dies_after(pools, first, 9)
         gen = _generator(pools)
         before = _migrations(where)
@@ -85,7 +86,7 @@ def test_a_worker_killed_mid_stream_continues_elsewhere_with_the_same_text(where
         while not pools.fakes[first].dead:
             await asyncio.sleep(0.001)
         for ref in pools.workers[where][1:]:
-            ref.state = "live"
+            ref.state = WorkerState.LIVE
         tokens, text, final = await task
         assert final.finish_reason is FinishReason.LENGTH, final.error
         assert tokens == [_token(k) for k in range(30)]  # none missing, none twice
@@ -137,7 +138,7 @@ def test_a_request_waiting_for_a_replacement_is_woken_by_the_replacement_itself(
 def test_a_stop_string_that_spans_the_migration_point_stops_there() -> None:
     async def body() -> None:
         pools = FakePools(1, 2)
-        pools.workers["decode"][1].state = "starting"
+        pools.workers["decode"][1].state = WorkerState.STARTING
         _dies_after(pools, "decode-0", 9)  # tokens 0..9 from decode-0, 10.. elsewhere
         gen = _generator(pools)
         # The tail of token 9's text and the head of token 10's: neither worker alone
@@ -146,7 +147,7 @@ def test_a_stop_string_that_spans_the_migration_point_stops_there() -> None:
         task = asyncio.ensure_future(_stream(gen, _call(max_tokens=30, stop=(stop,))))
         while not pools.fakes["decode-0"].dead:
             await asyncio.sleep(0.001)
-        pools.workers["decode"][1].state = "live"
+        pools.workers["decode"][1].state = WorkerState.LIVE
         tokens, text, final = await task
         assert final.finish_reason is FinishReason.STOP, final.error
         assert tokens == [_token(k) for k in range(11)]
@@ -162,7 +163,7 @@ def test_a_migration_target_that_dies_too_moves_the_request_again() -> None:
     async def body() -> None:
         pools = FakePools(1, 3)
         for ref in pools.workers["decode"][1:]:
-            ref.state = "starting"
+            ref.state = WorkerState.STARTING
         _dies_after(pools, "decode-0", 4)
         _dies_after(pools, "decode-1", 12)
         gen = _generator(pools)
@@ -172,7 +173,7 @@ def test_a_migration_target_that_dies_too_moves_the_request_again() -> None:
             while not pools.fakes[worker].dead:
                 await asyncio.sleep(0.001)
             # The next worker opens only now, so the request lands on it.
-            pools.workers["decode"][int(worker[-1]) + 1].state = "live"
+            pools.workers["decode"][int(worker[-1]) + 1].state = WorkerState.LIVE
         tokens, _, final = await task
         assert final.finish_reason is FinishReason.LENGTH, final.error
         assert tokens == [_token(k) for k in range(24)]
@@ -191,13 +192,13 @@ def test_past_the_migration_limit_the_request_ends_with_one_clear_error(
         for index, k in enumerate((5, 10, 15)):
             _dies_after(pools, f"decode-{index}", k)
         for ref in pools.workers["decode"][1:]:
-            ref.state = "starting"
+            ref.state = WorkerState.STARTING
         gen = _generator(pools, max_migrations=max_migrations)
         task = asyncio.ensure_future(_stream(gen, _call(max_tokens=24)))
         for index in range(2):
             while not pools.fakes[f"decode-{index}"].dead and not task.done():
                 await asyncio.sleep(0.001)
-            pools.workers["decode"][index + 1].state = "live"
+            pools.workers["decode"][index + 1].state = WorkerState.LIVE
         tokens, _, final = await task
         assert final.finish_reason is FinishReason.ERROR
         assert f"--max-migrations {max_migrations}" in final.error

@@ -29,7 +29,7 @@ def _call(max_tokens: int = 8, prompt: tuple[int, ...] = PROMPT, **sampling: Any
 
 def _generator(pools: FakePools, **config: Any) -> DisaggregatedGenerator:
     gen = DisaggregatedGenerator(
-        pools,  # type: ignore[arg-type]
+        pools,
         WordTokenizer(),
         RouterConfig(retry_delay_s=0.0, **config),
     )
@@ -372,7 +372,7 @@ def test_an_expired_reservation_is_retried_on_decode_not_failed() -> None:
         pools = FakePools(1, 1)
         pools.fakes["prefill-0"].kv_delay_s = 0.3
         gen = _generator(pools, lease_s=0.1)
-        gen._renewing.default_factory = _Forgetful  # type: ignore[assignment]
+        gen.leases.renewing.default_factory = _Forgetful  # type: ignore[attr-defined]
         tokens, final = await _collect(gen.generate(_call()))
         assert final.finish_reason is FinishReason.LENGTH, final.error
         assert tokens == _expected(_call())  # the first token once, then the rest

@@ -33,7 +33,7 @@ def test_the_serving_core_records_what_the_planner_reads() -> None:
     async def body() -> None:
         pools = FakePools(1, 1)
         pools.fakes["prefill-0"].prefill_delay_s = 0.01
-        core = DisaggregatedGenerator(pools, WordTokenizer(), RouterConfig())  # type: ignore[arg-type]
+        core = DisaggregatedGenerator(pools, WordTokenizer(), RouterConfig())
         core.start()
         core.signals.take(1.0)
 

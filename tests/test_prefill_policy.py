@@ -12,7 +12,7 @@ from bench.fake_workers import FakePools, WordTokenizer
 from engine.core.outputs import FinalResult
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.wire import EngineSpeed, WorkerStats
+from engine.wire import EngineSpeed, PoolName, WorkerStats
 from pdserve.v1 import admin_pb2 as pb
 from router.edge.admin import AdminServicer
 from router.routing.prefill_policy import (
@@ -180,7 +180,7 @@ class _Context:
 def test_the_policy_changes_while_serving_and_applies_to_the_next_request() -> None:
     async def body() -> None:
         pools = FakePools(1, 1)
-        core = DisaggregatedGenerator(pools, WordTokenizer(), RouterConfig())  # type: ignore[arg-type]
+        core = DisaggregatedGenerator(pools, WordTokenizer(), RouterConfig())
         core.start()
         admin = AdminServicer(lambda: pools, True, lambda: core)  # type: ignore[arg-type,return-value]
         call = GenerateCall(
@@ -342,4 +342,4 @@ def test_a_running_batch_with_no_step_measured_yet_is_priced_at_the_warm_up_step
 
 
 def _stats(num_running: int) -> WorkerStats:
-    return WorkerStats("decode", 0, 100, 10, num_running, 0, 0, 0)
+    return WorkerStats(PoolName.DECODE, 0, 100, 10, num_running, 0, 0, 0)

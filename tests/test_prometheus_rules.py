@@ -19,8 +19,8 @@ from engine.wire import PhaseReport, WorkerStats
 from router.observability.fleet_metrics import FleetCollector, FleetState
 from router.observability.metrics import RouterMetrics
 from router.observability.phase_metrics import PhaseMetrics
+from router.observability.serving_metrics import migrations_counter
 from router.planner.metrics import planner_metrics
-from router.serving.migrations import migrations_counter
 from router.serving.protocol import PoolStats
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,12 @@ from pdserve.v1 import generation_pb2 as pb
 from router.cli.client import stream_generate
 from router.edge.grpc_server import GrpcServer
 from router.edge.servicer import _final_from_core
-from router.edge.streams import check_stream_interval, close_stream, tokens_per_message
+from router.edge.streams import (
+    StreamInterval,
+    check_stream_interval,
+    close_stream,
+    tokens_per_message,
+)
 from router.serving.config import RouterConfig
 from router.serving.orchestrator import DisaggregatedGenerator
 from router.serving.protocol import GenerateCall, ServerAbort
@@ -26,16 +31,16 @@ from router.serving.protocol import GenerateCall, ServerAbort
 PROMPT = list(range(100, 164))  # above the short-prompt threshold: prefilled remotely
 
 
-async def _messages(interval: int | str) -> tuple[list[pb.GenerateResponse], FakePools]:
+async def _messages(interval: StreamInterval) -> tuple[list[pb.GenerateResponse], FakePools]:
     """One 10-token request through the gRPC edge over the serving core and fake pools."""
     pools = FakePools(1, 1)
     core = DisaggregatedGenerator(
-        pools,  # type: ignore[arg-type]
+        pools,
         WordTokenizer(),
-        RouterConfig(retry_delay_s=0.0, stream_interval=interval),  # type: ignore[arg-type]
+        RouterConfig(retry_delay_s=0.0, stream_interval=interval),
     )
     core.start()
-    server = GrpcServer(core, host="127.0.0.1", port=0, drain_grace_s=2.0)  # type: ignore[arg-type]
+    server = GrpcServer(core, host="127.0.0.1", port=0, drain_grace_s=2.0)
     await server.start()
     await server.set_serving()
     try:
@@ -90,12 +95,12 @@ def test_a_stream_the_drain_ends_gets_its_usage_and_timings_in_the_final_abort()
         pools = FakePools(1, 1)
         pools.fakes["decode-0"].hold_after_position = len(PROMPT) + 4  # then stalls
         core = DisaggregatedGenerator(
-            pools,  # type: ignore[arg-type]
+            pools,
             WordTokenizer(),
             RouterConfig(retry_delay_s=0.0),
         )
         core.start()
-        server = GrpcServer(core, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+        server = GrpcServer(core, host="127.0.0.1", port=0)
         await server.start()
         await server.set_serving()
         responses: list[pb.GenerateResponse] = []
@@ -138,7 +143,7 @@ def test_a_server_abort_between_two_messages_gets_the_cores_final_message() -> N
     async def main() -> None:
         pools = FakePools(1, 1)
         core = DisaggregatedGenerator(
-            pools,  # type: ignore[arg-type]
+            pools,
             WordTokenizer(),
             RouterConfig(retry_delay_s=0.0),
         )

@@ -58,7 +58,7 @@ def _call(sampled_parent: bool = True, **kwargs: Any) -> GenerateCall:
 def _serve(pools: FakePools, call: GenerateCall) -> tuple[list[int], FinalResult]:
     async def body() -> tuple[list[int], FinalResult]:
         gen = DisaggregatedGenerator(
-            pools,  # type: ignore[arg-type]
+            pools,
             WordTokenizer(),
             RouterConfig(retry_delay_s=0.0),
         )

@@ -28,7 +28,14 @@ from engine.core.validation import validate_prompt
 from engine.sampling_params import MAX_SEED
 from engine.spec.spec_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from engine.spec.speculation import spec_stats
-from engine.wire import DetachedRequest, GenerationInput, KVEvents, TokenUpdate, WorkerStats
+from engine.wire import (
+    DetachedRequest,
+    GenerationInput,
+    KVEvents,
+    PoolName,
+    TokenUpdate,
+    WorkerStats,
+)
 
 # A step's sampled tokens by request: one token, or for a sequence with proposals
 # (ScheduledSeq.num_draft_tokens) the tokens verification kept: the proposals the
@@ -192,7 +199,7 @@ class EngineCore:
         reports them (named by the engine's pool and index)."""
         sched = self.scheduler
         return WorkerStats(
-            pool=self.role.value,
+            pool=PoolName(self.role.value),
             index=self.index,
             num_blocks_total=sched.kv.pool.num_blocks,
             num_blocks_in_use=sched.kv.num_blocks_in_use,

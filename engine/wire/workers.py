@@ -9,7 +9,7 @@ calls on a connection of its own) and, for a tensor-parallel worker, a `TPGroupS
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from enum import StrEnum
 
 # A worker incarnation's epoch (62 random bits) as it is shown everywhere, logs, spans,
 # errors and `pdserve workers` alike: 16 hex digits, leading zeros kept, so one epoch
@@ -22,8 +22,15 @@ def epoch_hex(epoch: int) -> str:
     return f"{epoch:0{EPOCH_HEX_DIGITS}x}"
 
 
-PoolName = Literal["prefill", "decode", "colocated"]
-POOLS: tuple[PoolName, ...] = ("prefill", "decode", "colocated")
+class PoolName(StrEnum):
+    """A pool's name; a member is its plain string everywhere (logs, labels, the API)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+POOLS: tuple[PoolName, ...] = tuple(PoolName)
 
 
 @dataclass(frozen=True)

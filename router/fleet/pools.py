@@ -21,11 +21,13 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
-from engine.wire import ChannelSpec, WorkerInfo, epoch_hex
+from engine.wire import ChannelSpec, PoolName, WorkerInfo, epoch_hex
 from router.fleet.clients import DirectWorkerClient, WorkerDied
 from router.fleet.cluster import POOLS, StartupError, WorkerSpawner, root_cause
 from router.fleet.worker_ref import WorkerRef  # the serving core imports it from here too
+from router.fleet.worker_state import WorkerState
 from router.observability import metrics
+from router.serving import workers
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ STARTUPS_KEPT = 5  # recent start-up times per pool (the planner reads their mea
 # GCS that does not answer in this long is going down with the process group.
 GCS_ANSWER_S = 2.0
 DRAIN_POLL_S = 0.1
+# The states that count towards a pool's target, and that a new worker pairs with.
+_COUNTED = (WorkerState.LIVE, WorkerState.STARTING)
 
 
 class Pools:
@@ -71,7 +75,7 @@ class Pools:
 
     def num_starting(self, pool: str) -> int:
         """Workers asked for and not yet live (being placed, loading, pairing)."""
-        placed = sum(1 for w in self.workers[pool] if w.state == "starting")
+        placed = sum(1 for w in self.workers[pool] if w.state is WorkerState.STARTING)
         return placed + len(self._starting[pool])
 
     def startup_s(self, pool: str) -> float | None:
@@ -114,7 +118,7 @@ class Pools:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(
                 asyncio.gather(
-                    *(w.handle.shutdown.remote() for w in refs if w.state != "dead"),
+                    *(w.handle.shutdown.remote() for w in refs if w.state is not WorkerState.DEAD),
                     return_exceptions=True,
                 ),
                 timeout_s,
@@ -160,8 +164,8 @@ class Pools:
         finally:
             self._starting[pool].discard(index)
         ref = WorkerRef(
-            pool, index, spawned.handle, spawned.info, spawned.pg, "starting",
-            client_impl=spawned.client, followers=spawned.followers,
+            PoolName(pool), index, spawned.handle, spawned.info, spawned.pg,
+            WorkerState.STARTING, client_impl=spawned.client, followers=spawned.followers,
         )  # fmt: skip
         reference = self.reference
         if reference is not None:
@@ -179,8 +183,8 @@ class Pools:
         except Exception as exc:
             self._remove(ref)
             raise StartupError(f"{ref.worker_id} could not pair: {root_cause(exc)}") from exc
-        if ref.state == "starting":
-            ref.state = "live"
+        if ref.state is WorkerState.STARTING:
+            ref.state = WorkerState.LIVE
             self.startup_times[pool].append(time.monotonic() - asked)
             log.info(
                 "%s live (epoch %s, %s)", ref.worker_id, epoch_hex(ref.info.epoch), ref.info.device
@@ -189,7 +193,7 @@ class Pools:
                 callback(ref)
         return ref
 
-    def channel_spec(self, sender: WorkerRef, receiver: WorkerRef) -> ChannelSpec:
+    def channel_spec(self, sender: workers.WorkerRef, receiver: workers.WorkerRef) -> ChannelSpec:
         """The rendezvous of a channel from `sender` (a prefill worker, or a decode worker
         handing requests over) to `receiver`."""
         return ChannelSpec(
@@ -208,7 +212,7 @@ class Pools:
         if ref.pool == "colocated":
             return
         other = "decode" if ref.pool == "prefill" else "prefill"
-        peers = [w for w in self.workers[other] if w.state in ("live", "starting")]
+        peers = [w for w in self.workers[other] if w.state in _COUNTED]
         await asyncio.gather(*(self._connect(ref, peer) for peer in peers))
 
     async def _connect(self, a: WorkerRef, b: WorkerRef) -> None:
@@ -238,12 +242,14 @@ class Pools:
         except RayActorError as exc:
             self.mark_dead(ref, f"{ref.worker_id} died: {_first_line(exc)}")
 
-    def mark_dead(self, ref: WorkerRef, reason: str) -> None:
-        """Forget a dead worker, tell the rest, and start its replacement."""
-        if ref.state in ("dead", "gone") or self._stopping:
+    def mark_dead(self, ref: workers.WorkerRef, reason: str) -> None:
+        """Forget a dead worker, tell the rest, and start its replacement. (`ref` is
+        one of these pools' own, handed back by the serving core.)"""
+        assert isinstance(ref, WorkerRef)
+        if ref.state.ended or self._stopping:
             return
-        was_draining = ref.state == "draining"
-        ref.state = "dead"
+        was_draining = ref.state is WorkerState.DRAINING
+        ref.state = WorkerState.DEAD
         log.error("%s", reason)
         for callback in self.on_death:
             callback(ref, reason)
@@ -280,15 +286,15 @@ class Pools:
             self.workers[ref.pool].remove(ref)
             for callback in self.on_removed:
                 callback(ref)
-        if ref.state != "dead":
-            ref.state = "gone"
+        if ref.state is not WorkerState.DEAD:
+            ref.state = WorkerState.GONE
         if isinstance(ref.client_impl, DirectWorkerClient):
             ref.client_impl.close()  # its calls in flight end with WorkerDied
         self.cluster.remove(ref.handle, ref.pg)
 
     def _count(self, pool: str) -> int:
         """Workers that count towards the target: starting, live (not draining)."""
-        live = sum(1 for w in self.workers[pool] if w.state in ("live", "starting"))
+        live = sum(1 for w in self.workers[pool] if w.state in _COUNTED)
         return live + len(self._starting[pool])
 
     # ---------------------------------------------------------------- scaling
@@ -299,7 +305,7 @@ class Pools:
         if size < 0:
             raise ValueError("a pool size must be >= 0")
         self.targets[pool] = size
-        current = [w for w in self.workers[pool] if w.state in ("live", "starting")]
+        current = [w for w in self.workers[pool] if w.state in _COUNTED]
         if size > len(current) + len(self._starting[pool]):
             missing = size - len(current) - len(self._starting[pool])
             indices = []
@@ -323,8 +329,8 @@ class Pools:
         ref = self.find(worker_id)
         if ref is None:
             raise KeyError(worker_id)
-        if ref.state == "live":
-            ref.state = "draining"
+        if ref.state is WorkerState.LIVE:
+            ref.state = WorkerState.DRAINING
             if self._count(ref.pool) < self.targets[ref.pool]:
                 self.targets[ref.pool] = self._count(ref.pool)
         log.info("%s draining", worker_id)
@@ -332,11 +338,11 @@ class Pools:
             await hook(ref)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while ref.state == "draining" and loop.time() < deadline:
+        while ref.state is WorkerState.DRAINING and loop.time() < deadline:
             if ref.num_assigned == 0:
                 break
             await asyncio.sleep(DRAIN_POLL_S)
-        if ref.state != "draining":
+        if ref.state is not WorkerState.DRAINING:
             return  # died meanwhile
         # Peers first, all at once: the prefill end of each channel tells the decode end
         # it is over (closing a channel can take a while: NCCL tears its pair down).

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.wire import WorkerInfo
+from engine.wire import PoolName, WorkerInfo
 from router.fleet.clients import RayWorkerClient, WorkerClient
+from router.fleet.worker_state import WorkerState
 from router.routing.cache_aware import WorkerLoadView
 from router.routing.worker_load import WorkerLoad
 
@@ -16,12 +17,12 @@ from router.routing.worker_load import WorkerLoad
 class WorkerRef:
     """The router's view of one worker incarnation."""
 
-    pool: str
+    pool: PoolName
     index: int
     handle: Any
     info: WorkerInfo
     pg: Any = None
-    state: str = "live"  # live | draining | dead | gone
+    state: WorkerState = WorkerState.LIVE
     peers: set[str] = field(default_factory=set)  # worker ids with a connected channel
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # The worker's verbs (tests give a fake; None: the Ray actor behind `handle`).
@@ -56,7 +57,7 @@ class WorkerRef:
     @property
     def alive(self) -> bool:
         """Routable: live and not draining."""
-        return self.state == "live"
+        return self.state is WorkerState.LIVE
 
     def view(self) -> WorkerLoadView:
         stats = self.load.stats

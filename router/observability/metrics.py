@@ -54,7 +54,19 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._request_histograms(self.registry)
+        self._counters(self.registry)
+        # Series that exist from the start, so rate() and dashboards see zeros, not gaps.
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(finish_reason=reason)
+        for pool in POOLS:
+            self.worker_restarts.labels(pool=pool)
+        for path, reason in PREFILL_PATH_SERIES:
+            self.prefill_paths.labels(path=path, reason=reason)
+        self.pools = PoolCollector()
+        self.registry.register(self.pools)
+
+    def _request_histograms(self, r: CollectorRegistry) -> None:
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
             "Time from receiving a Generate call to sending its first token.",
@@ -103,6 +115,8 @@ class RouterMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
+
+    def _counters(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
             "pdserve_requests",
             "Requests that ended with a final message, by finish reason.",
@@ -142,15 +156,6 @@ class RouterMetrics:
             ["pool"],
             registry=r,
         )
-        # Series that exist from the start, so rate() and dashboards see zeros, not gaps.
-        for reason in ("stop", "length", "abort", "error"):
-            self.requests.labels(finish_reason=reason)
-        for pool in POOLS:
-            self.worker_restarts.labels(pool=pool)
-        for path, reason in PREFILL_PATH_SERIES:
-            self.prefill_paths.labels(path=path, reason=reason)
-        self.pools = PoolCollector()
-        r.register(self.pools)
 
     def serve(self, host: str, port: int) -> Callable[[], None]:
         """Serve /metrics on host:port in a daemon thread; returns a function that stops it."""

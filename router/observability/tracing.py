@@ -14,8 +14,9 @@ A traced request's tree (router spans here, worker spans in engine/worker/phases
     │       (or decode.queue / decode.compute: a prompt run on its decode worker)
     └── router.stream                       (first token to the final message)
 
-Untraced requests (tracing off, or not sampled) get `NO_TRACE`, whose methods do
-nothing: the serving core calls the same hooks either way.
+The spans follow the serving core's events (router/serving/events.py) through
+`RequestTracing`, one of the core's observers. Untraced requests (tracing off, or not
+sampled) get `NO_TRACE`, whose methods do nothing, and are not kept.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine import tracing
 from engine.core.outputs import FinalResult
 from engine.core.request import FinishReason
 from engine.wire import GenerationInput, PrefillResult
+from router.serving.events import BaseObserver, ColocatedRoute, PrefillReply, Route
+
+if TYPE_CHECKING:
+    from router.serving.attempts import Attempt, ClientRequest, WorkerLost
 
 GENERATE_SPAN = "pdserve.v1.GenerationService/Generate"
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as gRPC metadata
@@ -246,3 +251,73 @@ def _fail(span: Any, description: str) -> None:
     from opentelemetry.trace import Status, StatusCode
 
     span.set_status(Status(StatusCode.ERROR, description))
+
+
+class RequestTracing(BaseObserver):
+    """The serving core's observer that records each traced request's spans; it also
+    names the request's trace and gives each attempt's input its context."""
+
+    def __init__(self) -> None:
+        # Traced requests and attempts in flight (an untraced one is never kept).
+        self._requests: dict[ClientRequest, RequestTrace] = {}
+        self._attempts: dict[Attempt, AttemptTrace] = {}
+
+    def arrived(self, request: ClientRequest) -> None:
+        progress, base = request.progress, request.base
+        trace = start_request(
+            request.trace_parent, request.request_id, progress.arrival, base.priority
+        )
+        if trace is not NO_TRACE:
+            self._requests[request] = trace
+            request.trace_id = trace.trace_id
+
+    def admitted(self, request: ClientRequest) -> None:
+        trace = self._requests.get(request)
+        if trace is not None:
+            trace.admitted()
+
+    def attempt_started(self, request: ClientRequest, attempt: Attempt) -> None:
+        trace = self._requests.get(request)
+        if trace is not None:
+            attempt_trace = self._attempts[attempt] = trace.attempt(
+                attempt.number, attempt.resumes_after
+            )
+            attempt.inp = attempt_trace.bind(attempt.inp)
+
+    def routed(self, attempt: Attempt, route: Route) -> None:
+        attempt_trace = self._attempts.get(attempt)
+        if attempt_trace is None:
+            return
+        if isinstance(route, ColocatedRoute):
+            attempt_trace.routed(worker=route.worker, policy=route.policy)
+        else:
+            attempt_trace.routed(
+                decode_worker=route.decode_worker,
+                prefill_worker=route.prefill_worker,
+                path=route.path,
+                reason=route.reason,
+                uncached_tokens=route.uncached_tokens,
+            )
+
+    def prefilled(self, attempt: Attempt, reply: PrefillReply) -> None:
+        attempt_trace = self._attempts.get(attempt)
+        if attempt_trace is not None:
+            attempt_trace.prefilled(reply.worker.worker_id, reply.result)
+
+    def lost(self, request: ClientRequest, attempt: Attempt, lost: WorkerLost) -> None:
+        attempt_trace = self._attempts.get(attempt)
+        if attempt_trace is not None:
+            attempt_trace.lost(str(lost), resumed=bool(request.progress.num_out))
+
+    def attempt_ended(self, attempt: Attempt) -> None:
+        attempt_trace = self._attempts.pop(attempt, None)
+        if attempt_trace is not None:
+            attempt_trace.end()
+
+    def finished(self, request: ClientRequest, result: FinalResult) -> None:
+        self.ended(request, result, "")
+
+    def ended(self, request: ClientRequest, result: FinalResult | None, outcome: str) -> None:
+        trace = self._requests.pop(request, None)
+        if trace is not None:
+            trace.finish(result, request.progress.t_first, outcome)

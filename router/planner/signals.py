@@ -1,8 +1,9 @@
 """What the serving core records for the planner, as requests run.
 
-The core calls these as things happen (each call is a few dictionary operations, and
-everything kept is bounded whether a planner reads it or not); the planner's loop takes
-the interval's share with `take()`:
+`SignalsObserver`, one of the serving core's observers (router/serving/events.py),
+records its events here as they happen (each a few dictionary operations, and everything
+kept is bounded whether a planner reads it or not); the planner's loop takes the
+interval's share with `take()`:
 
 * requests: arrivals, the uncached tokens of each prompt that is the prefill pool's
   work (sent there, or run locally because it was saturated), first tokens (TTFT),
@@ -18,8 +19,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from router.planner.snapshot import DecodeSample, PrefillSample, Traffic
+from router.serving.events import BaseObserver, DisaggregatedRoute, PrefillReply, Route
+
+if TYPE_CHECKING:
+    from engine.core.outputs import FinalResult
+    from engine.wire import WorkerStats
+    from router.serving.attempts import Attempt, ClientRequest
+    from router.serving.workers import WorkerRef
 
 MAX_SAMPLES = 4096  # per kind and interval; beyond it the oldest go
 BUSY_SPAN_S = 0.5  # replies of one engine step come together: a span covers several steps
@@ -136,3 +145,43 @@ class ServingSignals:
         self._since = now
         self._reset()
         return traffic, *samples
+
+
+class SignalsObserver(BaseObserver):
+    """The serving core's events, as the planner's signals (a request is known by its
+    `ClientRequest`)."""
+
+    def __init__(self, signals: ServingSignals) -> None:
+        self.signals = signals
+
+    def arrived(self, request: ClientRequest) -> None:
+        self.signals.request_arrived(request)
+
+    def routed(self, attempt: Attempt, route: Route) -> None:
+        if isinstance(route, DisaggregatedRoute):
+            self.signals.prompt_placed(route.placed_tokens, prefill_work=route.prefill_work)
+
+    def prefilled(self, attempt: Attempt, reply: PrefillReply) -> None:
+        self.signals.prefill_reply(
+            reply.worker.worker_id,
+            reply.num_uncached,
+            reply.result.prefill_s,
+            reply.busy_since,
+            reply.was_idle,
+        )
+
+    def first_token(self, request: ClientRequest) -> None:
+        progress = request.progress
+        if progress.t_first is not None:
+            self.signals.first_token(request, progress.t_first - progress.arrival)
+
+    def finished(self, request: ClientRequest, result: FinalResult) -> None:
+        progress = request.progress
+        self.signals.request_ended(request, progress.num_out, progress.tpot_s(), completed=True)
+
+    def ended(self, request: ClientRequest, result: FinalResult | None, outcome: str) -> None:
+        self.signals.request_ended(request, request.progress.num_out, None, completed=False)
+
+    def decode_step(self, worker: WorkerRef, stats: WorkerStats, step_s: float) -> None:
+        context_tokens = stats.num_blocks_in_use * worker.info.layout.block_size
+        self.signals.decode_step(stats.num_running, context_tokens, step_s)

@@ -4,20 +4,21 @@ the live pools' load accounts and the prefix indexes (no calls to any worker).""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from router.fleet.worker_ref import WorkerRef
+from engine.wire import PoolName
 from router.routing.cache_aware import RoutingConfig, choose_by_work, choose_worker
 from router.routing.kv_index import PrefixIndex
 from router.routing.prefill_policy import PathDecision, PathInputs, PrefillPolicyConfig, decide
+from router.serving.workers import WorkerRef
 
-Route = Callable[[list[WorkerRef]], WorkerRef]
+Route = Callable[[Sequence[WorkerRef]], WorkerRef]
 
 
 def route_by_cache(index: PrefixIndex, hashes: list[int], config: RoutingConfig) -> Route:
     """Decode and colocated workers: cache overlap against requests in flight."""
 
-    def pick(live: list[WorkerRef]) -> WorkerRef:
+    def pick(live: Sequence[WorkerRef]) -> WorkerRef:
         by_index = {w.index: w for w in live}
         choice = choose_worker([w.view() for w in live], index, hashes, config)
         assert choice is not None  # live is not empty
@@ -31,7 +32,7 @@ def route_by_work(
 ) -> Route:
     """Prefill workers: least estimated work, queued plus uncached tokens."""
 
-    def pick(live: list[WorkerRef]) -> WorkerRef:
+    def pick(live: Sequence[WorkerRef]) -> WorkerRef:
         by_index = {w.index: w for w in live}
         queued = [w.load.queued_tokens for w in live]
         choice = choose_by_work([w.view() for w in live], queued, index, hashes, num_prompt, config)
@@ -47,8 +48,8 @@ def place_prompt(
     max_tokens: int,
     hashes: list[int],
     decode_ref: WorkerRef,
-    prefill_candidates: list[WorkerRef],
-    indexes: dict[str, PrefixIndex],
+    prefill_candidates: Sequence[WorkerRef],
+    indexes: dict[PoolName, PrefixIndex],
     routing: RoutingConfig,
     policy: PrefillPolicyConfig,
     block_size: int,
@@ -57,17 +58,17 @@ def place_prompt(
     uncached tokens there)."""
     prefill_ref = None
     if prefill_candidates:
-        prefill_ref = route_by_work(indexes["prefill"], hashes, num_prompt, routing)(
+        prefill_ref = route_by_work(indexes[PoolName.PREFILL], hashes, num_prompt, routing)(
             prefill_candidates
         )
     cached_prefill = (
-        indexes["prefill"].num_cached_tokens(prefill_ref.index, hashes) if prefill_ref else 0
+        indexes[PoolName.PREFILL].num_cached_tokens(prefill_ref.index, hashes) if prefill_ref else 0
     )
     stats = decode_ref.load.stats
     inputs = PathInputs(
         has_prefill=prefill_ref is not None,
         num_uncached_decode=num_prompt
-        - indexes["decode"].num_cached_tokens(decode_ref.index, hashes),
+        - indexes[PoolName.DECODE].num_cached_tokens(decode_ref.index, hashes),
         num_uncached_prefill=num_prompt - cached_prefill,
         prefill_queued_tokens=prefill_ref.load.queued_tokens if prefill_ref else 0,
         prefill_tokens_per_s=prefill_ref.load.prefill_rate.tokens_per_s.value

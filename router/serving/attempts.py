@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from engine.core.outputs import FinalResult, PhaseTimings, Usage
 from engine.core.request import FinishReason
 from engine.frontend.output_processor import OutputProcessor
 from engine.wire import GenerationInput
-from router.fleet.pools import WorkerRef
-from router.observability.tracing import NO_ATTEMPT, AttemptTrace, RequestTrace
 from router.routing.worker_load import WorkerLease
 from router.serving.inbox import UpdateInbox
+from router.serving.workers import WorkerRef
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +47,17 @@ class WorkerLost(RuntimeError):
         self.why = why
 
 
-@dataclass
+@dataclass(eq=False)  # compared (and hashed) by identity: its id changes when it moves
 class Attempt:
     """One try at running a request; its id is what the workers know it by."""
 
     inp: GenerationInput
     request_id: str = ""  # what the client knows the request by (for the log)
+    number: int = 0  # of the request's attempts, from 0
     inbox: UpdateInbox = field(default_factory=UpdateInbox)
     decode_ref: WorkerRef | None = None
     prefill_ref: WorkerRef | None = None
     leases: list[WorkerLease] = field(default_factory=list)
-    trace: AttemptTrace = NO_ATTEMPT  # its spans (records nothing for untraced requests)
     resumes_after: int = 0  # tokens the client saw before this attempt began
 
     @property
@@ -109,6 +109,19 @@ class Progress:
         self.t_decoding = self.t_decoding or time.perf_counter()
 
 
+@dataclass(eq=False)  # one per request, compared (and hashed) by identity
+class ClientRequest:
+    """A request as the client sent it: what the client knows it by (its own id, or the
+    one the router gave it), its validated input, its caller's trace context, and what
+    the client has seen so far."""
+
+    request_id: str
+    base: GenerationInput
+    progress: Progress
+    trace_parent: Mapping[str, str] = field(default_factory=dict)
+    trace_id: str = ""  # 32 hex digits once traced (tracing names it as the request arrives)
+
+
 def continuation(base: GenerationInput, number: int, progress: Progress) -> GenerationInput:
     """Attempt `number` of a request: itself, or (after tokens were streamed) the prompt
     plus those tokens, asking for the rest."""
@@ -123,31 +136,22 @@ def continuation(base: GenerationInput, number: int, progress: Progress) -> Gene
     return inp
 
 
-def final_result(
-    request_id: str,
-    base: GenerationInput,
-    progress: Progress,
-    reason: FinishReason,
-    error: str = "",
-    trace: RequestTrace | None = None,
-) -> FinalResult:
-    """The request's one terminal message (and its log line; the trace ends with it)."""
+def final_result(request: ClientRequest, reason: FinishReason, error: str = "") -> FinalResult:
+    """The request's one terminal message (and its log line)."""
+    progress, trace_id = request.progress, request.trace_id
     end = time.perf_counter()
     timings = replace(
         progress.timings,
         decode_s=end - progress.t_decoding if progress.t_decoding else 0.0,
         time_to_first_token_s=(progress.t_first or end) - progress.arrival,
     )
-    usage = Usage(len(base.prompt_token_ids), progress.num_out, progress.num_cached)
-    trace_id = trace.trace_id if trace is not None else ""
+    usage = Usage(len(request.base.prompt_token_ids), progress.num_out, progress.num_cached)
     result = FinalResult(reason, usage, timings, error, trace_id)
-    if trace is not None:
-        trace.finish(result, progress.t_first)
     t = result.timings
     log.info(
         "request %s finished=%s prompt=%d out=%d cached=%d queued=%.3fs prefill=%.3fs "
         "kv=%.4fs (wire %.4fs) decode=%.3fs ttft=%.3fs%s%s%s%s%s",
-        request_id,
+        request.request_id,
         result.finish_reason.value,
         usage.prompt_tokens,
         usage.completion_tokens,

@@ -4,7 +4,8 @@ Each decode (or colocated) worker answers `next_tokens()` with every update of o
 more steps for all of its requests; the poller drops each update into its attempt's
 `UpdateInbox`, applies the worker's prefix-cache changes to the routing index, and
 records what the batch says about the worker's load (occupancy, step time, hand-off
-time) for the local-prefill decision and, as step samples, for the planner.
+time) for the local-prefill decision; its step times and the requests' phase reports go
+to the serving core's observers (the planner's signals, the phase metrics).
 
 With many streams open (`LOADED_FROM_STREAMS`) the poller hands the event loop back after
 each update that wakes a stream, so one turn of the loop runs one woken stream rather
@@ -25,21 +26,21 @@ import logging
 import time
 from collections.abc import Callable, Sized
 
-from engine.wire import KVEvents
+from engine.wire import KVEvents, PoolName
 from router.edge.streams import AUTO_FROM_STREAMS
 from router.fleet.clients import WorkerDied
-from router.fleet.pools import Pools, WorkerRef
-from router.observability import phase_metrics
-from router.planner.signals import ServingSignals
+from router.fleet.worker_state import WorkerState
 from router.routing.kv_index import PrefixIndex
+from router.serving.events import BaseObserver, RequestObserver
 from router.serving.inbox import UpdateInbox
+from router.serving.workers import Pools, WorkerRef
 
 # Open streams from which the poller yields between woken streams (see the module doc):
 # where `--stream-interval auto` starts to merge tokens, the loop being the limit.
 LOADED_FROM_STREAMS = AUTO_FROM_STREAMS
 
 log = logging.getLogger(__name__)
-TOKEN_POOLS = ("decode", "colocated")
+TOKEN_POOLS = (PoolName.DECODE, PoolName.COLOCATED)
 
 
 class TokenDelivery:
@@ -48,13 +49,13 @@ class TokenDelivery:
     def __init__(
         self,
         pools: Pools,
-        indexes: dict[str, PrefixIndex],
+        indexes: dict[PoolName, PrefixIndex],
         inbox_of: Callable[[str], UpdateInbox | None],
-        signals: ServingSignals | None = None,
+        observer: RequestObserver | None = None,
         streams: Sized = (),
     ) -> None:
         self.pools = pools
-        self.signals = signals
+        self.observer = observer or BaseObserver()
         self.indexes = indexes
         self.inbox_of = inbox_of
         self.streams = streams  # the requests in flight: len() is the open streams
@@ -62,8 +63,8 @@ class TokenDelivery:
         self._stopped = False
 
     def ensure_pollers(self) -> None:
-        for pool in TOKEN_POOLS:
-            for ref in self.pools.workers[pool]:
+        for ref in self.pools.all():
+            if ref.pool in TOKEN_POOLS:
                 self.follow(ref)
 
     def follow(self, ref: WorkerRef) -> None:
@@ -73,7 +74,7 @@ class TokenDelivery:
         the poll."""
         if self._stopped or ref.pool not in TOKEN_POOLS or ref in self._pollers:
             return
-        if ref.state in ("live", "draining"):
+        if ref.state.serving:
             self._pollers[ref] = asyncio.ensure_future(self._poll(ref))
 
     async def stop(self) -> None:
@@ -86,7 +87,7 @@ class TokenDelivery:
     async def _poll(self, ref: WorkerRef) -> None:
         """One remote call per batch of steps for all of a worker's requests."""
         try:
-            while ref.state in ("live", "draining", "starting"):
+            while ref.state.serving or ref.state is WorkerState.STARTING:
                 try:
                     batch = await ref.client.next_tokens()
                 except WorkerDied as exc:
@@ -95,18 +96,14 @@ class TokenDelivery:
                 self.apply_kv_events(ref, batch.kv_events)
                 num_steps = max((len(u.new_token_ids) for u in batch.updates), default=0)
                 step_s = ref.load.observe_batch(num_steps, batch.stats, time.monotonic())
-                if step_s is not None and batch.stats is not None and self.signals is not None:
-                    self.signals.decode_step(
-                        batch.stats.num_running,
-                        batch.stats.num_blocks_in_use * ref.info.layout.block_size,
-                        step_s,
-                    )
+                if step_s is not None and batch.stats is not None:
+                    self.observer.decode_step(ref, batch.stats, step_s)
                 loaded = len(self.streams) >= LOADED_FROM_STREAMS
                 for update in batch.updates:
                     if update.kv_handoff_s:
                         ref.load.handoff_s.add(update.kv_handoff_s)
                     if update.phases is not None:
-                        phase_metrics.observe(ref.pool, ref.index, update.phases)
+                        self.observer.phases(ref, update.phases)
                     inbox = self.inbox_of(update.req_id)
                     if inbox is not None and inbox.put(update) and loaded:
                         await asyncio.sleep(0)  # the loop runs that stream, or takes a call
@@ -114,7 +111,7 @@ class TokenDelivery:
             self._pollers.pop(ref, None)
 
     def apply_kv_events(self, ref: WorkerRef, batches: tuple[KVEvents, ...]) -> None:
-        if ref.state in ("dead", "gone"):
+        if ref.state.ended:
             return  # late news from a worker that is no longer routed to
         for events in batches:
             self.indexes[ref.pool].apply(ref.index, events)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.fleet.clients import WorkerDied
-from router.fleet.pools import Pools, WorkerRef
+from router.serving.workers import Pools, WorkerRef
 
 
 class LeaseRenewer:
@@ -27,6 +27,14 @@ class LeaseRenewer:
         # Reservations to keep, by decode worker (request ids).
         self.renewing: dict[WorkerRef, set[str]] = defaultdict(set)
         self._task: asyncio.Task[None] | None = None
+
+    def hold(self, ref: WorkerRef, req_id: str) -> None:
+        """Renew `req_id`'s reservation on `ref` until released."""
+        self.renewing[ref].add(req_id)
+
+    def release(self, ref: WorkerRef, req_id: str) -> None:
+        """Renew it no more (the KV landed, or the attempt ended)."""
+        self.renewing[ref].discard(req_id)
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
@@ -40,7 +48,7 @@ class LeaseRenewer:
         while True:
             await asyncio.sleep(period)
             for ref, req_ids in list(self.renewing.items()):
-                if ref.state in ("dead", "gone"):
+                if ref.state.ended:
                     del self.renewing[ref]  # its reservations went with it
                 elif req_ids:
                     self.spawn(self._renew(ref, list(req_ids)))

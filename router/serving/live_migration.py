@@ -5,8 +5,9 @@ When a decode worker starts draining (`pdserve scale --decode N-1`, `DrainWorker
 requests running on it are spread over the other decode workers and move together:
 
 1. the channels source → target are made, all at once, where they are not there yet
-   (lazily, once per pair and incarnation; the same transfer interface and header/epoch
-   checks as a prefill hand-off, with the source as the sending end);
+   (router/serving/peer_links.py: once per pair and incarnation; the same transfer
+   interface and header/epoch checks as a prefill hand-off, with the source as the
+   sending end);
 2. one `detach` call on the source takes them all off its schedule at one step
    boundary, keeping their blocks, and returns each one's tokens so far;
 3. each stream switches to a new attempt id on its target (an inbox marker, `Moved`,
@@ -31,25 +32,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from engine.wire import DetachedMove, DetachedRequest, GenerationInput, HandoffTarget, Precopy
+from engine.wire import (
+    DetachedMove,
+    DetachedRequest,
+    GenerationInput,
+    HandoffTarget,
+    PoolName,
+    Precopy,
+)
 from router.fleet.clients import WorkerDied
-from router.fleet.pools import Pools, WorkerRef
 from router.serving.attempts import Attempt, WorkerLost
 from router.serving.config import RouterConfig
+from router.serving.events import RequestObserver
 from router.serving.inbox import Moved
-from router.serving.migrations import migrations_counter
+from router.serving.peer_links import PeerLinks
+from router.serving.workers import Pools, WorkerRef
 
 log = logging.getLogger(__name__)
-
-LINK_TIMEOUT_S = 60.0
-_Link = tuple[WorkerRef, WorkerRef, "asyncio.Future[None]"]  # sender, receiver, made
 
 
 # Why requests move: their worker drains, or an operator rebalances (MigrateRequests).
@@ -92,28 +97,23 @@ class LiveMigrator:
         attempts: dict[str, Attempt],
         config: RouterConfig,
         spawn: Callable[[Any], None],
+        observer: RequestObserver,
     ) -> None:
         self.pools = pools
         self.attempts = attempts
         self.config = config
         self.spawn = spawn
-        # (sender, receiver) incarnations whose channel is up or being made.
-        self._links: dict[tuple[str, int, str, int], _Link] = {}
+        self.observer = observer  # told of the requests that moved with their KV
         self._num_moves = 0
         # Attempts (by id) a move has picked: a drain and a rebalance of one worker at
         # once must not both take a request.
         self._moving: set[int] = set()
         pools.drain_hooks.append(self.drain)
-        pools.on_removed.append(self._forget)
-        if config.decode_peer_channels == "eager":
-            pools.on_live.append(self._link_ahead)
-            live = pools.routable("decode")  # the pools started before the router
-            for sender, receiver in itertools.permutations(live, 2):
-                spawn(self._link_quietly(sender, receiver))
+        self.links = PeerLinks(pools, spawn, eager=config.decode_peer_channels == "eager")
 
     async def drain(self, source: WorkerRef) -> None:
         """Move every request running on `source` to the other decode workers."""
-        if source.pool != "decode":
+        if source.pool is not PoolName.DECODE:
             return
         on_it = [a for a in list(self.attempts.values()) if a.decode_ref is source]
         if on_it:
@@ -147,7 +147,7 @@ class LiveMigrator:
     async def _move_together(
         self, source: WorkerRef, attempts: list[Attempt], reason: MoveReason
     ) -> MoveResult:
-        peers = [w for w in self.pools.routable("decode") if w is not source]
+        peers = [w for w in self.pools.routable(PoolName.DECODE) if w is not source]
         if not peers:
             log.info("%s: no peer to take its requests; they stay", source.worker_id)
             return MoveResult(len(attempts), 0, 0)
@@ -160,7 +160,7 @@ class LiveMigrator:
             targets.append(target)
         started = time.perf_counter()
         # Channels to every target at once (each made once per pair of incarnations).
-        links = {id(t): asyncio.ensure_future(self._link(source, t)) for t in targets}
+        links = {id(t): asyncio.ensure_future(self.links.link(source, t)) for t in targets}
         new_ids = [self._new_id(a) for a in attempts]
         moves = list(zip(attempts, targets, new_ids, strict=True))
         await self._precopy(source, moves, links)
@@ -318,7 +318,7 @@ class LiveMigrator:
                 self._recompute(p.attempt, source, f"moving its KV failed: {exc}", reason)
             return 0
         sent_at = time.perf_counter()
-        migrations_counter().labels(pool="decode", reason=f"{reason}_kv").inc(len(group))
+        self.observer.migrated(source, f"{reason}_kv", len(group))
         for p in group:
             log.info(
                 "request %s moved from %s to %s with its KV (%d tokens, %.1f ms paused; "
@@ -376,65 +376,3 @@ class LiveMigrator:
     async def _abort(self, ref: WorkerRef, req_id: str) -> None:
         with contextlib.suppress(WorkerDied):  # a dead worker's blocks went with it
             await ref.client.abort(req_id)
-
-    async def _link(self, sender: WorkerRef, receiver: WorkerRef) -> None:
-        """The channel sender → receiver, made once per pair of incarnations."""
-        key = (sender.worker_id, sender.info.epoch, receiver.worker_id, receiver.info.epoch)
-        link = self._links.get(key)
-        if link is None or (link[2].done() and link[2].exception() is not None):
-            spec = self.pools.channel_spec(sender, receiver)
-            made = asyncio.ensure_future(
-                asyncio.wait_for(
-                    _both(sender.client.connect(spec), receiver.client.connect(spec)),
-                    LINK_TIMEOUT_S,
-                )
-            )
-            link = (sender, receiver, made)
-            self._links[key] = link
-        await asyncio.shield(link[2])
-
-    def _link_ahead(self, ref: WorkerRef) -> None:
-        """A decode worker is live: make its channels with every live peer, both ways,
-        now, so that a drain pays no set-up (`--decode-peer-channels eager`)."""
-        if ref.pool != "decode":
-            return
-        for peer in self.pools.routable("decode"):
-            if peer is not ref:
-                self.spawn(self._link_quietly(ref, peer))
-                self.spawn(self._link_quietly(peer, ref))
-
-    async def _link_quietly(self, sender: WorkerRef, receiver: WorkerRef) -> None:
-        started = time.perf_counter()
-        try:
-            await self._link(sender, receiver)
-        except Exception as exc:  # noqa: BLE001 - a drain tries again
-            log.warning(
-                "channel %s → %s not made ahead: %s", sender.worker_id, receiver.worker_id, exc
-            )
-            return
-        log.info(
-            "channel %s → %s ready for live migration (%.0f ms)",
-            sender.worker_id,
-            receiver.worker_id,
-            1e3 * (time.perf_counter() - started),
-        )
-
-    def _forget(self, ref: WorkerRef) -> None:
-        """A worker left: the channels it had with peers go, and a live peer drops its
-        end now (a dead worker's peer would otherwise find out only from a broken
-        receive, which NCCL reports after a minute)."""
-        for key, (sender, receiver, _) in list(self._links.items()):
-            if ref not in (sender, receiver):
-                continue
-            del self._links[key]
-            peer = receiver if ref is sender else sender
-            if peer.state in ("live", "draining"):
-                self.spawn(self._disconnect(peer, ref.worker_id))
-
-    async def _disconnect(self, peer: WorkerRef, gone_id: str) -> None:
-        with contextlib.suppress(WorkerDied):
-            await peer.client.disconnect(gone_id, False)
-
-
-async def _both(a: Any, b: Any) -> None:
-    await asyncio.gather(a, b)

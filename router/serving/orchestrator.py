@@ -9,56 +9,55 @@ plus every token already streamed (sampling is a function of seed and position, 
 continuation is the same text). Whatever ends an attempt, it is aborted on every worker
 it touched; aborts are idempotent there.
 
-This file: admission, attempts, streaming, leases renewed. The rest of the serving core
-(docs/architecture.md): `attempts`, `migrations`, `live_migration`, `paths`, `placement`,
-`delivery`, `clients`.
+This file: the core's parts, made once and wired to the pools, and its public face (the
+edge's `Generator`, the admin API's policy, the planner's signals). One request runs in
+a `RequestRun` (router/serving/request_run.py); its events go to the core's observers
+(router/serving/events.py): tracing, metrics and the planner's signals. The rest of the
+serving core is described in docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from engine.core.outputs import FinalResult, TextChunk
-from engine.core.request import FinishReason
 from engine.core.validation import validate_prompt
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.prompt import encode_prompt
-from engine.wire import GenerationInput
-from router.edge.streams import tokens_per_message
-from router.fleet.clients import WorkerDied
-from router.fleet.cluster import POOLS
-from router.fleet.pools import Pools, WorkerRef
-from router.observability.tracing import NO_TRACE, RequestTrace, start_request
-from router.planner.signals import ServingSignals
+from engine.wire import POOLS, GenerationInput, PoolName
+from router.observability.serving_metrics import ServingMetrics
+from router.observability.tracing import RequestTracing
+from router.planner.signals import ServingSignals, SignalsObserver
 from router.routing.kv_index import PrefixIndex
 from router.routing.prefill_policy import PrefillPolicyConfig
-from router.routing.worker_load import WorkerLease
 from router.serving.admission import Admission, AdmissionControl
-from router.serving.attempts import Attempt, Progress, WorkerLost, continuation, final_result
+from router.serving.attempts import ClientRequest, Progress
 from router.serving.config import RouterConfig
 from router.serving.delivery import TokenDelivery
-from router.serving.errors import NotReadyError, QueueFullError, ResumeNotFoundError
-from router.serving.inbox import Moved, UpdateInbox
+from router.serving.errors import NotReadyError
+from router.serving.events import Observers, RequestObserver
+from router.serving.in_flight import PAIRED_POOLS, InFlight
 from router.serving.lease_renewal import LeaseRenewer
 from router.serving.live_migration import LiveMigrator
-from router.serving.migrations import migrates, migrations_counter
-from router.serving.paths import ServingPaths
-from router.serving.protocol import GenerateCall, PoolStats, ServerInfo, server_abort
-from router.serving.resume import let_go, take_over
+from router.serving.paths import ColocatedPath, DisaggregatedPath
+from router.serving.protocol import GenerateCall, PoolStats, ServerInfo
+from router.serving.request_run import RequestRun, ServingParts
+from router.serving.resume import Resumer
+from router.serving.streaming import ChunkStream
+from router.serving.worker_calls import WorkerCalls
+from router.serving.worker_choice import WorkerChoice
+from router.serving.workers import Pools
 
 log = logging.getLogger(__name__)
-WORKER_WAIT_POLL_S = 0.05
-T = TypeVar("T")
 
 
-class DisaggregatedGenerator(ServingPaths):
+class DisaggregatedGenerator:
     """Implements router.serving.protocol.Generator over the live pools."""
 
     def __init__(
@@ -67,26 +66,53 @@ class DisaggregatedGenerator(ServingPaths):
         tokenizer: Any,
         config: RouterConfig | None = None,
         admission: AdmissionControl | None = None,  # a router tier's shared budget
+        observers: Sequence[RequestObserver] | None = None,
     ) -> None:
+        """`observers` hear every request's events besides the planner's signals (None:
+        tracing and metrics)."""
         self.pools = pools
-        self.colocated_mode = pools.targets["colocated"] > 0
+        self.colocated_mode = pools.targets[PoolName.COLOCATED] > 0
         self.tokenizer = tokenizer
-        self.config = config or RouterConfig()
-        self.prefill_policy: PrefillPolicyConfig = self.config.prefill_policy
+        self.config = config = config or RouterConfig()
+        self.prefill_policy: PrefillPolicyConfig = config.prefill_policy
         self.admission: AdmissionControl = admission or Admission(
-            self.config.max_in_flight,
-            self.config.max_queue,
-            policy=self.config.admission_policy,
-            aging_s=self.config.priority_aging_s,
+            config.max_in_flight,
+            config.max_queue,
+            policy=config.admission_policy,
+            aging_s=config.priority_aging_s,
         )
         # What the planner reads: traffic, first tokens, worker speeds (cheap when unread).
         self.signals = ServingSignals()
-        self._attempts: dict[str, Attempt] = {}
-        self._background: set[asyncio.Task[Any]] = set()
-        self.leases = LeaseRenewer(pools, self.config.lease_s, self._spawn)
-        self._renewing = self.leases.renewing  # reservations kept while their requests wait
+        if observers is None:
+            observers = (RequestTracing(), ServingMetrics())
+        self.observer = Observers((*observers, SignalsObserver(self.signals)))
         self._ready = False
         self._shutting_down = False
+        self._limits_from(pools)
+        self.calls = WorkerCalls(pools)
+        self.leases = LeaseRenewer(pools, config.lease_s, self.calls.spawn)
+        self.in_flight = InFlight(
+            pools, self.calls, self.leases, self.observer, self.colocated_mode
+        )
+        pools.on_death.append(self.in_flight.on_worker_death)
+        # Which prompt prefixes each worker's cache holds, fed by the workers' KV events.
+        self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
+        pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
+        self.delivery = TokenDelivery(
+            pools, self.indexes, self.in_flight.inbox_of, self.observer, self.in_flight
+        )
+        # A worker that goes live (a replacement, a scale-up) is followed at once: a
+        # request waiting for it is submitted there with no other traffic due.
+        pools.on_live.append(self.delivery.follow)
+        self.live_migration = (
+            None
+            if self.colocated_mode
+            else LiveMigrator(pools, self.in_flight.by_id, config, self.calls.spawn, self.observer)
+        )
+        self.parts = self._parts()
+
+    def _limits_from(self, pools: Pools) -> None:
+        """The request limits every worker can serve (the smallest of each)."""
         info = pools.reference
         if info is None:
             raise ValueError("no workers")
@@ -96,18 +122,33 @@ class DisaggregatedGenerator(ServingPaths):
         self.block_size = info.layout.block_size
         self.max_cache_tokens = min(i.num_blocks for i in infos) * self.block_size
         self.model_name = info.model_name
-        pools.on_death.append(self._on_worker_death)
-        # Which prompt prefixes each worker's cache holds, fed by the workers' KV events.
-        self.indexes = {pool: PrefixIndex(self.block_size) for pool in POOLS}
-        pools.on_removed.append(lambda ref: self.indexes[ref.pool].remove_worker(ref.index))
-        inbox_of, attempts = self._inbox_of, self._attempts
-        self.delivery = TokenDelivery(pools, self.indexes, inbox_of, self.signals, attempts)
-        # A worker that goes live (a replacement, a scale-up) is followed at once: a
-        # request waiting for it in `_pick` is submitted there with no other traffic due.
-        pools.on_live.append(self.delivery.follow)
-        migrations_counter()  # on /metrics from the start, at zero
-        self.live_migration = (
-            None if self.colocated_mode else LiveMigrator(pools, attempts, self.config, self._spawn)
+
+    def _parts(self) -> ServingParts:
+        config = self.config
+        choice = WorkerChoice(
+            self.pools, self.indexes, config, self.block_size, lambda: self.prefill_policy
+        )
+        path: ColocatedPath | DisaggregatedPath
+        if self.colocated_mode:
+            path = ColocatedPath(choice, self.calls, self.observer)
+        else:
+            path = DisaggregatedPath(
+                choice, self.calls, self.delivery, self.leases, self.observer, config
+            )
+        streamer = ChunkStream(config, self.calls, self.leases, self.in_flight, self.observer)
+        return ServingParts(
+            intake=self._intake,
+            admission=self.admission,
+            attempts=self.in_flight,
+            path=path,
+            streamer=streamer,
+            delivery=self.delivery,
+            observer=self.observer,
+            config=config,
+            shutting_down=lambda: self._shutting_down,
+            resumer=Resumer(
+                self.pools, self.in_flight, self.calls, self.leases, streamer, self.observer
+            ),
         )
 
     # ---------------------------------------------------------------- lifecycle
@@ -132,23 +173,23 @@ class DisaggregatedGenerator(ServingPaths):
         if not self._ready:
             return False
         if self.colocated_mode:
-            return bool(self.pools.routable("colocated"))
-        return bool(self.pools.routable("prefill")) and bool(self.pools.routable("decode"))
+            return bool(self.pools.routable(PoolName.COLOCATED))
+        return all(self.pools.routable(pool) for pool in PAIRED_POOLS)
 
     def server_info(self) -> ServerInfo:
         return ServerInfo(
             model=self.model_name,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
-            num_prefill_workers=len(self.pools.routable("prefill")),
-            num_decode_workers=len(self.pools.routable("decode")),
-            num_colocated_workers=len(self.pools.routable("colocated")),
+            num_prefill_workers=len(self.pools.routable(PoolName.PREFILL)),
+            num_decode_workers=len(self.pools.routable(PoolName.DECODE)),
+            num_colocated_workers=len(self.pools.routable(PoolName.COLOCATED)),
             max_in_flight=self.admission.max_in_flight,
             max_queue=self.admission.max_queue,
         )
 
     async def pool_stats(self) -> PoolStats:
-        refs = [w for w in self.pools.all() if w.state in ("live", "draining")]
+        refs = [w for w in self.pools.all() if w.state.serving]
         loads = await asyncio.gather(*(w.client.load() for w in refs), return_exceptions=True)
         workers = [load for load in loads if not isinstance(load, BaseException)]
         return PoolStats(tuple(workers), self.admission.num_in_flight, self.admission.num_queued)
@@ -158,58 +199,29 @@ class DisaggregatedGenerator(ServingPaths):
         self.prefill_policy = config
         log.info("prefill policy now %s", config)
 
-    # ---------------------------------------------------------------- plumbing
-    def _inbox_of(self, req_id: str) -> UpdateInbox | None:
-        attempt = self._attempts.get(req_id)
-        return None if attempt is None else attempt.inbox
-
-    def _on_worker_death(self, ref: WorkerRef, reason: str) -> None:
-        for attempt in list(self._attempts.values()):
-            if attempt.decode_ref is ref:
-                attempt.inbox.put(WorkerLost(reason, worker=ref))
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _abort_on(self, ref: WorkerRef, req_id: str) -> None:
-        if ref.state in ("dead", "gone"):
-            return
-        try:
-            await ref.client.abort(req_id)
-        except WorkerDied as exc:
-            self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
-
-    async def _pick(
-        self,
-        candidates: Callable[[], list[WorkerRef]],
-        what: str,
-        route: Callable[[list[WorkerRef]], WorkerRef],
-    ) -> WorkerRef:
-        """The worker `route` picks among the candidates, waiting (not failing) while a
-        whole pool is down and being replaced."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.worker_wait_s
-        while True:
-            live = candidates()
-            if live:
-                return route(live)
-            if loop.time() >= deadline:
-                raise WorkerLost(f"no {what} worker became available")
-            await asyncio.sleep(WORKER_WAIT_POLL_S)
-
-    async def _call(self, ref: WorkerRef, pending: Awaitable[T]) -> T:
-        """A worker call whose failure means the worker died: mark it, lose the attempt."""
-        try:
-            return await pending
-        except WorkerDied as exc:
-            self.pools.mark_dead(ref, f"{ref.worker_id} died: {exc}")
-            raise WorkerLost(f"{ref.worker_id} died: {exc}", worker=ref) from exc
-
     # ---------------------------------------------------------------- requests
+    def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
+        """Stream one request's chunks, then exactly one FinalResult. Nothing runs until
+        the first iteration, which raises NotReadyError, ValueError (the prompt) or
+        QueueFullError when the request is not taken."""
+        return RequestRun(call, self.parts).outputs()
+
+    def _intake(self, call: GenerateCall) -> ClientRequest:
+        """The request as the core runs it: tokenized and validated once, here at the
+        edge, with its seed fixed."""
+        if not self.is_ready():
+            raise NotReadyError("pools are not ready")
+        self.delivery.ensure_pollers()
+        base = self._to_input(call)
+        output = OutputProcessor(self.tokenizer, base.prompt_token_ids, base.sampling.stop)
+        return ClientRequest(
+            call.request_id or base.req_id,  # what the client knows it by, for the log
+            base,
+            Progress(time.perf_counter(), output),
+            call.trace_parent,
+        )
+
     def _to_input(self, call: GenerateCall) -> GenerationInput:
-        """Tokenize and validate once, here at the edge, and fix the seed."""
         messages = None
         if call.messages is not None:
             messages = [(m.role, m.content) for m in call.messages]
@@ -237,208 +249,3 @@ class DisaggregatedGenerator(ServingPaths):
             call.priority,
             request_id=call.request_id,  # a router tier's resumed stream finds it by this
         )
-
-    async def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
-        """Stream one request's chunks, then exactly one FinalResult."""
-        if not self.is_ready():
-            raise NotReadyError("pools are not ready")
-        self.delivery.ensure_pollers()
-        base = self._to_input(call)
-        request_id = call.request_id or base.req_id  # what the client knows it by, for the log
-        output = OutputProcessor(self.tokenizer, base.prompt_token_ids, base.sampling.stop)
-        progress = Progress(time.perf_counter(), output)
-        self.signals.request_arrived(progress)
-        trace = start_request(call.trace_parent, request_id, progress.arrival, base.priority)
-        attempt: Attempt | None = None
-        finished = False
-        run_locally = False
-        num_failed = 0  # lost attempts other than migrations
-        try:
-            async with self.admission.slot(priority=base.priority):
-                trace.admitted()
-                resumed = None
-                if call.resume_from_tokens is not None:  # a broken stream, picked up
-                    resumed = await take_over(self, call, base, progress, request_id)
-                for number in itertools.count():
-                    if number == 0 and resumed is not None:
-                        base, attempt = resumed.base, resumed.attempt
-                    else:
-                        attempt = self._begin(base, number, progress, trace, request_id)
-                    try:
-                        if number == 0 and resumed is not None:
-                            chunks = resumed.chunks
-                        elif self.colocated_mode:
-                            chunks = self._run_colocated(attempt, progress)
-                        else:
-                            chunks = self._run_disaggregated(attempt, progress, run_locally)
-                        async for chunk in chunks:
-                            yield chunk
-                        finished = True
-                        self.signals.request_ended(
-                            progress, progress.num_out, progress.tpot_s(), completed=True
-                        )
-                        yield final_result(
-                            request_id, base, progress, progress.finish_reason, trace=trace
-                        )
-                        return
-                    except WorkerLost as exc:
-                        attempt.trace.lost(str(exc), resumed=bool(progress.num_out))
-                        self._end(attempt)
-                        if self._shutting_down:
-                            finished = True
-                            log.info("request %s ends with the service: %s", request_id, exc)
-                            why = f"server shutting down: {exc}"
-                            yield final_result(
-                                request_id, base, progress, FinishReason.ABORT, why, trace
-                            )
-                            return
-                        run_locally = exc.run_locally
-                        if migrates(request_id, exc, progress, self.config.max_migrations):
-                            continue  # straight on: the client is waiting mid-stream
-                        num_failed += 1
-                        if num_failed >= self.config.max_attempts:
-                            raise RuntimeError(
-                                f"gave up after {self.config.max_attempts} attempts: {exc}"
-                            ) from exc
-                        if progress.num_out:
-                            progress.num_resumed += 1
-                        log.warning(
-                            "request %s: %s; %s",
-                            request_id,
-                            exc,
-                            f"resuming after {progress.num_out} tokens"
-                            if progress.num_out
-                            else "retrying on other workers",
-                        )
-                        if not run_locally:
-                            await asyncio.sleep(self.config.retry_delay_s * num_failed)
-        except asyncio.CancelledError as exc:
-            abort = server_abort(exc)
-            if abort is None:
-                raise  # the client cancelled or left: nobody to tell
-            # The server ends the call (a drain past its grace): this request's one
-            # terminal message says what it had (usage, timings), and it ends everywhere.
-            finished = True
-            if attempt is not None:
-                self._end(attempt)
-            yield final_result(request_id, base, progress, FinishReason.ABORT, abort.reason, trace)
-        except (QueueFullError, NotReadyError, ResumeNotFoundError) as exc:
-            finished = True  # refused at the door: nothing to abort, not a cancellation
-            log.info("request %s refused: %s", request_id, exc)
-            trace.finish(None, None, f"refused: {exc}")
-            raise
-        except Exception as exc:  # noqa: BLE001 - becomes this request's terminal message
-            log.error("request %s failed: %s", request_id, exc)
-            finished = True
-            if attempt is not None:
-                self._end(attempt)
-            yield final_result(request_id, base, progress, FinishReason.ERROR, str(exc), trace)
-        finally:
-            # A resumable call's request outlives its broken stream, for a while.
-            if attempt is not None and (finished or not let_go(self, call, attempt, progress)):
-                self._end(attempt, abort=not finished)
-            self.signals.request_ended(progress, progress.num_out, None, completed=False)
-            if not finished:
-                traced = f" trace={trace.trace_id}" if trace.trace_id else ""
-                log.info(
-                    "request %s cancelled after %d tokens%s", request_id, progress.num_out, traced
-                )
-            trace.finish(None, progress.t_first, "cancelled")  # unless it finished
-
-    def _begin(
-        self,
-        base: GenerationInput,
-        number: int,
-        progress: Progress,
-        trace: RequestTrace = NO_TRACE,
-        request_id: str = "",
-    ) -> Attempt:
-        # A worker that became live since the request arrived (a replacement, a scale-up)
-        # may be where this attempt lands: follow it first.
-        self.delivery.ensure_pollers()
-        attempt_trace = trace.attempt(number, progress.num_out)
-        inp = attempt_trace.bind(continuation(base, number, progress))
-        attempt = Attempt(
-            inp,
-            request_id or base.req_id,
-            trace=attempt_trace,
-            resumes_after=progress.num_out,
-        )
-        self._attempts[attempt.req_id] = attempt
-        return attempt
-
-    def _end(self, attempt: Attempt, abort: bool = True) -> None:
-        """Forget an attempt; abort it wherever it may still live (in the background:
-        this may run while the generator closes on cancellation)."""
-        if self._attempts.pop(attempt.req_id, None) is None:
-            return
-        attempt.trace.end()
-        for lease in attempt.leases:
-            lease.release()
-        if attempt.decode_ref is not None:
-            self._renewing[attempt.decode_ref].discard(attempt.req_id)
-        if not abort:
-            return
-        pools = ["colocated"] if self.colocated_mode else ["prefill", "decode"]
-        known = [r for r in (attempt.prefill_ref, attempt.decode_ref) if r is not None]
-        targets = (
-            known if len(known) == len(pools) else [w for p in pools for w in self.pools.workers[p]]
-        )
-        for ref in targets:
-            self._spawn(self._abort_on(ref, attempt.req_id))
-
-    # ---------------------------------------------------------------- the two paths
-    async def _stream(
-        self,
-        attempt: Attempt,
-        progress: Progress,
-        tokens: tuple[int, ...],
-        reason: FinishReason | None,
-        local: WorkerLease | None = None,
-    ) -> AsyncIterator[TextChunk]:
-        """Turn token updates into text chunks until the request finishes."""
-        while True:
-            chunk, finish = progress.output.process(tokens, reason)
-            if chunk is not None:
-                progress.token_ids += chunk.token_ids
-                if progress.t_first is None:
-                    progress.t_first = time.perf_counter()
-                    self.signals.first_token(progress, progress.t_first - progress.arrival)
-                yield chunk
-            if finish is not None:
-                if reason is None and attempt.decode_ref is not None:
-                    # A stop string ended it here: the worker is still going.
-                    self._spawn(self._abort_on(attempt.decode_ref, attempt.req_id))
-                progress.finish_reason = finish
-                return
-            wanted = tokens_per_message(self.config.stream_interval, len(self._attempts))
-            stall_s = self.config.token_stall_timeout_s
-            try:  # the first token alone, then a message's worth
-                item = await attempt.inbox.take(stall_s, wanted if progress.t_first else 1)
-            except TimeoutError as exc:
-                raise RuntimeError(f"no token for {stall_s:.0f}s") from exc
-            if attempt.decode_ref is not None:
-                # The decode worker answered for the request: its reservation is used.
-                self._renewing[attempt.decode_ref].discard(attempt.req_id)
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, Moved):
-                # It moved with its KV (router/serving/live_migration.py): stream what the client
-                # has not seen of the old attempt's tokens; the new attempt's follow.
-                tokens = item.outputs[progress.num_out - item.first_index :]
-                reason, local = None, None
-                progress.num_moved += 1
-                continue
-            if item.kv_wire_s and not attempt.resumes_after:
-                progress.timings = replace(
-                    progress.timings, kv_wire_s=item.kv_wire_s, kv_transfer_s=item.kv_handoff_s
-                )
-            if item.finish_reason is FinishReason.ERROR:
-                # A refused or broken hand-off, or an expired reservation: the decode pool
-                # is up, so the next attempt runs there from what was streamed.
-                error = item.error or "the decode worker reported an error"
-                raise WorkerLost(error, run_locally=True)
-            if local is not None and item.new_token_ids:
-                local.done_with_tokens(item.phases.compute_s if item.phases else None)
-            tokens, reason = item.new_token_ids, item.finish_reason
-            progress.note_cached(attempt, item.num_cached_tokens)

@@ -17,9 +17,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine.wire import POOLS, WorkerInfo
+from engine.wire import POOLS, PoolName, WorkerInfo
 from router.fleet.clients import DirectWorkerClient
-from router.fleet.pools import WorkerRef
+from router.fleet.worker_ref import WorkerRef
+from router.fleet.worker_state import WorkerState
 from router.tier.membership import Membership
 
 log = logging.getLogger(__name__)
@@ -90,13 +91,13 @@ class PoolsView:
                 continue
             ref = self._by_key.get(key)
             if ref is None:
-                ref = self._add(entry.info, entry.state)
+                ref = self._add(entry.info, WorkerState(entry.state))
                 if entry.state == "live":
                     went_live.append(ref)
             elif ref.state != entry.state:
                 if ref.state == "starting" and entry.state == "live":
                     went_live.append(ref)
-                ref.state = entry.state
+                ref.state = WorkerState(entry.state)
             ref.peers = set(entry.peers)
         for key, ref in list(self._by_key.items()):
             if key not in listed:
@@ -107,18 +108,20 @@ class PoolsView:
             for callback in self.on_live:
                 callback(ref)
 
-    def _add(self, info: WorkerInfo, state: str) -> WorkerRef:
+    def _add(self, info: WorkerInfo, state: WorkerState) -> WorkerRef:
         client = DirectWorkerClient(info.call_address, self._token)
         client.consumer = self._consumer
         client.grace_s = self._grace_s
-        ref = WorkerRef(info.pool, info.index, None, info, state=state, client_impl=client)
+        ref = WorkerRef(
+            PoolName(info.pool), info.index, None, info, state=state, client_impl=client
+        )
         self.workers[info.pool].append(ref)
         self._by_key[_key(info)] = ref
         return ref
 
     def _drop(self, ref: WorkerRef, reason: str, died: bool) -> None:
         was = ref.state
-        ref.state = "dead" if died else "gone"
+        ref.state = WorkerState.DEAD if died else WorkerState.GONE
         self._by_key.pop(_key(ref.info), None)
         if died and was != "starting":
             log.warning("%s", reason)
