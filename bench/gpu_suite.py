@@ -19,12 +19,10 @@ main prompt length and each of `--ttft-lens`. Plus:
            per step) / device-to-device copy bandwidth measured in the same run
   handoff  c's KV hand-off (timings.kv_transfer_seconds) for 512- and 2048-token prompts,
            GiB/s against raw dist.send of the same bytes (two processes, NCCL, same run)
-  goodput  DistServe's measure (bench.suite_goodput): 2048-in / 128-out requests at
-           Poisson rates found by a doubling search; the highest rate at which >= 90%
-           meet TTFT <= 1 s and TPOT <= 15, 25 and 50 ms (every request's timings
-           kept), for every prefill/decode split of --gpus GPUs (one sweep per TPOT
-           objective, the router aimed at it; --goodput-aim) and as many colocated
-           replicas behind the router (one sweep); --goodput-systems picks some
+
+Goodput (Poisson arrivals, the highest rate meeting TTFT and TPOT objectives) is
+bench.tp_goodput's: 1P1D against 2 colocated replicas is `--layouts
+disagg:1xtp1+1xtp1,colocated:2xtp1` there.
 
 One-GPU parts run in a subprocess per shape (bench.suite_offline) so memory is returned
 between them; this process never touches CUDA. Prints tables; writes one JSON to --out
@@ -51,11 +49,10 @@ from typing import Any
 
 from bench.report import provenance
 from bench.suite_common import KVGeometry, error_record, shape_path
-from bench.suite_goodput import add_goodput_args, resolve_goodput_args
 from bench.suite_plan import parse_ints, plan_from_args
 from bench.suite_report import format_tables
 
-ALL_PARTS = ("a", "a2", "b", "cc", "c", "floor", "handoff", "goodput")
+ALL_PARTS = ("a", "a2", "b", "cc", "c", "floor", "handoff")
 OFFLINE_PARTS = {"a", "a2", "b", "floor"}
 DEFAULT_KV_GIB = {"1b": 8.0, "8b": 24.0, "tiny": 0.25}
 DEFAULT_OUT = Path("bench/results/gpu_suite.json")
@@ -104,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--serve-extra",
         default="",
-        help="more `pdserve serve` flags for every service (cc, c, goodput), one string",
+        help="more `pdserve serve` flags for every service (cc, c), one string",
     )
     p.add_argument(
         "--client-processes",
@@ -131,11 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--time-budget",
         type=float,
         help="s for the whole suite: parts that would start past it are skipped (noted in "
-        "the JSON); goodput stops before a rate that would overrun it",
+        "the JSON)",
     )
     p.add_argument("--workdir", default="/tmp/pdserve-gpu-suite", help="logs, scratch")
     p.add_argument("--out", help=f"JSON path (default {DEFAULT_OUT})")
-    add_goodput_args(p)
     ns = p.parse_args(argv)
     quick = ns.quick
 
@@ -158,7 +154,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns.serve_extra = shlex.split(ns.serve_extra) + (["--no-compile"] if ns.no_compile else [])
     if ns.prompt_graph_max_tokens is not None:
         ns.serve_extra += ["--prompt-graph-max-tokens", str(ns.prompt_graph_max_tokens)]
-    resolve_goodput_args(ns, p)
     kv = dict(DEFAULT_KV_GIB)
     for item in (ns.kv_cache_gib or "").split(","):
         if item:
@@ -360,12 +355,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.perf_counter() - t_start:6.0f}s] {shape}: service {part}", flush=True)
             rec[key] = run_service(ns, part, shape, model, workdir, parts)
             save()
-    if "goodput" in parts:
-        from bench.suite_goodput import run_goodput_part
-
-        print(f"[{time.perf_counter() - t_start:6.0f}s] goodput", flush=True)
-        result["goodput"] = run_goodput_part(ns, workdir, deadline)
-        save()
     result["tables"] = format_tables(result)
     save()
     print(result["tables"])

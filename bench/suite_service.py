@@ -7,7 +7,7 @@
   timings.kv_transfer_seconds) and the bytes it moved (from the KV layout) for prompts of
   512 and 2048 tokens.
 
-The goodput part (Poisson arrivals) is bench.suite_goodput; it uses `Service` and `drive`.
+bench.tp_goodput's probes (Poisson arrivals) use `Service` and `drive` too.
 """
 
 from __future__ import annotations

@@ -1,59 +1,32 @@
-"""Goodput of tensor-parallel layouts side by side, one service at a time on the same
-GPUs, in one run: per layout and TPOT objective the highest Poisson rate sustained
-(>= `--attainment` of the requests meet TTFT <= --slo-ttft-ms and TPOT <= the
-objective), then every disaggregated layout ÷ the colocated layouts of as many GPUs
-(bench.goodput_compare: pairs, best of each kind, and whether disaggregation is never
-worse).
+"""Goodput of serving layouts side by side, one service at a time on the same GPUs, in
+one run: per layout and TPOT objective the highest Poisson rate sustained (>=
+`--attainment` of the requests meet TTFT <= --slo-ttft-ms and TPOT <= the objective),
+then every disaggregated layout ÷ the colocated layouts of as many GPUs (pairs, best of
+each kind, and whether disaggregation is never worse: bench.goodput).
 
 Layouts (bench.goodput_layouts): `colocated:NxtpT`, `disagg:PxtpA+DxtpB` (prefill pool
-first). Each layout's service starts once; its process tree is gone and the GPUs'
-memory released before the next one starts. Requests are `--prompt-len` random tokens
-asking for `--output-len` (bench.suite_goodput.run_point: the same prompts and arrival
-gaps at a given rate for every layout; a probe is cut short once its misses at the
-objective it is aimed at are past saving).
+first); single-GPU workers are `xtp1` (1P1D on 2 GPUs: `disagg:1xtp1+1xtp1` against
+`colocated:2xtp1`). Each layout's service starts once; its process tree is gone and the
+GPUs' memory released before the next one starts. Requests are `--prompt-len` random
+tokens asking for `--output-len`, the same prompts and arrival gaps at a given rate for
+every layout; a probe is cut short once its misses at the objective it is aimed at are
+past saving (nothing more is sent, the calls in flight are cancelled).
 
-Probes (bench.goodput_search): a coarse search from `--start-rate` (×2 per step; from a
-seed, the goodput an earlier layout reached, ×1.5) to the first miss, then bisection
-until the bracket is within `--resolution` or `--max-probes` is spent. A colocated
-layout runs one sweep, scored at every objective. A disaggregated layout's router aims
-its local-prefill rule at a TPOT target, so by default (`--aim per-slo`) it runs one
-sweep per objective with the router aimed at it through the admin API (the service
-is not restarted); `--aim tightest` runs one sweep aimed at the tightest objective and
-scores it at all of them (cheaper; the looser objectives then are lower bounds).
+Probes (bench.goodput): a coarse search from `--start-rate` (×2 per step; from a seed,
+the goodput an earlier layout reached, ×1.5) to the first miss, then bisection until
+the bracket is within `--resolution` or `--max-probes` is spent (`--rates`: only those
+rates). A colocated layout runs one sweep, scored at every objective. A disaggregated
+layout's router aims its local-prefill rule at a TPOT target, so by default (`--aim
+per-slo`) it runs one sweep per objective with the router aimed at it through the admin
+API (the service is not restarted); `--aim tightest` runs one sweep aimed at the
+tightest objective and scores it at all of them (the looser ones then are lower bounds).
 
 Time: `--budget-s` bounds the whole run; each layout gets `--layout-budget-s` (default:
 what is left ÷ the layouts left) from its start to its stop, and no probe starts that
-would end past it. The JSON (bench.report.write_result) is rewritten after each layout.
-
-GPU runs (4× H200; pasted from the repository root, results under $OUT). The table's
-last parts answer them: the `pairs` row of the two layouts for (a), the `best` row of 4
-GPUs for (b), the `never worse` rows for (c).
-
-(a) 70B shape, 1 prefill TP 2 + 1 decode TP 2 ÷ 2 colocated workers of TP 2 (both on
-    the same 4 GPUs), TPOT 25 and 50 ms; about 9 minutes with 60-s starts:
-
-    source bench/gpu_env.sh && python3 -m bench.tp_goodput \\
-      --model-config deploy/model_configs/llama-70b --load-format dummy \\
-      --layouts colocated:2xtp2,disagg:1xtp2+1xtp2 --slo-tpot-ms 25,50 \\
-      --start-rate 1 --probe-s 15 --max-probes 5 --budget-s 520 \\
-      --out "$OUT/tp_goodput_70b.json" 2>&1 | tee "$OUT/tp_goodput_70b.log"
-
-(b) 8B on 4 GPUs, the best disaggregated ÷ the best colocated layout, TPOT 25 ms (and
-    (c) for each disaggregated one); about 9 minutes with 25-40-s starts, 2-3 probes a
-    layout:
-
-    L=colocated:4xtp1,colocated:2xtp2,disagg:3xtp1+1xtp1
-    L=$L,disagg:2xtp1+2xtp1,disagg:2xtp1+1xtp2,disagg:1xtp2+1xtp2
-    source bench/gpu_env.sh && python3 -m bench.tp_goodput \\
-      --model-config deploy/model_configs/llama-3.1-8b --load-format dummy --layouts "$L" \\
-      --slo-tpot-ms 25 --start-rate 12 --probe-s 8 --max-probes 4 --budget-s 530 \\
-      --out "$OUT/tp_goodput_8b.json" 2>&1 | tee "$OUT/tp_goodput_8b.log"
-
-    For narrower brackets, run the layouts in two commands (three each, `--out` of
-    their own) and merge: `python -m bench.tp_goodput --report A.json B.json`.
-
-CPU smoke (the tiny Llama of bench.suite_common, random weights; three layouts of two
-"GPUs", one of them TP 2 over gloo; about 2 minutes on 2 cores):
+would end past it. The JSON (bench.report.write_result) is rewritten after each layout;
+`--report A.json B.json` prints the tables of several runs merged. GPU commands are in
+docs/benchmarks.md; a CPU smoke run (the tiny Llama of bench.suite_common, three
+layouts of two "GPUs", one of them TP 2 over gloo; about 2 minutes on 2 cores):
 
     python -m bench.tp_goodput --quick --out /tmp/tp_goodput_quick.json
 """
@@ -75,10 +48,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.goodput_compare import comparisons, format_tables, layout_bracket, slo_key
+from bench.goodput import (
+    Bracket,
+    RateProbeSearch,
+    attainment,
+    comparisons,
+    format_tables,
+    give_up_when_missed,
+    layout_bracket,
+    looser_than,
+    slo_key,
+)
 from bench.goodput_layouts import Layout, parse_layouts
-from bench.goodput_search import Bracket, RateProbeSearch, looser_than
 from bench.report import write_result
+from bench.suite_common import KVGeometry, make_prompts, summarize
 
 DEFAULT_LAYOUTS = "colocated:2xtp2,disagg:1xtp2+1xtp2"
 QUICK_LAYOUTS = "colocated:2xtp1,colocated:1xtp2,disagg:1xtp1+1xtp1"
@@ -178,17 +161,85 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ---------------------------------------------------------------- one layout
 
 
-def point_settings(ns: argparse.Namespace) -> argparse.Namespace:
-    """What bench.suite_goodput.run_point reads, from this command's flags."""
-    return argparse.Namespace(
-        goodput_min_requests=ns.min_requests,
-        goodput_duration=ns.probe_s,
-        goodput_prompt_len=ns.prompt_len,
-        goodput_output_len=ns.output_len,
-        attainment=ns.attainment,
-        ttft_slo=ns.slo_ttft_ms / 1000,
-        tpot_slos=ns.slos,
+def run_point(
+    address: str, geo: KVGeometry, ns: argparse.Namespace, rate: float, tpot_ms: float, sweep: int
+) -> dict[str, Any]:
+    """One probe: Poisson arrivals of the same prompts and gaps for every layout (the
+    `sweep`-th of one service gets prompts of its own: none found in its cache); cut
+    short once the misses at `tpot_ms` (the objective it is aimed at) are past saving."""
+    from bench.suite_service import drive
+
+    n = max(ns.min_requests, round(rate * ns.probe_s))
+    prompts = make_prompts(
+        n, ns.prompt_len, geo.vocab_size, seed=int(rate * 1000) + 7 + 1_000_003 * sweep
     )
+    give_up = give_up_when_missed(
+        n, ns.attainment, ns.slo_ttft_ms / 1000, tpot_ms / 1000, ns.output_len
+    )
+    timings, wall = asyncio.run(
+        drive(
+            address,
+            prompts,
+            ns.output_len,
+            rate=rate,
+            seed=int(rate * 100),
+            give_up=give_up,
+            timeout_s=max(120.0, 4 * n / rate),
+        )
+    )
+    first = min((t.sent_s for t in timings if t.sent_s), default=0.0)
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(1000 * x, 3)
+
+    requests: dict[str, list[Any]] = {
+        "sent_ms": [ms(t.sent_s - first) if t.sent_s else None for t in timings],
+        "ok": [t.ok for t in timings],
+        "ttft_ms": [ms(t.ttft_s) for t in timings],
+        "tpot_ms": [ms(t.tpot_s) for t in timings],
+    }
+    met = {slo_key(slo): round(attainment(requests, ns.slo_ttft_ms, slo), 4) for slo in ns.slos}
+    gave_up = any(t.error.endswith("gave up") for t in timings)
+    point = summarize("", 0, timings, wall, rate=rate, attainment=met, gave_up=gave_up)
+    del point["system"], point["concurrency"]
+    point["settle_s"] = asyncio.run(settle(address))
+    point["requests"] = requests
+    return point
+
+
+async def settle(address: str, timeout_s: float = 60.0) -> float:
+    """Seconds until the router and every worker hold nothing (after cancelled calls)."""
+    from router.cli.client import get_pool_stats
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        stats = await get_pool_stats(address)
+        busy = stats.num_in_flight or stats.num_queued
+        if not (busy or any(w.num_running or w.num_waiting for w in stats.workers)):
+            break
+        await asyncio.sleep(0.2)
+    return round(time.perf_counter() - start, 2)
+
+
+async def aim_router(address: str, tpot_ms: float, ttft_ms: float) -> None:
+    """The router's local-prefill rule aimed at these targets from now on."""
+    from pdserve.v1 import admin_pb2
+    from router.cli.admin_client import set_prefill_policy
+
+    request = admin_pb2.SetPrefillPolicyRequest(slo_tpot_ms=tpot_ms, slo_ttft_ms=ttft_ms)
+    await set_prefill_policy(address, request)
+
+
+async def worker_blocks(address: str) -> dict[str, int]:
+    """KV blocks of each worker, as it sized its cache."""
+    from pdserve.v1 import generation_pb2 as pb
+    from router.cli.client import get_pool_stats
+
+    stats = await get_pool_stats(address)
+    return {
+        f"{pb.Pool.Name(w.pool).removeprefix('POOL_').lower()}-{w.index}": w.num_blocks_total
+        for w in stats.workers
+    }
 
 
 def sweeps(layout: Layout, aim: str, slos: list[float]) -> list[tuple[float | None, list[str]]]:
@@ -230,8 +281,6 @@ def run_sweep(
 ) -> str | None:
     """Probes of one sweep until its brackets are narrow or its time is spent, each
     point added to `points`; why it stopped early, if it did."""
-    from bench.suite_goodput import run_point
-
     search = RateProbeSearch(
         keys=tuple(keys),
         start={k: seeds.get(k, ns.start_rate) for k in keys},
@@ -242,7 +291,6 @@ def run_sweep(
         max_probes=ns.max_probes,
         grid=ns.rates,
     )
-    settings = point_settings(ns)
     results: dict[float, dict[str, bool | None]] = {}
     while (probe := search.next_probe(results)) is not None:
         rate, tpot_ms = probe.rate, float(probe.aim)
@@ -252,7 +300,7 @@ def run_sweep(
         if time.perf_counter() + need > deadline:
             return f"time budget: rate {rate:g} (about {need:.0f} s) not run"
         print(f"  {label}: {rate:g} req/s, {n} requests, at TPOT {probe.aim} ms", flush=True)
-        point = run_point(address, geo, settings, rate, tpot_ms, sweep)
+        point = run_point(address, geo, ns, rate, tpot_ms, sweep)
         point["probe_aim_tpot_ms"] = tpot_ms
         point["counts_for"] = keys
         if point["gave_up"]:  # the looser objectives saw an incomplete run
@@ -279,8 +327,7 @@ def run_layout(
     """Start the layout's service, run its sweeps, stop it and wait for its GPUs, all
     by `deadline` (the earlier layouts' records seed the search and time the stop)."""
     from bench.harness.sockets import process_tree
-    from bench.suite_common import KVGeometry, error_record, make_prompts
-    from bench.suite_goodput import aim_router, settle, worker_blocks
+    from bench.suite_common import error_record
     from bench.suite_service import Service, check_warm_up, drive, kv_args
 
     plan = sweeps(layout, ns.aim, ns.slos)
@@ -320,7 +367,7 @@ def run_layout(
             left = deadline - reserve - time.perf_counter()
             sweep_deadline = time.perf_counter() + left / (len(plan) - index)
             if aim is not None:
-                asyncio.run(aim_router(svc.address, aim, ns.slo_ttft_ms / 1000))
+                asyncio.run(aim_router(svc.address, aim, ns.slo_ttft_ms))
             seeds = seed_rates(earlier, record["points"], keys, ns.attainment)
             label = layout.name + ("" if aim is None else f" aimed at {aim:g} ms")
             count = len(record["points"])
@@ -452,12 +499,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.report:
         return report(ns.report)
+    from bench.report import gpus
     from bench.suite_common import error_record
-    from bench.suite_goodput import gpu_count
 
     out, workdir = output_paths(ns)
     model = resolve_model(ns.model_config, workdir)
-    have = gpu_count() or 0
+    have = len(gpus())
     ns.on_cuda = have > 0
     if ns.kv_cache_gib is None and not ns.on_cuda:
         ns.kv_cache_gib = 0.25
