@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -48,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import provenance
-from bench.suite_common import KVGeometry, error_record, shape_path
+from bench.suite_common import KVGeometry, error_record, model_path
 from bench.suite_plan import parse_ints, plan_from_args
 from bench.suite_report import format_tables
 
@@ -220,7 +219,7 @@ def run_nccl_raw(ns: argparse.Namespace, workdir: Path) -> dict:
     from bench.suite_nccl import send_bandwidth
 
     sizes = {
-        KVGeometry.of(shape_path(s, workdir), kv_itemsize(ns)).handoff_bytes(n)
+        KVGeometry.of(model_path(s, workdir), kv_itemsize(ns)).handoff_bytes(n)
         for s in ns.shapes
         for n in ns.handoff_lens
     }
@@ -240,48 +239,13 @@ def run_service(
 
     try:
         return run_service_part(
-            part,
-            shape,
-            model,
-            workdir=workdir,
+            part, shape, model, workdir, ns,
             plan=plan_from_args(ns) if part in parts else [],
-            output_len=ns.output_len,
-            kv_cache_gib=ns.kv_cache_gib.get(shape, 8.0),
             handoff_lens=ns.handoff_lens if part == "c" and "handoff" in parts else [],
-            handoff_samples=ns.handoff_samples,
-            startup_timeout_s=ns.startup_timeout,
             kv_itemsize=kv_itemsize(ns),
-            serve_extra=ns.serve_extra,
-            client_processes=ns.client_processes,
-        )
+        )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run
         return error_record(exc)
-
-
-def machine_meta(ns: argparse.Namespace) -> dict[str, Any]:
-    from bench.report import git_commit
-
-    meta: dict[str, Any] = {
-        "argv": sys.argv[1:],
-        "git_commit": git_commit(),
-        "python": sys.version.split()[0],
-        "cpu_count": os.cpu_count(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    if ns.device == "cuda" and shutil.which("nvidia-smi"):
-        query = "--query-gpu=name,memory.total,driver_version"
-        smi = subprocess.run(
-            ["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True
-        )
-        meta["gpus"] = smi.stdout.strip().splitlines()
-    try:
-        import torch
-        import transformers
-
-        meta["torch"], meta["transformers"] = torch.__version__, transformers.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    return meta
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
         outs.append(env_out)
     result: dict[str, Any] = {
         "provenance": provenance("bench.gpu_suite", sys.argv[1:] if argv is None else argv),
-        "meta": machine_meta(ns),
         "config": {k: v for k, v in vars(ns).items() if k != "out"},
         "notes": [
             "random weights of the real shapes (load_format dummy, seeded); bf16 on CUDA",
@@ -334,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             result["nccl_raw"] = error_record(exc)
         save()
     for shape in ns.shapes:
-        model = shape_path(shape, workdir)
+        model = model_path(shape, workdir)
         rec: dict[str, Any] = result["shapes"].setdefault(shape, {})
         if (parts & OFFLINE_PARTS or parts & {"cc", "c", "handoff"}) and out_of_time(60):
             rec["skipped"] = "time budget"

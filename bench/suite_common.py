@@ -37,16 +37,18 @@ TINY_CONFIG = {
 }
 
 
-def shape_path(name: str, workdir: Path) -> Path:
-    """The model folder (config.json only) of a named shape."""
-    if name in SHAPES:
-        return SHAPES[name]
+def model_path(name: str, workdir: Path) -> Path:
+    """The model folder (config.json; weights are random) of a named shape (the tiny one
+    is written under `workdir`), a folder under deploy/model_configs, or a folder."""
     if name == "tiny":
         path = workdir / "tiny-llama"
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(TINY_CONFIG))
         return path
-    raise ValueError(f"unknown shape {name!r}: use {', '.join([*SHAPES, 'tiny'])}")
+    for path in (SHAPES.get(name, Path(name)), REPO / "deploy" / "model_configs" / name):
+        if (path / "config.json").is_file():
+            return path.resolve()
+    raise SystemExit(f"model {name!r}: no config.json there nor under deploy/model_configs")
 
 
 @dataclass(frozen=True)

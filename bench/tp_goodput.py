@@ -39,7 +39,6 @@ import contextlib
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -49,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.goodput import (
-    Bracket,
     RateProbeSearch,
     attainment,
     comparisons,
@@ -61,15 +59,30 @@ from bench.goodput import (
 )
 from bench.goodput_layouts import Layout, parse_layouts
 from bench.report import write_result
-from bench.suite_common import KVGeometry, make_prompts, summarize
+from bench.suite_common import KVGeometry, error_record, make_prompts, summarize
 
-DEFAULT_LAYOUTS = "colocated:2xtp2,disagg:1xtp2+1xtp2"
-QUICK_LAYOUTS = "colocated:2xtp1,colocated:1xtp2,disagg:1xtp1+1xtp1"
 # Seconds kept at the end of a layout's budget for its stop and the GPUs' release,
 # until a stop has been timed (then the longest one so far and a margin).
 STOP_RESERVE_S = 20.0
 # A GPU counts as released when at most this much of its memory is in use.
 GPU_FREE_MIB = 1024
+# Flags whose default --quick shrinks: (default, --quick's default).
+SCALED = {
+    "layouts": (
+        "colocated:2xtp2,disagg:1xtp2+1xtp2",
+        "colocated:2xtp1,colocated:1xtp2,disagg:1xtp1+1xtp1",
+    ),
+    "model_config": ("deploy/model_configs/llama-70b", "tiny"),
+    "slo_tpot_ms": ("25,50", "50,200"),
+    "slo_ttft_ms": (1000.0, 2000.0),
+    "prompt_len": (2048, 64),
+    "output_len": (128, 16),
+    "start_rate": (2.0, 4.0),
+    "max_probes": (5, 2),
+    "probe_s": (15.0, 3.0),
+    "min_requests": (12, 6),
+}
+QUICK_LAYOUTS = SCALED["layouts"][1]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -79,29 +92,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Defaults in [brackets] are --quick's.",
     )
+
+    def scaled(flag: str, help: str, **kw: Any) -> None:
+        full, small = SCALED[flag.removeprefix("--").replace("-", "_")]
+        p.add_argument(flag, help=f"{help} (default {full} [{small}])", **kw)
+
     p.add_argument("--quick", action="store_true", help="a short CPU-sized run (see below)")
-    p.add_argument("--layouts", help=f"comma list (default {DEFAULT_LAYOUTS} [{QUICK_LAYOUTS}])")
-    p.add_argument(
+    scaled("--layouts", "comma list")
+    scaled(
         "--model-config",
-        help="model folder (config.json), or a shape of bench.suite_common: 1b, 8b, tiny "
-        "(default deploy/model_configs/llama-70b [tiny])",
+        "model folder (config.json), or a shape of bench.suite_common: 1b, 8b, tiny",
     )
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
-    p.add_argument("--slo-tpot-ms", help="TPOT objectives, comma list (default 25,50 [50,200])")
-    p.add_argument("--slo-ttft-ms", type=float, help="TTFT objective (default 1000 [2000])")
+    scaled("--slo-tpot-ms", "TPOT objectives, comma list")
+    scaled("--slo-ttft-ms", "TTFT objective", type=float)
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests meeting it")
-    p.add_argument("--prompt-len", type=int, help="tokens (default 2048 [64])")
-    p.add_argument("--output-len", type=int, help="tokens (default 128 [16])")
-    p.add_argument("--start-rate", type=float, help="req/s of the first probe (default 2 [4])")
+    scaled("--prompt-len", "tokens", type=int)
+    scaled("--output-len", "tokens", type=int)
+    scaled("--start-rate", "req/s of the first probe", type=float)
     p.add_argument("--min-rate", type=float, default=0.25, help="req/s; below: goodput 0")
     p.add_argument("--max-rate", type=float, default=256.0, help="req/s")
     p.add_argument(
         "--rates", help="comma list of req/s: probe only these (default: any rate the search picks)"
     )
     p.add_argument("--resolution", type=float, default=1.2, help="stop at failed/sustained <= this")
-    p.add_argument("--max-probes", type=int, help="per sweep (default 5 [2])")
-    p.add_argument("--probe-s", type=float, help="seconds of arrivals per probe (default 15 [3])")
-    p.add_argument("--min-requests", type=int, help="per probe (default 12 [6])")
+    scaled("--max-probes", "per sweep", type=int)
+    scaled("--probe-s", "seconds of arrivals per probe", type=float)
+    scaled("--min-requests", "per probe", type=int)
     p.add_argument(
         "--aim",
         choices=("per-slo", "tightest", "router-default"),
@@ -130,20 +147,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run nothing: print the tables of these runs' layouts, merged (later files win)",
     )
     ns = p.parse_args(argv)
-
-    def pick(value: Any, full: Any, small: Any) -> Any:
-        return value if value is not None else (small if ns.quick else full)
-
-    ns.layouts = pick(ns.layouts, DEFAULT_LAYOUTS, QUICK_LAYOUTS)
-    ns.model_config = pick(ns.model_config, "deploy/model_configs/llama-70b", "tiny")
-    ns.slo_tpot_ms = pick(ns.slo_tpot_ms, "25,50", "50,200")
-    ns.slo_ttft_ms = pick(ns.slo_ttft_ms, 1000.0, 2000.0)
-    ns.prompt_len = pick(ns.prompt_len, 2048, 64)
-    ns.output_len = pick(ns.output_len, 128, 16)
-    ns.start_rate = pick(ns.start_rate, 2.0, 4.0)
-    ns.max_probes = pick(ns.max_probes, 5, 2)
-    ns.probe_s = pick(ns.probe_s, 15.0, 3.0)
-    ns.min_requests = pick(ns.min_requests, 12, 6)
+    for name, (full, small) in SCALED.items():
+        if getattr(ns, name) is None:
+            setattr(ns, name, small if ns.quick else full)
     ns.serve_extra = shlex.split(ns.serve_extra)
     try:
         ns.layouts = parse_layouts(ns.layouts)
@@ -170,12 +176,12 @@ def run_point(
     from bench.suite_service import drive
 
     n = max(ns.min_requests, round(rate * ns.probe_s))
-    prompts = make_prompts(
-        n, ns.prompt_len, geo.vocab_size, seed=int(rate * 1000) + 7 + 1_000_003 * sweep
-    )
+    seed = int(rate * 1000) + 7 + 1_000_003 * sweep
+    prompts = make_prompts(n, ns.prompt_len, geo.vocab_size, seed=seed)
     give_up = give_up_when_missed(
         n, ns.attainment, ns.slo_ttft_ms / 1000, tpot_ms / 1000, ns.output_len
     )
+    timeout_s = max(120.0, 4 * n / rate)
     timings, wall = asyncio.run(
         drive(
             address,
@@ -184,7 +190,7 @@ def run_point(
             rate=rate,
             seed=int(rate * 100),
             give_up=give_up,
-            timeout_s=max(120.0, 4 * n / rate),
+            timeout_s=timeout_s,
         )
     )
     first = min((t.sent_s for t in timings if t.sent_s), default=0.0)
@@ -202,9 +208,7 @@ def run_point(
     gave_up = any(t.error.endswith("gave up") for t in timings)
     point = summarize("", 0, timings, wall, rate=rate, attainment=met, gave_up=gave_up)
     del point["system"], point["concurrency"]
-    point["settle_s"] = asyncio.run(settle(address))
-    point["requests"] = requests
-    return point
+    return {**point, "settle_s": asyncio.run(settle(address)), "requests": requests}
 
 
 async def settle(address: str, timeout_s: float = 60.0) -> float:
@@ -327,26 +331,19 @@ def run_layout(
     """Start the layout's service, run its sweeps, stop it and wait for its GPUs, all
     by `deadline` (the earlier layouts' records seed the search and time the stop)."""
     from bench.harness.sockets import process_tree
-    from bench.suite_common import error_record
-    from bench.suite_service import Service, check_warm_up, drive, kv_args
+    from bench.suite_service import Service, check_warm_up, drive, service_args
 
     plan = sweeps(layout, ns.aim, ns.slos)
     stops = [r["stop_s"] for r in earlier if "stop_s" in r]
     reserve = max(stops) + 5 if stops else STOP_RESERVE_S
-    args = ["--model", str(model), "--load-format", ns.load_format, *layout.serve_flags()]
-    args += kv_args(layout.disaggregated, ns.kv_cache_gib)
-    args += ["--decode-max-num-seqs", str(ns.max_num_seqs)]
-    args += ["--max-in-flight", "1024", "--max-queue", "4096", "--drain-grace-s", "5"]
+    args = service_args(
+        model, layout.serve_flags(), layout.disaggregated, ns.kv_cache_gib, ns.max_num_seqs,
+        drain_grace_s=5, load_format=ns.load_format,
+    )  # fmt: skip
     if any(aim is not None for aim, _ in plan):
         args += ["--enable-admin"]
     slug = layout.name.replace(":", "-").replace("+", "-")
-    record: dict[str, Any] = {
-        "layout": layout.name,
-        "gpus": layout.gpus,
-        "disaggregated": layout.disaggregated,
-        "points": [],
-        "sweeps": [],
-    }
+    record: dict[str, Any] = {**layout_record(layout), "points": [], "sweeps": []}
     started = time.perf_counter()
     svc = Service([*args, *ns.serve_extra], workdir / f"service-{slug}.log")
     record["args"] = svc.args
@@ -358,8 +355,7 @@ def run_layout(
         geo = KVGeometry.of(model)
         workers = layout.first.workers + (layout.decode.workers if layout.decode else 0)
         warm = make_prompts(2 * workers, ns.prompt_len, geo.vocab_size, seed=96)
-        warm_timings, _ = asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
-        check_warm_up(warm_timings)
+        check_warm_up(asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))[0])
         record["warm_settle_s"] = asyncio.run(settle(svc.address))
         record["workers"] = asyncio.run(worker_blocks(svc.address))
         for index, (aim, keys) in enumerate(plan):
@@ -389,20 +385,22 @@ def run_layout(
         record["elapsed_s"] = round(time.perf_counter() - started, 1)
         if record["exit_code"] != 0 or "error" in record:
             record["log_tail"] = svc.log_tail()
-    record["goodput"] = goodput_record(record["points"], ns)
+    # Per objective: the bracket, and how many probes speak for it.
+    record["goodput"] = {}
+    for key in map(slo_key, ns.slos):
+        counted = [p for p in record["points"] if key in p.get("counts_for", ())]
+        if counted:
+            b = layout_bracket(counted, key, ns.attainment)
+            record["goodput"][key] = {
+                "sustained": b.sustained,
+                "failed": b.failed,
+                "probes": len(counted),
+            }
     return record
 
 
-def goodput_record(points: list[dict[str, Any]], ns: argparse.Namespace) -> dict[str, Any]:
-    """Per objective: the bracket, and how many probes speak for it."""
-    out: dict[str, Any] = {}
-    for slo in ns.slos:
-        key = slo_key(slo)
-        counted = [p for p in points if key in p.get("counts_for", ())]
-        if counted:
-            b: Bracket = layout_bracket(counted, key, ns.attainment)
-            out[key] = {"sustained": b.sustained, "failed": b.failed, "probes": len(counted)}
-    return out
+def layout_record(layout: Layout) -> dict[str, Any]:
+    return {"layout": layout.name, "gpus": layout.gpus, "disaggregated": layout.disaggregated}
 
 
 # ---------------------------------------------------------------- between layouts
@@ -410,10 +408,11 @@ def goodput_record(points: list[dict[str, Any]], ns: argparse.Namespace) -> dict
 
 def gpu_memory_used_mib() -> list[int]:
     """Memory in use on each GPU (nvidia-smi); [] without nvidia-smi."""
-    if not shutil.which("nvidia-smi"):
-        return []
     query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-    out = subprocess.run(query, capture_output=True, text=True, timeout=30)
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30)
+    except OSError:
+        return []
     return [int(x) for x in out.stdout.split() if x.strip().isdigit()]
 
 
@@ -446,41 +445,6 @@ def release(pids: set[int], *, on_cuda: bool, timeout_s: float = 30.0) -> dict[s
 # ---------------------------------------------------------------- the run
 
 
-def resolve_model(name: str, workdir: Path) -> Path:
-    """A model folder, or a named shape of the GPU suite (the tiny one is written out)."""
-    from bench.suite_common import SHAPES, shape_path
-
-    if name in SHAPES or name == "tiny":
-        return shape_path(name, workdir)
-    path = Path(name)
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"--model-config {name}: no config.json there")
-    return path.resolve()
-
-
-def output_paths(ns: argparse.Namespace) -> tuple[Path, Path]:
-    env_out = os.environ.get("OUT")
-    out = Path(ns.out) if ns.out else Path(env_out or ".") / "tp_goodput.json"
-    if ns.workdir:
-        workdir = Path(ns.workdir)
-    elif env_out:
-        workdir = Path(env_out) / "tp_goodput_logs"
-    else:
-        workdir = Path(tempfile.mkdtemp(prefix="tp-goodput-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return out, workdir
-
-
-def config_record(ns: argparse.Namespace, model: Path) -> dict[str, Any]:
-    skip = {"layouts", "report", "slo_tpot_ms"}
-    config = {k: v for k, v in vars(ns).items() if k not in skip}
-    config["layouts"] = [layout.name for layout in ns.layouts]
-    config["model"] = str(model)
-    config["rates"] = list(ns.rates)
-    return config
-
-
 def report(paths: list[str]) -> int:
     """Tables of earlier runs' layouts, merged by name (a later file's record wins)."""
     records: dict[str, dict[str, Any]] = {}
@@ -500,29 +464,37 @@ def main(argv: list[str] | None = None) -> int:
     if ns.report:
         return report(ns.report)
     from bench.report import gpus
-    from bench.suite_common import error_record
+    from bench.suite_common import model_path
 
-    out, workdir = output_paths(ns)
-    model = resolve_model(ns.model_config, workdir)
+    env_out = os.environ.get("OUT")
+    out = Path(ns.out or Path(env_out or ".") / "tp_goodput.json")
+    workdir = Path(
+        ns.workdir
+        or (
+            Path(env_out) / "tp_goodput_logs" if env_out else tempfile.mkdtemp(prefix="tp-goodput-")
+        )
+    )
+    workdir.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = model_path(ns.model_config, workdir)
     have = len(gpus())
     ns.on_cuda = have > 0
     if ns.kv_cache_gib is None and not ns.on_cuda:
         ns.kv_cache_gib = 0.25
     keys = [slo_key(s) for s in ns.slos]
-    config = config_record(ns, model)
+    config = {k: v for k, v in vars(ns).items() if k not in {"layouts", "report", "slo_tpot_ms"}}
+    config.update(layouts=[x.name for x in ns.layouts], model=str(model), rates=list(ns.rates))
     where = f"{have} GPUs" if have else "CPU"
     print(f"{len(ns.layouts)} layouts of {model.name} on {where}; logs in {workdir}", flush=True)
     t0 = time.perf_counter()
     run_deadline = t0 + (ns.budget_s if ns.budget_s is not None else float("inf"))
     records: list[dict[str, Any]] = []
 
-    def save(tables: str | None = None) -> None:
-        comp = comparisons(records, keys)
-        extra = {"tables": tables} if tables is not None else {}
+    def save(**extra: Any) -> None:
         elapsed = round(time.perf_counter() - t0, 1)
         write_result(
             out, "bench.tp_goodput", argv, config=config, elapsed_s=elapsed,
-            layouts=records, comparisons=comp, **extra,
+            layouts=records, comparisons=comparisons(records, keys), **extra,
         )  # fmt: skip
 
     for index, layout in enumerate(ns.layouts):
@@ -531,25 +503,24 @@ def main(argv: list[str] | None = None) -> int:
         deadline = min(run_deadline, now + (ns.layout_budget_s or share))
         # A start as long as the longest so far, a warm-up, one probe and the stop.
         need = max((r.get("startup_s", 0.0) for r in records), default=30.0) + 40
-        base: dict[str, Any] = {
-            "layout": layout.name,
-            "gpus": layout.gpus,
-            "disaggregated": layout.disaggregated,
-        }
         if ns.on_cuda and have < layout.gpus:
-            records.append({**base, "skipped": f"needs {layout.gpus} GPUs, found {have}"})
+            records.append(
+                {**layout_record(layout), "skipped": f"needs {layout.gpus} GPUs, found {have}"}
+            )
         elif deadline - now < need:
-            records.append({**base, "skipped": f"time budget ({deadline - now:.0f} s left)"})
+            records.append(
+                {**layout_record(layout), "skipped": f"time budget ({deadline - now:.0f} s left)"}
+            )
         else:
             print(f"[{now - t0:5.0f}s] {layout} ({layout.gpus} GPUs)", flush=True)
             try:
                 records.append(run_layout(layout, ns, model, workdir, deadline, records))
             except Exception as exc:  # noqa: BLE001 - recorded; the next layout still runs
                 print(f"  {layout}: {exc}", file=sys.stderr, flush=True)
-                records.append({**base, **error_record(exc)})
+                records.append({**layout_record(layout), **error_record(exc)})
         save()
     tables = format_tables(records, keys, comparisons(records, keys))
-    save(tables)
+    save(tables=tables)
     print(f"\n{tables}\n\nwrote {out} in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0 if all(r.get("goodput") for r in records) else 1
 
