@@ -184,18 +184,14 @@ def run_offline(
         f"--output-len={ns.output_len}",
         f"--kv-cache-gib={ns.kv_cache_gib.get(shape, 8.0)}",
         f"--rounds-at-c1={ns.rounds_at_c1}",
-        *([f"--rounds={ns.rounds}"] if ns.rounds is not None else []),
         "--burst" if ns.burst else "--no-burst",
         "--ttft-lens=" + ",".join(map(str, ns.ttft_lens)),
         f"--copy-bytes={(1 << 30) if ns.device == 'cuda' else (64 << 20)}",
         f"--out={out}",
         *(["--no-compile"] if ns.no_compile else []),
-        *(
-            [f"--prompt-graph-max-tokens={ns.prompt_graph_max_tokens}"]
-            if ns.prompt_graph_max_tokens is not None
-            else []
-        ),
     ]
+    optional = {"rounds": ns.rounds, "prompt-graph-max-tokens": ns.prompt_graph_max_tokens}
+    cmd += [f"--{flag}={value}" for flag, value in optional.items() if value is not None]
     start = time.perf_counter()
     with open(log, "wb") as f:
         try:

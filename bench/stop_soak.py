@@ -30,12 +30,7 @@ from typing import Any
 
 from bench.harness import wait_until
 from bench.harness.service import health_status
-from bench.harness.stopping import (
-    STOP_MODES,
-    StopResult,
-    serve_in_own_session,
-    stop_with_streams,
-)
+from bench.harness.stopping import STOP_MODES, StopResult, serve_in_own_session, stop_with_streams
 from bench.report import provenance
 
 
@@ -55,8 +50,7 @@ def one_try(mode: str, drain_grace_s: float, log: Path, rng: random.Random) -> S
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--tries", type=int, default=20)
     p.add_argument("--modes", nargs="+", choices=STOP_MODES, default=list(STOP_MODES))

@@ -33,13 +33,7 @@ import torch
 
 from bench.device import free, sync
 from bench.report import provenance
-from bench.suite_common import (
-    KVGeometry,
-    ReqTiming,
-    error_record,
-    make_prompts,
-    summarize,
-)
+from bench.suite_common import KVGeometry, ReqTiming, error_record, make_prompts, summarize
 from bench.suite_plan import parse_ints, plan_from_args, prompts_for
 
 if TYPE_CHECKING:
@@ -116,20 +110,17 @@ class StepProfile:
     def install(self, llm: LLM) -> Callable[[], None]:
         """Wrap the step and execute methods of this LLM; returns a function that unwraps."""
         core, runner = llm.core, llm.runner
-        orig_step, orig_execute = core.step, runner.execute
-        orig_launch = getattr(runner, "launch", None)
+        orig_step = core.step
+        wrapped = [name for name in ("execute", "launch") if hasattr(runner, name)]
 
-        def execute(batch: Batch) -> dict[str, int]:
-            t0 = time.perf_counter()
-            out = orig_execute(batch)
-            self._pending_execute = (time.perf_counter() - t0, batch)
-            return out
+        def timed(run: Callable[..., Any]) -> Callable[..., Any]:
+            def call(batch: Batch, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                out = run(batch, **kwargs)
+                self._pending_execute = (time.perf_counter() - t0, batch)
+                return out
 
-        def launch(batch: Batch, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            out = orig_launch(batch, **kwargs)  # type: ignore[misc]
-            self._pending_execute = (time.perf_counter() - t0, batch)
-            return out
+            return call
 
         def step() -> Any:
             self._pending_execute = None
@@ -146,14 +137,13 @@ class StepProfile:
             return out
 
         core.step = step  # type: ignore[method-assign]
-        runner.execute = execute  # type: ignore[method-assign]
-        if orig_launch is not None:
-            runner.launch = launch
+        for name in wrapped:
+            setattr(runner, name, timed(getattr(runner, name)))
 
         def uninstall() -> None:
-            del core.step, runner.execute  # back to the class methods
-            if orig_launch is not None:
-                del runner.launch
+            del core.step  # back to the class methods
+            for name in wrapped:
+                delattr(runner, name)
 
         return uninstall
 

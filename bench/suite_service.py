@@ -25,12 +25,7 @@ import grpc
 
 from bench.harness import ServiceProcess as Service
 from bench.harness.metrics import Samples, phase_means_ms, prefill_paths, scrape
-from bench.suite_common import (
-    KVGeometry,
-    ReqTiming,
-    make_prompts,
-    summarize,
-)
+from bench.suite_common import KVGeometry, ReqTiming, make_prompts, summarize
 from bench.suite_plan import RunSpec, prompts_for
 
 # ---------------------------------------------------------------- gRPC driver
@@ -175,12 +170,7 @@ def _drive_slice(
 
 
 def drive_processes(
-    address: str,
-    prompts: list[list[int]],
-    max_tokens: int,
-    *,
-    concurrency: int,
-    processes: int,
+    address: str, prompts: list[list[int]], max_tokens: int, *, concurrency: int, processes: int
 ) -> tuple[list[ReqTiming], float]:
     """`drive`'s closed loop spread over several client processes, for loads one Python
     client cannot read fast enough (at 128 streams of a small model it would spend as

@@ -330,7 +330,7 @@ def run_layout(
 ) -> dict[str, Any]:
     """Start the layout's service, run its sweeps, stop it and wait for its GPUs, all
     by `deadline` (the earlier layouts' records seed the search and time the stop)."""
-    from bench.harness.sockets import process_tree
+    from bench.harness.processes import process_tree
     from bench.suite_service import Service, check_warm_up, drive, service_args
 
     plan = sweeps(layout, ns.aim, ns.slos)
@@ -420,7 +420,7 @@ def release(pids: set[int], *, on_cuda: bool, timeout_s: float = 30.0) -> dict[s
     """Wait until every process of a stopped service has exited (those still there
     after `timeout_s` are killed, each by its id) and, on GPUs, until their memory is
     free: the next layout starts on empty GPUs."""
-    from bench.harness.sockets import process_alive
+    from bench.harness.processes import process_alive
 
     start = time.perf_counter()
     alive = {pid for pid in pids if process_alive(pid)}

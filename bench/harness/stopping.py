@@ -27,8 +27,8 @@ from pathlib import Path
 
 from bench.harness.polling import wait_until_async
 from bench.harness.ports import free_port
+from bench.harness.processes import process_alive, process_tree
 from bench.harness.service import REPO, service_env
-from bench.harness.sockets import process_alive, process_tree
 from bench.harness.streams import StreamResult, generate
 
 
