@@ -48,7 +48,7 @@ from typing import Any
 
 from bench.report import provenance
 from bench.suite_common import KVGeometry, error_record, model_path
-from bench.suite_plan import parse_ints, plan_from_args
+from bench.suite_plan import add_run_args, parse_ints, plan_from_args
 from bench.suite_report import format_tables
 
 ALL_PARTS = ("a", "a2", "b", "cc", "c", "floor", "handoff")
@@ -76,23 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "concurrency 1 moves by several ms between requests, and the TTFT ratios "
         "compare medians",
     )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        help="b, cc, c: closed loop over ROUNDS x C prompts at each concurrency C > 1 "
-        "(default: 4 from C = 32 on, 1 below; 1 = a burst only)",
-    )
-    p.add_argument(
-        "--burst",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="b, cc, c: also one round (a burst) where the closed loop has several",
-    )
-    p.add_argument(
-        "--ttft-lens",
-        default="512,2048",
-        help="b, cc, c: prompt lengths also run alone (concurrency 1), for the TTFT table",
-    )
+    add_run_args(p, "b, cc and c", ttft_lens="512,2048")
     p.add_argument("--kv-cache-gib", help="per shape, e.g. 1b:8,8b:24 (each worker / engine)")
     p.add_argument("--handoff-lens", default="512,2048")
     p.add_argument("--handoff-samples", type=int, help="default 5 (quick: 3)")
@@ -109,18 +93,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cc, c: client processes sharing each closed loop (one Python client reading "
         "128 streams of a small model is as busy as the router; 1: the single client of "
         "runs before this option)",
-    )
-    p.add_argument(
-        "--prompt-graph-max-tokens",
-        type=int,
-        help="b and every service: the longest lone prompt chunk replayed from a CUDA graph "
-        "(0 = every prompt eagerly; default: the engine's own)",
-    )
-    p.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="b and every service without torch.compile (8B shapes then start in about a "
-        "minute instead of several on a fresh machine; compare runs of one setting only)",
     )
     p.add_argument("--offline-timeout", type=float, default=900.0, help="per shape, s")
     p.add_argument(

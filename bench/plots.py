@@ -36,6 +36,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_goodput(runs: list[dict], out_dir: Path) -> list[Path]:
     """One figure per GPU count of the layouts of bench.tp_goodput runs, merged: a panel
     per TPOT objective, each probe's attainment at it against its rate."""
@@ -74,11 +81,7 @@ def plot_goodput(runs: list[dict], out_dir: Path) -> list[Path]:
             f"goodput, {model} on {gpus} GPUs: {config['prompt_len']} in / "
             f"{config['output_len']} out, Poisson arrivals"
         )
-        fig.tight_layout()
-        path = out_dir / f"goodput_{model}_{gpus}gpu.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir / f"goodput_{model}_{gpus}gpu.png"))
     return paths
 
 
@@ -127,11 +130,7 @@ def plot_latency(result: dict, out_dir: Path, suffix: str = "") -> list[Path]:
             f"{shape}: prompt {main_len}, output {result.get('config', {}).get('output_len')} "
             "tokens; closed loop at each concurrency (steady state where run)"
         )
-        fig.tight_layout()
-        path = out_dir / f"latency_{shape}{suffix}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir / f"latency_{shape}{suffix}.png"))
     return paths
 
 
