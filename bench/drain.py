@@ -40,20 +40,30 @@ from bench.harness.metrics import scrape
 from bench.harness.metrics import value as metric_value
 from bench.harness.polling import wait_until_async
 from bench.harness.service import service_process
+from bench.harness.streams import StreamResult, generate
 from bench.report import distribution, provenance
 from pdserve.v1 import generation_pb2 as pb
 from router.cli.admin_client import scale_pool
-from router.cli.client import get_pool_stats, stream_generate
+from router.cli.client import get_pool_stats
 
 
 class Stream:
-    """One request's token messages, timed."""
+    """One request's token messages, timed, and how it ended."""
 
     def __init__(self) -> None:
         self.arrivals: list[float] = []
         self.num_tokens = 0
-        self.finish = ""
-        self.ended_at: float | None = None
+        self.result: StreamResult | None = None
+
+    def on_tokens(self, num_tokens: int) -> None:
+        self.arrivals.append(time.monotonic())
+        self.num_tokens = num_tokens
+
+    def completed(self) -> bool:
+        return self.result is not None and self.result.finish_reason == "FINISH_REASON_LENGTH"
+
+    def ended_before(self, at: float) -> bool:
+        return self.result is not None and self.result.done_at < at
 
     def tokens_between(self, start: float, end: float) -> int:
         """Token messages that arrived within [start, end] (one token each here)."""
@@ -67,19 +77,14 @@ class Stream:
 
 
 async def run_one(address: str, prompt_ids: list[int], max_tokens: int, out: Stream) -> None:
-    async for resp in stream_generate(
+    out.result = await generate(
         address,
         prompt_token_ids=prompt_ids,
         max_tokens=max_tokens,
         temperature=0.0,
         ignore_eos=True,
-    ):
-        if resp.token_ids:
-            out.arrivals.append(time.monotonic())
-            out.num_tokens += len(resp.token_ids)
-        if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            out.finish = pb.FinishReason.Name(resp.finish_reason)
-            out.ended_at = time.monotonic()
+        on_tokens=out.on_tokens,
+    )
 
 
 _PAUSED = re.compile(r"moved from \S+ to \S+ with its KV \(\d+ tokens, ([\d.]+) ms paused")
@@ -145,8 +150,8 @@ async def measure(address: str, metrics_port: int, args: argparse.Namespace) -> 
         "drain_s": drain_s,
         "moved_with_kv": moves(after, "drained_kv") - moves(before, "drained_kv"),
         "moved_by_recompute": moves(after, "drained") - moves(before, "drained"),
-        "completed": sum(s.finish == "FINISH_REASON_LENGTH" for s in streams),
-        "ended_before_drain": sum(s.ended_at is not None and s.ended_at < start for s in streams),
+        "completed": sum(s.completed() for s in streams),
+        "ended_before_drain": sum(s.ended_before(start) for s in streams),
         "tokens_per_s_per_stream_before": sum(s.tokens_between(steady_from, start) for s in streams)
         / (len(streams) * (start - steady_from)),
         "largest_gap_during_drain_ms": 1e3 * max(s.largest_gap(start, window_end) for s in streams),

@@ -19,12 +19,10 @@ main prompt length and each of `--ttft-lens`. Plus:
            per step) / device-to-device copy bandwidth measured in the same run
   handoff  c's KV hand-off (timings.kv_transfer_seconds) for 512- and 2048-token prompts,
            GiB/s against raw dist.send of the same bytes (two processes, NCCL, same run)
-  goodput  DistServe's measure (bench.suite_goodput): 2048-in / 128-out requests at
-           Poisson rates found by a doubling search; the highest rate at which >= 90%
-           meet TTFT <= 1 s and TPOT <= 15, 25 and 50 ms (every request's timings
-           kept), for every prefill/decode split of --gpus GPUs (one sweep per TPOT
-           objective, the router aimed at it; --goodput-aim) and as many colocated
-           replicas behind the router (one sweep); --goodput-systems picks some
+
+Goodput (Poisson arrivals, the highest rate meeting TTFT and TPOT objectives) is
+bench.tp_goodput's: 1P1D against 2 colocated replicas is `--layouts
+disagg:1xtp1+1xtp1,colocated:2xtp1` there.
 
 One-GPU parts run in a subprocess per shape (bench.suite_offline) so memory is returned
 between them; this process never touches CUDA. Prints tables; writes one JSON to --out
@@ -42,7 +40,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -50,12 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import provenance
-from bench.suite_common import KVGeometry, error_record, shape_path
-from bench.suite_goodput import add_goodput_args, resolve_goodput_args
-from bench.suite_plan import parse_ints, plan_from_args
+from bench.suite_common import KVGeometry, error_record, model_path
+from bench.suite_plan import add_run_args, parse_ints, plan_from_args
 from bench.suite_report import format_tables
 
-ALL_PARTS = ("a", "a2", "b", "cc", "c", "floor", "handoff", "goodput")
+ALL_PARTS = ("a", "a2", "b", "cc", "c", "floor", "handoff")
 OFFLINE_PARTS = {"a", "a2", "b", "floor"}
 DEFAULT_KV_GIB = {"1b": 8.0, "8b": 24.0, "tiny": 0.25}
 DEFAULT_OUT = Path("bench/results/gpu_suite.json")
@@ -80,23 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "concurrency 1 moves by several ms between requests, and the TTFT ratios "
         "compare medians",
     )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        help="b, cc, c: closed loop over ROUNDS x C prompts at each concurrency C > 1 "
-        "(default: 4 from C = 32 on, 1 below; 1 = a burst only)",
-    )
-    p.add_argument(
-        "--burst",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="b, cc, c: also one round (a burst) where the closed loop has several",
-    )
-    p.add_argument(
-        "--ttft-lens",
-        default="512,2048",
-        help="b, cc, c: prompt lengths also run alone (concurrency 1), for the TTFT table",
-    )
+    add_run_args(p, "b, cc and c", ttft_lens="512,2048")
     p.add_argument("--kv-cache-gib", help="per shape, e.g. 1b:8,8b:24 (each worker / engine)")
     p.add_argument("--handoff-lens", default="512,2048")
     p.add_argument("--handoff-samples", type=int, help="default 5 (quick: 3)")
@@ -104,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--serve-extra",
         default="",
-        help="more `pdserve serve` flags for every service (cc, c, goodput), one string",
+        help="more `pdserve serve` flags for every service (cc, c), one string",
     )
     p.add_argument(
         "--client-processes",
@@ -114,28 +94,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "128 streams of a small model is as busy as the router; 1: the single client of "
         "runs before this option)",
     )
-    p.add_argument(
-        "--prompt-graph-max-tokens",
-        type=int,
-        help="b and every service: the longest lone prompt chunk replayed from a CUDA graph "
-        "(0 = every prompt eagerly; default: the engine's own)",
-    )
-    p.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="b and every service without torch.compile (8B shapes then start in about a "
-        "minute instead of several on a fresh machine; compare runs of one setting only)",
-    )
     p.add_argument("--offline-timeout", type=float, default=900.0, help="per shape, s")
     p.add_argument(
         "--time-budget",
         type=float,
         help="s for the whole suite: parts that would start past it are skipped (noted in "
-        "the JSON); goodput stops before a rate that would overrun it",
+        "the JSON)",
     )
     p.add_argument("--workdir", default="/tmp/pdserve-gpu-suite", help="logs, scratch")
     p.add_argument("--out", help=f"JSON path (default {DEFAULT_OUT})")
-    add_goodput_args(p)
     ns = p.parse_args(argv)
     quick = ns.quick
 
@@ -158,7 +125,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns.serve_extra = shlex.split(ns.serve_extra) + (["--no-compile"] if ns.no_compile else [])
     if ns.prompt_graph_max_tokens is not None:
         ns.serve_extra += ["--prompt-graph-max-tokens", str(ns.prompt_graph_max_tokens)]
-    resolve_goodput_args(ns, p)
     kv = dict(DEFAULT_KV_GIB)
     for item in (ns.kv_cache_gib or "").split(","):
         if item:
@@ -190,18 +156,14 @@ def run_offline(
         f"--output-len={ns.output_len}",
         f"--kv-cache-gib={ns.kv_cache_gib.get(shape, 8.0)}",
         f"--rounds-at-c1={ns.rounds_at_c1}",
-        *([f"--rounds={ns.rounds}"] if ns.rounds is not None else []),
         "--burst" if ns.burst else "--no-burst",
         "--ttft-lens=" + ",".join(map(str, ns.ttft_lens)),
         f"--copy-bytes={(1 << 30) if ns.device == 'cuda' else (64 << 20)}",
         f"--out={out}",
         *(["--no-compile"] if ns.no_compile else []),
-        *(
-            [f"--prompt-graph-max-tokens={ns.prompt_graph_max_tokens}"]
-            if ns.prompt_graph_max_tokens is not None
-            else []
-        ),
     ]
+    optional = {"rounds": ns.rounds, "prompt-graph-max-tokens": ns.prompt_graph_max_tokens}
+    cmd += [f"--{flag}={value}" for flag, value in optional.items() if value is not None]
     start = time.perf_counter()
     with open(log, "wb") as f:
         try:
@@ -225,7 +187,7 @@ def run_nccl_raw(ns: argparse.Namespace, workdir: Path) -> dict:
     from bench.suite_nccl import send_bandwidth
 
     sizes = {
-        KVGeometry.of(shape_path(s, workdir), kv_itemsize(ns)).handoff_bytes(n)
+        KVGeometry.of(model_path(s, workdir), kv_itemsize(ns)).handoff_bytes(n)
         for s in ns.shapes
         for n in ns.handoff_lens
     }
@@ -245,48 +207,13 @@ def run_service(
 
     try:
         return run_service_part(
-            part,
-            shape,
-            model,
-            workdir=workdir,
+            part, shape, model, workdir, ns,
             plan=plan_from_args(ns) if part in parts else [],
-            output_len=ns.output_len,
-            kv_cache_gib=ns.kv_cache_gib.get(shape, 8.0),
             handoff_lens=ns.handoff_lens if part == "c" and "handoff" in parts else [],
-            handoff_samples=ns.handoff_samples,
-            startup_timeout_s=ns.startup_timeout,
             kv_itemsize=kv_itemsize(ns),
-            serve_extra=ns.serve_extra,
-            client_processes=ns.client_processes,
-        )
+        )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run
         return error_record(exc)
-
-
-def machine_meta(ns: argparse.Namespace) -> dict[str, Any]:
-    from bench.report import git_commit
-
-    meta: dict[str, Any] = {
-        "argv": sys.argv[1:],
-        "git_commit": git_commit(),
-        "python": sys.version.split()[0],
-        "cpu_count": os.cpu_count(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    if ns.device == "cuda" and shutil.which("nvidia-smi"):
-        query = "--query-gpu=name,memory.total,driver_version"
-        smi = subprocess.run(
-            ["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True
-        )
-        meta["gpus"] = smi.stdout.strip().splitlines()
-    try:
-        import torch
-        import transformers
-
-        meta["torch"], meta["transformers"] = torch.__version__, transformers.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    return meta
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,7 +226,6 @@ def main(argv: list[str] | None = None) -> int:
         outs.append(env_out)
     result: dict[str, Any] = {
         "provenance": provenance("bench.gpu_suite", sys.argv[1:] if argv is None else argv),
-        "meta": machine_meta(ns),
         "config": {k: v for k, v in vars(ns).items() if k != "out"},
         "notes": [
             "random weights of the real shapes (load_format dummy, seeded); bf16 on CUDA",
@@ -339,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             result["nccl_raw"] = error_record(exc)
         save()
     for shape in ns.shapes:
-        model = shape_path(shape, workdir)
+        model = model_path(shape, workdir)
         rec: dict[str, Any] = result["shapes"].setdefault(shape, {})
         if (parts & OFFLINE_PARTS or parts & {"cc", "c", "handoff"}) and out_of_time(60):
             rec["skipped"] = "time budget"
@@ -360,12 +286,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.perf_counter() - t_start:6.0f}s] {shape}: service {part}", flush=True)
             rec[key] = run_service(ns, part, shape, model, workdir, parts)
             save()
-    if "goodput" in parts:
-        from bench.suite_goodput import run_goodput_part
-
-        print(f"[{time.perf_counter() - t_start:6.0f}s] goodput", flush=True)
-        result["goodput"] = run_goodput_part(ns, workdir, deadline)
-        save()
     result["tables"] = format_tables(result)
     save()
     print(result["tables"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -188,12 +189,8 @@ async def run_load(args: argparse.Namespace) -> list[Outcome]:
 
         async def guarded(i: int) -> None:
             request, outcome = requests[i]
-            stub = stubs[i % len(stubs)]
-            if limit is None:
-                await run_one(stub, request, outcome, t0, args.timeout, metadata)
-                return
-            async with limit:
-                await run_one(stub, request, outcome, t0, args.timeout, metadata)
+            async with limit or contextlib.nullcontext():
+                await run_one(stubs[i % len(stubs)], request, outcome, t0, args.timeout, metadata)
 
         tasks = []
         for i in range(len(requests)):

@@ -35,7 +35,7 @@ from bench.harness import ServiceProcess
 from bench.load import parse_range
 from bench.planner_report import plot, table
 from bench.report import provenance
-from bench.suite_common import SHAPES, KVGeometry
+from bench.suite_common import KVGeometry, ReqTiming, model_path
 
 POOL_POLL_S = 1.0
 
@@ -96,25 +96,6 @@ PROFILES = {
 
 
 @dataclass
-class Sent:
-    """One request as the client saw it (seconds since the trace started)."""
-
-    phase: int
-    sent_s: float = 0.0
-    first_s: float | None = None
-    last_s: float | None = None
-    num_tokens: int = 0
-    ok: bool = False
-
-    def record(self) -> list[Any]:
-        ttft = None if self.first_s is None else self.first_s - self.sent_s
-        tpot = None
-        if self.first_s is not None and self.last_s is not None and self.num_tokens > 1:
-            tpot = (self.last_s - self.first_s) / (self.num_tokens - 1)
-        return [round(self.sent_s, 3), ttft, tpot, self.ok, self.phase]
-
-
-@dataclass
 class Trace:
     arrivals: list[tuple[float, int, int, int]]  # (at_s, prompt, output, phase)
     phases: list[dict[str, Any]] = field(default_factory=list)
@@ -143,27 +124,6 @@ def make_trace(profile: Profile) -> Trace:
     return trace
 
 
-async def _one(stub: Any, prompt: list[int], max_tokens: int, sent: Sent, t0: float) -> None:
-    from pdserve.v1 import generation_pb2 as pb
-
-    request = pb.GenerateRequest(
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    )
-    request.prompt_token_ids.token_ids.extend(prompt)
-    sent.sent_s = time.perf_counter() - t0
-    try:
-        async for resp in stub.Generate(request, timeout=600):
-            now = time.perf_counter() - t0
-            if resp.token_ids:
-                sent.first_s = sent.first_s if sent.first_s is not None else now
-                sent.last_s = now
-                sent.num_tokens += len(resp.token_ids)
-            if resp.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP):
-                sent.ok = sent.num_tokens == max_tokens
-    except grpc.aio.AioRpcError:
-        sent.ok = False
-
-
 async def _watch_pools(address: str, t0: float, stop: asyncio.Event, out: list[list[Any]]) -> None:
     """(t, live prefill, live decode, prefill target, decode target) every second."""
     from pdserve.v1 import admin_pb2 as admin_pb
@@ -184,14 +144,16 @@ async def _watch_pools(address: str, t0: float, stop: asyncio.Event, out: list[l
 
 
 async def drive(address: str, trace: Trace, vocab: int, seed: int) -> tuple[list, list]:
-    """Send the trace's arrivals on time; the requests' records and the pool samples."""
+    """Send the trace's arrivals on time; the pool samples and each request's record:
+    (sent_s since the trace started, ttft_s or None, tpot_s or None, ok, phase)."""
+    from bench.suite_service import call_generate
     from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
     rng = random.Random(seed + 1)
     prompts = [[rng.randrange(100, vocab - 1) for _ in range(a[1])] for a in trace.arrivals]
     channels = [grpc.aio.insecure_channel(address) for _ in range(4)]
     stubs = [pb_grpc.GenerationServiceStub(c) for c in channels]
-    sent = [Sent(a[3]) for a in trace.arrivals]
+    sent = [ReqTiming(0.0) for _ in trace.arrivals]
     pools: list[list[Any]] = []
     stop = asyncio.Event()
     t0 = time.perf_counter()
@@ -199,13 +161,19 @@ async def drive(address: str, trace: Trace, vocab: int, seed: int) -> tuple[list
     tasks = []
     for i, (at, _, output, _) in enumerate(trace.arrivals):
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-        tasks.append(asyncio.create_task(_one(stubs[i % 4], prompts[i], output, sent[i], t0)))
+        tasks.append(
+            asyncio.create_task(call_generate(stubs[i % 4], prompts[i], output, sent[i], 600))
+        )
     await asyncio.gather(*tasks)
     stop.set()
     await watcher
     for c in channels:
         await c.close()
-    return [s.record() for s in sent], pools
+    records = [
+        [round(t.sent_s - t0, 3), t.ttft_s, t.tpot_s, t.ok, a[3]]
+        for t, a in zip(sent, trace.arrivals, strict=True)
+    ]
+    return records, pools
 
 
 def service_args(system: str, profile: Profile, model: Path | None) -> list[str]:
@@ -224,7 +192,7 @@ def service_args(system: str, profile: Profile, model: Path | None) -> list[str]
 
 
 def run_system(system: str, profile: Profile, trace: Trace, workdir: Path) -> dict[str, Any]:
-    model = _model_path(profile.model)
+    model = None if profile.model is None else model_path(profile.model, workdir)
     vocab = KVGeometry.of(model).vocab_size if model is not None else 49152
     svc = ServiceProcess(service_args(system, profile, model), workdir / f"{system}.log")
     out: dict[str, Any] = {"args": svc.args}
@@ -237,12 +205,6 @@ def run_system(system: str, profile: Profile, trace: Trace, workdir: Path) -> di
         if out["exit_code"] != 0 or "requests" not in out:
             out["log_tail"] = svc.log_tail()
     return out
-
-
-def _model_path(model: str | None) -> Path | None:
-    if model is None:
-        return None
-    return SHAPES.get(model) or Path(model)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Profile]:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench import goodput
 from bench.report import percentile
 
 # One request as recorded: (sent_s, ttft_s or None, tpot_s or None, ok, phase).
@@ -24,9 +25,7 @@ Request = list[Any]
 
 def meets(req: Request, ttft_slo_s: float, tpot_slo_s: float) -> bool:
     _, ttft, tpot, ok, _ = req
-    if not ok or ttft is None or ttft > ttft_slo_s:
-        return False
-    return tpot is None or tpot <= tpot_slo_s  # a one-token answer has no TPOT
+    return goodput.meets(ok, ttft, tpot, ttft_slo_s, tpot_slo_s)
 
 
 def phase_stats(system: dict, trace: dict) -> list[dict[str, Any]]:

@@ -1,16 +1,16 @@
-"""PNG plots of GPU suite results (bench.gpu_suite JSON), drawn after the run:
+"""PNG plots of benchmark results, drawn after the run:
 
-* `goodput_<shape>_<N>gpu.png`: for each TPOT SLO a panel of the fraction of requests
-  meeting it (TTFT and TPOT) against the request rate, one line per system of N GPUs,
-  the attainment target dashed;
-* `latency_<shape>.png`: TTFT p50, TPOT p50 and output tok/s against concurrency, one
-  line per system (b, cc, c at the steady state, i.e. their runs of most rounds; a, a2
-  as their one batch), at the suite's main prompt length.
+* `latency_<shape>.png` (bench.gpu_suite JSON): TTFT p50, TPOT p50 and output tok/s
+  against concurrency, one line per system (b, cc, c at the steady state, i.e. their
+  runs of most rounds; a, a2 as their one batch), at the suite's main prompt length;
+* `goodput_<model>_<N>gpu.png` (bench.tp_goodput JSON): for each TPOT objective a panel
+  of the fraction of requests meeting it (TTFT and TPOT) against the request rate, one
+  line per layout of N GPUs (colocated dashed), the attainment target dotted.
 
     python -m bench.plots RESULTS.json [MORE.json...] --out docs/img/
 
-Goodput sections of several files (a 4-GPU sweep run one command per system) merge into
-one figure. Needs matplotlib (not the suite: it never imports it).
+The layouts of several bench.tp_goodput files (one command per layout) merge into one
+figure (a later file's layout wins). Needs matplotlib (the benchmarks never import it).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.suite_goodput import attainment, max_rate_sustained, points_for, slo_key
-from bench.suite_report import merge, run_key, runs_of, sections_of
+from bench.goodput import slo_key
+from bench.suite_report import run_key, runs_of, sections_of
 
 
 def _pyplot() -> Any:
@@ -36,64 +36,52 @@ def _pyplot() -> Any:
     return plt
 
 
-def with_slos(section: dict, tpots: list[float]) -> dict:
-    """The section with each point's attainment (and each system's highest rate) at TPOT
-    objectives the run did not report, from its per-request TTFT and TPOT lists."""
-    slo = section.get("slo", {})
-    ttft_ms = 1000 * slo.get("ttft_s", 1.0)
-    target = slo.get("attainment", 0.9)
-    for rec in section.get("systems", {}).values():
-        for tpot in tpots:
-            key = slo_key(tpot)
-            for pt in rec.get("points", []):
-                if key not in pt["attainment"]:
-                    pt["attainment"][key] = attainment(pt["requests"], ttft_ms, tpot)
-            if rec.get("points") and key not in rec["max_rate"]:
-                rate, exact = max_rate_sustained(rec["points"], key, target)
-                rec["max_rate"][key], rec["max_rate_exact"][key] = rate, exact
-    return {**section, "slo": {**slo, "tpot_ms": tpots}}
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
-def plot_goodput(section: dict, out_dir: Path) -> list[Path]:
-    """One figure per GPU count: a panel per TPOT SLO, attainment against rate."""
+def plot_goodput(runs: list[dict], out_dir: Path) -> list[Path]:
+    """One figure per GPU count of the layouts of bench.tp_goodput runs, merged: a panel
+    per TPOT objective, each probe's attainment at it against its rate."""
     plt = _pyplot()
-    slo = section.get("slo", {})
-    tpots = slo.get("tpot_ms", [])
-    target = slo.get("attainment", 0.9)
-    by_gpus: dict[int, dict[str, dict]] = {}
-    for name, rec in section.get("systems", {}).items():
-        if rec.get("points"):
-            by_gpus.setdefault(rec["gpus"], {})[name] = rec
+    config = runs[0]["config"]
+    keys = sorted({slo_key(s) for run in runs for s in run["config"]["slos"]}, key=float)
+    records = {r["layout"]: r for run in runs for r in run["layouts"] if r.get("points")}
     paths = []
-    for gpus, systems in sorted(by_gpus.items()):
-        fig, axes = plt.subplots(1, len(tpots), figsize=(4.2 * len(tpots), 3.6), squeeze=False)
-        for ax, tpot in zip(axes[0], tpots, strict=True):
-            key = slo_key(tpot)
-            for name, rec in systems.items():
-                points = sorted(points_for(rec["points"], key), key=lambda p: p["rate"])
-                ax.plot(
-                    [p["rate"] for p in points],
-                    [p["attainment"][key] for p in points],
-                    marker="o",
-                    linestyle="--" if name.startswith("colocated") else "-",
-                    label=f"{name} (max {rec['max_rate'][key]:g})",
+    for gpus in sorted({r["gpus"] for r in records.values()}):
+        fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
+        for ax, key in zip(axes[0], keys, strict=True):
+            for name, rec in records.items():
+                points = sorted(
+                    (p["rate"], p["attainment"][key])
+                    for p in rec["points"]
+                    if key in p.get("counts_for", ()) and p["attainment"].get(key) is not None
                 )
-            ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-            ax.set_title(f"TTFT <= {slo.get('ttft_s')} s, TPOT <= {key} ms")
+                got = rec["goodput"].get(key)
+                if rec["gpus"] != gpus or not points or got is None:
+                    continue
+                ax.plot(
+                    *zip(*points, strict=True),
+                    marker="o",
+                    linestyle="-" if rec["disaggregated"] else "--",
+                    label=f"{name} (goodput {got['sustained']:g})",
+                )
+            ax.axhline(config["attainment"], color="grey", linestyle=":", linewidth=1)
+            ax.set_title(f"TTFT <= {config['slo_ttft_ms']:g} ms, TPOT <= {key} ms")
             ax.set_xlabel("request rate (req/s)")
             ax.set_ylim(-0.02, 1.02)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         axes[0][0].set_ylabel("fraction of requests meeting the SLO")
+        model = Path(config["model"]).name
         fig.suptitle(
-            f"goodput, {section.get('shape')} on {gpus} GPUs: {section.get('prompt_len')} in / "
-            f"{section.get('output_len')} out, Poisson arrivals"
+            f"goodput, {model} on {gpus} GPUs: {config['prompt_len']} in / "
+            f"{config['output_len']} out, Poisson arrivals"
         )
-        fig.tight_layout()
-        path = out_dir / f"goodput_{section.get('shape')}_{gpus}gpu.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir / f"goodput_{model}_{gpus}gpu.png"))
     return paths
 
 
@@ -142,35 +130,25 @@ def plot_latency(result: dict, out_dir: Path, suffix: str = "") -> list[Path]:
             f"{shape}: prompt {main_len}, output {result.get('config', {}).get('output_len')} "
             "tokens; closed loop at each concurrency (steady state where run)"
         )
-        fig.tight_layout()
-        path = out_dir / f"latency_{shape}{suffix}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir / f"latency_{shape}{suffix}.png"))
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("results", nargs="+", help="gpu_suite JSON files")
+    p.add_argument("results", nargs="+", help="gpu_suite or tp_goodput JSON files")
     p.add_argument("--out", default="docs/img", help="folder for the PNGs")
-    p.add_argument(
-        "--tpot-slos",
-        help="ms, comma list: goodput panels for these TPOT objectives, computed from the "
-        "per-request timings (default: those the run reported)",
-    )
     ns = p.parse_args(argv)
     out_dir = Path(ns.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = [json.loads(Path(path).read_text()) for path in ns.results]
+    suites = [r for r in results if "shapes" in r]
     written: list[Path] = []
-    for i, result in enumerate(results):
-        written += plot_latency(result, out_dir, f"_{i}" if len(results) > 1 else "")
-    goodput = [r["goodput"] for r in results if "systems" in r.get("goodput", {})]
-    for section in merge(goodput):
-        if ns.tpot_slos:
-            section = with_slos(section, [float(x) for x in ns.tpot_slos.split(",") if x])
-        written += plot_goodput(section, out_dir)
+    for i, result in enumerate(suites):
+        written += plot_latency(result, out_dir, f"_{i}" if len(suites) > 1 else "")
+    goodput = [r for r in results if "layouts" in r]
+    if goodput:
+        written += plot_goodput(goodput, out_dir)
     for path in written:
         print(path)
     return 0 if written else 1

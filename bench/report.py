@@ -74,7 +74,7 @@ def hardware() -> dict[str, Any]:
         "cpu": _cpu_model() or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
-        "gpus": _gpus(),
+        "gpus": gpus(),
     }
     return info
 
@@ -89,7 +89,7 @@ def _cpu_model() -> str | None:
     return None
 
 
-def _gpus() -> list[str]:
+def gpus() -> list[str]:
     """'NVIDIA H100 80GB HBM3, 81559 MiB, driver 580.95.05' per GPU; [] without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
         return []

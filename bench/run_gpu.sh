@@ -9,10 +9,8 @@
 # e.g. `bench/run_gpu.sh all --quick` (smoke) or `bench/run_gpu.sh suite --shapes 8b`.
 # One command fits 10 minutes; the suite's parts can be spread over several, e.g.
 #   bench/run_gpu.sh suite --shapes 1b --parts b,cc,c --rounds 4
-#   bench/run_gpu.sh suite --parts goodput --goodput-systems 1p1d            # 2 GPUs
-#   bench/run_gpu.sh suite --parts goodput --gpus 4 --goodput-systems 3p1d   # 4 GPUs
-# and `python -m bench.suite_report A.json B.json` prints their tables together (goodput
-# systems merged), `python -m bench.plots A.json B.json --out docs/img` draws them.
+# and `python -m bench.suite_report A.json B.json` prints their tables,
+# `python -m bench.plots A.json B.json --out docs/img` draws them.
 # The suite gets --time-budget = RUN_GPU_DEADLINE_S (default 570) minus the seconds already
 # spent, so a run under a wall-clock limit still ends with its JSON written; a later
 # --time-budget among the arguments wins.

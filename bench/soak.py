@@ -43,14 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.metrics import scrape
-from bench.harness.pools import wait_pool_sizes
+from bench.harness.pools import live_workers, wait_pool_sizes
 from bench.harness.service import ServiceExitError, ServiceProcess, service_process
 from bench.harness.streams import StreamResult, generate
 from bench.report import distribution, provenance
 from bench.soak_group_stop import run_phase as group_stop
 from bench.soak_sole_decode import run_phase as sole_decode_kill
-from pdserve.v1 import admin_pb2 as admin_pb
-from router.cli.admin_client import list_workers, scale_pool
+from router.cli.admin_client import scale_pool
 from router.cli.client import get_pool_stats
 
 SENTENCES = (
@@ -110,9 +109,7 @@ def rss_mib(pid: int) -> float | None:
 
 
 async def worker_rss(address: str) -> dict[str, float | None]:
-    listing = await list_workers(address)
-    live = [w for w in listing.workers if w.state == admin_pb.WORKER_STATE_LIVE]
-    return {w.worker_id: rss_mib(w.pid) for w in live}
+    return {w.worker_id: rss_mib(w.pid) for w in await live_workers(address)}
 
 
 def migrations(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> dict[str, float]:
@@ -197,10 +194,7 @@ class Soak:
         self.log(f"{pool} at {size[0]}")
 
     async def kill(self, pool: str) -> None:
-        listing = await list_workers(self.svc.address)
-        live = [
-            w for w in listing.workers if w.pool == pool and w.state == admin_pb.WORKER_STATE_LIVE
-        ]
+        live = await live_workers(self.svc.address, pool)
         if not live:
             self.log(f"no live {pool} worker to kill")
             return

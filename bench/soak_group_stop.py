@@ -24,34 +24,11 @@ from bench.harness.streams import StreamResult, generate
 
 FINAL_MARGIN_S = 1.0  # a stream's final message by the grace plus this
 EXIT_MARGIN_S = 5.0  # the process's exit by the grace plus this
-FINISHED = ("final:FINISH_REASON_LENGTH", "final:FINISH_REASON_STOP")
-ABORTED = "final:FINISH_REASON_ABORT"
 
 
 def check(result: StopResult, grace_s: float) -> list[str]:
     """What the stop got wrong; empty when it passed."""
-    wrong = []
-    for i, (stream, final_after_s, before) in enumerate(
-        zip(result.streams, result.final_after_s, result.tokens_at_signal, strict=True)
-    ):
-        if stream.num_finals != 1 or stream.num_after_final:
-            wrong.append(
-                f"stream {i}: {stream.num_finals} final messages "
-                f"({stream.num_after_final} after the first), {stream.outcome}"
-            )
-        elif stream.outcome not in (*FINISHED, ABORTED):
-            wrong.append(f"stream {i} ended with {stream.outcome}")
-        elif stream.outcome == ABORTED and len(stream.tokens) <= before:
-            wrong.append(f"stream {i} got no token during the drain's grace before its ABORT")
-        if final_after_s >= grace_s + FINAL_MARGIN_S:
-            wrong.append(f"stream {i} ended {final_after_s:.2f} s after the signal")
-    if result.exit_code != 0:
-        wrong.append(f"exit status {result.exit_code} (None: still running, killed)")
-    if result.exit_after_s >= grace_s + EXIT_MARGIN_S:
-        wrong.append(f"exited {result.exit_after_s:.2f} s after the signal")
-    if result.survivors:
-        wrong.append(f"processes of the service left running: {result.survivors}")
-    return wrong
+    return result.problems(grace_s + FINAL_MARGIN_S, grace_s + EXIT_MARGIN_S)
 
 
 async def run_phase(

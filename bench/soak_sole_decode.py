@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.harness.polling import wait_until_async
-from bench.harness.pools import wait_pool_sizes
+from bench.harness.pools import live_workers, wait_pool_sizes
 from bench.harness.streams import StreamResult, generate
 from pdserve.v1 import admin_pb2 as admin_pb
-from router.cli.admin_client import list_workers, scale_pool
+from router.cli.admin_client import scale_pool
 
 MIN_TOKENS_BEFORE_KILL = 8  # each stream's, so that every one is mid-way when it dies
 COMPLETED = "final:FINISH_REASON_LENGTH"  # every request sets ignore_eos
@@ -94,27 +94,6 @@ def check(
     return wrong
 
 
-async def _live_decode_workers(address: str) -> list[admin_pb.WorkerDescription]:
-    listing = await list_workers(address)
-    return [
-        w for w in listing.workers if w.pool == "decode" and w.state == admin_pb.WORKER_STATE_LIVE
-    ]
-
-
-async def _replacement(
-    address: str, victim: admin_pb.WorkerDescription
-) -> admin_pb.WorkerDescription | None:
-    """`victim`'s replacement once it is live."""
-    return next(
-        (
-            w
-            for w in await _live_decode_workers(address)
-            if w.worker_id == victim.worker_id and w.epoch != victim.epoch
-        ),
-        None,
-    )
-
-
 async def run_phase(
     address: str,
     requests: list[dict[str, Any]],
@@ -144,14 +123,18 @@ async def run_phase(
         120,
         what="every stream under way",
     )
-    (victim,) = await _live_decode_workers(address)
+    (victim,) = await live_workers(address, "decode")
     killed_at = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)
     tokens_at_kill = [s.num_tokens for s in streams]
     log("SIGKILL the only decode worker", worker=victim.worker_id, pid=victim.pid)
 
     async def replaced() -> admin_pb.WorkerDescription | None:
-        return await _replacement(address, victim)
+        """`victim`'s replacement once it is live."""
+        live = await live_workers(address, "decode")
+        return next(
+            (w for w in live if w.worker_id == victim.worker_id and w.epoch != victim.epoch), None
+        )
 
     replacement: admin_pb.WorkerDescription = await wait_until_async(
         replaced, 300, interval=0.1, what=f"{victim.worker_id}'s replacement live"

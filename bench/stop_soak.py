@@ -30,12 +30,7 @@ from typing import Any
 
 from bench.harness import wait_until
 from bench.harness.service import health_status
-from bench.harness.stopping import (
-    STOP_MODES,
-    StopResult,
-    serve_in_own_session,
-    stop_with_streams,
-)
+from bench.harness.stopping import STOP_MODES, StopResult, serve_in_own_session, stop_with_streams
 from bench.report import provenance
 
 
@@ -53,37 +48,9 @@ def one_try(mode: str, drain_grace_s: float, log: Path, rng: random.Random) -> S
             proc.wait()
 
 
-def verdict(result: StopResult, final_within_s: float, exit_within_s: float) -> list[str]:
-    """What this try got wrong; empty when it passed."""
-    wrong = []
-    for i, stream in enumerate(result.streams):
-        if stream.num_finals != 1 or stream.num_after_final:
-            wrong.append(f"stream {i}: {stream.num_finals} finals, {stream.outcome}")
-    if result.worst_final_s >= final_within_s:
-        wrong.append(f"a stream ended {result.worst_final_s:.2f} s after the signal")
-    if result.exit_code != 0:
-        wrong.append(f"exit status {result.exit_code}")
-    if result.exit_after_s >= exit_within_s:
-        wrong.append(f"exited {result.exit_after_s:.2f} s after the signal")
-    if result.survivors:
-        wrong.append(f"processes left: {result.survivors}")
-    if result.mode == "group":
-        stalled = [
-            i
-            for i, (stream, before) in enumerate(
-                zip(result.streams, result.tokens_at_signal, strict=True)
-            )
-            if len(stream.tokens) <= before
-        ]
-        if stalled:
-            wrong.append(f"streams {stalled} got no token during the drain's grace")
-    return wrong
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--tries", type=int, default=20)
     p.add_argument("--modes", nargs="+", choices=STOP_MODES, default=list(STOP_MODES))
@@ -102,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         log = logs / f"try-{n:02d}.log"
         started = time.monotonic()
         result = one_try(mode, grace, log, rng)
-        wrong = verdict(result, args.final_within_s, args.exit_within_s)
+        wrong = result.problems(args.final_within_s, args.exit_within_s)
         tries.append(
             {
                 "mode": mode,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.ports import free_port as free_port  # where the suite's parts import it
-from bench.report import percentile
+from bench.report import distribution
 from engine.model.model_spec import kv_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,16 +37,18 @@ TINY_CONFIG = {
 }
 
 
-def shape_path(name: str, workdir: Path) -> Path:
-    """The model folder (config.json only) of a named shape."""
-    if name in SHAPES:
-        return SHAPES[name]
+def model_path(name: str, workdir: Path) -> Path:
+    """The model folder (config.json; weights are random) of a named shape (the tiny one
+    is written under `workdir`), a folder under deploy/model_configs, or a folder."""
     if name == "tiny":
         path = workdir / "tiny-llama"
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(TINY_CONFIG))
         return path
-    raise ValueError(f"unknown shape {name!r}: use {', '.join([*SHAPES, 'tiny'])}")
+    for path in (SHAPES.get(name, Path(name)), REPO / "deploy" / "model_configs" / name):
+        if (path / "config.json").is_file():
+            return path.resolve()
+    raise SystemExit(f"model {name!r}: no config.json there nor under deploy/model_configs")
 
 
 @dataclass(frozen=True)
@@ -138,12 +140,7 @@ class ReqTiming:
 
 def dist_ms(values_s: list[float]) -> dict[str, float]:
     """p50, p99 and mean of `values_s` in milliseconds (bench.report's percentile)."""
-    ms = [v * 1000 for v in values_s]
-    return {
-        "p50": round(percentile(ms, 50), 3),
-        "p99": round(percentile(ms, 99), 3),
-        "mean": round(sum(ms) / len(ms), 3) if ms else math.nan,
-    }
+    return {k: round(v, 3) for k, v in distribution(values_s, (50, 99), scale=1000).items()}
 
 
 def summarize(

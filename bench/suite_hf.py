@@ -61,7 +61,7 @@ def run_hf_static(model: Any, ns: argparse.Namespace, device: torch.device) -> l
         wall = time.perf_counter() - start
         n = out.shape[1] - ids.shape[1]
         first, last = stamps.times[0], stamps.times[-1]
-        timings = [ReqTiming(start, first, last, n) for _ in prompts]
+        timings = [ReqTiming(start, first_s=first, last_s=last, num_tokens=n) for _ in prompts]
         runs.append(summarize("a_hf_generate_static", c, timings, wall, steps=len(stamps.times)))
         del ids, mask, out
         free(device)
@@ -121,9 +121,9 @@ def run_hf_continuous(model: Any, ns: argparse.Namespace, device: torch.device) 
                 timings.append(
                     ReqTiming(
                         res.created_time,
-                        stamps[0] if stamps else None,
-                        stamps[-1] if stamps else None,
-                        len(res.generated_tokens),
+                        first_s=stamps[0] if stamps else None,
+                        last_s=stamps[-1] if stamps else None,
+                        num_tokens=len(res.generated_tokens),
                         ok=res.error is None and len(res.generated_tokens) == ns.output_len,
                         error=str(res.error or ""),
                     )

@@ -23,11 +23,7 @@ def _worker(
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     dist.init_process_group(
-        "nccl" if use_cuda else "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=2,
-        **kwargs,
+        "nccl" if use_cuda else "gloo", init_method=init_method, rank=rank, world_size=2, **kwargs
     )
 
     def sync() -> None:
@@ -54,11 +50,7 @@ def _worker(
             sync()
             seconds = (time.perf_counter() - start) / iters
             results.append(
-                {
-                    "bytes": nbytes,
-                    "seconds": seconds,
-                    "gib_s": round(nbytes / seconds / 2**30, 2),
-                }
+                {"bytes": nbytes, "seconds": seconds, "gib_s": round(nbytes / seconds / 2**30, 2)}
             )
             del buf
         if rank == 1:  # the receiver's clock: the data has arrived

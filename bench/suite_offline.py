@@ -33,14 +33,8 @@ import torch
 
 from bench.device import free, sync
 from bench.report import provenance
-from bench.suite_common import (
-    KVGeometry,
-    ReqTiming,
-    error_record,
-    make_prompts,
-    summarize,
-)
-from bench.suite_plan import parse_ints, plan_from_args, prompts_for
+from bench.suite_common import KVGeometry, ReqTiming, error_record, make_prompts, summarize
+from bench.suite_plan import add_run_args, parse_ints, plan_from_args, prompts_for
 
 if TYPE_CHECKING:
     from engine.core.batch import Batch
@@ -116,20 +110,17 @@ class StepProfile:
     def install(self, llm: LLM) -> Callable[[], None]:
         """Wrap the step and execute methods of this LLM; returns a function that unwraps."""
         core, runner = llm.core, llm.runner
-        orig_step, orig_execute = core.step, runner.execute
-        orig_launch = getattr(runner, "launch", None)
+        orig_step = core.step
+        wrapped = [name for name in ("execute", "launch") if hasattr(runner, name)]
 
-        def execute(batch: Batch) -> dict[str, int]:
-            t0 = time.perf_counter()
-            out = orig_execute(batch)
-            self._pending_execute = (time.perf_counter() - t0, batch)
-            return out
+        def timed(run: Callable[..., Any]) -> Callable[..., Any]:
+            def call(batch: Batch, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                out = run(batch, **kwargs)
+                self._pending_execute = (time.perf_counter() - t0, batch)
+                return out
 
-        def launch(batch: Batch, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            out = orig_launch(batch, **kwargs)  # type: ignore[misc]
-            self._pending_execute = (time.perf_counter() - t0, batch)
-            return out
+            return call
 
         def step() -> Any:
             self._pending_execute = None
@@ -146,14 +137,13 @@ class StepProfile:
             return out
 
         core.step = step  # type: ignore[method-assign]
-        runner.execute = execute  # type: ignore[method-assign]
-        if orig_launch is not None:
-            runner.launch = launch
+        for name in wrapped:
+            setattr(runner, name, timed(getattr(runner, name)))
 
         def uninstall() -> None:
-            del core.step, runner.execute  # back to the class methods
-            if orig_launch is not None:
-                del runner.launch
+            del core.step  # back to the class methods
+            for name in wrapped:
+                delattr(runner, name)
 
         return uninstall
 
@@ -340,31 +330,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--kv-cache-gib", type=float, default=8.0)
     p.add_argument("--rounds-at-c1", type=int, default=3)
-    p.add_argument(
-        "--rounds",
-        type=int,
-        help="b: closed loop over ROUNDS x concurrency prompts at each concurrency > 1 "
-        "(default: 4 from concurrency 32 on, 1 below)",
-    )
-    p.add_argument(
-        "--burst",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="b: also one round (a burst) where the closed loop has several",
-    )
-    p.add_argument("--ttft-lens", default="", help="b: prompt lengths run alone (concurrency 1)")
+    add_run_args(p, "b", ttft_lens="")
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
-    p.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="b: the decoder as transformers runs it (no torch.compile: starts in a minute)",
-    )
-    p.add_argument(
-        "--prompt-graph-max-tokens",
-        type=int,
-        help="b: the longest lone prompt chunk replayed from a CUDA graph (0 = none; "
-        "default: the engine's own)",
-    )
     p.add_argument(
         "--step-tokens",
         type=int,

@@ -11,6 +11,7 @@ state in which a prompt's prefill overlaps other requests' decode steps. At conc
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,41 @@ def prompts_for(shape: str, spec: RunSpec, vocab_size: int) -> list[list[int]]:
 def parse_ints(text: str) -> list[int]:
     """'512,2048' -> [512, 2048]."""
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_run_args(p: argparse.ArgumentParser, systems: str, ttft_lens: str) -> None:
+    """The flags that shape the runs and the engine under them, for bench.gpu_suite and
+    bench.suite_offline (`systems`: the parts they apply to)."""
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help=f"{systems}: closed loop over ROUNDS x C prompts at each concurrency C > 1 "
+        f"(default: {DEFAULT_STEADY_ROUNDS} from C = {STEADY_FROM_CONCURRENCY} on, 1 below; "
+        "1 = a burst only)",
+    )
+    p.add_argument(
+        "--burst",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"{systems}: also one round (a burst) where the closed loop has several",
+    )
+    p.add_argument(
+        "--ttft-lens",
+        default=ttft_lens,
+        help=f"{systems}: prompt lengths also run alone (concurrency 1), for the TTFT table",
+    )
+    p.add_argument(
+        "--prompt-graph-max-tokens",
+        type=int,
+        help=f"{systems}: the longest lone prompt chunk replayed from a CUDA graph "
+        "(0 = every prompt eagerly; default: the engine's own)",
+    )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help=f"{systems} without torch.compile (8B shapes then start in about a minute "
+        "instead of several on a fresh machine; compare runs of one setting only)",
+    )
 
 
 def plan_from_args(ns: Any) -> list[RunSpec]:

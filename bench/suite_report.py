@@ -1,13 +1,11 @@
 """The GPU suite's tables, from its JSON: throughput and latency of every system, the
 decode step against the memory floor, the KV hand-off against raw sends and under load
-against alone, TTFT at
-concurrency 1 (engine, colocated service, 1P1D), burst against steady-state throughput,
-and goodput at each TPOT SLO.
+against alone, TTFT at concurrency 1 (engine, colocated service, 1P1D), worker phases,
+burst against steady-state throughput.
 
     python -m bench.suite_report RESULTS.json [MORE.json...]
 
-prints the tables of each file; goodput sections of several files (e.g. the systems of a
-4-GPU sweep run one command each) are merged into one table.
+prints the tables of each file.
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ import math
 import sys
 from pathlib import Path
 from typing import Any
-
-from bench.suite_goodput import slo_key
 
 ENGINE_SECTIONS = ("b", "b0", "bs", "bt")
 
@@ -69,11 +65,6 @@ def format_tables(result: dict) -> str:
         _steady(shapes, main_len),
     ]
     lines = [line for table in tables if len(table) > 3 for line in table]
-    gp = result.get("goodput")
-    if gp and "systems" in gp:
-        lines += ["", format_goodput(gp)]
-    elif gp:
-        lines += ["", f"== goodput == {gp.get('error') or 'no systems (older JSON layout)'}"]
     return "\n".join(lines).strip("\n")
 
 
@@ -333,96 +324,13 @@ def _steady(shapes: dict, main_len: int) -> list[str]:
     return lines
 
 
-def merge(sections: list[dict]) -> list[dict]:
-    """Goodput sections of several runs; systems of the same workload merge into one
-    section (a later run's system replaces an earlier one of the same name)."""
-    merged: dict[str, dict] = {}
-    for sec in sections:
-        key = json.dumps([sec.get(k) for k in ("shape", "prompt_len", "output_len", "slo")])
-        into = merged.setdefault(key, {**sec, "systems": {}})
-        into["systems"].update(sec.get("systems", {}))
-    return list(merged.values())
-
-
-def _rate(value: float | None, exact: bool) -> str:
-    if value is None:
-        return "-"
-    return f"{value:g}" if exact else f">={value:g}"
-
-
-def format_goodput(section: dict) -> str:
-    """system x TPOT SLO -> the highest rate sustained, and ratios to the colocated
-    system of the same GPU count; then each rate's attainment."""
-    slo = section.get("slo", {})
-    keys = [slo_key(x) for x in slo.get("tpot_ms", [])]
-    lines = [
-        f"== goodput ({section.get('shape')}, {section.get('prompt_len')} in / "
-        f"{section.get('output_len')} out, Poisson; TTFT <= {slo.get('ttft_s')} s and TPOT "
-        f"<= SLO for >= {slo.get('attainment', 0):.0%} of requests): max req/s sustained ==",
-        f"{'system':<14}{'GPUs':>5}"
-        + "".join(f"{k + ' ms':>9}" for k in keys)
-        + "   ratio to colocated:"
-        + "".join(f"{k + ' ms':>8}" for k in keys),
-    ]
-    systems = section.get("systems", {})
-    for name, rec in systems.items():
-        if "points" not in rec:
-            why = rec.get("skipped") or rec.get("error", "")
-            lines.append(f"{name:<14}{rec.get('gpus', ''):>5}  {why[:150]}")
-            continue
-        base = systems.get(f"colocated_x{rec.get('gpus')}", {})
-        row = f"{name:<14}{rec['gpus']:>5}"
-        for k in keys:
-            row += f"{_rate(rec['max_rate'].get(k), rec['max_rate_exact'][k]):>9}"
-        row += " " * 22
-        for k in keys:
-            mine, theirs = rec["max_rate"].get(k), base.get("max_rate", {}).get(k)
-            exact = rec["max_rate_exact"][k] and base.get("max_rate_exact", {}).get(k)
-            ratio = "-"
-            if mine and theirs:
-                ratio = f"{mine / theirs:.2f}" + ("" if exact else "*")
-            row += f"{ratio:>8}"
-        lines.append(row + (f"  {rec['device']}" if rec.get("device") else ""))
-    lines.append("(>=: no higher rate missed it; *: a ratio with such a lower bound)")
-    devices = {rec.get("device") for rec in systems.values() if rec.get("device")}
-    if len(devices) > 1:
-        lines.append(f"NOTE: systems ran on different cards {sorted(devices)}: compare with care")
-    for name, rec in systems.items():
-        for pt in rec.get("points", []):
-            met = " ".join(f"{k}ms {pt['attainment'][k]:.2f}" for k in keys)
-            ttft, tpot = pt["ttft_ms"], pt["tpot_ms"]
-            aimed = pt.get("aimed_tpot_ms")
-            label = name if aimed is None else f"{name}@{aimed:g}ms"
-            lines.append(
-                f"  {label:<12} rate {pt['rate']:>7g}  met {met}  tok/s {pt['output_tok_s']:>8}  "
-                f"TTFT p50/p99 {ttft['p50']:.0f}/{ttft['p99']:.0f} ms  "
-                f"TPOT p50/p99 {tpot['p50']:.1f}/{tpot['p99']:.1f} ms  "
-                f"ok {pt['num_ok']}/{pt['num_requests']}"
-                + ("  (cut short)" if pt["gave_up"] else "")
-            )
-        if rec.get("stopped"):
-            lines.append(f"  {name:<12} {rec['stopped']}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Print each file's tables; goodput of all files merged at the end."""
+    """Print each file's tables."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("results", nargs="+", help="gpu_suite JSON files")
     ns = p.parse_args(argv)
-    results = [json.loads(Path(path).read_text()) for path in ns.results]
-    goodput = []
-    for path, result in zip(ns.results, results, strict=True):
-        gp = result.get("goodput")
-        if gp and "systems" in gp:
-            device = (result.get("meta", {}).get("gpus") or ["cpu"])[0]
-            for rec in gp["systems"].values():
-                rec.setdefault("device", device)
-            goodput.append(gp)
-        one = {k: v for k, v in result.items() if k != "goodput"}
-        print(f"#### {path}\n{format_tables(one)}\n")
-    for section in merge(goodput):
-        print(format_goodput(section), end="\n\n")
+    for path in ns.results:
+        print(f"#### {path}\n{format_tables(json.loads(Path(path).read_text()))}\n")
     return 0
 
 

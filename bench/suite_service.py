@@ -7,7 +7,7 @@
   timings.kv_transfer_seconds) and the bytes it moved (from the KV layout) for prompts of
   512 and 2048 tokens.
 
-The goodput part (Poisson arrivals) is bench.suite_goodput; it uses `Service` and `drive`.
+bench.tp_goodput's probes (Poisson arrivals) use `Service` and `drive` too.
 """
 
 from __future__ import annotations
@@ -25,20 +25,16 @@ import grpc
 
 from bench.harness import ServiceProcess as Service
 from bench.harness.metrics import Samples, phase_means_ms, prefill_paths, scrape
-from bench.suite_common import (
-    KVGeometry,
-    ReqTiming,
-    make_prompts,
-    summarize,
-)
+from bench.suite_common import KVGeometry, ReqTiming, make_prompts, summarize
 from bench.suite_plan import RunSpec, prompts_for
 
 # ---------------------------------------------------------------- gRPC driver
 
 
-async def _call(
+async def call_generate(
     stub: Any, prompt: list[int], max_tokens: int, t: ReqTiming, timeout: float
 ) -> None:
+    """One Generate call (greedy, EOS ignored), its times and final timings into `t`."""
     from pdserve.v1 import generation_pb2 as pb
 
     request = pb.GenerateRequest(
@@ -112,7 +108,9 @@ async def drive(
         async def one(i: int) -> None:
             async with limit or nullcontext():
                 if not stop.is_set():
-                    await _call(stubs[i % channels], prompts[i], max_tokens, timings[i], timeout_s)
+                    await call_generate(
+                        stubs[i % channels], prompts[i], max_tokens, timings[i], timeout_s
+                    )
 
         async def watch() -> None:
             assert give_up is not None
@@ -284,61 +282,51 @@ SYSTEMS = {
 }
 
 
-def kv_args(disaggregated: bool, kv_cache_gib: float | None) -> list[str]:
-    """KV cache size flags of each pool (colocated workers take the decode knobs); none:
-    on GPUs the workers size the cache from the device's free memory."""
-    if kv_cache_gib is None:
-        return []
-    kv = str(kv_cache_gib)
+def service_args(
+    model: Path,
+    pool_flags: Sequence[str],
+    disaggregated: bool,
+    kv_cache_gib: float | None,
+    max_num_seqs: int,
+    *,
+    drain_grace_s: float = 10,
+    load_format: str = "dummy",
+) -> list[str]:
+    """`pdserve serve` flags of a benchmarked service: the pools, their KV cache (colocated
+    workers take the decode knobs; none: on GPUs the workers size the cache from the
+    device's free memory), and admission limits no load here reaches."""
     pools = ("prefill", "decode") if disaggregated else ("decode",)
-    return [arg for pool in pools for arg in (f"--{pool}-kv-cache-gib", kv)]
+    kv = [] if kv_cache_gib is None else [f"--{pool}-kv-cache-gib" for pool in pools]
+    return [
+        "--model", str(model), "--load-format", load_format, *pool_flags,
+        *(arg for flag in kv for arg in (flag, str(kv_cache_gib))),
+        "--decode-max-num-seqs", str(max_num_seqs), "--max-in-flight", "1024",
+        "--max-queue", "4096", "--drain-grace-s", f"{drain_grace_s:g}",
+    ]  # fmt: skip
 
 
 def run_service_part(
     part: str,
     shape: str,
     model: Path,
-    *,
     workdir: Path,
+    ns: Any,
+    *,
     plan: list[RunSpec],
-    output_len: int,
-    kv_cache_gib: float,
     handoff_lens: Sequence[int] = (),
-    handoff_samples: int = 0,
-    startup_timeout_s: float,
     kv_itemsize: int = 2,
-    serve_extra: Sequence[str] = (),
-    client_processes: int = 1,
 ) -> dict[str, Any]:
     """Part c (1P1D, and the hand-off measurement when `handoff_lens`) or cc (one
-    colocated worker) on its own service: every run of `plan`, each closed loop from
-    `client_processes` client processes."""
+    colocated worker) on its own service, with bench.gpu_suite's settings `ns`: every
+    run of `plan`, each closed loop from `ns.client_processes` client processes."""
     system, config, pool_args = SYSTEMS[part]
     geo = KVGeometry.of(model, kv_itemsize)
     max_seqs = max(128, *(spec.concurrency for spec in plan)) if plan else 128
-    svc = Service(
-        [
-            "--model",
-            str(model),
-            "--load-format",
-            "dummy",
-            *pool_args,
-            *kv_args(part == "c", kv_cache_gib),
-            "--decode-max-num-seqs",
-            str(max_seqs),
-            "--max-in-flight",
-            "1024",
-            "--max-queue",
-            "4096",
-            "--drain-grace-s",
-            "10",
-            *serve_extra,
-        ],
-        workdir / f"service-{part}-{shape}.log",
-    )
+    args = service_args(model, pool_args, part == "c", ns.kv_cache_gib.get(shape, 8.0), max_seqs)
+    svc = Service([*args, *ns.serve_extra], workdir / f"service-{part}-{shape}.log")
     out: dict[str, Any] = {"config": config, "args": svc.args}
     try:
-        out["startup_s"] = round(svc.wait_serving(startup_timeout_s), 2)
+        out["startup_s"] = round(svc.wait_serving(ns.startup_timeout), 2)
         out["on_gpus"] = "on GPUs" in svc.log_path.read_text(errors="replace")
         # The engine part's warm-up: the largest burst's prefill and a few decode steps,
         # one request alone, and the first prompt of every other length.
@@ -357,33 +345,25 @@ def run_service_part(
             prompts = prompts_for(shape, spec, geo.vocab_size)
             before = _samples(svc.metrics_port)
             timings, wall = drive_processes(
-                svc.address,
-                prompts,
-                output_len,
-                concurrency=spec.concurrency,
-                processes=client_processes,
-            )
+                svc.address, prompts, ns.output_len, concurrency=spec.concurrency,
+                processes=ns.client_processes,
+            )  # fmt: skip
             after = _samples(svc.metrics_port)
             transfers = [t.kv_transfer_s for t in timings if t.kv_transfer_s]
-            runs.append(
-                summarize(
-                    system,
-                    spec.concurrency,
-                    timings,
-                    wall,
-                    prompt_len=spec.prompt_len,
-                    rounds=spec.rounds,
-                    kv_transfer_ms_p50=round(1000 * statistics.median(transfers), 3)
-                    if transfers
-                    else None,
-                    phases_ms=phase_means_ms(before, after),
-                    prefill_paths=prefill_paths(before, after),
-                )
-            )
+            extra = {
+                "prompt_len": spec.prompt_len,
+                "rounds": spec.rounds,
+                "kv_transfer_ms_p50": round(1000 * statistics.median(transfers), 3)
+                if transfers
+                else None,
+                "phases_ms": phase_means_ms(before, after),
+                "prefill_paths": prefill_paths(before, after),
+            }
+            runs.append(summarize(system, spec.concurrency, timings, wall, **extra))
         out["runs"] = runs
         if handoff_lens:
             out["handoff"] = [
-                handoff_stats(svc.address, geo, n, handoff_samples) for n in handoff_lens
+                handoff_stats(svc.address, geo, n, ns.handoff_samples) for n in handoff_lens
             ]
     finally:
         out["exit_code"] = svc.stop()

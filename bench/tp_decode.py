@@ -43,12 +43,12 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.report import provenance
+from bench.suite_common import model_path
 from bench.tp_decode_rank import BLOCK_SIZE, RankJob, log, rank_main
 from engine.model.model_spec import kv_bytes_per_token
 from engine.parallel.tp_heads import num_local_kv_heads, tp_size_problem
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "deploy" / "model_configs"
 
 # NVLink multicast (NVLS) can take a shared host's GPUs down: off in every rank.
 NO_MULTICAST = {
@@ -106,15 +106,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     elif args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     return args
-
-
-def _model_path(name: str) -> Path:
-    path = Path(name)
-    if not (path / "config.json").is_file():
-        path = CONFIGS / name
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"bench.tp_decode: no config.json for model {name!r} (nor in {path})")
-    return path
 
 
 def _num_params(path: Path) -> int:
@@ -252,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="tp-decode-") as tmp:
         for name in (m for m in args.models.split(",") if m):
-            path = _model_path(name)
+            path = model_path(name, Path(tmp))
             plan = Plan(path, args, gpu_bytes)
             model = path.resolve().name
             for tp in args.tp_sizes:

@@ -1,59 +1,32 @@
-"""Goodput of tensor-parallel layouts side by side, one service at a time on the same
-GPUs, in one run: per layout and TPOT objective the highest Poisson rate sustained
-(>= `--attainment` of the requests meet TTFT <= --slo-ttft-ms and TPOT <= the
-objective), then every disaggregated layout ÷ the colocated layouts of as many GPUs
-(bench.goodput_compare: pairs, best of each kind, and whether disaggregation is never
-worse).
+"""Goodput of serving layouts side by side, one service at a time on the same GPUs, in
+one run: per layout and TPOT objective the highest Poisson rate sustained (>=
+`--attainment` of the requests meet TTFT <= --slo-ttft-ms and TPOT <= the objective),
+then every disaggregated layout ÷ the colocated layouts of as many GPUs (pairs, best of
+each kind, and whether disaggregation is never worse: bench.goodput).
 
 Layouts (bench.goodput_layouts): `colocated:NxtpT`, `disagg:PxtpA+DxtpB` (prefill pool
-first). Each layout's service starts once; its process tree is gone and the GPUs'
-memory released before the next one starts. Requests are `--prompt-len` random tokens
-asking for `--output-len` (bench.suite_goodput.run_point: the same prompts and arrival
-gaps at a given rate for every layout; a probe is cut short once its misses at the
-objective it is aimed at are past saving).
+first); single-GPU workers are `xtp1` (1P1D on 2 GPUs: `disagg:1xtp1+1xtp1` against
+`colocated:2xtp1`). Each layout's service starts once; its process tree is gone and the
+GPUs' memory released before the next one starts. Requests are `--prompt-len` random
+tokens asking for `--output-len`, the same prompts and arrival gaps at a given rate for
+every layout; a probe is cut short once its misses at the objective it is aimed at are
+past saving (nothing more is sent, the calls in flight are cancelled).
 
-Probes (bench.goodput_search): a coarse search from `--start-rate` (×2 per step; from a
-seed, the goodput an earlier layout reached, ×1.5) to the first miss, then bisection
-until the bracket is within `--resolution` or `--max-probes` is spent. A colocated
-layout runs one sweep, scored at every objective. A disaggregated layout's router aims
-its local-prefill rule at a TPOT target, so by default (`--aim per-slo`) it runs one
-sweep per objective with the router aimed at it through the admin API (the service
-is not restarted); `--aim tightest` runs one sweep aimed at the tightest objective and
-scores it at all of them (cheaper; the looser objectives then are lower bounds).
+Probes (bench.goodput): a coarse search from `--start-rate` (×2 per step; from a seed,
+the goodput an earlier layout reached, ×1.5) to the first miss, then bisection until
+the bracket is within `--resolution` or `--max-probes` is spent (`--rates`: only those
+rates). A colocated layout runs one sweep, scored at every objective. A disaggregated
+layout's router aims its local-prefill rule at a TPOT target, so by default (`--aim
+per-slo`) it runs one sweep per objective with the router aimed at it through the admin
+API (the service is not restarted); `--aim tightest` runs one sweep aimed at the
+tightest objective and scores it at all of them (the looser ones then are lower bounds).
 
 Time: `--budget-s` bounds the whole run; each layout gets `--layout-budget-s` (default:
 what is left ÷ the layouts left) from its start to its stop, and no probe starts that
-would end past it. The JSON (bench.report.write_result) is rewritten after each layout.
-
-GPU runs (4× H200; pasted from the repository root, results under $OUT). The table's
-last parts answer them: the `pairs` row of the two layouts for (a), the `best` row of 4
-GPUs for (b), the `never worse` rows for (c).
-
-(a) 70B shape, 1 prefill TP 2 + 1 decode TP 2 ÷ 2 colocated workers of TP 2 (both on
-    the same 4 GPUs), TPOT 25 and 50 ms; about 9 minutes with 60-s starts:
-
-    source bench/gpu_env.sh && python3 -m bench.tp_goodput \\
-      --model-config deploy/model_configs/llama-70b --load-format dummy \\
-      --layouts colocated:2xtp2,disagg:1xtp2+1xtp2 --slo-tpot-ms 25,50 \\
-      --start-rate 1 --probe-s 15 --max-probes 5 --budget-s 520 \\
-      --out "$OUT/tp_goodput_70b.json" 2>&1 | tee "$OUT/tp_goodput_70b.log"
-
-(b) 8B on 4 GPUs, the best disaggregated ÷ the best colocated layout, TPOT 25 ms (and
-    (c) for each disaggregated one); about 9 minutes with 25-40-s starts, 2-3 probes a
-    layout:
-
-    L=colocated:4xtp1,colocated:2xtp2,disagg:3xtp1+1xtp1
-    L=$L,disagg:2xtp1+2xtp1,disagg:2xtp1+1xtp2,disagg:1xtp2+1xtp2
-    source bench/gpu_env.sh && python3 -m bench.tp_goodput \\
-      --model-config deploy/model_configs/llama-3.1-8b --load-format dummy --layouts "$L" \\
-      --slo-tpot-ms 25 --start-rate 12 --probe-s 8 --max-probes 4 --budget-s 530 \\
-      --out "$OUT/tp_goodput_8b.json" 2>&1 | tee "$OUT/tp_goodput_8b.log"
-
-    For narrower brackets, run the layouts in two commands (three each, `--out` of
-    their own) and merge: `python -m bench.tp_goodput --report A.json B.json`.
-
-CPU smoke (the tiny Llama of bench.suite_common, random weights; three layouts of two
-"GPUs", one of them TP 2 over gloo; about 2 minutes on 2 cores):
+would end past it. The JSON (bench.report.write_result) is rewritten after each layout;
+`--report A.json B.json` prints the tables of several runs merged. GPU commands are in
+docs/benchmarks.md; a CPU smoke run (the tiny Llama of bench.suite_common, three
+layouts of two "GPUs", one of them TP 2 over gloo; about 2 minutes on 2 cores):
 
     python -m bench.tp_goodput --quick --out /tmp/tp_goodput_quick.json
 """
@@ -66,7 +39,6 @@ import contextlib
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -75,18 +47,42 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.goodput_compare import comparisons, format_tables, layout_bracket, slo_key
+from bench.goodput import (
+    RateProbeSearch,
+    attainment,
+    comparisons,
+    format_tables,
+    give_up_when_missed,
+    layout_bracket,
+    looser_than,
+    slo_key,
+)
 from bench.goodput_layouts import Layout, parse_layouts
-from bench.goodput_search import Bracket, RateProbeSearch, looser_than
 from bench.report import write_result
+from bench.suite_common import KVGeometry, error_record, make_prompts, summarize
 
-DEFAULT_LAYOUTS = "colocated:2xtp2,disagg:1xtp2+1xtp2"
-QUICK_LAYOUTS = "colocated:2xtp1,colocated:1xtp2,disagg:1xtp1+1xtp1"
 # Seconds kept at the end of a layout's budget for its stop and the GPUs' release,
 # until a stop has been timed (then the longest one so far and a margin).
 STOP_RESERVE_S = 20.0
 # A GPU counts as released when at most this much of its memory is in use.
 GPU_FREE_MIB = 1024
+# Flags whose default --quick shrinks: (default, --quick's default).
+SCALED = {
+    "layouts": (
+        "colocated:2xtp2,disagg:1xtp2+1xtp2",
+        "colocated:2xtp1,colocated:1xtp2,disagg:1xtp1+1xtp1",
+    ),
+    "model_config": ("deploy/model_configs/llama-70b", "tiny"),
+    "slo_tpot_ms": ("25,50", "50,200"),
+    "slo_ttft_ms": (1000.0, 2000.0),
+    "prompt_len": (2048, 64),
+    "output_len": (128, 16),
+    "start_rate": (2.0, 4.0),
+    "max_probes": (5, 2),
+    "probe_s": (15.0, 3.0),
+    "min_requests": (12, 6),
+}
+QUICK_LAYOUTS = SCALED["layouts"][1]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,29 +92,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Defaults in [brackets] are --quick's.",
     )
+
+    def scaled(flag: str, help: str, **kw: Any) -> None:
+        full, small = SCALED[flag.removeprefix("--").replace("-", "_")]
+        p.add_argument(flag, help=f"{help} (default {full} [{small}])", **kw)
+
     p.add_argument("--quick", action="store_true", help="a short CPU-sized run (see below)")
-    p.add_argument("--layouts", help=f"comma list (default {DEFAULT_LAYOUTS} [{QUICK_LAYOUTS}])")
-    p.add_argument(
+    scaled("--layouts", "comma list")
+    scaled(
         "--model-config",
-        help="model folder (config.json), or a shape of bench.suite_common: 1b, 8b, tiny "
-        "(default deploy/model_configs/llama-70b [tiny])",
+        "model folder (config.json), or a shape of bench.suite_common: 1b, 8b, tiny",
     )
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
-    p.add_argument("--slo-tpot-ms", help="TPOT objectives, comma list (default 25,50 [50,200])")
-    p.add_argument("--slo-ttft-ms", type=float, help="TTFT objective (default 1000 [2000])")
+    scaled("--slo-tpot-ms", "TPOT objectives, comma list")
+    scaled("--slo-ttft-ms", "TTFT objective", type=float)
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests meeting it")
-    p.add_argument("--prompt-len", type=int, help="tokens (default 2048 [64])")
-    p.add_argument("--output-len", type=int, help="tokens (default 128 [16])")
-    p.add_argument("--start-rate", type=float, help="req/s of the first probe (default 2 [4])")
+    scaled("--prompt-len", "tokens", type=int)
+    scaled("--output-len", "tokens", type=int)
+    scaled("--start-rate", "req/s of the first probe", type=float)
     p.add_argument("--min-rate", type=float, default=0.25, help="req/s; below: goodput 0")
     p.add_argument("--max-rate", type=float, default=256.0, help="req/s")
     p.add_argument(
         "--rates", help="comma list of req/s: probe only these (default: any rate the search picks)"
     )
     p.add_argument("--resolution", type=float, default=1.2, help="stop at failed/sustained <= this")
-    p.add_argument("--max-probes", type=int, help="per sweep (default 5 [2])")
-    p.add_argument("--probe-s", type=float, help="seconds of arrivals per probe (default 15 [3])")
-    p.add_argument("--min-requests", type=int, help="per probe (default 12 [6])")
+    scaled("--max-probes", "per sweep", type=int)
+    scaled("--probe-s", "seconds of arrivals per probe", type=float)
+    scaled("--min-requests", "per probe", type=int)
     p.add_argument(
         "--aim",
         choices=("per-slo", "tightest", "router-default"),
@@ -147,20 +147,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run nothing: print the tables of these runs' layouts, merged (later files win)",
     )
     ns = p.parse_args(argv)
-
-    def pick(value: Any, full: Any, small: Any) -> Any:
-        return value if value is not None else (small if ns.quick else full)
-
-    ns.layouts = pick(ns.layouts, DEFAULT_LAYOUTS, QUICK_LAYOUTS)
-    ns.model_config = pick(ns.model_config, "deploy/model_configs/llama-70b", "tiny")
-    ns.slo_tpot_ms = pick(ns.slo_tpot_ms, "25,50", "50,200")
-    ns.slo_ttft_ms = pick(ns.slo_ttft_ms, 1000.0, 2000.0)
-    ns.prompt_len = pick(ns.prompt_len, 2048, 64)
-    ns.output_len = pick(ns.output_len, 128, 16)
-    ns.start_rate = pick(ns.start_rate, 2.0, 4.0)
-    ns.max_probes = pick(ns.max_probes, 5, 2)
-    ns.probe_s = pick(ns.probe_s, 15.0, 3.0)
-    ns.min_requests = pick(ns.min_requests, 12, 6)
+    for name, (full, small) in SCALED.items():
+        if getattr(ns, name) is None:
+            setattr(ns, name, small if ns.quick else full)
     ns.serve_extra = shlex.split(ns.serve_extra)
     try:
         ns.layouts = parse_layouts(ns.layouts)
@@ -178,17 +167,83 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ---------------------------------------------------------------- one layout
 
 
-def point_settings(ns: argparse.Namespace) -> argparse.Namespace:
-    """What bench.suite_goodput.run_point reads, from this command's flags."""
-    return argparse.Namespace(
-        goodput_min_requests=ns.min_requests,
-        goodput_duration=ns.probe_s,
-        goodput_prompt_len=ns.prompt_len,
-        goodput_output_len=ns.output_len,
-        attainment=ns.attainment,
-        ttft_slo=ns.slo_ttft_ms / 1000,
-        tpot_slos=ns.slos,
+def run_point(
+    address: str, geo: KVGeometry, ns: argparse.Namespace, rate: float, tpot_ms: float, sweep: int
+) -> dict[str, Any]:
+    """One probe: Poisson arrivals of the same prompts and gaps for every layout (the
+    `sweep`-th of one service gets prompts of its own: none found in its cache); cut
+    short once the misses at `tpot_ms` (the objective it is aimed at) are past saving."""
+    from bench.suite_service import drive
+
+    n = max(ns.min_requests, round(rate * ns.probe_s))
+    seed = int(rate * 1000) + 7 + 1_000_003 * sweep
+    prompts = make_prompts(n, ns.prompt_len, geo.vocab_size, seed=seed)
+    give_up = give_up_when_missed(
+        n, ns.attainment, ns.slo_ttft_ms / 1000, tpot_ms / 1000, ns.output_len
     )
+    timeout_s = max(120.0, 4 * n / rate)
+    timings, wall = asyncio.run(
+        drive(
+            address,
+            prompts,
+            ns.output_len,
+            rate=rate,
+            seed=int(rate * 100),
+            give_up=give_up,
+            timeout_s=timeout_s,
+        )
+    )
+    first = min((t.sent_s for t in timings if t.sent_s), default=0.0)
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(1000 * x, 3)
+
+    requests: dict[str, list[Any]] = {
+        "sent_ms": [ms(t.sent_s - first) if t.sent_s else None for t in timings],
+        "ok": [t.ok for t in timings],
+        "ttft_ms": [ms(t.ttft_s) for t in timings],
+        "tpot_ms": [ms(t.tpot_s) for t in timings],
+    }
+    met = {slo_key(slo): round(attainment(requests, ns.slo_ttft_ms, slo), 4) for slo in ns.slos}
+    gave_up = any(t.error.endswith("gave up") for t in timings)
+    point = summarize("", 0, timings, wall, rate=rate, attainment=met, gave_up=gave_up)
+    del point["system"], point["concurrency"]
+    return {**point, "settle_s": asyncio.run(settle(address)), "requests": requests}
+
+
+async def settle(address: str, timeout_s: float = 60.0) -> float:
+    """Seconds until the router and every worker hold nothing (after cancelled calls)."""
+    from router.cli.client import get_pool_stats
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        stats = await get_pool_stats(address)
+        busy = stats.num_in_flight or stats.num_queued
+        if not (busy or any(w.num_running or w.num_waiting for w in stats.workers)):
+            break
+        await asyncio.sleep(0.2)
+    return round(time.perf_counter() - start, 2)
+
+
+async def aim_router(address: str, tpot_ms: float, ttft_ms: float) -> None:
+    """The router's local-prefill rule aimed at these targets from now on."""
+    from pdserve.v1 import admin_pb2
+    from router.cli.admin_client import set_prefill_policy
+
+    request = admin_pb2.SetPrefillPolicyRequest(slo_tpot_ms=tpot_ms, slo_ttft_ms=ttft_ms)
+    await set_prefill_policy(address, request)
+
+
+async def worker_blocks(address: str) -> dict[str, int]:
+    """KV blocks of each worker, as it sized its cache."""
+    from pdserve.v1 import generation_pb2 as pb
+    from router.cli.client import get_pool_stats
+
+    stats = await get_pool_stats(address)
+    return {
+        f"{pb.Pool.Name(w.pool).removeprefix('POOL_').lower()}-{w.index}": w.num_blocks_total
+        for w in stats.workers
+    }
 
 
 def sweeps(layout: Layout, aim: str, slos: list[float]) -> list[tuple[float | None, list[str]]]:
@@ -230,8 +285,6 @@ def run_sweep(
 ) -> str | None:
     """Probes of one sweep until its brackets are narrow or its time is spent, each
     point added to `points`; why it stopped early, if it did."""
-    from bench.suite_goodput import run_point
-
     search = RateProbeSearch(
         keys=tuple(keys),
         start={k: seeds.get(k, ns.start_rate) for k in keys},
@@ -242,7 +295,6 @@ def run_sweep(
         max_probes=ns.max_probes,
         grid=ns.rates,
     )
-    settings = point_settings(ns)
     results: dict[float, dict[str, bool | None]] = {}
     while (probe := search.next_probe(results)) is not None:
         rate, tpot_ms = probe.rate, float(probe.aim)
@@ -252,7 +304,7 @@ def run_sweep(
         if time.perf_counter() + need > deadline:
             return f"time budget: rate {rate:g} (about {need:.0f} s) not run"
         print(f"  {label}: {rate:g} req/s, {n} requests, at TPOT {probe.aim} ms", flush=True)
-        point = run_point(address, geo, settings, rate, tpot_ms, sweep)
+        point = run_point(address, geo, ns, rate, tpot_ms, sweep)
         point["probe_aim_tpot_ms"] = tpot_ms
         point["counts_for"] = keys
         if point["gave_up"]:  # the looser objectives saw an incomplete run
@@ -278,28 +330,20 @@ def run_layout(
 ) -> dict[str, Any]:
     """Start the layout's service, run its sweeps, stop it and wait for its GPUs, all
     by `deadline` (the earlier layouts' records seed the search and time the stop)."""
-    from bench.harness.sockets import process_tree
-    from bench.suite_common import KVGeometry, error_record, make_prompts
-    from bench.suite_goodput import aim_router, settle, worker_blocks
-    from bench.suite_service import Service, check_warm_up, drive, kv_args
+    from bench.harness.processes import process_tree
+    from bench.suite_service import Service, check_warm_up, drive, service_args
 
     plan = sweeps(layout, ns.aim, ns.slos)
     stops = [r["stop_s"] for r in earlier if "stop_s" in r]
     reserve = max(stops) + 5 if stops else STOP_RESERVE_S
-    args = ["--model", str(model), "--load-format", ns.load_format, *layout.serve_flags()]
-    args += kv_args(layout.disaggregated, ns.kv_cache_gib)
-    args += ["--decode-max-num-seqs", str(ns.max_num_seqs)]
-    args += ["--max-in-flight", "1024", "--max-queue", "4096", "--drain-grace-s", "5"]
+    args = service_args(
+        model, layout.serve_flags(), layout.disaggregated, ns.kv_cache_gib, ns.max_num_seqs,
+        drain_grace_s=5, load_format=ns.load_format,
+    )  # fmt: skip
     if any(aim is not None for aim, _ in plan):
         args += ["--enable-admin"]
     slug = layout.name.replace(":", "-").replace("+", "-")
-    record: dict[str, Any] = {
-        "layout": layout.name,
-        "gpus": layout.gpus,
-        "disaggregated": layout.disaggregated,
-        "points": [],
-        "sweeps": [],
-    }
+    record: dict[str, Any] = {**layout_record(layout), "points": [], "sweeps": []}
     started = time.perf_counter()
     svc = Service([*args, *ns.serve_extra], workdir / f"service-{slug}.log")
     record["args"] = svc.args
@@ -311,8 +355,7 @@ def run_layout(
         geo = KVGeometry.of(model)
         workers = layout.first.workers + (layout.decode.workers if layout.decode else 0)
         warm = make_prompts(2 * workers, ns.prompt_len, geo.vocab_size, seed=96)
-        warm_timings, _ = asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))
-        check_warm_up(warm_timings)
+        check_warm_up(asyncio.run(drive(svc.address, warm, 4, concurrency=len(warm)))[0])
         record["warm_settle_s"] = asyncio.run(settle(svc.address))
         record["workers"] = asyncio.run(worker_blocks(svc.address))
         for index, (aim, keys) in enumerate(plan):
@@ -320,7 +363,7 @@ def run_layout(
             left = deadline - reserve - time.perf_counter()
             sweep_deadline = time.perf_counter() + left / (len(plan) - index)
             if aim is not None:
-                asyncio.run(aim_router(svc.address, aim, ns.slo_ttft_ms / 1000))
+                asyncio.run(aim_router(svc.address, aim, ns.slo_ttft_ms))
             seeds = seed_rates(earlier, record["points"], keys, ns.attainment)
             label = layout.name + ("" if aim is None else f" aimed at {aim:g} ms")
             count = len(record["points"])
@@ -342,20 +385,22 @@ def run_layout(
         record["elapsed_s"] = round(time.perf_counter() - started, 1)
         if record["exit_code"] != 0 or "error" in record:
             record["log_tail"] = svc.log_tail()
-    record["goodput"] = goodput_record(record["points"], ns)
+    # Per objective: the bracket, and how many probes speak for it.
+    record["goodput"] = {}
+    for key in map(slo_key, ns.slos):
+        counted = [p for p in record["points"] if key in p.get("counts_for", ())]
+        if counted:
+            b = layout_bracket(counted, key, ns.attainment)
+            record["goodput"][key] = {
+                "sustained": b.sustained,
+                "failed": b.failed,
+                "probes": len(counted),
+            }
     return record
 
 
-def goodput_record(points: list[dict[str, Any]], ns: argparse.Namespace) -> dict[str, Any]:
-    """Per objective: the bracket, and how many probes speak for it."""
-    out: dict[str, Any] = {}
-    for slo in ns.slos:
-        key = slo_key(slo)
-        counted = [p for p in points if key in p.get("counts_for", ())]
-        if counted:
-            b: Bracket = layout_bracket(counted, key, ns.attainment)
-            out[key] = {"sustained": b.sustained, "failed": b.failed, "probes": len(counted)}
-    return out
+def layout_record(layout: Layout) -> dict[str, Any]:
+    return {"layout": layout.name, "gpus": layout.gpus, "disaggregated": layout.disaggregated}
 
 
 # ---------------------------------------------------------------- between layouts
@@ -363,10 +408,11 @@ def goodput_record(points: list[dict[str, Any]], ns: argparse.Namespace) -> dict
 
 def gpu_memory_used_mib() -> list[int]:
     """Memory in use on each GPU (nvidia-smi); [] without nvidia-smi."""
-    if not shutil.which("nvidia-smi"):
-        return []
     query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-    out = subprocess.run(query, capture_output=True, text=True, timeout=30)
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30)
+    except OSError:
+        return []
     return [int(x) for x in out.stdout.split() if x.strip().isdigit()]
 
 
@@ -374,7 +420,7 @@ def release(pids: set[int], *, on_cuda: bool, timeout_s: float = 30.0) -> dict[s
     """Wait until every process of a stopped service has exited (those still there
     after `timeout_s` are killed, each by its id) and, on GPUs, until their memory is
     free: the next layout starts on empty GPUs."""
-    from bench.harness.sockets import process_alive
+    from bench.harness.processes import process_alive
 
     start = time.perf_counter()
     alive = {pid for pid in pids if process_alive(pid)}
@@ -399,41 +445,6 @@ def release(pids: set[int], *, on_cuda: bool, timeout_s: float = 30.0) -> dict[s
 # ---------------------------------------------------------------- the run
 
 
-def resolve_model(name: str, workdir: Path) -> Path:
-    """A model folder, or a named shape of the GPU suite (the tiny one is written out)."""
-    from bench.suite_common import SHAPES, shape_path
-
-    if name in SHAPES or name == "tiny":
-        return shape_path(name, workdir)
-    path = Path(name)
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"--model-config {name}: no config.json there")
-    return path.resolve()
-
-
-def output_paths(ns: argparse.Namespace) -> tuple[Path, Path]:
-    env_out = os.environ.get("OUT")
-    out = Path(ns.out) if ns.out else Path(env_out or ".") / "tp_goodput.json"
-    if ns.workdir:
-        workdir = Path(ns.workdir)
-    elif env_out:
-        workdir = Path(env_out) / "tp_goodput_logs"
-    else:
-        workdir = Path(tempfile.mkdtemp(prefix="tp-goodput-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return out, workdir
-
-
-def config_record(ns: argparse.Namespace, model: Path) -> dict[str, Any]:
-    skip = {"layouts", "report", "slo_tpot_ms"}
-    config = {k: v for k, v in vars(ns).items() if k not in skip}
-    config["layouts"] = [layout.name for layout in ns.layouts]
-    config["model"] = str(model)
-    config["rates"] = list(ns.rates)
-    return config
-
-
 def report(paths: list[str]) -> int:
     """Tables of earlier runs' layouts, merged by name (a later file's record wins)."""
     records: dict[str, dict[str, Any]] = {}
@@ -452,30 +463,38 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.report:
         return report(ns.report)
-    from bench.suite_common import error_record
-    from bench.suite_goodput import gpu_count
+    from bench.report import gpus
+    from bench.suite_common import model_path
 
-    out, workdir = output_paths(ns)
-    model = resolve_model(ns.model_config, workdir)
-    have = gpu_count() or 0
+    env_out = os.environ.get("OUT")
+    out = Path(ns.out or Path(env_out or ".") / "tp_goodput.json")
+    workdir = Path(
+        ns.workdir
+        or (
+            Path(env_out) / "tp_goodput_logs" if env_out else tempfile.mkdtemp(prefix="tp-goodput-")
+        )
+    )
+    workdir.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = model_path(ns.model_config, workdir)
+    have = len(gpus())
     ns.on_cuda = have > 0
     if ns.kv_cache_gib is None and not ns.on_cuda:
         ns.kv_cache_gib = 0.25
     keys = [slo_key(s) for s in ns.slos]
-    config = config_record(ns, model)
+    config = {k: v for k, v in vars(ns).items() if k not in {"layouts", "report", "slo_tpot_ms"}}
+    config.update(layouts=[x.name for x in ns.layouts], model=str(model), rates=list(ns.rates))
     where = f"{have} GPUs" if have else "CPU"
     print(f"{len(ns.layouts)} layouts of {model.name} on {where}; logs in {workdir}", flush=True)
     t0 = time.perf_counter()
     run_deadline = t0 + (ns.budget_s if ns.budget_s is not None else float("inf"))
     records: list[dict[str, Any]] = []
 
-    def save(tables: str | None = None) -> None:
-        comp = comparisons(records, keys)
-        extra = {"tables": tables} if tables is not None else {}
+    def save(**extra: Any) -> None:
         elapsed = round(time.perf_counter() - t0, 1)
         write_result(
             out, "bench.tp_goodput", argv, config=config, elapsed_s=elapsed,
-            layouts=records, comparisons=comp, **extra,
+            layouts=records, comparisons=comparisons(records, keys), **extra,
         )  # fmt: skip
 
     for index, layout in enumerate(ns.layouts):
@@ -484,25 +503,24 @@ def main(argv: list[str] | None = None) -> int:
         deadline = min(run_deadline, now + (ns.layout_budget_s or share))
         # A start as long as the longest so far, a warm-up, one probe and the stop.
         need = max((r.get("startup_s", 0.0) for r in records), default=30.0) + 40
-        base: dict[str, Any] = {
-            "layout": layout.name,
-            "gpus": layout.gpus,
-            "disaggregated": layout.disaggregated,
-        }
         if ns.on_cuda and have < layout.gpus:
-            records.append({**base, "skipped": f"needs {layout.gpus} GPUs, found {have}"})
+            records.append(
+                {**layout_record(layout), "skipped": f"needs {layout.gpus} GPUs, found {have}"}
+            )
         elif deadline - now < need:
-            records.append({**base, "skipped": f"time budget ({deadline - now:.0f} s left)"})
+            records.append(
+                {**layout_record(layout), "skipped": f"time budget ({deadline - now:.0f} s left)"}
+            )
         else:
             print(f"[{now - t0:5.0f}s] {layout} ({layout.gpus} GPUs)", flush=True)
             try:
                 records.append(run_layout(layout, ns, model, workdir, deadline, records))
             except Exception as exc:  # noqa: BLE001 - recorded; the next layout still runs
                 print(f"  {layout}: {exc}", file=sys.stderr, flush=True)
-                records.append({**base, **error_record(exc)})
+                records.append({**layout_record(layout), **error_record(exc)})
         save()
     tables = format_tables(records, keys, comparisons(records, keys))
-    save(tables)
+    save(tables=tables)
     print(f"\n{tables}\n\nwrote {out} in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0 if all(r.get("goodput") for r in records) else 1
 

@@ -1,6 +1,7 @@
-"""Goodput of tensor-parallel layouts (bench.tp_goodput): layout strings and the serve
-flags they map to, the probe search over several TPOT objectives, the ratios and
-verdicts, the JSON and its report; one short CPU run of the whole thing (slow)."""
+"""Goodput of serving layouts (bench.tp_goodput): layout strings and the serve flags they
+map to, which requests meet an SLO and when a probe is given up, the probe search over
+several TPOT objectives, the ratios and verdicts, the JSON and its report; one short CPU
+run of the whole thing (slow)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,24 @@ from typing import Any
 
 import pytest
 
-from bench import suite_goodput, tp_goodput
-from bench.goodput_compare import comparisons, format_tables, layout_bracket, verdict
-from bench.goodput_layouts import Layout, Pool, parse_layout, parse_layouts
-from bench.goodput_search import (
+from bench import tp_goodput
+from bench.goodput import (
     Bracket,
     RateProbeSearch,
+    attainment,
     bracket,
     bracket_at,
+    comparisons,
+    definitely_missed,
+    format_tables,
+    give_up_when_missed,
+    layout_bracket,
     looser_than,
+    verdict,
 )
+from bench.goodput_layouts import Layout, Pool, parse_layout, parse_layouts
 from bench.report import write_result
+from bench.suite_common import ReqTiming
 from router.cli.engine_flags import tensor_parallel_size
 from router.cli.flag_checks import check_serve_flags, given_flags
 from router.cli.flags import build_parser
@@ -90,6 +98,47 @@ def test_serve_flags_start_the_pools_the_layout_names(
         count = ns.colocated_workers if pool == "colocated" else getattr(ns, f"{pool}_workers")
         assert (count, tensor_parallel_size(ns, pool)) == (workers, tp)
     assert bool(ns.colocated_workers) == ("colocated" in pools)
+
+
+# ---------------------------------------------------------------- SLO arithmetic
+
+
+def test_attainment_at_each_tpot_slo_comes_from_the_same_requests() -> None:
+    requests = {
+        "ok": [True, True, True, True, False],
+        "ttft_ms": [200.0, 300.0, 1500.0, 100.0, 100.0],  # the third misses TTFT <= 1 s
+        "tpot_ms": [10.0, 20.0, 10.0, 40.0, 10.0],  # the last one failed
+    }
+    assert attainment(requests, 1000, 15) == 1 / 5
+    assert attainment(requests, 1000, 25) == 2 / 5
+    assert attainment(requests, 1000, 50) == 3 / 5
+
+
+def test_a_one_token_answer_has_no_tpot_to_miss() -> None:
+    assert attainment({"ok": [True], "ttft_ms": [10.0], "tpot_ms": [None]}, 1000, 15) == 1.0
+
+
+def test_a_request_is_given_up_only_once_it_cannot_meet_the_slo() -> None:
+    slo = {"ttft_slo_s": 1.0, "tpot_slo_s": 0.05, "output_len": 11}
+    waiting = ReqTiming(sent_s=10.0)
+    assert not definitely_missed(waiting, 10.9, **slo)
+    assert definitely_missed(waiting, 11.1, **slo)
+    slow_first = ReqTiming(sent_s=10.0, first_s=11.5, last_s=11.5, num_tokens=1)
+    assert definitely_missed(slow_first, 11.5, **slo)
+    decoding = ReqTiming(sent_s=10.0, first_s=10.5, last_s=10.6, num_tokens=3)
+    assert not definitely_missed(decoding, 10.9, **slo)  # 0.4 s for 10 tokens: may still meet
+    assert definitely_missed(decoding, 11.1, **slo)  # 0.6 s > 10 x 50 ms already
+    done = ReqTiming(sent_s=10.0, first_s=10.5, last_s=10.9, num_tokens=11)
+    assert not definitely_missed(done, 99.0, **slo)
+    assert definitely_missed(ReqTiming(sent_s=10.0, ok=False), 10.0, **slo)
+
+
+def test_give_up_allows_the_misses_the_attainment_allows() -> None:
+    give_up = give_up_when_missed(20, 0.9, 1.0, 0.05, 11)  # 2 misses allowed out of 20
+    timings = [ReqTiming(sent_s=1.0) for _ in range(3)] + [ReqTiming(0.0)] * 17  # unsent
+    assert not give_up(timings, 1.5)
+    assert give_up(timings, 2.5)  # 3 without a first token after 1.5 s
+    assert not give_up(timings[1:], 2.5)
 
 
 # ---------------------------------------------------------------- the search
@@ -194,7 +243,7 @@ def test_a_sweep_cut_short_keeps_only_what_it_saw(monkeypatch: pytest.MonkeyPatc
 
     def fake_point(address: str, geo: Any, ns: Any, rate: float, slo: float, sweep: int) -> dict:
         calls.append((rate, slo, sweep))
-        assert (ns.goodput_duration, ns.ttft_slo, ns.tpot_slos) == (1.0, 1.0, [25.0, 50.0])
+        assert (ns.probe_s, ns.slo_ttft_ms, ns.slos) == (1.0, 1000.0, [25.0, 50.0])
         ok25, ok50 = rate <= 3, rate <= 6
         gave_up = not (ok25 if slo == 25 else ok50)
         attainment = {"25": 1.0 if ok25 else 0.2, "50": 1.0 if ok50 else 0.2}
@@ -207,7 +256,7 @@ def test_a_sweep_cut_short_keeps_only_what_it_saw(monkeypatch: pytest.MonkeyPatc
             "num_requests": 2,
         }
 
-    monkeypatch.setattr(suite_goodput, "run_point", fake_point)
+    monkeypatch.setattr(tp_goodput, "run_point", fake_point)
     points: list[dict] = []
     ns = ns_for(max_probes=4)
     far = 1e12

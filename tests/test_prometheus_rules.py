@@ -14,7 +14,6 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness.prometheus import DEPLOY, find_binary
 from engine.wire import PhaseReport, WorkerStats
 from router.observability.fleet_metrics import FleetCollector, FleetState
 from router.observability.metrics import RouterMetrics
@@ -22,6 +21,7 @@ from router.observability.phase_metrics import PhaseMetrics
 from router.observability.serving_metrics import migrations_counter
 from router.planner.metrics import planner_metrics
 from router.serving.protocol import PoolStats
+from tests.prometheus_server import DEPLOY, find_binary
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = DEPLOY / "pdserve-rules.yml"

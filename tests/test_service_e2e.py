@@ -20,9 +20,7 @@ import pytest
 from bench.harness import REPO, ServiceProcess, StartService, wait_until
 from bench.harness.metrics import scrape
 from bench.harness.metrics import value as metric_value
-from bench.harness.otlp import OTLPSink, ReceivedSpan
 from bench.harness.pools import assert_pools_empty
-from bench.harness.prometheus import PrometheusServer, find_binary
 from bench.harness.streams import StreamResult, generate
 from engine.frontend.prompt import encode_prompt
 from engine.llm import LLM, CompletionOutput
@@ -31,6 +29,8 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.cli.client import build_request, stream_generate
 from router.observability.tracing import GENERATE_SPAN
+from tests.otlp_sink import OTLPSink, ReceivedSpan
+from tests.prometheus_server import PrometheusServer, find_binary
 
 pytestmark = pytest.mark.e2e
 

@@ -52,6 +52,16 @@ async def assert_pools_empty(
     return stats
 
 
+async def live_workers(address: str, pool: str | None = None) -> list[admin_pb.WorkerDescription]:
+    """The live workers (AdminService), of `pool` ("prefill", "decode") or of every pool."""
+    listing = await list_workers(address)
+    return [
+        w
+        for w in listing.workers
+        if w.state == admin_pb.WORKER_STATE_LIVE and pool in (None, w.pool)
+    ]
+
+
 async def wait_pool_sizes(
     address: str, prefill: int, decode: int, *, timeout: float = 180.0
 ) -> admin_pb.ListWorkersResponse:

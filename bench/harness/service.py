@@ -132,11 +132,7 @@ class ServiceExitError(AssertionError):
 
 @contextmanager
 def service_process(
-    args: list[str],
-    log_path: Path,
-    *,
-    env: dict[str, str] | None = None,
-    new_session: bool = False,
+    args: list[str], log_path: Path, *, env: dict[str, str] | None = None, new_session: bool = False
 ) -> Iterator[ServiceProcess]:
     """A started service (not yet waited for: call `wait_serving`) for the `with` block,
     stopped after it (unless the block stopped it); ServiceExitError (with the log's tail)
@@ -154,11 +150,7 @@ def service_process(
 
 @contextmanager
 def running_service(
-    args: list[str],
-    log_path: Path,
-    *,
-    env: dict[str, str] | None = None,
-    timeout: float = 300.0,
+    args: list[str], log_path: Path, *, env: dict[str, str] | None = None, timeout: float = 300.0
 ) -> Iterator[ServiceProcess]:
     """`service_process`, SERVING when the block starts."""
     with service_process(args, log_path, env=env) as svc:

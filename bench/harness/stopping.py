@@ -27,8 +27,8 @@ from pathlib import Path
 
 from bench.harness.polling import wait_until_async
 from bench.harness.ports import free_port
+from bench.harness.processes import process_alive, process_tree
 from bench.harness.service import REPO, service_env
-from bench.harness.sockets import process_alive, process_tree
 from bench.harness.streams import StreamResult, generate
 
 
@@ -50,6 +50,8 @@ def serve_in_own_session(log: Path, drain_grace_s: float) -> tuple[subprocess.Po
 
 
 STOP_MODES = ("group", "every-ray-first", "every-router-first", "every-shuffled")
+FINISHED = ("final:FINISH_REASON_LENGTH", "final:FINISH_REASON_STOP")
+ABORTED = "final:FINISH_REASON_ABORT"
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,37 @@ class StopResult:
     @property
     def worst_final_s(self) -> float:
         return max(self.final_after_s, default=0.0)
+
+    def problems(self, final_within_s: float, exit_within_s: float) -> list[str]:
+        """What the stop got wrong; empty when it passed. Every stream ends with exactly
+        one final message within `final_within_s` of the signal; after a signal to the
+        group (a drain) that message is a FINISH, or an ABORT after tokens during the
+        drain's grace (the signal must not reach the workers). The process exits 0
+        within `exit_within_s`, with none of its processes left."""
+        wrong = []
+        for i, (stream, final_s, before) in enumerate(
+            zip(self.streams, self.final_after_s, self.tokens_at_signal, strict=True)
+        ):
+            if stream.num_finals != 1 or stream.num_after_final:
+                wrong.append(
+                    f"stream {i}: {stream.num_finals} final messages "
+                    f"({stream.num_after_final} after the first), {stream.outcome}"
+                )
+            elif self.mode == "group" and stream.outcome not in (*FINISHED, ABORTED):
+                wrong.append(f"stream {i} ended with {stream.outcome}")
+            elif (
+                self.mode == "group" and stream.outcome == ABORTED and len(stream.tokens) <= before
+            ):
+                wrong.append(f"stream {i} got no token during the drain's grace before its ABORT")
+            if final_s >= final_within_s:
+                wrong.append(f"stream {i} ended {final_s:.2f} s after the signal")
+        if self.exit_code != 0:
+            wrong.append(f"exit status {self.exit_code} (None: still running, killed)")
+        if self.exit_after_s >= exit_within_s:
+            wrong.append(f"exited {self.exit_after_s:.2f} s after the signal")
+        if self.survivors:
+            wrong.append(f"processes of the service left running: {self.survivors}")
+        return wrong
 
 
 def send_stop(mode: str, router_pid: int, rng: random.Random | None = None) -> None:

@@ -43,10 +43,7 @@ class StreamResult:
 
 
 async def generate(
-    target: str | grpc.aio.Channel,
-    *,
-    on_tokens: Callable[[int], None] | None = None,
-    **kwargs: Any,
+    target: str | grpc.aio.Channel, *, on_tokens: Callable[[int], None] | None = None, **kwargs: Any
 ) -> StreamResult:
     """Run one Generate call (`router.cli.client.stream_generate` arguments) to its end.
 

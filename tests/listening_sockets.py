@@ -1,5 +1,4 @@
-"""The TCP sockets a service's processes listen on, read from /proc (Linux): the router,
-its children and theirs (a local Ray's processes and the workers included)."""
+"""The TCP sockets a service's processes listen on, read from /proc (Linux)."""
 
 from __future__ import annotations
 
@@ -28,39 +27,6 @@ class ListeningSocket:
     def __str__(self) -> str:
         host = f"[{self.address}]" if ":" in self.address else self.address
         return f"{self.program} (pid {self.pid}) on {host}:{self.port}"
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        stat = (_PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rpartition(")")[2].split()[1])
-
-
-def process_alive(pid: int) -> bool:
-    """True while process `pid` exists and has not exited (a zombie has)."""
-    try:
-        stat = (_PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-def process_tree(root: int) -> set[int]:
-    """`root` and every process descended from it, living now."""
-    children: dict[int, list[int]] = {}
-    for entry in _PROC.iterdir():
-        if entry.name.isdigit():
-            parent = _parent(int(entry.name))
-            if parent is not None:
-                children.setdefault(parent, []).append(int(entry.name))
-    tree, stack = set(), [root]
-    while stack:
-        pid = stack.pop()
-        tree.add(pid)
-        stack += children.get(pid, [])
-    return tree
 
 
 def _address(hex_address: str) -> str:

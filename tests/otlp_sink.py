@@ -1,8 +1,8 @@
 """An OTLP/gRPC trace receiver in this process, as a tracing collector would be: the
 `TraceService` of the `opentelemetry-proto` definitions on a loopback port, keeping
-every span it is sent. Tests assert on the spans a service exports; benchmarks give the
-service somewhere to send them. (The protos are imported when a receiver starts, so
-test modules that use one still import where OpenTelemetry is not installed.)"""
+every span it is sent, for tests that assert on the spans a service exports. (The protos
+are imported when a receiver starts, so test modules that use one still import where
+OpenTelemetry is not installed.)"""
 
 from __future__ import annotations
 
