@@ -19,7 +19,7 @@ import torch
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.request import PLACEHOLDER_TOKEN
 from engine.model.attention import paged_step, register_paged_attention
-from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.attention_metadata import BlockGather, PagedAttentionMetadata
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
 from engine.model.cuda_graphs import DecodeGraphs, captured_or_none, graph_batch_sizes
 from engine.model.kernels.triton_attention import triton_available
@@ -138,10 +138,18 @@ class ModelRunner(KVBlocks):
         self.num_blocks = num_blocks
         self.block_size = block_size
         # With graphs, one extra block past `num_blocks` takes the padding rows' K/V;
-        # the scheduler never sees it. `kv_cache` is the part requests own.
+        # the scheduler never sees it. On CPU attention gathers whole blocks, and the
+        # padding ones read one more block that nothing writes (zeros). `kv_cache` is the
+        # part requests own.
+        self._block_gather = (
+            BlockGather(zero_block=num_blocks + scratch, mask_dtype=self.dtype)
+            if self.device.type == "cpu"
+            else None
+        )
+        zero_blocks = int(self._block_gather is not None)
         with startup_phase("kv_cache", f"{num_blocks} blocks of {block_size} tokens"):
             self._kv_storage = torch.zeros(
-                self.kv_cache_shape(self.spec, num_blocks + scratch, block_size),
+                self.kv_cache_shape(self.spec, num_blocks + scratch + zero_blocks, block_size),
                 dtype=self.dtype,
                 device=self.device,
             )
@@ -369,6 +377,7 @@ class ModelRunner(KVBlocks):
             self.device,
             self.bucket_shapes,
             paged_decode=self.paged_decode if paged_decode is None else paged_decode,
+            block_gather=self._block_gather,
         )
         input_ids = to_device(
             list(itertools.chain.from_iterable(s.token_ids for s in batch.seqs)),
