@@ -188,9 +188,8 @@ def build_metadata(
     max_blocks = max((len(t) for t in block_tables), default=1)
     # Small per-sequence tensors travel to the device; everything per token is
     # derived there, so the host does O(num_seqs + num_blocks) work per step.
-    table = torch.zeros((n, max_blocks), dtype=torch.long)
-    for i, t in enumerate(block_tables):
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    padded = [[*t, *[0] * (max_blocks - len(t))] for t in block_tables]
+    table = torch.tensor(padded, dtype=torch.long).view(n, max_blocks)
     seqs = _SeqTensors(
         num_q=to_device(num_q, torch.long, device),
         q_start=to_device(q_start, torch.long, device),
@@ -262,6 +261,7 @@ def build_metadata(
                 paged,
                 identity=identity and num_seqs == num_real,
                 block_gather=None if paged else block_gather,
+                tables=[block_tables[i] for i in ids],
             )
         )
     return PagedAttentionMetadata(
@@ -306,11 +306,13 @@ def _build_group(
     paged: bool = False,
     identity: bool = False,
     block_gather: BlockGather | None = None,
+    tables: Sequence[Sequence[int]] = (),
 ) -> AttentionGroup:
     """Padded index tensors for the sequences `ids` (the first `num_real` are real).
 
     `paged`: for the Triton kernel, which needs no gathered rows and no mask.
-    `block_gather`: K/V gathered by whole blocks (`kv_blocks`).
+    `block_gather`: K/V gathered by whole blocks (`kv_blocks`) of `tables`, the block
+    tables of `ids`.
     """
     device = seqs.table.device
     sel = to_device(ids, torch.long, device)
@@ -333,7 +335,7 @@ def _build_group(
     kv_rows = kv_blocks = kv_tail = mask = None
     if block_gather is not None:
         kv_blocks, kv_tail, mask = _block_gather(
-            g_table, context_len, q_pos, max_kv, block_size, rows_per_block, block_gather
+            tables, context_len, q_pos, max_kv, block_size, rows_per_block, block_gather
         )
     elif not paged:
         kv_rows, mask = _row_gather(g_table, context_len, q_pos, max_kv, block_size, rows_per_block)
@@ -375,7 +377,7 @@ def _row_gather(
 
 
 def _block_gather(
-    table: torch.Tensor,
+    tables: Sequence[Sequence[int]],
     context_len: torch.Tensor,
     q_pos: torch.Tensor,
     max_kv: int,
@@ -384,33 +386,33 @@ def _block_gather(
     gather: BlockGather,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`kv_blocks` [n, 2, max_blocks], `kv_tail` and the additive mask
-    [n, 1, max_q, max_blocks * block_size] of a group.
+    [n, 1, max_q, max_blocks * block_size] of a group (CPU: the block rows are listed
+    on the host, a few hundred at most, in less time than tensor ops take).
 
     No slot a sequence has not written reaches SDPA: a stale or uninitialised one could
     hold NaN or inf, which a mask does not cancel (its weight 0 times NaN is NaN). So
     padding blocks read the zero block, and each gather zeroes its rows of `kv_tail`,
     the slots of a sequence's last block past its context.
     """
-    device = table.device
     num_blocks = -(-max_kv // block_size)
     width = num_blocks * block_size
-    own_blocks = (context_len + block_size - 1) // block_size  # [n]
-    j = torch.arange(num_blocks, device=device)
-    own = j[None, :] < own_blocks[:, None]  # [n, num_blocks]
-    # A sequence's own blocks lie within the table; clamped columns are padding.
-    column = j.clamp(max=table.shape[1] - 1)
-    blocks = torch.where(own, table[:, column], gather.zero_block)
     # Block row of (block b, layer l, k/v c) in the [-1, block_size * KVH * D] view.
-    first = blocks * (rows_per_block // block_size)
-    kv_blocks = torch.stack((first, first + 1), dim=1)
-    kv_pos = torch.arange(width, device=device)
-    kv_valid = kv_pos[None, :] < context_len[:, None]  # [n, width]
-    tail = ~kv_valid & (kv_pos[None, :] < (own_blocks * block_size)[:, None])
-    seq, pos = tail.nonzero(as_tuple=True)
-    k_tail = seq * (2 * width) + pos
-    allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
-    mask = torch.zeros(
-        (allowed.shape[0], 1, *allowed.shape[1:]), dtype=gather.mask_dtype, device=device
+    per_block = rows_per_block // block_size
+    block_rows: list[list[int]] = []
+    tail: list[int] = []
+    for i, (table, context) in enumerate(zip(tables, context_len.tolist(), strict=True)):
+        own = -(-context // block_size)
+        padding = [gather.zero_block * per_block] * (num_blocks - own)
+        block_rows.append([b * per_block for b in table[:own]] + padding)
+        tail.extend(range(i * 2 * width + context, i * 2 * width + own * block_size))
+    first = torch.tensor(block_rows, dtype=torch.long)
+    k_tail = torch.tensor(tail, dtype=torch.long)
+    kv_pos = torch.arange(width)
+    # A query row sees the positions up to its own (a padded row's is 0: one slot).
+    allowed = kv_pos <= q_pos[:, :, None]
+    mask = torch.full((len(tables), 1, *allowed.shape[1:]), float("-inf"), dtype=gather.mask_dtype)
+    return (
+        torch.stack((first, first + 1), dim=1),
+        torch.cat((k_tail, k_tail + width)),
+        mask.masked_fill_(allowed[:, None], 0.0),
     )
-    mask.masked_fill_(~allowed[:, None], float("-inf"))
-    return kv_blocks, torch.cat((k_tail, k_tail + width)), mask
