@@ -102,7 +102,7 @@ def _attend_sdpa(
     if max_q == 1 and group.kv_blocks is not None and num_kv_heads != num_heads:
         # One query token a sequence (CPU): the query heads that share a KV head become
         # that head's rows, as transformers packs them: SDPA runs one product per KV
-        # head instead of one per query head (0.8x its time).
+        # head instead of one per query head, each reading the head's K/V once.
         q = query if group.identity else query.index_select(0, group.q_index[:, 0])
         q = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)

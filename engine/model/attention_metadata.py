@@ -13,9 +13,9 @@ one layer is one row of `kv_cache.view(-1, KVH * D)`.
   group, each a padded, masked batch of gathered K/V. Decodes of very different
   context lengths form two groups, so a short sequence does not pay for the longest
   one's padding. On CPU a group gathers whole blocks (`BlockGather`: one block's K, or
-  V, of one layer is `block_size` contiguous rows, gathered in about three quarters of
-  the time of its rows one by one) and carries its mask as the additive float mask
-  SDPA would otherwise rebuild from a bool one in every layer.
+  V, of one layer is `block_size` contiguous rows, one copy where gathering by rows
+  takes one per token) and carries its mask as the additive float mask SDPA would
+  otherwise rebuild from a bool one in every layer.
 """
 
 from __future__ import annotations
