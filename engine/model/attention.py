@@ -16,7 +16,8 @@ shared by every layer; the forward pass has no per-request Python loop and no ho
   graphs need), any step with a prompt chunk runs every sequence, decodes included,
   through the varlen kernel of `engine.model.kernels.triton_prefill` in one launch.
 * Elsewhere (CPU) sequences are split into decode groups (one query token each) and a
-  prefill group, each run as one padded, masked, batched SDPA over gathered rows.
+  prefill group, each run as one padded, masked, batched SDPA over gathered K/V (on
+  CPU whole blocks: a block's K, or V, of one layer is `block_size` contiguous rows).
   Decodes of very different context lengths form two groups, so a short sequence does
   not pay for the longest one's padding.
 """
@@ -92,21 +93,48 @@ def _attend_sdpa(
     group: AttentionGroup,
     scale: float,
 ) -> torch.Tensor:
-    """The group's padded SDPA over gathered K/V rows: [n, H, max_q, D]."""
-    assert group.kv_rows is not None and group.mask is not None
+    """The group's padded SDPA over gathered K/V: [n, H, max_q, D]."""
+    assert group.mask is not None
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[4]
-    n, max_kv, _ = group.kv_rows.shape
-    rows = kv_cache.view(-1, num_kv_heads * head_dim)
-    # K and V rows side by side: one gather per layer for both.
-    kv = rows.index_select(0, (group.kv_rows + layer_idx * meta.rows_per_layer).view(-1))
-    kv = kv.view(n, max_kv, 2, num_kv_heads, head_dim)
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    k, v = _gather_kv(kv_cache, layer_idx, meta, group)
+    n, max_q = group.q_index.shape
+    if max_q == 1 and group.kv_blocks is not None and num_kv_heads != num_heads:
+        # One query token a sequence (CPU): the query heads that share a KV head become
+        # that head's rows, as transformers packs them: SDPA runs one product per KV
+        # head instead of one per query head, each reading the head's K/V once.
+        q = query if group.identity else query.index_select(0, group.q_index[:, 0])
+        q = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+        return o.view(n, num_heads, 1, head_dim)
     # [n, H, max_q, D]; in a decode step token i is sequence i: nothing to gather.
     q = query.unsqueeze(2) if group.identity else query[group.q_index].transpose(1, 2)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=num_kv_heads != num_heads
     )
+
+
+def _gather_kv(
+    kv_cache: torch.Tensor, layer_idx: int, meta: PagedAttentionMetadata, group: AttentionGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's K and V of layer `layer_idx`, each [n, KVH, max_kv, D]: gathered by
+    whole blocks (`kv_blocks`, CPU) or by rows, K and V side by side: one gather per
+    layer for both."""
+    _, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if group.kv_blocks is not None:
+        n, _, num_blocks = group.kv_blocks.shape
+        blocks = kv_cache.view(-1, block_size * num_kv_heads * head_dim)
+        kv = blocks.index_select(0, (group.kv_blocks + 2 * layer_idx).view(-1))
+        if group.kv_tail is not None and group.kv_tail.numel():
+            kv.view(-1, num_kv_heads * head_dim).index_fill_(0, group.kv_tail, 0)
+        kv = kv.view(n, 2, num_blocks * block_size, num_kv_heads, head_dim)
+        return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
+    assert group.kv_rows is not None
+    n, max_kv, _ = group.kv_rows.shape
+    rows = kv_cache.view(-1, num_kv_heads * head_dim)
+    kv = rows.index_select(0, (group.kv_rows + layer_idx * meta.rows_per_layer).view(-1))
+    kv = kv.view(n, max_kv, 2, num_kv_heads, head_dim)
+    return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
 
 def _attend_paged(

@@ -9,10 +9,13 @@ one layer is one row of `kv_cache.view(-1, KVH * D)`.
 * On CUDA (with Triton) a pure-decode step is one paged group (the split-K kernel walks
   the block tables), and a step with any prompt chunk is one `VarlenGroup` (the varlen
   kernel, every sequence in one launch): nothing is gathered or padded.
-* Elsewhere (CPU) sequences form decode groups (one query token each) and a prefill
-  group, each a padded, masked batch of gathered rows. Decodes of very different
+* Elsewhere sequences form decode groups (one query token each) and a prefill
+  group, each a padded, masked batch of gathered K/V. Decodes of very different
   context lengths form two groups, so a short sequence does not pay for the longest
-  one's padding.
+  one's padding. On CPU a group gathers whole blocks (`BlockGather`: one block's K, or
+  V, of one layer is `block_size` contiguous rows, one copy where gathering by rows
+  takes one per token) and carries its mask as the additive float mask SDPA would
+  otherwise rebuild from a bool one in every layer.
 """
 
 from __future__ import annotations
@@ -28,27 +31,45 @@ from engine.model.staging import to_device
 
 
 @dataclass(frozen=True)
+class BlockGather:
+    """SDPA groups gather whole blocks (CPU): how their padding reads and their masks."""
+
+    zero_block: int  # a block past the cache that nothing writes: the padding blocks' K/V
+    mask_dtype: torch.dtype  # the model's: masks are additive (0 attend, -inf not)
+
+
+@dataclass(frozen=True)
 class AttentionGroup:
     """Padded index tensors for `n` sequences attending as one batch.
 
-    A group with `kv_rows`/`mask` runs as one batched SDPA over gathered rows; one
-    without (`paged` True: decode groups on CUDA) runs the Triton paged kernel.
+    A group with `kv_rows` (or, on CPU, `kv_blocks`) and `mask` runs as one batched
+    SDPA over gathered K/V; one without (`paged` True: decode groups on CUDA) runs the
+    Triton paged kernel.
     """
 
     q_index: torch.Tensor  # [n, max_q] packed-token index; padding repeats a valid token
     kv_rows: torch.Tensor | None  # [n, max_kv, 2] cache rows of layer 0's K, V per kv position
     block_table: torch.Tensor  # [n, max_blocks] for kernels that walk blocks themselves
     context_lens: torch.Tensor  # [n] tokens in the cache after this step's writes
-    mask: torch.Tensor | None  # [n, 1, max_q, max_kv] bool, True = attend
+    # [n, 1, max_q, max_kv], True = attend; with `kv_blocks` float, 0 = attend, -inf not,
+    # over every slot of the gathered blocks (max_kv = max_blocks * block_size).
+    mask: torch.Tensor | None
     out_rows: torch.Tensor  # [m] rows of the flattened [n * max_q] output that are real
     out_tokens: torch.Tensor  # [m] packed-token index each real row belongs to
     max_context: int = 0  # a bound on context_lens (sizes the paged kernel's split count)
     identity: bool = False  # token i is sequence i, all real: no gather/scatter needed
+    # [n, 2, max_blocks] block rows (`kv_cache.view(-1, block_size * KVH * D)`) of layer
+    # 0's K and V of each sequence's blocks (CPU, instead of `kv_rows`): layer l's are
+    # these + 2 * l.
+    kv_blocks: torch.Tensor | None = None
+    # With `kv_blocks`: the gathered rows ([n * 2 * max_kv] of K/V) past a sequence's
+    # context in its last block, zeroed after each gather.
+    kv_tail: torch.Tensor | None = None
 
     @property
     def paged(self) -> bool:
         """True when the Triton kernel walks the block tables (no gathered rows)."""
-        return self.kv_rows is None
+        return self.kv_rows is None and self.kv_blocks is None
 
 
 @dataclass(frozen=True)
@@ -88,11 +109,12 @@ class PagedAttentionMetadata:
         device: torch.device | str,
         bucket_shapes: bool | None = None,
         paged_decode: bool | None = None,
+        block_gather: BlockGather | None = None,
     ) -> PagedAttentionMetadata:
         """Index tensors for one step of `batch` (sequences packed in batch order).
 
         `paged_decode` (None: on CUDA when Triton imports) runs attention in the Triton
-        kernels instead of SDPA.
+        kernels instead of SDPA. `block_gather`: SDPA groups gather whole blocks.
         """
         for s in batch.seqs:
             if s.num_tokens < 1:
@@ -116,6 +138,7 @@ class PagedAttentionMetadata:
                 if paged_decode is None
                 else paged_decode
             ),
+            block_gather=block_gather,
         )
 
 
@@ -153,8 +176,10 @@ def build_metadata(
     device: torch.device,
     bucket_shapes: bool = False,
     paged_decode: bool = False,
+    block_gather: BlockGather | None = None,
 ) -> PagedAttentionMetadata:
-    """Metadata from plain lists: per-sequence query counts, start positions and block tables."""
+    """Metadata from plain lists: per-sequence query counts, start positions and block
+    tables. `block_gather`: SDPA groups gather whole blocks."""
     n = len(num_q)
     num_tokens = sum(num_q)
     seqs = _seq_tensors(num_q, start_positions, block_tables, device)
@@ -189,6 +214,8 @@ def build_metadata(
                 rows_per_block,
                 bucket_shapes,
                 paged_decode,
+                block_tables,
+                block_gather,
             )
         )
     return PagedAttentionMetadata(
@@ -214,9 +241,8 @@ def _seq_tensors(
     for i in range(1, n):
         q_start[i] = q_start[i - 1] + num_q[i - 1]
     max_blocks = max((len(t) for t in block_tables), default=1)
-    table = torch.zeros((n, max_blocks), dtype=torch.long)
-    for i, t in enumerate(block_tables):
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    padded = [[*t, *[0] * (max_blocks - len(t))] for t in block_tables]
+    table = torch.tensor(padded, dtype=torch.long).view(n, max_blocks)
     return _SeqTensors(
         num_q=to_device(num_q, torch.long, device),
         q_start=to_device(q_start, torch.long, device),
@@ -233,9 +259,12 @@ def _padded_groups(
     rows_per_block: int,
     bucket_shapes: bool,
     paged_decode: bool,
+    block_tables: Sequence[Sequence[int]],
+    block_gather: BlockGather | None,
 ) -> list[AttentionGroup]:
     """The step's attention groups, decode groups first, then prefill (empty ones left
-    out): padded batches of gathered rows, or on CUDA one paged decode group."""
+    out): padded batches of gathered rows (whole blocks with `block_gather`), or on CUDA
+    one paged decode group."""
     n = len(num_q)
     groups = []
     decode_ids = [i for i in range(n) if num_q[i] == 1]
@@ -274,6 +303,8 @@ def _padded_groups(
                 rows_per_block,
                 paged,
                 identity=identity and num_seqs == num_real,
+                block_gather=None if paged else block_gather,
+                tables=[block_tables[i] for i in ids],
             )
         )
     return groups
@@ -311,10 +342,14 @@ def _build_group(
     rows_per_block: int,
     paged: bool = False,
     identity: bool = False,
+    block_gather: BlockGather | None = None,
+    tables: Sequence[Sequence[int]] = (),
 ) -> AttentionGroup:
     """Padded index tensors for the sequences `ids` (the first `num_real` are real).
 
     `paged`: for the Triton kernel, which needs no gathered rows and no mask.
+    `block_gather`: K/V gathered by whole blocks (`kv_blocks`) of `tables`, the block
+    tables of `ids`.
     """
     device = seqs.table.device
     sel = to_device(ids, torch.long, device)
@@ -334,34 +369,87 @@ def _build_group(
     row_start = torch.cumsum(g_num_q[:num_real], 0) - g_num_q[:num_real]
     row_within = torch.arange(num_rows, device=device) - row_start[row_seq]
     g_table = seqs.table[sel]
-    if paged:
-        return AttentionGroup(
-            q_index=q_index,
-            kv_rows=None,
-            block_table=g_table,
-            context_lens=context_len,
-            mask=None,
-            out_rows=row_seq * max_q + row_within,
-            out_tokens=g_q_start[row_seq] + row_within,
-            max_context=max_kv,
-            identity=identity,
+    kv_rows = kv_blocks = kv_tail = mask = None
+    if block_gather is not None:
+        kv_blocks, kv_tail, mask = _block_gather(
+            tables, context_len, q_pos, max_kv, block_size, rows_per_block, block_gather
         )
+    elif not paged:
+        kv_rows, mask = _row_gather(g_table, context_len, q_pos, max_kv, block_size, rows_per_block)
+    return AttentionGroup(
+        q_index=q_index,
+        kv_rows=kv_rows,
+        block_table=g_table,
+        context_lens=context_len,
+        mask=mask,
+        out_rows=row_seq * max_q + row_within,
+        out_tokens=g_q_start[row_seq] + row_within,
+        max_context=max_kv,
+        identity=identity,
+        kv_blocks=kv_blocks,
+        kv_tail=kv_tail,
+    )
+
+
+def _row_gather(
+    table: torch.Tensor,
+    context_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    max_kv: int,
+    block_size: int,
+    rows_per_block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kv_rows` [n, max_kv, 2] and the bool mask [n, 1, max_q, max_kv] of a group."""
+    device = table.device
     kv_pos = torch.arange(max_kv, device=device)
     kv_valid = kv_pos[None, :] < context_len[:, None]  # [n, max_kv]
     # Padding reads position 0 of the same sequence, a slot it always owns and has
     # written: never a foreign or uninitialised slot (which could hold NaN/inf).
     kv_pos_safe = torch.where(kv_valid, kv_pos[None, :], 0)
-    kv_block = g_table[torch.arange(len(ids), device=device)[:, None], kv_pos_safe // block_size]
+    seq = torch.arange(table.shape[0], device=device)[:, None]
+    kv_block = table[seq, kv_pos_safe // block_size]
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
     k_rows = kv_block * rows_per_block + kv_pos_safe % block_size
-    return AttentionGroup(
-        q_index=q_index,
-        kv_rows=torch.stack((k_rows, k_rows + block_size), dim=-1),
-        block_table=g_table,
-        context_lens=context_len,
-        mask=mask[:, None, :, :],
-        out_rows=row_seq * max_q + row_within,
-        out_tokens=g_q_start[row_seq] + row_within,
-        max_context=max_kv,
-        identity=identity,
+    return torch.stack((k_rows, k_rows + block_size), dim=-1), mask[:, None, :, :]
+
+
+def _block_gather(
+    tables: Sequence[Sequence[int]],
+    context_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    max_kv: int,
+    block_size: int,
+    rows_per_block: int,
+    gather: BlockGather,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`kv_blocks` [n, 2, max_blocks], `kv_tail` and the additive mask
+    [n, 1, max_q, max_blocks * block_size] of a group (CPU: the block rows are listed
+    on the host, a few hundred at most, in less time than tensor ops take).
+
+    No slot a sequence has not written reaches SDPA: a stale or uninitialised one could
+    hold NaN or inf, which a mask does not cancel (its weight 0 times NaN is NaN). So
+    padding blocks read the zero block, and each gather zeroes its rows of `kv_tail`,
+    the slots of a sequence's last block past its context.
+    """
+    num_blocks = -(-max_kv // block_size)
+    width = num_blocks * block_size
+    # Block row of (block b, layer l, k/v c) in the [-1, block_size * KVH * D] view.
+    per_block = rows_per_block // block_size
+    block_rows: list[list[int]] = []
+    tail: list[int] = []
+    for i, (table, context) in enumerate(zip(tables, context_len.tolist(), strict=True)):
+        own = -(-context // block_size)
+        padding = [gather.zero_block * per_block] * (num_blocks - own)
+        block_rows.append([b * per_block for b in table[:own]] + padding)
+        tail.extend(range(i * 2 * width + context, i * 2 * width + own * block_size))
+    first = torch.tensor(block_rows, dtype=torch.long)
+    k_tail = torch.tensor(tail, dtype=torch.long)
+    kv_pos = torch.arange(width)
+    # A query row sees the positions up to its own (a padded row's is 0: one slot).
+    allowed = kv_pos <= q_pos[:, :, None]
+    mask = torch.full((len(tables), 1, *allowed.shape[1:]), float("-inf"), dtype=gather.mask_dtype)
+    return (
+        torch.stack((first, first + 1), dim=1),
+        torch.cat((k_tail, k_tail + width)),
+        mask.masked_fill_(allowed[:, None], 0.0),
     )

@@ -22,7 +22,7 @@ import torch
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.request import PLACEHOLDER_TOKEN
 from engine.model.attention import paged_step
-from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.attention_metadata import BlockGather, PagedAttentionMetadata
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.kv_blocks import KVBlocks, LayerStream
 from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
@@ -135,10 +135,20 @@ class ModelRunner(KVBlocks):
         self.num_blocks = num_blocks
         self.block_size = block_size
         # With graphs, one extra block past `num_blocks` takes the padding rows' K/V;
-        # the scheduler never sees it. `kv_cache` is the part requests own.
+        # the scheduler never sees it. On CPU attention gathers whole blocks, and the
+        # padding ones read one more block that nothing writes (zeros). `kv_cache` is the
+        # part requests own.
+        self._block_gather = (
+            BlockGather(zero_block=num_blocks + graphs.scratch, mask_dtype=self.dtype)
+            if self.device.type == "cpu"
+            else None
+        )
+        zero_blocks = int(self._block_gather is not None)
         with startup_phase("kv_cache", f"{num_blocks} blocks of {block_size} tokens"):
             self._kv_storage = torch.zeros(
-                self.kv_cache_shape(self.spec, num_blocks + graphs.scratch, block_size),
+                self.kv_cache_shape(
+                    self.spec, num_blocks + graphs.scratch + zero_blocks, block_size
+                ),
                 dtype=self.dtype,
                 device=self.device,
             )
@@ -294,6 +304,7 @@ class ModelRunner(KVBlocks):
             self.device,
             self.bucket_shapes,
             paged_decode=self.paged_decode if paged_decode is None else paged_decode,
+            block_gather=self._block_gather,
         )
         input_ids = to_device(
             list(itertools.chain.from_iterable(s.token_ids for s in batch.seqs)),
