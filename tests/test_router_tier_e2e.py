@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import time
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -157,7 +158,12 @@ def test_a_killed_router_process_is_restarted_and_its_streams_resume_elsewhere(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     reference = reference_llm.generate(prompts, params)
     late_prompts = [f"Late resume {i}:" for i in range(2)]
-    late_reference = reference_llm.generate(late_prompts, params)
+    # Long enough to be still decoding when the decode worker deems the killed process
+    # gone (LOST_AFTER_S without a poll): a request that ended before that is not
+    # resumable (docs/architecture.md, Router tier).
+    late_max_tokens = 200
+    late_params = replace(params, max_tokens=late_max_tokens)
+    late_reference = reference_llm.generate(late_prompts, late_params)
     (victim,) = _child_pids(tier)[-1:]
     resumed: list[int] = []
     late_resumed: list[int] = []
@@ -183,9 +189,10 @@ def test_a_killed_router_process_is_restarted_and_its_streams_resume_elsewhere(
         kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         # Streams resumed seconds after they break, and streams never resumed (their
         # requests are the decode worker's to abort once the grace is over).
+        late_kw = kw | {"max_tokens": late_max_tokens}
         late = [
             asyncio.ensure_future(
-                generate(tier.address, prompt=p, request_id=f"tier-late-{i}", **kw)
+                generate(tier.address, prompt=p, request_id=f"tier-late-{i}", **late_kw)
             )
             for i, p in enumerate(late_prompts)
         ]
@@ -212,7 +219,7 @@ def test_a_killed_router_process_is_restarted_and_its_streams_resume_elsewhere(
                 prompt=late_prompts[i],
                 request_id=f"tier-late-{i}",
                 resume_from_tokens=len(first.tokens),
-                **kw,
+                **late_kw,
             )
             assert rest.code == grpc.StatusCode.OK, rest
             assert first.tokens + rest.tokens == list(late_reference[i].token_ids)
