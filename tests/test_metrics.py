@@ -63,10 +63,10 @@ PLANNER_SERIES = {
     "pdserve_planner_target_workers",
     "pdserve_planner_load_workers",
 }
-# Registered by the serving core (router/serving/migrations.py) on the same registry.
+# Registered by the serving core (router/serving/run/migrations.py) on the same registry.
 MIGRATION_SERIES = {"pdserve_request_migrations_total"}
 
-# Requests moved off lost or drained workers (router/serving/migrations.py, same registry).
+# Requests moved off lost or drained workers (router/serving/run/migrations.py, same registry).
 MIGRATION_SERIES = {"pdserve_request_migrations_total"}
 
 PHASE_AND_FLEET_SERIES = {

@@ -14,11 +14,11 @@ from bench.fake_workers import FakePools, WordTokenizer, tokens_after
 from engine.core.outputs import FinalResult, TextChunk
 from engine.sampling_params import SamplingParams
 from router.edge.servicer import _failure_status
-from router.serving import resume
 from router.serving.config import RouterConfig
 from router.serving.errors import ResumeNotFoundError
 from router.serving.orchestrator import DisaggregatedGenerator
 from router.serving.protocol import GenerateCall
+from router.serving.run import resume
 
 PROMPT = tuple(range(100, 164))
 

@@ -51,7 +51,7 @@ class PrefillCalls(EveryWorkerCalls, ChannelCalls, Protocol):
 class ColocatedCalls(EveryWorkerCalls, Protocol):
     """A colocated worker: run requests whole, tokens out by long poll; a router tier's
     resumed streams find a client's request and take it over from the router process
-    that had it (router/serving/resume.py)."""
+    that had it (router/serving/run/resume.py)."""
 
     async def submit(self, inp: GenerationInput) -> None: ...
     async def next_tokens(self) -> TokenBatch: ...

@@ -19,11 +19,11 @@ from prometheus_client import CollectorRegistry, Counter
 from engine.core.request import FinishReason
 from router.observability import metrics, phase_metrics
 from router.serving.events import BaseObserver, DisaggregatedRoute, PrefillReply, Route
-from router.serving.migrations import MIGRATION_POOLS, MIGRATION_REASONS
+from router.serving.run.migrations import MIGRATION_POOLS, MIGRATION_REASONS
 
 if TYPE_CHECKING:
     from engine.wire import PhaseReport
-    from router.serving.attempts import Attempt
+    from router.serving.run.attempts import Attempt
     from router.serving.workers import WorkerRef
 
 _counters: dict[int, Counter] = {}

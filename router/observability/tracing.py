@@ -33,7 +33,7 @@ from engine.wire import GenerationInput, PrefillResult
 from router.serving.events import BaseObserver, ColocatedRoute, PrefillReply, Route
 
 if TYPE_CHECKING:
-    from router.serving.attempts import Attempt, ClientRequest, WorkerLost
+    from router.serving.run.attempts import Attempt, ClientRequest, WorkerLost
 
 GENERATE_SPAN = "pdserve.v1.GenerationService/Generate"
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as gRPC metadata

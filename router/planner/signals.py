@@ -27,7 +27,7 @@ from router.serving.events import BaseObserver, DisaggregatedRoute, PrefillReply
 if TYPE_CHECKING:
     from engine.core.outputs import FinalResult
     from engine.wire import WorkerStats
-    from router.serving.attempts import Attempt, ClientRequest
+    from router.serving.run.attempts import Attempt, ClientRequest
     from router.serving.workers import WorkerRef
 
 MAX_SAMPLES = 4096  # per kind and interval; beyond it the oldest go

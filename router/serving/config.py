@@ -31,7 +31,7 @@ class RouterConfig:
     # broken hand-off) a request survives: it tries again on other workers.
     max_attempts: int = 3
     # Moves of one request off a decode or colocated worker lost after tokens were
-    # streamed (router/serving/migrations.py); 0: such a request ends with an error.
+    # streamed (router/serving/run/migrations.py); 0: such a request ends with an error.
     max_migrations: int = 3
     # Channels between decode workers (live migration on drain): made at the first drain
     # ("lazy") or as soon as a decode worker is live ("eager": a drain pays no set-up).

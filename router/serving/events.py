@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engine.core.outputs import FinalResult
     from engine.wire import PhaseReport, PrefillResult, WorkerStats
-    from router.serving.attempts import Attempt, ClientRequest, WorkerLost
+    from router.serving.run.attempts import Attempt, ClientRequest, WorkerLost
     from router.serving.workers import WorkerRef
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from router.fleet.clients import WorkerDied
     from router.routing.prefill_policy import PathDecision
     from router.routing.worker_load import WorkerLease
-    from router.serving.attempts import Attempt, ClientRequest
+    from router.serving.run.attempts import Attempt, ClientRequest
     from router.serving.workers import WorkerRef
 
 T = TypeVar("T")

@@ -23,7 +23,7 @@ requests running on it are spread over the other decode workers and move togethe
 A request is paused from step 2 to the target's first step: one round, whose transfer
 is shared by every request going to that target. Where a step
 fails (no channel, no room, a worker lost), the request moves by recompute instead
-(router/serving/migrations.py, reason `drained`). The drain then returns once every request has
+(router/serving/run/migrations.py, reason `drained`). The drain then returns once every request has
 left. Counted in `pdserve_request_migrations_total{pool="decode", reason="drained_kv"}`.
 """
 
@@ -47,11 +47,11 @@ from engine.wire import (
     Precopy,
 )
 from router.fleet.clients import WorkerDied
-from router.serving.attempts import Attempt, WorkerLost
 from router.serving.config import RouterConfig
 from router.serving.events import RequestObserver
 from router.serving.inbox import Moved
 from router.serving.peer_links import PeerLinks
+from router.serving.run.attempts import Attempt, WorkerLost
 from router.serving.workers import Pools, WorkerRef
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ it touched; aborts are idempotent there.
 
 This file: the core's parts, made once and wired to the pools, and its public face (the
 edge's `Generator`, the admin API's policy, the planner's signals). One request runs in
-a `RequestRun` (router/serving/request_run.py); its events go to the core's observers
+a `RequestRun` (router/serving/run/request_run.py); its events go to the core's observers
 (router/serving/events.py): tracing, metrics and the planner's signals. The rest of the
 serving core is described in docs/architecture.md.
 """
@@ -37,21 +37,21 @@ from router.planner.signals import ServingSignals, SignalsObserver
 from router.routing.kv_index import PrefixIndex
 from router.routing.prefill_policy import PrefillPolicyConfig
 from router.serving.admission import Admission, AdmissionControl
-from router.serving.attempts import ClientRequest, Progress
 from router.serving.config import RouterConfig
 from router.serving.delivery import TokenDelivery
 from router.serving.errors import NotReadyError
 from router.serving.events import Observers, RequestObserver
-from router.serving.in_flight import PAIRED_POOLS, InFlight
 from router.serving.lease_renewal import LeaseRenewer
 from router.serving.live_migration import LiveMigrator
-from router.serving.paths import ColocatedPath, DisaggregatedPath
 from router.serving.protocol import GenerateCall, PoolStats, ServerInfo
-from router.serving.request_run import RequestRun, ServingParts
-from router.serving.resume import Resumer
-from router.serving.streaming import ChunkStream
-from router.serving.worker_calls import WorkerCalls
-from router.serving.worker_choice import WorkerChoice
+from router.serving.run.attempts import ClientRequest, Progress
+from router.serving.run.in_flight import PAIRED_POOLS, InFlight
+from router.serving.run.paths import ColocatedPath, DisaggregatedPath
+from router.serving.run.request_run import RequestRun, ServingParts
+from router.serving.run.resume import Resumer
+from router.serving.run.streaming import ChunkStream
+from router.serving.run.worker_calls import WorkerCalls
+from router.serving.run.worker_choice import WorkerChoice
 from router.serving.workers import Pools
 
 log = logging.getLogger(__name__)

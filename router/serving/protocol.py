@@ -33,7 +33,7 @@ class GenerateCall:
     # The caller's W3C trace context (traceparent, tracestate) from the call's metadata.
     trace_parent: dict[str, str] = field(default_factory=dict, compare=False)
     include_trace_id: bool = False  # the final message carries the trace id
-    # A resumed stream (router/serving/resume.py): the completion tokens the client has
+    # A resumed stream (router/serving/run/resume.py): the completion tokens the client has
     # of the request `request_id`; None for a new request.
     resume_from_tokens: int | None = None
 

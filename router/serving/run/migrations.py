@@ -2,7 +2,7 @@
 moves to another worker and goes on from there.
 
 The new attempt's prompt is the original prompt plus every token already streamed, and
-it asks for the tokens still to come (`router.serving.attempts.continuation`). The sampler's
+it asks for the tokens still to come (`router.serving.run.attempts.continuation`). The sampler's
 randomness is a function of (seed, absolute position), and the continuation's positions
 are the original ones, so greedy and seeded requests give the text an undisturbed run
 gives; the router's detokenizer and stop-string matcher simply go on, having seen every
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from engine.wire import PoolName
-from router.serving.attempts import Progress, WorkerLost
+from router.serving.run.attempts import Progress, WorkerLost
 from router.serving.workers import WorkerRef
 
 log = logging.getLogger(__name__)

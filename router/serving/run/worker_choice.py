@@ -11,8 +11,8 @@ from engine.wire import GenerationInput, PoolName
 from router.routing.kv_index import PrefixIndex
 from router.routing.placement import Route, place_prompt, route_by_cache
 from router.routing.prefill_policy import PathDecision, PrefillPolicyConfig
-from router.serving.attempts import WorkerLost
 from router.serving.config import RouterConfig
+from router.serving.run.attempts import WorkerLost
 from router.serving.workers import Pools, WorkerRef
 
 WORKER_WAIT_POLL_S = 0.05

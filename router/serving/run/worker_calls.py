@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 from router.fleet.clients import WorkerDied
-from router.serving.attempts import WorkerLost
+from router.serving.run.attempts import WorkerLost
 from router.serving.workers import Pools, WorkerRef
 
 T = TypeVar("T")

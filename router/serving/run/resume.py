@@ -30,13 +30,13 @@ from engine.core.outputs import PhaseTimings, TextChunk
 from engine.core.request import FinishReason
 from engine.wire import Handover, PoolName, TokenUpdate
 from router.fleet.clients import WorkerDied
-from router.serving.attempts import Attempt, ClientRequest, Progress, WorkerLost
 from router.serving.errors import ResumeNotFoundError
 from router.serving.events import RequestObserver
-from router.serving.in_flight import InFlight
 from router.serving.interfaces import Renewals, Started, Streamer
 from router.serving.protocol import GenerateCall
-from router.serving.worker_calls import WorkerCalls
+from router.serving.run.attempts import Attempt, ClientRequest, Progress, WorkerLost
+from router.serving.run.in_flight import InFlight
+from router.serving.run.worker_calls import WorkerCalls
 from router.serving.workers import Pools, WorkerRef
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ from dataclasses import replace
 from engine.core.outputs import TextChunk
 from engine.core.request import FinishReason
 from router.edge.streams import tokens_per_message
-from router.serving.attempts import Attempt, ClientRequest, WorkerLost
 from router.serving.config import RouterConfig
 from router.serving.events import RequestObserver
 from router.serving.inbox import Moved
 from router.serving.interfaces import Aborts, Renewals, Started
+from router.serving.run.attempts import Attempt, ClientRequest, WorkerLost
 
 
 class ChunkStream:

@@ -1,8 +1,8 @@
 """One request's run, from admission to its one final message.
 
 The request is admitted, then tried in attempts until one streams it to its end. Each
-attempt is started by the serving path (router/serving/paths.py) and streamed
-(router/serving/streaming.py). An attempt that is lost (`WorkerLost`) is followed by
+attempt is started by the serving path (router/serving/run/paths.py) and streamed
+(router/serving/run/streaming.py). An attempt that is lost (`WorkerLost`) is followed by
 the next: after streamed tokens a migration or a resume, else a retry on other workers,
 until the attempts or migrations are spent. Whatever ends the request (its end, a
 server abort, an error, a refusal, the client leaving), it ends here, once. Each step is
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
-from router.serving.attempts import Attempt, ClientRequest, WorkerLost, final_result
 from router.serving.config import RouterConfig
 from router.serving.errors import NotReadyError, QueueFullError, ResumeNotFoundError
 from router.serving.events import RequestObserver
 from router.serving.interfaces import AttemptBook, Followers, Path, Slots, Streamer
-from router.serving.migrations import migrates
 from router.serving.protocol import GenerateCall, server_abort
-from router.serving.resume import Resumed, Resumer
+from router.serving.run.attempts import Attempt, ClientRequest, WorkerLost, final_result
+from router.serving.run.migrations import migrates
+from router.serving.run.resume import Resumed, Resumer
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class ServingParts:
     observer: RequestObserver
     config: RouterConfig
     shutting_down: Callable[[], bool]
-    resumer: Resumer  # a resumed call's request, taken over (router/serving/resume.py)
+    resumer: Resumer  # a resumed call's request, taken over (router/serving/run/resume.py)
 
 
 class RequestRun:

@@ -6,10 +6,10 @@ request on every worker it may have reached)."""
 from __future__ import annotations
 
 from engine.wire import PoolName
-from router.serving.attempts import Attempt, ClientRequest, WorkerLost, continuation
 from router.serving.events import RequestObserver
 from router.serving.inbox import UpdateInbox
 from router.serving.interfaces import Aborts, Renewals
+from router.serving.run.attempts import Attempt, ClientRequest, WorkerLost, continuation
 from router.serving.workers import Pools, WorkerRef
 
 PAIRED_POOLS = (PoolName.PREFILL, PoolName.DECODE)

@@ -32,7 +32,7 @@ class WorkerLost(RuntimeError):
     refused its KV), so the next attempt runs the prompt on a decode worker.
     `worker`: the worker the request was on, when that worker is gone (`why`: died or
     drained); after streamed tokens the next attempt is then a migration
-    (router/serving/migrations.py)."""
+    (router/serving/run/migrations.py)."""
 
     def __init__(
         self,

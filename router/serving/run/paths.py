@@ -1,5 +1,5 @@
 """The two ways an attempt starts, up to the point its stream takes over
-(router/serving/streaming.py):
+(router/serving/run/streaming.py):
 
 * Colocated: the request goes to one colocated replica, which runs it whole.
 * Disaggregated: pick the decode worker, decide where the prompt runs
@@ -22,10 +22,10 @@ from engine.core.outputs import PhaseTimings
 from engine.core.request import FinishReason
 from engine.wire import HandoffTarget, PoolName, PrefillResult, Reservation
 from router.fleet.clients import WorkerDied
-from router.serving.attempts import Attempt, ClientRequest, WorkerLost
 from router.serving.config import RouterConfig
 from router.serving.events import ColocatedRoute, DisaggregatedRoute, PrefillReply, RequestObserver
 from router.serving.interfaces import Calls, KVEventSink, Placement, Renewals, Started
+from router.serving.run.attempts import Attempt, ClientRequest, WorkerLost
 from router.serving.workers import WorkerRef
 
 

@@ -1,0 +1,2 @@
+"""One request's run: its attempts, the path each takes, its stream of chunks, migrations
+and resumed streams."""
