@@ -1,21 +1,20 @@
-"""Decode pool worker: reserves blocks, receives KV on standing receivers, decodes.
+"""Decode pool worker: reserves blocks, receives KV on standing receivers (one channel
+and one receiving thread a sending peer), decodes.
 
 A request's life here, as named states of the reservation book
-(`engine/transfer/receiver.py` walks them): reserved (blocks allocated under a lease
-the router renews while the request is queued or prefilling) → importing (its header
-matched) → running (admitted at a step boundary; tokens flow out through
-`next_tokens()`) → gone (finished, aborted, expired or refused: blocks released,
-exactly once). A reservation made for KV from one sender fails at once when that
-sender's channel breaks, so its request is re-run instead of waiting out the lease.
-
-Each sending peer has one channel and one receiving thread.
+(`engine/transfer/receiver.py` walks them): reserved (blocks allocated under a lease the
+router renews while the request is queued or prefilling) → importing (its header matched)
+→ running (admitted at a step boundary; tokens flow out through `next_tokens()`) → gone
+(finished, aborted, expired or refused: blocks released, exactly once). A reservation
+made for KV from one sender fails at once when that sender's channel breaks, so its
+request is re-run instead of waiting out the lease. A router tier's side is
+decode_worker/handover.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -25,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from decode_worker.export import KVExporter
+from decode_worker.handover import RouterHandover
 from decode_worker.outboxes import Outboxes
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
@@ -38,7 +38,6 @@ from engine.wire import (
     ChannelSpec,
     DetachedRequest,
     GenerationInput,
-    Handover,
     Reservation,
     TokenBatch,
     TokenUpdate,
@@ -54,7 +53,7 @@ DEFAULT_LEASE_S = 30.0
 LEASE_SWEEP_S = 0.5
 
 
-class DecodeWorker(KVExporter, WorkerBase):
+class DecodeWorker(KVExporter, RouterHandover, WorkerBase):
     pool = "decode"
     role = EngineRole.DECODE
     contract: ClassVar[type] = DecodeCalls
@@ -300,10 +299,7 @@ class DecodeWorker(KVExporter, WorkerBase):
 
     def _post(self, update: TokenUpdate) -> None:
         """Queue an update from any thread."""
-        self._loop.call_soon_threadsafe(self._append, [update])
-
-    def _append(self, updates: list[TokenUpdate]) -> None:
-        self.outboxes.route(updates)
+        self._loop.call_soon_threadsafe(self.outboxes.route, [update])
 
     # ---------------------------------------------------------------- tokens out
     def on_updates(self, updates: list[TokenUpdate], stepped_at: float) -> None:
@@ -313,7 +309,7 @@ class DecodeWorker(KVExporter, WorkerBase):
             for i, u in enumerate(updates):
                 if u.req_id in starting:
                     updates[i] = self._with_phases(u, stepped_at)
-        self._append(updates)  # the engine's own updates are what the router reads
+        self.outboxes.route(updates)  # the engine's own updates are what the router reads
 
     def _with_phases(self, u: TokenUpdate, stepped_at: float) -> TokenUpdate:
         """The update, carrying the request's phases here if this is its first token."""
@@ -347,89 +343,6 @@ class DecodeWorker(KVExporter, WorkerBase):
             self.outboxes.poll_ended(box)
         # Steps that piled up since the last poll travel as one update per request.
         return TokenBatch(tuple(coalesce(out)), self.take_kv_events(consumer), self.latest_stats())
-
-    # ---------------------------------------------------------------- router processes
-    async def locate(self, request_id: str) -> str | None:
-        """The id under which the client's request `request_id` runs here, if it does
-        (a router process re-attaching a stream; a router tier's requests only)."""
-        return self.outboxes.locate(request_id)
-
-    async def adopt(self, req_id: str, consumer: str = "") -> Handover | None:
-        """Hand the request to router process `consumer`: its tokens so far, and from
-        now on its updates in that consumer's outbox. None when it is not here (ended,
-        aborted, or never here)."""
-        if self.outboxes.consumer_of(req_id) is None:
-            return None
-        handover = self.outboxes.handover_now(req_id, consumer)
-        if handover is not None:
-            return handover
-        # Read its tokens at a step boundary and switch it there, in order with the
-        # steps' updates (those before the read stay behind, those after go to it).
-        loop = self._loop
-        done: asyncio.Future[Handover | None] = loop.create_future()
-
-        def switch(outputs: tuple[int, ...] | None, kv_pending: bool) -> None:
-            if not done.done():
-                done.set_result(
-                    self.outboxes.handover_at_boundary(req_id, consumer, outputs, kv_pending)
-                )
-
-        def read() -> None:
-            outputs = self._outputs_of(req_id)
-            kv_pending = outputs is None and self.book.holds(req_id)
-            loop.call_soon_threadsafe(switch, outputs, kv_pending)
-
-        await self.on_engine(read)
-        return await done
-
-    async def let_go(self, req_id: str, consumer: str = "", keep_s: float = 0.0) -> bool:
-        """The router process `consumer` no longer streams the request (its client's
-        stream broke): keep it decoding for `keep_s`, for a resumed stream to take over
-        (`adopt`), then abort it. False when it is not that consumer's here."""
-        if self.outboxes.consumer_of(req_id) != consumer or self.loop_thread is None:
-            return False
-        self.loop_thread.submit(functools.partial(self._record_orphans, [req_id], keep_s))
-        return True
-
-    def _outputs_of(self, req_id: str) -> tuple[int, ...] | None:
-        """Engine thread: the tokens the request produced so far (None: not on the
-        engine), as far as the updates already posted for it go."""
-        req = self.core.scheduler.requests.get(req_id)
-        if req is None:
-            return None
-        tokens = req.all_token_ids
-        end = len(tokens)
-        while end > req.num_prompt_tokens and tokens[end - 1] < 0:
-            end -= 1  # a step in flight's placeholder: its token is not out yet
-        return tuple(tokens[req.num_prompt_tokens : end])
-
-    def _record_orphans(self, req_ids: list[str], keep_s: float | None = None) -> None:
-        """Engine thread: the tokens so far of requests nobody reads (a gone router
-        process's, or let go of), recorded on the event loop behind the updates already
-        posted."""
-        outputs = {r: self._outputs_of(r) for r in req_ids}
-        self._loop.call_soon_threadsafe(self.outboxes.start_orphans, outputs, keep_s)
-
-    def _sweep_consumers(self) -> None:
-        """Router processes that went away: their requests' tokens are recorded for a
-        take-over; those whose grace is over are aborted here."""
-        lost, expired = self.outboxes.sweep()
-        for consumer in lost:
-            mine = self.outboxes.requests_of(consumer)
-            if mine:
-                log.warning(
-                    "router process %s stopped polling; keeping its %d requests for "
-                    "another to take over",
-                    consumer,
-                    len(mine),
-                )
-            if mine and self.loop_thread is not None:
-                self.loop_thread.submit(functools.partial(self._record_orphans, mine))
-            self.kv_fanout.forget(consumer)
-        if expired:
-            log.warning("aborting %d requests nobody took over", len(expired))
-        for req_id in expired:
-            asyncio.ensure_future(self.abort(req_id))
 
     async def submit(self, inp: GenerationInput) -> None:
         """Run a request's prompt here too (no hand-off: short or cached prompts, a

@@ -32,7 +32,7 @@ from engine.core.batch import Batch
 from engine.core.request import FinishReason
 from engine.core.role import EngineRole
 from engine.factory import kv_stream_min_tokens
-from engine.model.startup_log import log as startup_log
+from engine.model.startup.startup_log import log as startup_log
 from engine.transfer.base import KVPoll, KVSender, PairChannel, TransferHandle
 from engine.transfer.channel import SENDER_RANK
 from engine.transfer.sender import Message, ReadyKV, plan_messages

@@ -27,15 +27,8 @@ import torch
 
 from engine.core.batch import Batch
 from engine.model.kernels.triton_attention import triton_available
+from engine.model.kv_gather import BlockGather, block_gather_of, row_gather
 from engine.model.staging import to_device
-
-
-@dataclass(frozen=True)
-class BlockGather:
-    """SDPA groups gather whole blocks (CPU): how their padding reads and their masks."""
-
-    zero_block: int  # a block past the cache that nothing writes: the padding blocks' K/V
-    mask_dtype: torch.dtype  # the model's: masks are additive (0 attend, -inf not)
 
 
 @dataclass(frozen=True)
@@ -371,11 +364,11 @@ def _build_group(
     g_table = seqs.table[sel]
     kv_rows = kv_blocks = kv_tail = mask = None
     if block_gather is not None:
-        kv_blocks, kv_tail, mask = _block_gather(
+        kv_blocks, kv_tail, mask = block_gather_of(
             tables, context_len, q_pos, max_kv, block_size, rows_per_block, block_gather
         )
     elif not paged:
-        kv_rows, mask = _row_gather(g_table, context_len, q_pos, max_kv, block_size, rows_per_block)
+        kv_rows, mask = row_gather(g_table, context_len, q_pos, max_kv, block_size, rows_per_block)
     return AttentionGroup(
         q_index=q_index,
         kv_rows=kv_rows,
@@ -388,68 +381,4 @@ def _build_group(
         identity=identity,
         kv_blocks=kv_blocks,
         kv_tail=kv_tail,
-    )
-
-
-def _row_gather(
-    table: torch.Tensor,
-    context_len: torch.Tensor,
-    q_pos: torch.Tensor,
-    max_kv: int,
-    block_size: int,
-    rows_per_block: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kv_rows` [n, max_kv, 2] and the bool mask [n, 1, max_q, max_kv] of a group."""
-    device = table.device
-    kv_pos = torch.arange(max_kv, device=device)
-    kv_valid = kv_pos[None, :] < context_len[:, None]  # [n, max_kv]
-    # Padding reads position 0 of the same sequence, a slot it always owns and has
-    # written: never a foreign or uninitialised slot (which could hold NaN/inf).
-    kv_pos_safe = torch.where(kv_valid, kv_pos[None, :], 0)
-    seq = torch.arange(table.shape[0], device=device)[:, None]
-    kv_block = table[seq, kv_pos_safe // block_size]
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
-    k_rows = kv_block * rows_per_block + kv_pos_safe % block_size
-    return torch.stack((k_rows, k_rows + block_size), dim=-1), mask[:, None, :, :]
-
-
-def _block_gather(
-    tables: Sequence[Sequence[int]],
-    context_len: torch.Tensor,
-    q_pos: torch.Tensor,
-    max_kv: int,
-    block_size: int,
-    rows_per_block: int,
-    gather: BlockGather,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`kv_blocks` [n, 2, max_blocks], `kv_tail` and the additive mask
-    [n, 1, max_q, max_blocks * block_size] of a group (CPU: the block rows are listed
-    on the host, a few hundred at most, in less time than tensor ops take).
-
-    No slot a sequence has not written reaches SDPA: a stale or uninitialised one could
-    hold NaN or inf, which a mask does not cancel (its weight 0 times NaN is NaN). So
-    padding blocks read the zero block, and each gather zeroes its rows of `kv_tail`,
-    the slots of a sequence's last block past its context.
-    """
-    num_blocks = -(-max_kv // block_size)
-    width = num_blocks * block_size
-    # Block row of (block b, layer l, k/v c) in the [-1, block_size * KVH * D] view.
-    per_block = rows_per_block // block_size
-    block_rows: list[list[int]] = []
-    tail: list[int] = []
-    for i, (table, context) in enumerate(zip(tables, context_len.tolist(), strict=True)):
-        own = -(-context // block_size)
-        padding = [gather.zero_block * per_block] * (num_blocks - own)
-        block_rows.append([b * per_block for b in table[:own]] + padding)
-        tail.extend(range(i * 2 * width + context, i * 2 * width + own * block_size))
-    first = torch.tensor(block_rows, dtype=torch.long)
-    k_tail = torch.tensor(tail, dtype=torch.long)
-    kv_pos = torch.arange(width)
-    # A query row sees the positions up to its own (a padded row's is 0: one slot).
-    allowed = kv_pos <= q_pos[:, :, None]
-    mask = torch.full((len(tables), 1, *allowed.shape[1:]), float("-inf"), dtype=gather.mask_dtype)
-    return (
-        torch.stack((first, first + 1), dim=1),
-        torch.cat((k_tail, k_tail + width)),
-        mask.masked_fill_(allowed[:, None], 0.0),
     )

@@ -22,9 +22,10 @@ import torch
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.request import PLACEHOLDER_TOKEN
 from engine.model.attention import paged_step
-from engine.model.attention_metadata import BlockGather, PagedAttentionMetadata
+from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.kv_blocks import KVBlocks, LayerStream
+from engine.model.kv_gather import BlockGather
 from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
 from engine.model.prompt_graphs import PromptGraphs
@@ -35,7 +36,7 @@ from engine.model.startup.runner_setup import (
     prepare_model,
     warm_up_and_capture,
 )
-from engine.model.startup_log import startup_phase
+from engine.model.startup.startup_log import startup_phase
 from engine.model.step_tokens import PendingTokens, StepTokens, logits_rows, sample_rows
 from engine.model.verify_graphs import VerifyGraphs
 from engine.model.verify_graphs import logits_rows as verify_logits_rows

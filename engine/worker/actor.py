@@ -24,8 +24,8 @@ from engine.core.role import EngineRole
 from engine.factory import BuiltEngine, EngineArgs, build_engine
 from engine.heap import freeze_startup_heap
 from engine.log_setup import configure_logging
-from engine.model.startup_log import log as startup_log
-from engine.model.startup_log import startup_phase
+from engine.model.startup.startup_log import log as startup_log
+from engine.model.startup.startup_log import startup_phase
 from engine.parallel.step_broadcast import StepPublisher
 from engine.parallel.tensor_parallel import SINGLE, join_tp_group
 from engine.parallel.tp_rank0 import RankZero

@@ -20,7 +20,7 @@ from engine.model.kernels.triton_attention import triton_available
 from engine.model.kernels.triton_gemv import use_gemv
 from engine.model.model_spec import ModelSpec
 from engine.model.prompt_graphs import PromptGraphs, within_context
-from engine.model.startup_log import startup_phase
+from engine.model.startup.startup_log import startup_phase
 from engine.model.verify_graphs import capture_verify_graphs
 from engine.parallel.tensor_parallel import TPRank, min_over_group
 from engine.sampling_params import GREEDY
