@@ -116,6 +116,7 @@ class _Runtime:
     tier_owner: TierOwner | None = None  # the other router processes (--router-processes)
     tier: OwnerSide | None = None  # and what this one does for them once its pools run
     ray_lost: str | None = None  # why, once the local Ray is going down
+    watcher: asyncio.Task[None] | None = None  # the local Ray's processes, watched
 
 
 def _import_runtime() -> None:
@@ -137,56 +138,17 @@ async def run_service(
     without Ray's teardown at exit (`os._exit`).
     """
     front = WarmingGenerator()
-    loop = asyncio.get_running_loop()
     rt = _Runtime()
     metrics = get_metrics()
     get_phase_metrics()  # their families are on /metrics from the first scrape
     tracing.configure(config.cluster.tracing, "pdserve-router")
     servers: list[GrpcServer] = []
-    stop_metrics = None
-    if config.metrics_port:
-        port_holds.release(config.metrics_host, config.metrics_port)  # held since start
-        stop_metrics = metrics.serve(config.metrics_host, config.metrics_port)
-
-        def read_pool_stats() -> PoolStats | None:
-            # Called on the metrics server's thread at scrape time.
-            if not front.is_ready():
-                return None
-            future = asyncio.run_coroutine_threadsafe(front.pool_stats(), loop)
-            return future.result(timeout=metrics.pools.timeout_s)
-
-        metrics.pools.set_source(read_pool_stats)
-
-        def read_fleet() -> FleetState:
-            # Called on the metrics server's thread: plain reads of the pools' counts.
-            pools = rt.pools
-            return FleetState(
-                serving=bool(servers) and servers[0].is_serving,
-                target_workers=dict(pools.targets) if pools is not None else {},
-                live_workers=(
-                    {pool: len(pools.routable(pool)) for pool in pools.targets}
-                    if pools is not None
-                    else {}
-                ),
-                tensor_parallel=(
-                    {
-                        ref.worker_id: (ref.pool, ref.info.tensor_parallel_size)
-                        for ref in pools.all()
-                        if ref.state == "live"
-                    }
-                    if pools is not None
-                    else {}
-                ),
-            )
-
-        get_fleet_metrics().set_source(read_fleet)
+    stop_metrics = _serve_metrics(config, front, rt, servers)
 
     def started(server: GrpcServer) -> None:
         servers.append(server)
         if on_started is not None:
             on_started(server)
-
-    watcher: asyncio.Task[None] | None = None
 
     def ray_going_down(why: str) -> None:
         rt.ray_lost = why
@@ -195,62 +157,6 @@ async def run_service(
         log.warning("%s; ending the streams in flight now", why)
         for server in servers:
             server.stop_now(f"the workers went down with the service ({why})")
-
-    async def warm_up() -> None:
-        nonlocal watcher
-        # Off the event loop, which keeps answering health checks meanwhile.
-        await call_in_daemon_thread(_import_runtime, "runtime-imports")
-        from engine.model.model_loader import has_tokenizer, load_tokenizer
-        from router.fleet.cluster import Cluster
-        from router.fleet.pools import Pools
-        from router.planner.loop import PlannerLoop
-        from router.planner.metrics import planner_metrics
-        from router.serving.orchestrator import DisaggregatedGenerator
-        from router.tier.owner import TierOwner
-        from router.tier.owner_side import OwnerSide
-
-        cluster = rt.cluster = Cluster(config.cluster)
-        if on_cluster is not None:
-            on_cluster(cluster)
-        if config.router_processes > 1:
-            # They import what they need while Ray and the pools start.
-            rt.tier_owner = TierOwner(config, servers[0].port, cluster.call_token)
-            await rt.tier_owner.start()
-        await cluster.start_ray()
-        for server in servers:
-            # Ray's driver installs a SIGTERM handler of its own as it connects (a stack
-            # dump, then the old handler): the drain's handler comes back first.
-            server.install_signal_handlers()
-        if cluster.local_ray is not None:
-            # Ray's own processes, watched from now on: one of them exiting means Ray is
-            # going down (a stop that signalled every process of the service).
-            daemons = ray_daemons(cluster.local_ray.session_id)
-            watcher = asyncio.ensure_future(watch_processes(daemons, ray_going_down))
-        pools = rt.pools = Pools(cluster)
-        await pools.start()
-        model_path = config.cluster.decode_args.resolve_model_path()
-        tokenizer = None
-        if has_tokenizer(model_path):
-            tokenizer = await loop.run_in_executor(None, load_tokenizer, str(model_path))
-        admission = None
-        if rt.tier_owner is not None:
-            rt.tier = OwnerSide(rt.tier_owner, pools)
-            admission = rt.tier.admission
-        core = DisaggregatedGenerator(pools, tokenizer, config.router, admission)
-        core.start()
-        front.inner = core
-        if rt.tier is not None:
-            await rt.tier.start(core, admin)
-        if config.planner is not None:
-            rt.planner = PlannerLoop(
-                config.planner,
-                pools,
-                core if rt.tier is None else rt.tier.planner_core(core),
-                max_num_seqs=config.cluster.decode_args.scheduler.max_num_seqs,
-                metrics=planner_metrics(metrics.registry),
-            )
-            rt.planner.start()
-        log.info("pools warm; SERVING")
 
     def on_drain() -> None:
         # The service is going away: a request whose worker is lost ends now (ABORT)
@@ -266,14 +172,14 @@ async def run_service(
         lambda: front.inner,
         lambda: rt.planner,
     )
-
+    warm_up = _warm_up(config, rt, front, servers, admin, on_cluster, ray_going_down)
     try:
         await serve(
             front,
             config.host,
             config.port,
             drain_grace_s=config.drain_grace_s,
-            warm_up=warm_up(),
+            warm_up=warm_up,
             on_started=started,
             security=config.security,
             metrics=metrics,
@@ -282,30 +188,149 @@ async def run_service(
             reuse_port=config.router_processes > 1,
         )
     finally:
-        if watcher is not None:
-            watcher.cancel()
-        metrics.pools.set_source(None)
-        get_fleet_metrics().set_source(None)
         if stop_metrics is not None:
             stop_metrics()
-        if rt.planner is not None:
-            await rt.planner.stop()
-        if rt.tier is not None:
-            await rt.tier.stop()
-        if rt.tier_owner is not None:
-            # The other processes' requests run on the workers: they go first.
-            await rt.tier_owner.stop(config.drain_grace_s)
-        if front.inner is not None:
-            await front.inner.stop()
-        pools, cluster = rt.pools, rt.cluster
-        if pools is not None and cluster is not None and rt.ray_lost is None:
-            # (Once the local Ray is going down there is no one left to ask.)
-            workers_stopped = await pools.stop(timeout_s=STOP_WORKERS_S)
-            if not workers_stopped:
-                cluster.abandon_ray()  # Ray did not answer: leave without its teardown
-        if cluster is not None:
-            cluster.shutdown_ray()  # blocks the loop (bounded): nothing else runs now
-        tracing.shutdown()  # send the spans still buffered
-        log.info("stopped")
+        await _stop(config, rt, front)
     if rt.ray_lost is not None and not any(server.stopped_by_signal for server in servers):
         raise RayLostError(f"the local Ray instance went down: {rt.ray_lost}")
+
+
+def _serve_metrics(
+    config: ServeConfig, front: WarmingGenerator, rt: _Runtime, servers: list[GrpcServer]
+) -> Callable[[], None] | None:
+    """/metrics on its port, with the pools' and the fleet's numbers read at scrape time;
+    the function that stops it (None: no metrics port)."""
+    if not config.metrics_port:
+        return None
+    metrics = get_metrics()
+    loop = asyncio.get_running_loop()
+    port_holds.release(config.metrics_host, config.metrics_port)  # held since start
+    stop_metrics = metrics.serve(config.metrics_host, config.metrics_port)
+
+    def read_pool_stats() -> PoolStats | None:
+        # Called on the metrics server's thread at scrape time.
+        if not front.is_ready():
+            return None
+        future = asyncio.run_coroutine_threadsafe(front.pool_stats(), loop)
+        return future.result(timeout=metrics.pools.timeout_s)
+
+    metrics.pools.set_source(read_pool_stats)
+
+    def read_fleet() -> FleetState:
+        # Called on the metrics server's thread: plain reads of the pools' counts.
+        pools = rt.pools
+        if pools is None:
+            return FleetState(serving=bool(servers) and servers[0].is_serving)
+        return FleetState(
+            serving=bool(servers) and servers[0].is_serving,
+            target_workers=dict(pools.targets),
+            live_workers={pool: len(pools.routable(pool)) for pool in pools.targets},
+            tensor_parallel={
+                ref.worker_id: (ref.pool, ref.info.tensor_parallel_size)
+                for ref in pools.all()
+                if ref.state == "live"
+            },
+        )
+
+    get_fleet_metrics().set_source(read_fleet)
+    return stop_metrics
+
+
+async def _warm_up(
+    config: ServeConfig,
+    rt: _Runtime,
+    front: WarmingGenerator,
+    servers: list[GrpcServer],
+    admin: AdminServicer,
+    on_cluster: Callable[[Cluster], None] | None,
+    ray_going_down: Callable[[str], None],
+) -> None:
+    """Ray, the pools, the serving core (and the router tier and the planner), behind
+    the listening server."""
+    loop = asyncio.get_running_loop()
+    # Off the event loop, which keeps answering health checks meanwhile.
+    await call_in_daemon_thread(_import_runtime, "runtime-imports")
+    from engine.model.model_loader import has_tokenizer, load_tokenizer
+    from router.fleet.cluster import Cluster
+    from router.fleet.pools import Pools
+    from router.serving.orchestrator import DisaggregatedGenerator
+    from router.tier.owner import TierOwner
+    from router.tier.owner_side import OwnerSide
+
+    cluster = rt.cluster = Cluster(config.cluster)
+    if on_cluster is not None:
+        on_cluster(cluster)
+    if config.router_processes > 1:
+        # They import what they need while Ray and the pools start.
+        rt.tier_owner = TierOwner(config, servers[0].port, cluster.call_token)
+        await rt.tier_owner.start()
+    await cluster.start_ray()
+    for server in servers:
+        # Ray's driver installs a SIGTERM handler of its own as it connects (a stack
+        # dump, then the old handler): the drain's handler comes back first.
+        server.install_signal_handlers()
+    if cluster.local_ray is not None:
+        # Ray's own processes, watched from now on: one of them exiting means Ray is
+        # going down (a stop that signalled every process of the service).
+        daemons = ray_daemons(cluster.local_ray.session_id)
+        rt.watcher = asyncio.ensure_future(watch_processes(daemons, ray_going_down))
+    pools = rt.pools = Pools(cluster)
+    await pools.start()
+    model_path = config.cluster.decode_args.resolve_model_path()
+    tokenizer = None
+    if has_tokenizer(model_path):
+        tokenizer = await loop.run_in_executor(None, load_tokenizer, str(model_path))
+    admission = None
+    if rt.tier_owner is not None:
+        rt.tier = OwnerSide(rt.tier_owner, pools)
+        admission = rt.tier.admission
+    core = DisaggregatedGenerator(pools, tokenizer, config.router, admission)
+    core.start()
+    front.inner = core
+    if rt.tier is not None:
+        await rt.tier.start(core, admin)
+    _start_planner(config, rt, core)
+    log.info("pools warm; SERVING")
+
+
+def _start_planner(config: ServeConfig, rt: _Runtime, core: DisaggregatedGenerator) -> None:
+    if config.planner is None or rt.pools is None:
+        return
+    from router.planner.loop import PlannerLoop
+    from router.planner.metrics import planner_metrics
+
+    rt.planner = PlannerLoop(
+        config.planner,
+        rt.pools,
+        core if rt.tier is None else rt.tier.planner_core(core),
+        max_num_seqs=config.cluster.decode_args.scheduler.max_num_seqs,
+        metrics=planner_metrics(get_metrics().registry),
+    )
+    rt.planner.start()
+
+
+async def _stop(config: ServeConfig, rt: _Runtime, front: WarmingGenerator) -> None:
+    """Everything warm-up started, in the reverse order (whatever part of it ran)."""
+    if rt.watcher is not None:
+        rt.watcher.cancel()
+    get_metrics().pools.set_source(None)
+    get_fleet_metrics().set_source(None)
+    if rt.planner is not None:
+        await rt.planner.stop()
+    if rt.tier is not None:
+        await rt.tier.stop()
+    if rt.tier_owner is not None:
+        # The other processes' requests run on the workers: they go first.
+        await rt.tier_owner.stop(config.drain_grace_s)
+    if front.inner is not None:
+        await front.inner.stop()
+    pools, cluster = rt.pools, rt.cluster
+    if pools is not None and cluster is not None and rt.ray_lost is None:
+        # (Once the local Ray is going down there is no one left to ask.)
+        workers_stopped = await pools.stop(timeout_s=STOP_WORKERS_S)
+        if not workers_stopped:
+            cluster.abandon_ray()  # Ray did not answer: leave without its teardown
+    if cluster is not None:
+        cluster.shutdown_ray()  # blocks the loop (bounded): nothing else runs now
+    tracing.shutdown()  # send the spans still buffered
+    log.info("stopped")
