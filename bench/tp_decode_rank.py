@@ -162,6 +162,10 @@ def rank_main(rank: int, job: RankJob) -> None:
     tp = join_tp_group(job.rendezvous, rank, job.tp, device)
     try:
         _measure(rank, job, tp, device, copy_bytes_per_s)
+        # Every rank done before any tears the group down: gloo aborts a process whose
+        # peer destroys the group while it still has a collective in flight.
+        if dist.is_initialized():
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -243,7 +247,8 @@ def _graph_replay_ms(graphs: DecodeGraphs, batch: Batch, reps: int) -> dict[str,
 def _barrier(tp: TPRank) -> None:
     """Start a timed part together: the first collective must not time a late rank."""
     if tp.size > 1:
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
 
 
 def _all_reduce_times(
