@@ -68,8 +68,14 @@ def _final(result: StreamResult) -> pb.GenerateResponse:
 
 
 def test_next_turn_lands_where_its_history_is_cached(service: ServiceProcess) -> None:
+    # Each session's own part is long, so the worker holding its history wins on the
+    # work left, whatever the workers' measured speeds (noisy on a loaded machine).
     sessions = [
-        SYSTEM + f"Session {i}: tell me about the rivers of country number {i}." for i in range(4)
+        SYSTEM
+        + f"Session {i}: tell me about these rivers of country number {i}: "
+        + ", ".join(f"river {i}-{k}" for k in range(24))
+        + "."
+        for i in range(4)
     ]
 
     async def scenario() -> None:
@@ -81,11 +87,11 @@ def test_next_turn_lands_where_its_history_is_cached(service: ServiceProcess) ->
             first = _final(first_turn)
             prompt_tokens = first.usage.prompt_tokens
             # The next turn extends the history; it must find all of it but the
-            # last partial block in a prefill worker's cache.
-            # (long enough a new part that the decode worker does not run it itself)
+            # last partial block cached where it runs: the prefill worker that ran the
+            # first turn, or the decode worker that holds its KV (the rule may run the
+            # few new tokens there).
             second_turn = await _run(service.address, prompt=history + FOLLOW_UP, max_tokens=4)
             second = _final(second_turn)
-            assert not second.timings.local_prefill
             assert second.usage.cached_prompt_tokens >= prompt_tokens - 16, (
                 first.usage,
                 second.usage,
