@@ -247,8 +247,7 @@ def _graph_replay_ms(graphs: DecodeGraphs, batch: Batch, reps: int) -> dict[str,
 def _barrier(tp: TPRank) -> None:
     """Start a timed part together: the first collective must not time a late rank."""
     if tp.size > 1:
-        if dist.is_initialized():
-            dist.barrier()
+        dist.barrier()
 
 
 def _all_reduce_times(
