@@ -75,6 +75,37 @@ class OwnerLink:
             self._conn.send(message)
 
 
+class _OwnerNews:
+    """What the owner says, as the child hears it: the fleet, a drain, its going away."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.first: asyncio.Future[Membership] = loop.create_future()
+        self.handlers: dict[type, Callable[[Any], None]] = {}
+        self.owner_lost = asyncio.Event()
+        self.drain_asked = asyncio.Event()  # whenever it comes: before serving, it ends the start
+        self.latest: Membership | None = None  # the owner's last word on the fleet
+
+    def on_message(self, message: Any) -> None:
+        if isinstance(message, Membership):
+            self.latest = message
+            if not self.first.done():
+                self.first.set_result(message)
+        if isinstance(message, Drain):
+            log.info("draining: %s", message.reason)
+            self.drain_asked.set()
+        handler = self.handlers.get(type(message))
+        if handler is not None:
+            handler(message)
+
+    def on_lost(self) -> None:
+        self.owner_lost.set()
+        if not self.first.done():
+            self.first.set_exception(RuntimeError("the fleet owner went away"))
+
+    def stopping(self) -> bool:
+        return self.owner_lost.is_set() or self.drain_asked.is_set()
+
+
 async def run_child(address: str, authkey: bytes, index: int) -> None:
     """Serve as router process `index` until drained, signalled or orphaned."""
     loop = asyncio.get_running_loop()
@@ -85,50 +116,37 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
 
     set_router_process(index)
     tracing.configure(config.cluster.tracing, "pdserve-router")
+    news = _OwnerNews(loop)
+    link.listen(loop, news.on_message, news.on_lost)
+    membership = await news.first
+    core, table = await _serving_core(boot, index, membership, news)
+    try:
+        await _serve(link, boot, index, core, news)
+    finally:
+        await core.stop()
+        tracing.shutdown()
+        table.close()
+        log.info("router process %d stopped", index)
 
-    first: asyncio.Future[Membership] = loop.create_future()
-    handlers: dict[type, Callable[[Any], None]] = {}
-    owner_lost = asyncio.Event()
-    drain_asked = asyncio.Event()  # whenever it comes: before serving, it ends the start
 
-    latest: list[Membership] = []  # the owner's last word on the fleet, whenever it came
-
-    def on_message(message: Any) -> None:
-        if isinstance(message, Membership):
-            latest[:] = [message]
-            if not first.done():
-                first.set_result(message)
-        if isinstance(message, Drain):
-            log.info("draining: %s", message.reason)
-            drain_asked.set()
-        handler = handlers.get(type(message))
-        if handler is not None:
-            handler(message)
-
-    def on_lost() -> None:
-        owner_lost.set()
-        if not first.done():
-            first.set_exception(RuntimeError("the fleet owner went away"))
-
-    link.listen(loop, on_message, on_lost)
-    membership = await first
-
-    # What serving needs (seconds to import): after the line to the owner is up.
+async def _serving_core(
+    boot: Bootstrap, index: int, membership: Membership, news: _OwnerNews
+) -> tuple[Any, Any]:
+    """This process's serving core over a view of the owner's pools, and the shared
+    admission table it counts in (what serving needs takes seconds to import: after
+    the line to the owner is up)."""
     from engine.model.model_loader import has_tokenizer, load_tokenizer
-    from router.edge.grpc_server import GrpcServer, serve
-    from router.observability.metrics import get_metrics
-    from router.observability.phase_metrics import get_phase_metrics
     from router.serving.orchestrator import DisaggregatedGenerator
-    from router.tier.admin_proxy import AdminProxy
     from router.tier.pools_view import PoolsView
     from router.tier.shared_admission import AdmissionTable, SharedAdmission
-    from router.tier.signals_relay import report_signals
 
+    config = boot.config
     view = PoolsView(boot.call_token, boot.consumer, config.resume_grace_s)
     view.apply(membership)
     model_path = config.cluster.decode_args.resolve_model_path()
     tokenizer = None
     if has_tokenizer(model_path):
+        loop = asyncio.get_running_loop()
         tokenizer = await loop.run_in_executor(None, load_tokenizer, str(model_path))
     table = AdmissionTable(boot.admission_table, boot.num_processes)
     rc = config.router
@@ -154,46 +172,57 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
         if m.prefill_policy is not None and m.prefill_policy != core.prefill_policy:
             core.set_prefill_policy(m.prefill_policy)
 
-    handlers[Membership] = on_membership
-    on_membership(latest[0])  # what changed while this process was getting ready
+    news.handlers[Membership] = on_membership
+    if news.latest is not None:
+        on_membership(news.latest)  # what changed while this process was getting ready
+    return core, table
+
+
+async def _serve(link: OwnerLink, boot: Bootstrap, index: int, core: Any, news: _OwnerNews) -> None:
+    """Listen once the core can route, and serve until drained, signalled or orphaned."""
+    from router.edge.grpc_server import GrpcServer, serve
+    from router.observability.metrics import get_metrics
+    from router.observability.phase_metrics import get_phase_metrics
+    from router.tier.admin_proxy import AdminProxy
+    from router.tier.signals_relay import report_signals
+
+    config = boot.config
+    loop = asyncio.get_running_loop()
     servers: list[GrpcServer] = []
 
     async def drain_when_asked() -> None:
-        await drain_asked.wait()
+        await news.drain_asked.wait()
         for server in servers:
             server.request_stop()
 
     async def stop_if_orphaned() -> None:
-        await owner_lost.wait()
+        await news.owner_lost.wait()
         log.warning("the fleet owner went away; stopping")
         for server in servers:
             server.stop_now("the fleet owner went away")
 
-    watcher = asyncio.ensure_future(stop_if_orphaned())
-    drainer = asyncio.ensure_future(drain_when_asked())
-    reporter = asyncio.ensure_future(report_signals(core, link.send))
+    def listening(server: GrpcServer) -> None:
+        servers.append(server)
+        link.send(Listening())
+        if news.drain_asked.is_set():
+            server.request_stop()
+
+    tasks = [
+        asyncio.ensure_future(stop_if_orphaned()),
+        asyncio.ensure_future(drain_when_asked()),
+        asyncio.ensure_future(report_signals(core, link.send)),
+    ]
     metrics = get_metrics()
     get_phase_metrics()
     stop_metrics = None
     if config.metrics_port:
         stop_metrics = metrics.serve(config.metrics_host, config.metrics_port + index)
     admin = AdminProxy(boot.admin_address)
-
-    def listening(server: GrpcServer) -> None:
-        servers.append(server)
-        link.send(Listening())
-        if drain_asked.is_set():
-            server.request_stop()
-
     deadline = loop.time() + READY_WAIT_S
-
-    def stopping() -> bool:
-        return owner_lost.is_set() or drain_asked.is_set()
-
-    while not core.is_ready() and loop.time() < deadline and not stopping():
+    while not core.is_ready() and loop.time() < deadline and not news.stopping():
         await asyncio.sleep(0.05)
     try:
-        if not stopping():
+        if not news.stopping():
             await serve(
                 core,
                 config.host,
@@ -207,16 +236,11 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
                 reuse_port=True,
             )
     finally:
-        watcher.cancel()
-        drainer.cancel()
-        reporter.cancel()
-        await core.stop()
+        for task in tasks:
+            task.cancel()
         await admin.close()
         if stop_metrics is not None:
             stop_metrics()
-        tracing.shutdown()
-        table.close()
-        log.info("router process %d stopped", index)
 
 
 def main() -> int:
