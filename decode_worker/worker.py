@@ -396,6 +396,5 @@ class DecodeWorker(KVExporter, RouterHandover, WorkerBase):
         await super().shutdown()
 
 
-# The router's calls (engine/worker/contract.py), checked by mypy: a verb this class
-# lacks, or takes other arguments to, fails type-checking here.
+# The router's calls (engine/worker/contract.py): a verb missing or mistyped fails mypy.
 _ANSWERS: type[DecodeCalls] = DecodeWorker

@@ -144,15 +144,10 @@ class ModelRunner(KVBlocks):
             if self.device.type == "cpu"
             else None
         )
-        zero_blocks = int(self._block_gather is not None)
+        stored = num_blocks + graphs.scratch + int(self._block_gather is not None)
         with startup_phase("kv_cache", f"{num_blocks} blocks of {block_size} tokens"):
-            self._kv_storage = torch.zeros(
-                self.kv_cache_shape(
-                    self.spec, num_blocks + graphs.scratch + zero_blocks, block_size
-                ),
-                dtype=self.dtype,
-                device=self.device,
-            )
+            shape = self.kv_cache_shape(self.spec, stored, block_size)
+            self._kv_storage = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_cache = self._kv_storage[:num_blocks]
         # The tokens the step launched last sampled, by row, and the request of each row:
         # a later step whose input is still a placeholder reads its token here, on the

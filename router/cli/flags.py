@@ -236,6 +236,24 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "connection of each worker's own (direct; authenticated, loopback on the router's "
         "node) or as Ray actor calls (ray; about 2 ms a round trip)",
     )
+    add_tier_args(serve)
+    serve.add_argument(
+        "--enable-admin",
+        action="store_true",
+        help="serve AdminService (pdserve scale / workers); refused with PERMISSION_DENIED "
+        "when off",
+    )
+    add_router_args(serve)
+    add_planner_args(serve)
+    add_deploy_args(serve)
+    add_model_args(serve)
+    add_parallel_args(serve)
+    add_engine_args(serve, "prefill")
+    add_engine_args(serve, "decode")
+
+
+def add_tier_args(serve: argparse.ArgumentParser) -> None:
+    """The router tier's flags of `pdserve serve`."""
     serve.add_argument(
         "--router-processes",
         type=at_least(1),
@@ -254,19 +272,6 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "requests of a router process that went away, for a client to resume their "
         "streams through another, before it aborts them",
     )
-    serve.add_argument(
-        "--enable-admin",
-        action="store_true",
-        help="serve AdminService (pdserve scale / workers); refused with PERMISSION_DENIED "
-        "when off",
-    )
-    add_router_args(serve)
-    add_planner_args(serve)
-    add_deploy_args(serve)
-    add_model_args(serve)
-    add_parallel_args(serve)
-    add_engine_args(serve, "prefill")
-    add_engine_args(serve, "decode")
 
 
 def add_deploy_args(p: argparse.ArgumentParser) -> None:
