@@ -10,6 +10,7 @@ from typing import Any
 from bench.fake_workers import FakePools
 from router.fleet.clients import DirectWorkerClient
 from router.fleet.pools import WorkerRef
+from router.fleet.worker_state import WorkerState
 from router.tier.membership import Membership, WorkerEntry, membership_of
 from router.tier.pools_view import PoolsView
 
@@ -72,8 +73,8 @@ def test_a_worker_found_dead_here_stays_dead_until_replaced() -> None:
 
 def test_the_owners_membership_lists_live_starting_and_draining_workers() -> None:
     fleet = FakePools(1, 2)
-    fleet.workers["decode"][1].state = "draining"
-    m = membership_of(fleet, None)  # type: ignore[arg-type]
+    fleet.workers["decode"][1].state = WorkerState.DRAINING
+    m = membership_of(fleet, None)
     assert sorted((e.info.worker_id, e.state) for e in m.workers) == [
         ("decode-0", "live"),
         ("decode-1", "draining"),

@@ -36,7 +36,7 @@ def test_a_resumed_call_whose_request_is_nowhere(monkeypatch: pytest.MonkeyPatch
     async def body() -> None:
         pools = FakePools(1, 1)
         gen = DisaggregatedGenerator(
-            pools,  # type: ignore[arg-type]
+            pools,
             WordTokenizer(),
             RouterConfig(retry_delay_s=0.0),
         )

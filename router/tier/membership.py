@@ -18,7 +18,7 @@ from engine.wire import WorkerInfo
 from router.routing.prefill_policy import PrefillPolicyConfig
 
 if TYPE_CHECKING:
-    from router.fleet.pools import Pools
+    from router.serving.workers import Pools
 
 PUBLISH_EVERY_S = 0.1
 
