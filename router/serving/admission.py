@@ -37,15 +37,16 @@ class AdmissionControl(Protocol):
 
 
 @dataclass(eq=False)
-class _Waiter:
+class Waiter:
     req_id: str  # the queue's own number for it: the request has no attempt yet
     priority: int
     arrival_time: float
     granted: asyncio.Future[None] = field(repr=False)
 
 
-class Admission:
-    """Up to max_in_flight requests run; up to max_queue wait; the rest are refused."""
+class WaitingLine:
+    """What both admissions share: the limits, the queue of waiters (the engine
+    scheduler's own, with its policy and aging) and the refusal at capacity."""
 
     def __init__(
         self,
@@ -61,13 +62,38 @@ class Admission:
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
         self.clock = clock
-        self.num_in_flight = 0
-        self._waiters: WaitingQueue[_Waiter] = WaitingQueue(policy, aging_s, clock=clock)
+        self._waiters: WaitingQueue[Waiter] = WaitingQueue(policy, aging_s, clock=clock)
         self._numbers = itertools.count()
 
     @property
     def policy(self) -> QueuePolicy:
         return self._waiters.policy
+
+    def _full(self, running: int, queued: int) -> QueueFullError:
+        return QueueFullError(
+            f"server is at capacity: {running} requests in flight and "
+            f"{queued} queued (max_queue {self.max_queue}); retry later"
+        )
+
+    def _new_waiter(self, priority: int) -> Waiter:
+        future = asyncio.get_running_loop().create_future()
+        return Waiter(str(next(self._numbers)), priority, self.clock(), future)
+
+
+class Admission(WaitingLine):
+    """Up to max_in_flight requests run; up to max_queue wait; the rest are refused."""
+
+    def __init__(
+        self,
+        max_in_flight: int,
+        max_queue: int,
+        *,
+        policy: QueuePolicy = "fcfs",
+        aging_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(max_in_flight, max_queue, policy=policy, aging_s=aging_s, clock=clock)
+        self.num_in_flight = 0
 
     @property
     def num_queued(self) -> int:
@@ -99,16 +125,8 @@ class Admission:
         """
         if not self._acquire_now():
             if self.num_queued >= self.max_queue:
-                raise QueueFullError(
-                    f"server is at capacity: {self.num_in_flight} requests in flight and "
-                    f"{self.num_queued} queued (max_queue {self.max_queue}); retry later"
-                )
-            waiter = _Waiter(
-                str(next(self._numbers)),
-                priority,
-                self.clock(),
-                asyncio.get_running_loop().create_future(),
-            )
+                raise self._full(self.num_in_flight, self.num_queued)
+            waiter = self._new_waiter(priority)
             self._waiters.push(waiter)
             try:
                 await waiter.granted

@@ -21,17 +21,16 @@ waiter whose key is smallest goes first, ties broken by arrival then process ind
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import mmap
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.core.waiting_queue import QueuePolicy, WaitingQueue
-from router.serving.errors import QueueFullError
+from engine.core.waiting_queue import QueuePolicy
+from router.serving.admission import WaitingLine
 
 POLL_S = 0.002  # how often a process with waiters looks for a slot freed elsewhere
 _COLUMNS = 4  # running, waiting, head key, head arrival (NaN: no waiter)
@@ -100,14 +99,7 @@ class AdmissionTable:
 
 
 @dataclass(eq=False)
-class _Waiter:
-    req_id: str
-    priority: int
-    arrival_time: float
-    granted: asyncio.Future[None] = field(repr=False)
-
-
-class SharedAdmission:
+class SharedAdmission(WaitingLine):
     """`router.serving.admission.Admission`'s interface over the tier's shared table."""
 
     def __init__(
@@ -121,22 +113,12 @@ class SharedAdmission:
         aging_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_in_flight < 1 or max_queue < 0:
-            raise ValueError("max_in_flight must be >= 1 and max_queue >= 0")
+        super().__init__(max_in_flight, max_queue, policy=policy, aging_s=aging_s, clock=clock)
         self.table = table
         self.row = row
-        self.max_in_flight = max_in_flight
-        self.max_queue = max_queue
-        self.clock = clock
-        self._waiters: WaitingQueue[_Waiter] = WaitingQueue(policy, aging_s, clock=clock)
-        self._numbers = itertools.count()
         self._watcher: asyncio.Task[None] | None = None
         self.num_local_in_flight = 0
         table.clear(row)
-
-    @property
-    def policy(self) -> QueuePolicy:
-        return self._waiters.policy
 
     @property
     def num_in_flight(self) -> int:
@@ -216,16 +198,8 @@ class SharedAdmission:
             self._take_slot()
         else:
             if self.table.total(_WAITING) >= self.max_queue:
-                raise QueueFullError(
-                    f"server is at capacity: {self.num_in_flight} requests in flight and "
-                    f"{self.num_queued} queued (max_queue {self.max_queue}); retry later"
-                )
-            waiter = _Waiter(
-                str(next(self._numbers)),
-                priority,
-                self.clock(),
-                asyncio.get_running_loop().create_future(),
-            )
+                raise self._full(self.num_in_flight, self.num_queued)
+            waiter = self._new_waiter(priority)
             self._waiters.push(waiter)
             self.table.add(self.row, _WAITING, 1)
             self._publish_head()
