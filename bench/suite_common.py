@@ -77,10 +77,6 @@ class KVGeometry:
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.itemsize)
 
-    def handoff_bytes(self, prompt_len: int, block_size: int = 16) -> int:
-        """Bytes of one request's hand-off message: its whole blocks, all layers, K and V."""
-        return -(-prompt_len // block_size) * block_size * self.bytes_per_token
-
 
 def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     """Random token ids, away from the low ids and the special tokens at the top."""

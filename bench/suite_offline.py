@@ -5,12 +5,7 @@ memory is returned to the driver when it exits):
 * b:  pdserve's colocated engine (engine.llm.LLM), with per-step timings: closed loops at
   each concurrency (bench.suite_plan: a burst and/or several rounds), and single requests
   of each `--ttft-lens` length;
-* b0: the same engine with the decoder as transformers runs it (not compiled);
-* bs: the same engine scheduling each step only after the one before has finished (no
-  async scheduling);
-* bt: the same engine with `--step-tokens` tokens a step (max_num_batched_tokens);
-* a, a2: transformers `generate()` with static batches and its continuous batching
-  (bench.suite_hf).
+* a: transformers `generate()` with static batches (bench.suite_hf).
 
 All use the same random weights (`load_format="dummy"`, seeded) and the same prompts.
 Writes one JSON (`--out`); `bench.gpu_suite` starts this and reads it.
@@ -78,14 +73,6 @@ def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
 # ---------------------------------------------------------------- b: pdserve engine
 
 
-ENGINE_PARTS = {
-    "b": "b_pdserve_engine",
-    "b0": "b0_pdserve_engine_uncompiled",
-    "bs": "bs_pdserve_engine_no_async_scheduling",
-    "bt": "bt_pdserve_engine_step_tokens",  # b with --step-tokens per step
-}
-
-
 @dataclass
 class StepRecord:
     """One engine step: its time, the runner's share of it, and the batch's shape."""
@@ -149,11 +136,7 @@ class StepProfile:
 
 
 def run_engine(
-    ns: argparse.Namespace,
-    device: torch.device,
-    dtype: str,
-    bandwidth: dict | None,
-    part: str = "b",
+    ns: argparse.Namespace, device: torch.device, dtype: str, bandwidth: dict | None
 ) -> dict[str, Any]:
     from engine.core.config import SchedulerConfig
     from engine.factory import EngineArgs
@@ -169,17 +152,14 @@ def run_engine(
             device=str(device),
             dtype=dtype,
             kv_cache_gib=ns.kv_cache_gib,
-            compile_model=part != "b0" and not ns.no_compile,
-            async_scheduling=part != "bs",
+            compile_model=not ns.no_compile,
+            async_scheduling=True,
             **(
                 {}
                 if ns.prompt_graph_max_tokens is None
                 else {"prompt_graph_max_tokens": ns.prompt_graph_max_tokens}
             ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max(128, *ns.concurrency),
-                **({"max_num_batched_tokens": ns.step_tokens} if part == "bt" else {}),
-            ),
+            scheduler=SchedulerConfig(max_num_seqs=max(128, *ns.concurrency)),
         )
     )
     startup_s = time.perf_counter() - t0
@@ -209,7 +189,7 @@ def run_engine(
             uninstall()
         runs.append(
             summarize(
-                ENGINE_PARTS[part],
+                "b_pdserve_engine",
                 spec.concurrency,
                 timings,
                 wall,
@@ -324,7 +304,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", required=True, help="name used in the report and the seeds")
     p.add_argument("--model", required=True, help="folder with config.json")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--parts", default="floor,b,a,a2")
+    p.add_argument("--parts", default="floor,b,a")
     p.add_argument("--concurrency", default="1,32,128")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
@@ -332,12 +312,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds-at-c1", type=int, default=3)
     add_run_args(p, "b", ttft_lens="")
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
-    p.add_argument(
-        "--step-tokens",
-        type=int,
-        default=8192,
-        help="part bt: the engine's max_num_batched_tokens (b keeps the default)",
-    )
     p.add_argument("--out", required=True)
     ns = p.parse_args(argv)
     ns.parts = set(ns.parts.split(","))
@@ -369,29 +343,24 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - recorded, the other parts still run
             result["copy_bandwidth"] = error_record(exc)
         save()
-    for part in ENGINE_PARTS:
-        if part not in ns.parts:
-            continue
+    if "b" in ns.parts:
         try:
-            result[part] = run_engine(ns, device, dtype, bandwidth, part)
+            result["b"] = run_engine(ns, device, dtype, bandwidth)
         except Exception as exc:  # noqa: BLE001
-            result[part] = error_record(exc)
+            result["b"] = error_record(exc)
         free(device)
         save()
-    if ns.parts & {"a", "a2"}:
+    if "a" in ns.parts:
+        from bench.suite_hf import run_hf_static
         from engine.model.model_loader import load_model
 
         model, _ = load_model(ns.model, dtype, device, "dummy")  # the engine's weights
-        from bench.suite_hf import run_hf_continuous, run_hf_static
-
-        for part, fn in (("a", run_hf_static), ("a2", run_hf_continuous)):
-            if part in ns.parts:
-                try:
-                    result[part] = fn(model, ns, device)
-                except Exception as exc:  # noqa: BLE001
-                    result[part] = error_record(exc)
-                free(device)
-                save()
+        try:
+            result["a"] = run_hf_static(model, ns, device)
+        except Exception as exc:  # noqa: BLE001
+            result["a"] = error_record(exc)
+        free(device)
+        save()
     save()
     return 0
 

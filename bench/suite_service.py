@@ -2,10 +2,7 @@
 
 * c:  1 prefill + 1 decode worker (one GPU each), the closed-loop runs of bench.suite_plan;
 * cc: 1 colocated worker (one GPU) behind the same router, the same runs: what the router
-  and gRPC cost without a hand-off, so c against cc is the price of disaggregation;
-* handoff (on c's service): KV hand-off time (the final message's
-  timings.kv_transfer_seconds) and the bytes it moved (from the KV layout) for prompts of
-  512 and 2048 tokens.
+  and gRPC cost without a hand-off, so c against cc is the price of disaggregation.
 
 bench.tp_goodput's probes (Poisson arrivals) use `Service` and `drive` too.
 """
@@ -257,7 +254,7 @@ def drive_processes(
     return timings, wall
 
 
-# ---------------------------------------------------------------- c + handoff
+# ---------------------------------------------------------------- c, cc
 
 
 def check_warm_up(timings: list[ReqTiming]) -> None:
@@ -313,14 +310,12 @@ def run_service_part(
     ns: Any,
     *,
     plan: list[RunSpec],
-    handoff_lens: Sequence[int] = (),
-    kv_itemsize: int = 2,
 ) -> dict[str, Any]:
-    """Part c (1P1D, and the hand-off measurement when `handoff_lens`) or cc (one
-    colocated worker) on its own service, with bench.gpu_suite's settings `ns`: every
-    run of `plan`, each closed loop from `ns.client_processes` client processes."""
+    """Part c (1P1D) or cc (one colocated worker) on its own service, with bench.gpu_suite's
+    settings `ns`: every run of `plan`, each closed loop from `ns.client_processes` client
+    processes."""
     system, config, pool_args = SYSTEMS[part]
-    geo = KVGeometry.of(model, kv_itemsize)
+    geo = KVGeometry.of(model)
     max_seqs = max(128, *(spec.concurrency for spec in plan)) if plan else 128
     args = service_args(model, pool_args, part == "c", ns.kv_cache_gib.get(shape, 8.0), max_seqs)
     svc = Service([*args, *ns.serve_extra], workdir / f"service-{part}-{shape}.log")
@@ -361,10 +356,6 @@ def run_service_part(
             }
             runs.append(summarize(system, spec.concurrency, timings, wall, **extra))
         out["runs"] = runs
-        if handoff_lens:
-            out["handoff"] = [
-                handoff_stats(svc.address, geo, n, ns.handoff_samples) for n in handoff_lens
-            ]
     finally:
         out["exit_code"] = svc.stop()
         if out["exit_code"] != 0 or "startup_s" not in out:
@@ -378,29 +369,3 @@ def _samples(metrics_port: int) -> Samples:
         return scrape(metrics_port)[1]
     except OSError:
         return {}
-
-
-def handoff_stats(address: str, geo: KVGeometry, prompt_len: int, samples: int) -> dict:
-    """Single requests in turn (max_tokens 2): hand-off seconds and the bytes moved."""
-    prompts = make_prompts(samples, prompt_len, geo.vocab_size, seed=5000 + prompt_len)
-    timings, _ = asyncio.run(drive(address, prompts, 2, concurrency=1))
-    secs = [t.kv_transfer_s for t in timings if t.ok and t.kv_transfer_s]
-    nbytes = geo.handoff_bytes(prompt_len)
-    if not secs:
-        return {"prompt_len": prompt_len, "bytes": nbytes, "error": timings[0].error}
-    med = statistics.median(secs)
-    wires = [t.kv_wire_s for t in timings if t.ok and t.kv_wire_s]
-    wire = statistics.median(wires) if wires else None
-    return {
-        # The data movement alone (receive posted → complete on the decode side).
-        "wire_seconds_p50": wire,
-        "wire_gib_s_p50": round(nbytes / wire / 2**30, 2) if wire else None,
-        "prompt_len": prompt_len,
-        "bytes": nbytes,
-        "samples": len(secs),
-        "seconds_p50": med,
-        "seconds_min": min(secs),
-        "gib_s_p50": round(nbytes / med / 2**30, 2),
-        "ttft_ms_p50": round(1000 * statistics.median(t.ttft_s or 0 for t in timings), 3),
-        "prefill_ms_p50": round(1000 * statistics.median(t.prefill_s or 0 for t in timings), 3),
-    }
