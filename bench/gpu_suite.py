@@ -1,31 +1,14 @@
 """The GPU benchmark suite: every system side by side, in one run, on one machine.
 
-For each model shape (random weights of the real shape, bf16; prompts of random tokens,
-greedy, EOS ignored) at each concurrency:
+For each model shape (random weights of the real shape, bf16; random prompts, greedy,
+EOS ignored) at each concurrency: a (transformers generate(), static batches, one GPU),
+b (pdserve's engine in-process, one GPU), cc (1 colocated worker behind the router, over
+gRPC, one GPU), c (1 prefill + 1 decode worker behind the router, two GPUs), and floor
+(b's full-batch decode step against the memory floor). b, cc and c run the closed loops
+of bench.suite_common; a runs one batch. One-GPU parts run in a subprocess per shape
+(bench.suite_offline); this process never touches CUDA. Prints tables (bench.suite_report);
+writes one JSON to --out and to $OUT/gpu_suite.json when $OUT is set.
 
-  a   transformers generate(), static batches, one GPU
-  b   pdserve colocated engine (engine.llm.LLM) in-process, one GPU
-  cc  pdserve 1 colocated worker behind the router, over gRPC, one GPU
-  c   pdserve 1 prefill + 1 decode worker behind the router, over gRPC, two GPUs
-
-reporting output tokens/s and TTFT / TPOT p50 and p99. b, cc and c run closed loops
-(bench.suite_plan): at concurrency C, `--rounds` x C prompts with at most C in flight (the
-steady state: 4 rounds from C = 32 on by default) and, unless --no-burst, one round (a
-burst, as a runs); at concurrency 1, `--rounds-at-c1` requests in turn, for the
-main prompt length and each of `--ttft-lens`. Plus:
-
-  floor    b's full-batch decode step vs the memory floor: (weight bytes + KV bytes read
-           per step) / device-to-device copy bandwidth measured in the same run
-
-Goodput (Poisson arrivals, the highest rate meeting TTFT and TPOT objectives) is
-bench.tp_goodput's: 1P1D against 2 colocated replicas is `--layouts
-disagg:1xtp1+1xtp1,colocated:2xtp1` there.
-
-One-GPU parts run in a subprocess per shape (bench.suite_offline) so memory is returned
-between them; this process never touches CUDA. Prints tables; writes one JSON to --out
-and to $OUT/gpu_suite.json when $OUT is set. Examples:
-
-    python -m bench.gpu_suite                          # everything (~8 min on 2 H100)
     python -m bench.gpu_suite --quick                  # smoke: 1b, small runs
     python -m bench.gpu_suite --shapes 8b --parts b,c,floor
     python -m bench.gpu_suite --quick --shapes tiny --device cpu   # the suite itself, on CPU
@@ -44,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import provenance
-from bench.suite_common import error_record, model_path
-from bench.suite_plan import add_run_args, parse_ints, plan_from_args
+from bench.suite_common import add_run_args, error_record, model_path, parse_ints, plan_from_args
 from bench.suite_report import format_tables
 
 ALL_PARTS = ("a", "b", "cc", "c", "floor")
@@ -66,50 +48,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, help="default 128 (quick: 32)")
     p.add_argument(
-        "--rounds-at-c1",
-        type=int,
-        help="sequential requests at concurrency 1 for "
-        "b, cc and c (a runs one); default 12 (quick: 2): a host-bound pass at "
-        "concurrency 1 moves by several ms between requests, and the TTFT ratios "
-        "compare medians",
+        "--rounds-at-c1", type=int, help="requests in turn at concurrency 1; default 12 (quick: 2)"
     )
     add_run_args(p, "b, cc and c", ttft_lens="512,2048")
     p.add_argument("--kv-cache-gib", help="per shape, e.g. 1b:8,8b:24 (each worker / engine)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="per service start, s")
-    p.add_argument(
-        "--serve-extra",
-        default="",
-        help="more `pdserve serve` flags for every service (cc, c), one string",
-    )
+    p.add_argument("--serve-extra", default="", help="more `pdserve serve` flags (cc, c)")
     p.add_argument(
         "--client-processes",
         type=int,
         default=4,
         help="cc, c: client processes sharing each closed loop (one Python client reading "
-        "128 streams of a small model is as busy as the router; 1: the single client of "
-        "runs before this option)",
+        "128 streams of a small model is as busy as the router)",
     )
     p.add_argument("--offline-timeout", type=float, default=900.0, help="per shape, s")
-    p.add_argument(
-        "--time-budget",
-        type=float,
-        help="s for the whole suite: parts that would start past it are skipped (noted in "
-        "the JSON)",
-    )
+    p.add_argument("--time-budget", type=float, help="s; parts past it are skipped (noted)")
     p.add_argument("--workdir", default="/tmp/pdserve-gpu-suite", help="logs, scratch")
     p.add_argument("--out", help=f"JSON path (default {DEFAULT_OUT})")
     ns = p.parse_args(argv)
-    quick = ns.quick
 
     def pick(value: Any, full: Any, small: Any) -> Any:
-        return value if value is not None else (small if quick else full)
+        return value if value is not None else (small if ns.quick else full)
 
     ns.parts = [x for x in ns.parts.split(",") if x]
     unknown = set(ns.parts) - set(ALL_PARTS)
     if unknown:
         p.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(ALL_PARTS)}")
     ns.shapes = pick(ns.shapes, "1b,8b", "1b").split(",")
-    ns.concurrency = [int(c) for c in pick(ns.concurrency, "1,32,128", "1,8").split(",")]
+    ns.concurrency = parse_ints(pick(ns.concurrency, "1,32,128", "1,8"))
     ns.output_len = pick(ns.output_len, 128, 32)
     ns.rounds_at_c1 = pick(ns.rounds_at_c1, 12, 2)
     ns.ttft_lens = parse_ints(ns.ttft_lens)
@@ -118,12 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns.serve_extra = shlex.split(ns.serve_extra) + (["--no-compile"] if ns.no_compile else [])
     if ns.prompt_graph_max_tokens is not None:
         ns.serve_extra += ["--prompt-graph-max-tokens", str(ns.prompt_graph_max_tokens)]
-    kv = dict(DEFAULT_KV_GIB)
-    for item in (ns.kv_cache_gib or "").split(","):
-        if item:
-            name, _, gib = item.partition(":")
-            kv[name] = float(gib)
-    ns.kv_cache_gib = kv
+    items = (item.partition(":") for item in (ns.kv_cache_gib or "").split(",") if item)
+    ns.kv_cache_gib = {**DEFAULT_KV_GIB, **{name: float(gib) for name, _, gib in items}}
     return ns
 
 
@@ -137,24 +99,15 @@ def run_offline(
     out = workdir / f"offline-{shape}.json"
     log = workdir / f"offline-{shape}.log"
     cmd = [
-        sys.executable,
-        "-m",
-        "bench.suite_offline",
-        f"--shape={shape}",
-        f"--model={model}",
-        f"--device={ns.device}",
-        "--parts=" + ",".join(p for p in ns.parts if p in OFFLINE_PARTS),
-        "--concurrency=" + ",".join(map(str, ns.concurrency)),
-        f"--prompt-len={ns.prompt_len}",
-        f"--output-len={ns.output_len}",
-        f"--kv-cache-gib={ns.kv_cache_gib.get(shape, 8.0)}",
-        f"--rounds-at-c1={ns.rounds_at_c1}",
-        "--burst" if ns.burst else "--no-burst",
+        sys.executable, "-m", "bench.suite_offline", f"--shape={shape}", f"--model={model}",
+        f"--device={ns.device}", "--parts=" + ",".join(p for p in ns.parts if p in OFFLINE_PARTS),
+        "--concurrency=" + ",".join(map(str, ns.concurrency)), f"--prompt-len={ns.prompt_len}",
+        f"--output-len={ns.output_len}", f"--kv-cache-gib={ns.kv_cache_gib.get(shape, 8.0)}",
+        f"--rounds-at-c1={ns.rounds_at_c1}", "--burst" if ns.burst else "--no-burst",
         "--ttft-lens=" + ",".join(map(str, ns.ttft_lens)),
-        f"--copy-bytes={(1 << 30) if ns.device == 'cuda' else (64 << 20)}",
-        f"--out={out}",
+        f"--copy-bytes={(1 << 30) if ns.device == 'cuda' else (64 << 20)}", f"--out={out}",
         *(["--no-compile"] if ns.no_compile else []),
-    ]
+    ]  # fmt: skip
     optional = {"rounds": ns.rounds, "prompt-graph-max-tokens": ns.prompt_graph_max_tokens}
     cmd += [f"--{flag}={value}" for flag, value in optional.items() if value is not None]
     start = time.perf_counter()

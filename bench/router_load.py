@@ -39,8 +39,8 @@ import time
 from typing import Any
 
 from bench.fake_workers import FakePools
+from bench.harness.ports import free_port
 from bench.report import percentile, provenance
-from bench.suite_common import free_port
 from router.edge.streams import StreamInterval
 
 # Connections each client process opens per router process: enough that the kernel's

@@ -1,14 +1,10 @@
 """GPU suite, one-GPU parts, for one model shape in its own process (so that each shape's
-memory is returned to the driver when it exits):
-
-* floor: device-to-device copy bandwidth (the memory floor's denominator);
-* b:  pdserve's colocated engine (engine.llm.LLM), with per-step timings: closed loops at
-  each concurrency (bench.suite_plan: a burst and/or several rounds), and single requests
-  of each `--ttft-lens` length;
-* a: transformers `generate()` with static batches (bench.suite_hf).
-
-All use the same random weights (`load_format="dummy"`, seeded) and the same prompts.
-Writes one JSON (`--out`); `bench.gpu_suite` starts this and reads it.
+memory is returned to the driver when it exits): floor (device-to-device copy bandwidth,
+the memory floor's denominator), b (pdserve's engine in-process, `engine.llm.LLM`, with
+per-step timings, over the runs of bench.suite_common) and a (transformers `generate()`
+with static batches of b's burst prompts). All use the same random weights
+(`load_format="dummy"`, seeded). Writes one JSON (`--out`); `bench.gpu_suite` starts
+this and reads it.
 """
 
 from __future__ import annotations
@@ -28,8 +24,18 @@ import torch
 
 from bench.device import free, sync
 from bench.report import provenance
-from bench.suite_common import KVGeometry, ReqTiming, error_record, make_prompts, summarize
-from bench.suite_plan import add_run_args, parse_ints, plan_from_args, prompts_for
+from bench.suite_common import (
+    KVGeometry,
+    ReqTiming,
+    RunSpec,
+    add_run_args,
+    error_record,
+    make_prompts,
+    parse_ints,
+    plan_from_args,
+    prompts_for,
+    summarize,
+)  # fmt: skip
 
 if TYPE_CHECKING:
     from engine.core.batch import Batch
@@ -80,7 +86,6 @@ class StepRecord:
     step_s: float
     execute_s: float = 0.0
     num_seqs: int = 0
-    num_tokens: int = 0
     num_prefill_seqs: int = 0  # sequences with more than one query token this step
     max_context: int = 0  # longest sequence (tokens in the cache after this step)
 
@@ -117,7 +122,6 @@ class StepProfile:
             if self._pending_execute is not None:
                 rec.execute_s, batch = self._pending_execute
                 rec.num_seqs = len(batch.seqs)
-                rec.num_tokens = batch.num_tokens
                 rec.num_prefill_seqs = sum(1 for s in batch.seqs if s.num_tokens > 1)
                 rec.max_context = max(s.end_position for s in batch.seqs)
             self.records.append(rec)
@@ -296,6 +300,54 @@ def decode_step_stats(
     return out
 
 
+# ---------------------------------------------------------------- a: transformers
+
+
+class _StepStamps:
+    """A generate() streamer that only notes when each step's tokens reach the host."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() first hands over the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def run_hf_static(model: Any, ns: argparse.Namespace, device: torch.device) -> list[dict]:
+    """One batch of `concurrency` prompts (b's and c's burst) per concurrency."""
+    vocab = model.config.vocab_size
+    runs = []
+    for c in ns.concurrency:
+        prompts = prompts_for(ns.shape, RunSpec(c, 1, ns.prompt_len), vocab)
+        ids = torch.tensor(prompts, device=device)
+        mask = torch.ones_like(ids)
+        kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0)
+        model.generate(**kw, max_new_tokens=2, min_new_tokens=2)  # warm-up, same shapes
+        stamps = _StepStamps()
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(
+            **kw, max_new_tokens=ns.output_len, min_new_tokens=ns.output_len, streamer=stamps
+        )
+        sync(device)
+        wall = time.perf_counter() - start
+        n = out.shape[1] - ids.shape[1]
+        first, last = stamps.times[0], stamps.times[-1]
+        timings = [ReqTiming(start, first_s=first, last_s=last, num_tokens=n) for _ in prompts]
+        runs.append(summarize("a_hf_generate_static", c, timings, wall, steps=len(stamps.times)))
+        del ids, mask, out
+        free(device)
+    return runs
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -351,7 +403,6 @@ def main(argv: list[str] | None = None) -> int:
         free(device)
         save()
     if "a" in ns.parts:
-        from bench.suite_hf import run_hf_static
         from engine.model.model_loader import load_model
 
         model, _ = load_model(ns.model, dtype, device, "dummy")  # the engine's weights
