@@ -1,25 +1,16 @@
 """CPU decode step: a whole engine step against a transformers forward of the same batch.
 
-One process, one model (default: the embedded SmolLM2-135M), float32 on CPU. Both systems
-prefill the same `--batch-size` random prompts, all of one length; then, round after
-round, the engine's core advances its running requests by one step (`EngineCore.step`:
-schedule, attention metadata, forward, sampling, update: everything a served decode
-step costs the host) and transformers runs one decode forward,
-`model(input_ids, past_key_values=cache, use_cache=True)` on its `DynamicCache`, each
-feeding its own greedy token. Both attend over the same context, which grows by one a
-round: `--context` is the context of the middle round. The side that goes first
-alternates every round, so neither always runs on the other's warm (or evicted) caches.
-
-The engine's step is also taken apart (schedule / metadata / forward / sample / update /
-the rest), so a ratio above target says where the time goes. Each side's process CPU
-time is kept too: with `--threads 1` it counts the work done, and moves far less than
-wall time when other processes share the cores. Example, pinned to two cores of an
-otherwise quiet machine:
+One process, one model (default: the embedded SmolLM2-135M), float32 on CPU. Both prefill
+the same `--batch-size` random prompts; then, round after round, the engine's core takes
+one step (`EngineCore.step`: everything a served decode step costs the host) and
+transformers runs one decode forward on its `DynamicCache`, each feeding its own greedy
+token; `--context` is the context of the middle round, and the side that goes first
+alternates. The engine's step is also taken apart (schedule / metadata / forward /
+sample / update / the rest), and each side's process CPU time kept (with `--threads 1`,
+the work done, whatever shares the cores). Example:
 
     python -m bench.cpu_step --cpus 2,3 --rounds 200 --out bench/results/cpu_step.json \\
         --max-ratio 1.0
-
-Not a test: timings depend on the machine and on whatever else shares its cores.
 """
 
 from __future__ import annotations

@@ -5,21 +5,13 @@
         --vocab-size 128256 \\
         --serve-args "--model deploy/model_configs/llama-3.2-1b --load-format dummy"   # GPUs
 
-Starts `pdserve serve` with 1 prefill and 2 decode workers (admin on), sends
-`--num-requests` long generations at once, waits until every one of them is decoding,
-then shrinks the decode pool to one (`pdserve scale --decode 1`): decode-1 drains and
-its running requests move to decode-0 with their KV. Reports how long the scale-down
-took, how many requests moved with their KV and how many by recompute (a prompt run
-again), and, for every stream, the largest gap between two token messages from the
-drain's start to its end plus one second (the moved requests' pause), against the
-largest gap of the same streams before the drain (their ordinary step time); from the
-service's log, each moved request's pause as the router saw it, how long the moves
-took, and how long closing the peers' channels and stopping the worker took. Every
-request must then complete, each moved one with its KV. A drain that moved nothing
-measured nothing: the run then fails, saying how many requests had ended before the drain
-began and how fast they made tokens (raise `--max-tokens`: on GPUs a 1B makes a few
-hundred tokens a second a stream, so 1024 tokens end within the wait before the drain).
-Prints one summary and writes it, with provenance, as JSON; exits 1 on any failure.
+A 1P2D service gets `--num-requests` long generations at once; once all decode, the
+decode pool shrinks to one and decode-1's requests move to decode-0 with their KV.
+Reports the scale-down's time, requests moved with their KV or by recompute, every
+stream's largest gap between token messages during the drain (plus one second) against
+before it, and from the service's log each move's pause, the moves' time and the
+worker's stop. Every request must complete, each moved one with its KV; a drain that
+moved nothing fails, naming how fast the streams went (raise `--max-tokens`).
 """
 
 from __future__ import annotations

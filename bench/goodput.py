@@ -1,39 +1,122 @@
-"""What a goodput measurement is, with no service in it: which requests meet an SLO,
-which Poisson rate to probe next, what the probes say of each TPOT objective, and how
-layouts compare.
+"""What a goodput measurement is, with no service in it: the serving layouts compared,
+which requests meet an SLO, which Poisson rate to probe next, and how layouts compare.
 
-A request meets an SLO when it completed with TTFT <= the TTFT objective and TPOT <= the
-TPOT objective (a one-token answer has no TPOT to miss); a rate is sustained when >=
-`attainment` of its requests (sent or not) meet it. A probe at a rate is cut short once
-more requests surely missed than the attainment allows.
-
-Search: each objective keeps a bracket, the highest rate sustained with no lower rate
-missed (`sustained`, the goodput as measured) and the lowest rate missed (`failed`). A
-probe informs every objective: which one it is aimed at only decides its rate and where
-it may be cut short. The search grows the rate by `growth` until an objective misses,
-halves it while even the first rate misses, then bisects (geometric midpoint) until
-failed / sustained <= `resolution`. With a `grid` of rates, every probe is one of them
-(the one nearest the rate the search would pick), and a bracket is done once no grid
-rate lies inside it. The objective whose bracket is widest goes first; on a tie the
-loosest, whose probe also says something of the tighter ones.
-
-Comparison: a ratio is disaggregated ÷ colocated goodput; its verdict reads both
-brackets, so that the search's resolution is not mistaken for a difference ("better":
-the disaggregated layout sustained a rate the colocated one missed; "worse": it missed a
-rate the colocated one sustained; "tied": the brackets overlap). Three views: `pairs`
-(each disaggregated layout ÷ each colocated layout of the same GPUs), `best` (per GPU
-count, the best of each kind) and `never_worse` (each disaggregated layout against the
-best colocated one of its GPUs; the rule holds where no verdict is "worse").
+A request meets an SLO when it completed with TTFT and TPOT within their objectives (a
+one-token answer has no TPOT to miss); a rate is sustained when >= `attainment` of its
+requests (sent or not) meet it. Each objective keeps a bracket: the highest rate
+sustained with no lower rate missed (the goodput) and the lowest rate missed. The search
+grows the rate by `growth` until a miss, halves it while even the first rate misses,
+then bisects until failed / sustained <= `resolution` (with a `grid`, only its rates).
+A comparison's verdict reads both brackets ("better": the disaggregated layout sustained
+a rate the colocated one missed; "worse": the reverse; else "tied").
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from bench.suite_common import ReqTiming
+
+# ---------------------------------------------------------------- layouts
+
+# `colocated:2xtp2` (2 colocated workers of 2 GPUs each), `disagg:3xtp1+1xtp1` (3 prefill
+# workers of 1 GPU, then 1 decode worker of 1 GPU: the prefill pool first). A
+# disaggregated layout's router keeps its local-prefill rule: the layouts compared are
+# the ones an operator would deploy.
+_POOL = r"(\d+)xtp(\d+)"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """`workers` workers of `tp` GPUs each."""
+
+    workers: int
+    tp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.workers * self.tp
+
+    def __str__(self) -> str:
+        return f"{self.workers}xtp{self.tp}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A colocated pool (`decode` is None) or a prefill pool handing off to a decode pool."""
+
+    first: Pool  # the colocated pool, or the prefill pool
+    decode: Pool | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.decode is not None
+
+    @property
+    def gpus(self) -> int:
+        return self.first.gpus + (self.decode.gpus if self.decode else 0)
+
+    @property
+    def name(self) -> str:
+        if self.decode is None:
+            return f"colocated:{self.first}"
+        return f"disagg:{self.first}+{self.decode}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def serve_flags(self) -> list[str]:
+        """The pools' sizes and tensor-parallel sizes as `pdserve serve` flags."""
+        if self.decode is None:
+            return [
+                "--colocated-workers", str(self.first.workers),
+                "--colocated-tensor-parallel-size", str(self.first.tp),
+            ]  # fmt: skip
+        return [
+            "--prefill-workers", str(self.first.workers),
+            "--prefill-tensor-parallel-size", str(self.first.tp),
+            "--decode-workers", str(self.decode.workers),
+            "--decode-tensor-parallel-size", str(self.decode.tp),
+        ]  # fmt: skip
+
+
+def _pool(text: str, whole: str) -> Pool:
+    m = re.fullmatch(_POOL, text)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise ValueError(f"layout {whole!r}: {text!r} is not WORKERSxtpSIZE (e.g. 2xtp1)")
+    return Pool(int(m[1]), int(m[2]))
+
+
+def parse_layout(text: str) -> Layout:
+    """`colocated:NxtpT` or `disagg:PxtpA+DxtpB` (ValueError for anything else)."""
+    kind, sep, pools = text.strip().partition(":")
+    if sep and kind == "colocated":
+        return Layout(_pool(pools, text))
+    if sep and kind == "disagg":
+        prefill, plus, decode = pools.partition("+")
+        if plus:
+            return Layout(_pool(prefill, text), _pool(decode, text))
+    raise ValueError(
+        f"unknown layout {text!r}: colocated:NxtpT (e.g. colocated:2xtp2) or "
+        "disagg:PxtpA+DxtpB, prefill pool first (e.g. disagg:3xtp1+1xtp1)"
+    )
+
+
+def parse_layouts(text: str) -> list[Layout]:
+    """A comma list of layouts, each once, in the order given."""
+    layouts = [parse_layout(item) for item in text.split(",") if item.strip()]
+    if not layouts:
+        raise ValueError("no layout given")
+    names = [layout.name for layout in layouts]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"layouts given twice: {', '.join(repeated)}")
+    return layouts
+
 
 # ---------------------------------------------------------------- SLO arithmetic
 

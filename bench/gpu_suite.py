@@ -1,34 +1,14 @@
 """The GPU benchmark suite: every system side by side, in one run, on one machine.
 
-For each model shape (random weights of the real shape, bf16; prompts of random tokens,
-greedy, EOS ignored) at each concurrency:
+For each model shape (random weights of the real shape, bf16; random prompts, greedy,
+EOS ignored) at each concurrency: a (transformers generate(), static batches, one GPU),
+b (pdserve's engine in-process, one GPU), cc (1 colocated worker behind the router, over
+gRPC, one GPU), c (1 prefill + 1 decode worker behind the router, two GPUs), and floor
+(b's full-batch decode step against the memory floor). b, cc and c run the closed loops
+of bench.suite_common; a runs one batch. One-GPU parts run in a subprocess per shape
+(bench.suite_offline); this process never touches CUDA. Prints tables (bench.suite_report);
+writes one JSON to --out and to $OUT/gpu_suite.json when $OUT is set.
 
-  a   transformers generate(), static batches, one GPU
-  a2  transformers continuous batching (generate_batch, paged attention), one GPU
-  b   pdserve colocated engine (engine.llm.LLM) in-process, one GPU
-  cc  pdserve 1 colocated worker behind the router, over gRPC, one GPU
-  c   pdserve 1 prefill + 1 decode worker behind the router, over gRPC, two GPUs
-
-reporting output tokens/s and TTFT / TPOT p50 and p99. b, cc and c run closed loops
-(bench.suite_plan): at concurrency C, `--rounds` x C prompts with at most C in flight (the
-steady state: 4 rounds from C = 32 on by default) and, unless --no-burst, one round (a
-burst, as a and a2 run); at concurrency 1, `--rounds-at-c1` requests in turn, for the
-main prompt length and each of `--ttft-lens`. Plus:
-
-  floor    b's full-batch decode step vs the memory floor: (weight bytes + KV bytes read
-           per step) / device-to-device copy bandwidth measured in the same run
-  handoff  c's KV hand-off (timings.kv_transfer_seconds) for 512- and 2048-token prompts,
-           GiB/s against raw dist.send of the same bytes (two processes, NCCL, same run)
-
-Goodput (Poisson arrivals, the highest rate meeting TTFT and TPOT objectives) is
-bench.tp_goodput's: 1P1D against 2 colocated replicas is `--layouts
-disagg:1xtp1+1xtp1,colocated:2xtp1` there.
-
-One-GPU parts run in a subprocess per shape (bench.suite_offline) so memory is returned
-between them; this process never touches CUDA. Prints tables; writes one JSON to --out
-and to $OUT/gpu_suite.json when $OUT is set. Examples:
-
-    python -m bench.gpu_suite                          # everything (~8 min on 2 H100)
     python -m bench.gpu_suite --quick                  # smoke: 1b, small runs
     python -m bench.gpu_suite --shapes 8b --parts b,c,floor
     python -m bench.gpu_suite --quick --shapes tiny --device cpu   # the suite itself, on CPU
@@ -47,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import provenance
-from bench.suite_common import KVGeometry, error_record, model_path
-from bench.suite_plan import add_run_args, parse_ints, plan_from_args
+from bench.suite_common import add_run_args, error_record, model_path, parse_ints, plan_from_args
 from bench.suite_report import format_tables
 
-ALL_PARTS = ("a", "a2", "b", "cc", "c", "floor", "handoff")
-OFFLINE_PARTS = {"a", "a2", "b", "floor"}
+ALL_PARTS = ("a", "b", "cc", "c", "floor")
+OFFLINE_PARTS = {"a", "b", "floor"}
 DEFAULT_KV_GIB = {"1b": 8.0, "8b": 24.0, "tiny": 0.25}
 DEFAULT_OUT = Path("bench/results/gpu_suite.json")
 
@@ -69,68 +48,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, help="default 128 (quick: 32)")
     p.add_argument(
-        "--rounds-at-c1",
-        type=int,
-        help="sequential requests at concurrency 1 for "
-        "b, cc and c (a, a2 run one); default 12 (quick: 2): a host-bound pass at "
-        "concurrency 1 moves by several ms between requests, and the TTFT ratios "
-        "compare medians",
+        "--rounds-at-c1", type=int, help="requests in turn at concurrency 1; default 12 (quick: 2)"
     )
     add_run_args(p, "b, cc and c", ttft_lens="512,2048")
     p.add_argument("--kv-cache-gib", help="per shape, e.g. 1b:8,8b:24 (each worker / engine)")
-    p.add_argument("--handoff-lens", default="512,2048")
-    p.add_argument("--handoff-samples", type=int, help="default 5 (quick: 3)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="per service start, s")
-    p.add_argument(
-        "--serve-extra",
-        default="",
-        help="more `pdserve serve` flags for every service (cc, c), one string",
-    )
+    p.add_argument("--serve-extra", default="", help="more `pdserve serve` flags (cc, c)")
     p.add_argument(
         "--client-processes",
         type=int,
         default=4,
         help="cc, c: client processes sharing each closed loop (one Python client reading "
-        "128 streams of a small model is as busy as the router; 1: the single client of "
-        "runs before this option)",
+        "128 streams of a small model is as busy as the router)",
     )
     p.add_argument("--offline-timeout", type=float, default=900.0, help="per shape, s")
-    p.add_argument(
-        "--time-budget",
-        type=float,
-        help="s for the whole suite: parts that would start past it are skipped (noted in "
-        "the JSON)",
-    )
+    p.add_argument("--time-budget", type=float, help="s; parts past it are skipped (noted)")
     p.add_argument("--workdir", default="/tmp/pdserve-gpu-suite", help="logs, scratch")
     p.add_argument("--out", help=f"JSON path (default {DEFAULT_OUT})")
     ns = p.parse_args(argv)
-    quick = ns.quick
 
     def pick(value: Any, full: Any, small: Any) -> Any:
-        return value if value is not None else (small if quick else full)
+        return value if value is not None else (small if ns.quick else full)
 
     ns.parts = [x for x in ns.parts.split(",") if x]
     unknown = set(ns.parts) - set(ALL_PARTS)
     if unknown:
         p.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(ALL_PARTS)}")
     ns.shapes = pick(ns.shapes, "1b,8b", "1b").split(",")
-    ns.concurrency = [int(c) for c in pick(ns.concurrency, "1,32,128", "1,8").split(",")]
+    ns.concurrency = parse_ints(pick(ns.concurrency, "1,32,128", "1,8"))
     ns.output_len = pick(ns.output_len, 128, 32)
     ns.rounds_at_c1 = pick(ns.rounds_at_c1, 12, 2)
-    ns.handoff_lens = parse_ints(ns.handoff_lens)
-    ns.handoff_samples = pick(ns.handoff_samples, 5, 3)
     ns.ttft_lens = parse_ints(ns.ttft_lens)
     if ns.rounds is not None and ns.rounds < 1:
         p.error("--rounds must be >= 1")
     ns.serve_extra = shlex.split(ns.serve_extra) + (["--no-compile"] if ns.no_compile else [])
     if ns.prompt_graph_max_tokens is not None:
         ns.serve_extra += ["--prompt-graph-max-tokens", str(ns.prompt_graph_max_tokens)]
-    kv = dict(DEFAULT_KV_GIB)
-    for item in (ns.kv_cache_gib or "").split(","):
-        if item:
-            name, _, gib = item.partition(":")
-            kv[name] = float(gib)
-    ns.kv_cache_gib = kv
+    items = (item.partition(":") for item in (ns.kv_cache_gib or "").split(",") if item)
+    ns.kv_cache_gib = {**DEFAULT_KV_GIB, **{name: float(gib) for name, _, gib in items}}
     return ns
 
 
@@ -140,28 +95,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_offline(
     ns: argparse.Namespace, shape: str, model: Path, workdir: Path, timeout_s: float
 ) -> dict:
-    """a, a2, b, floor for one shape in a subprocess (bench.suite_offline)."""
+    """a, b, floor for one shape in a subprocess (bench.suite_offline)."""
     out = workdir / f"offline-{shape}.json"
     log = workdir / f"offline-{shape}.log"
     cmd = [
-        sys.executable,
-        "-m",
-        "bench.suite_offline",
-        f"--shape={shape}",
-        f"--model={model}",
-        f"--device={ns.device}",
-        "--parts=" + ",".join(p for p in ns.parts if p in OFFLINE_PARTS),
-        "--concurrency=" + ",".join(map(str, ns.concurrency)),
-        f"--prompt-len={ns.prompt_len}",
-        f"--output-len={ns.output_len}",
-        f"--kv-cache-gib={ns.kv_cache_gib.get(shape, 8.0)}",
-        f"--rounds-at-c1={ns.rounds_at_c1}",
-        "--burst" if ns.burst else "--no-burst",
+        sys.executable, "-m", "bench.suite_offline", f"--shape={shape}", f"--model={model}",
+        f"--device={ns.device}", "--parts=" + ",".join(p for p in ns.parts if p in OFFLINE_PARTS),
+        "--concurrency=" + ",".join(map(str, ns.concurrency)), f"--prompt-len={ns.prompt_len}",
+        f"--output-len={ns.output_len}", f"--kv-cache-gib={ns.kv_cache_gib.get(shape, 8.0)}",
+        f"--rounds-at-c1={ns.rounds_at_c1}", "--burst" if ns.burst else "--no-burst",
         "--ttft-lens=" + ",".join(map(str, ns.ttft_lens)),
-        f"--copy-bytes={(1 << 30) if ns.device == 'cuda' else (64 << 20)}",
-        f"--out={out}",
+        f"--copy-bytes={(1 << 30) if ns.device == 'cuda' else (64 << 20)}", f"--out={out}",
         *(["--no-compile"] if ns.no_compile else []),
-    ]
+    ]  # fmt: skip
     optional = {"rounds": ns.rounds, "prompt-graph-max-tokens": ns.prompt_graph_max_tokens}
     cmd += [f"--{flag}={value}" for flag, value in optional.items() if value is not None]
     start = time.perf_counter()
@@ -178,40 +124,17 @@ def run_offline(
     return result
 
 
-def kv_itemsize(ns: argparse.Namespace) -> int:
-    """Bytes per KV element as the service runs: bf16 on CUDA, float32 on CPU."""
-    return 2 if ns.device == "cuda" else 4
-
-
-def run_nccl_raw(ns: argparse.Namespace, workdir: Path) -> dict:
-    from bench.suite_nccl import send_bandwidth
-
-    sizes = {
-        KVGeometry.of(model_path(s, workdir), kv_itemsize(ns)).handoff_bytes(n)
-        for s in ns.shapes
-        for n in ns.handoff_lens
-    }
-    if ns.device == "cuda":
-        sizes.add(1 << 30)  # the link's peak, for reference
-    return send_bandwidth(sorted(sizes), use_cuda=ns.device == "cuda")
-
-
 SERVICE_PARTS = (("cc", "colocated"), ("c", "service"))  # part, key in the shape's record
 
 
 def run_service(
-    ns: argparse.Namespace, part: str, shape: str, model: Path, workdir: Path, parts: set[str]
+    ns: argparse.Namespace, part: str, shape: str, model: Path, workdir: Path
 ) -> dict[str, Any]:
-    """cc, or c with the hand-off, on its own service."""
+    """cc or c on its own service."""
     from bench.suite_service import run_service_part
 
     try:
-        return run_service_part(
-            part, shape, model, workdir, ns,
-            plan=plan_from_args(ns) if part in parts else [],
-            handoff_lens=ns.handoff_lens if part == "c" and "handoff" in parts else [],
-            kv_itemsize=kv_itemsize(ns),
-        )  # fmt: skip
+        return run_service_part(part, shape, model, workdir, ns, plan=plan_from_args(ns))
     except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run
         return error_record(exc)
 
@@ -229,19 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: v for k, v in vars(ns).items() if k != "out"},
         "notes": [
             "random weights of the real shapes (load_format dummy, seeded); bf16 on CUDA",
-            "a, a2: one batch of `concurrency` requests; b, cc, c: closed loops of "
+            "a: one batch of `concurrency` requests; b, cc, c: closed loops of "
             "`rounds` x `concurrency` prompts, at most `concurrency` in flight (rounds 1: "
-            "the same batch as a, a2); at concurrency 1, `rounds_at_c1` requests in turn",
-            "TTFT from submission (a: the batch start; b: queued in the engine; a2: request "
-            "creation; cc, c: the client's send) to the first token; "
+            "the same batch as a); at concurrency 1, `rounds_at_c1` requests in turn",
+            "TTFT from submission (a: the batch start; b: queued in the engine; "
+            "cc, c: the client's send) to the first token; "
             "TPOT = (last - first) / (tokens - 1); acc (accept_ms): cc, c: the client's "
             "send to the response headers, which the router sends as the call's handler "
             "starts (the wait to be taken in, before any work on the request)",
             "floor_ms = (weight bytes read + batch * context * KV bytes/token) / copy "
             "bandwidth (read+write bytes / s of a 1 GiB device-to-device copy)",
-            "handoff bytes = whole blocks of the prompt * KV bytes/token; hand-off time "
-            "= the prefill worker sending header + payload on the pair channel until the "
-            "send completes (timings.kv_transfer_seconds)",
         ],
         "shapes": {},
     }
@@ -258,16 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(json.dumps(result, indent=1))
 
     parts = set(ns.parts)
-    if "handoff" in parts:
-        try:
-            result["nccl_raw"] = run_nccl_raw(ns, workdir)
-        except Exception as exc:  # noqa: BLE001 - recorded; the rest still runs
-            result["nccl_raw"] = error_record(exc)
-        save()
     for shape in ns.shapes:
         model = model_path(shape, workdir)
         rec: dict[str, Any] = result["shapes"].setdefault(shape, {})
-        if (parts & OFFLINE_PARTS or parts & {"cc", "c", "handoff"}) and out_of_time(60):
+        if parts & (OFFLINE_PARTS | {"cc", "c"}) and out_of_time(60):
             rec["skipped"] = "time budget"
             continue
         if parts & OFFLINE_PARTS:
@@ -277,14 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             rec["offline"] = run_offline(ns, shape, model, workdir, timeout)
             save()
         for part, key in SERVICE_PARTS:
-            wanted = parts & ({"c", "handoff"} if part == "c" else {part})
-            if not wanted:
+            if part not in parts:
                 continue
             if out_of_time(45):
                 rec[key] = {"skipped": "time budget"}
                 continue
             print(f"[{time.perf_counter() - t_start:6.0f}s] {shape}: service {part}", flush=True)
-            rec[key] = run_service(ns, part, shape, model, workdir, parts)
+            rec[key] = run_service(ns, part, shape, model, workdir)
             save()
     result["tables"] = format_tables(result)
     save()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import random
 import secrets
@@ -29,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from bench.report import distribution, provenance
+from bench.report import distribution, write_result
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.cli.client import ClientSecurity, add_security_arguments
@@ -402,23 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(summary))
     if args.out:
         config = {k: v for k, v in vars(args).items() if k != "out"}
-        record = {
-            "provenance": provenance("bench.load", sys.argv[1:] if argv is None else argv),
-            "config": config,
-            "summary": summary,
-            "requests": [
-                {
-                    **asdict(o),
-                    "outcome": o.outcome,
-                    "ttft_s": o.ttft_s,
-                    "tpot_s": o.tpot_s,
-                    "latency_s": o.latency_s,
-                }
-                for o in outcomes
-            ],
-        }
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        extra = ("outcome", "ttft_s", "tpot_s", "latency_s")
+        requests = [{**asdict(o), **{k: getattr(o, k) for k in extra}} for o in outcomes]
+        write_result(
+            args.out, "bench.load", argv, config=config, summary=summary, requests=requests
+        )
         print(f"wrote {args.out}", file=sys.stderr)
     return 0 if summary["num_completed"] == summary["num_requests"] else 1
 

@@ -53,6 +53,11 @@ def distribution(
     return out
 
 
+def int_list(text: str) -> list[int]:
+    """A comma-separated flag as integers: "1,32,128" → [1, 32, 128]."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def git_commit() -> str | None:
     """Short HEAD of this repository, or None outside a git checkout."""
     return _git("rev-parse", "--short", "HEAD")

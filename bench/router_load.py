@@ -1,25 +1,15 @@
 """How many tokens a second the router itself can stream, with workers that cost nothing.
 
-The router (gRPC edge, serving core, token delivery) runs in this process over fake
-workers (`bench/fake_workers.py`) whose decode step takes `--step-ms` and produces one
-token for every running request, so the only limit is the router's own event loop. The
-fake decode worker steps by the clock, as a real engine does between the router's
-polls: a slow router gets more tokens per poll, not fewer tokens.
-A client process drives it with the suite's closed loop. Compare the result with the
-tokens per second a GPU delivers: where the router's ceiling is near it, the router,
-not the GPU, sets the service's throughput.
-
-With `--router-processes 1,2,4` it measures a router tier's ceiling at each size in
-turn: N router processes on one port (SO_REUSEPORT, as `pdserve serve
---router-processes N` runs them), each with a fake fleet of its own (each process's
-ceiling is its own event loop's; the fleet behind a real tier is shared) and the tier's
-shared admission, driven over 8 connections per router process (the kernel deals each
-connection to one process) by `--client-processes` client processes per router process.
-The table gives tokens a second at each N and the ratio to N = 1.
+The router runs in a process of its own over fake workers (bench.fake_workers) whose
+decode step takes `--step-ms` and gives every running request a token, stepping by the
+clock as a real engine does between polls; a client process drives it with the suite's
+closed loop. With `--router-processes 1,2,4`, N router processes on one port
+(SO_REUSEPORT, as `pdserve serve --router-processes N` runs them), each over fakes of its
+own and the tier's shared admission, driven by `--client-processes` per router process;
+the table gives tokens a second at each N and the ratio to N = 1.
 
     python -m bench.router_load --concurrency 128 --requests 512 --profile out.prof
     python -m bench.router_load --stream-intervals 1,4,auto   # each in turn, one table
-    python -m bench.router_load --concurrency 128 --client-processes 4   # cores to spare
     python -m bench.router_load --detokenize   # with text, as for a served model
     python -m bench.router_load --router-processes 1,2,4 --concurrency 256 --requests 2048
 """
@@ -29,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -39,8 +28,8 @@ import time
 from typing import Any
 
 from bench.fake_workers import FakePools
-from bench.report import percentile, provenance
-from bench.suite_common import free_port
+from bench.harness.ports import free_port
+from bench.report import percentile, write_result
 from router.edge.streams import StreamInterval
 
 # Connections each client process opens per router process: enough that the kernel's
@@ -167,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     if any(r is None for r in runs):
         return 1
     result = {
-        "provenance": provenance("bench.router_load", sys.argv[1:] if argv is None else argv),
         "concurrency": args.concurrency,
         "requests": args.requests,
         "client_processes": args.client_processes,  # per router process
@@ -201,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['message_gap_ms_p99']!s:>8} {r['ok']:>4}/{args.requests}"
         )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(args.out, "bench.router_load", argv, **result)
     return 0 if all(r is not None and r["ok"] == args.requests for r in runs) else 1
 
 

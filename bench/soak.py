@@ -1,29 +1,15 @@
 """Soak: a 2P2D service on CPU under Poisson load for ten minutes while workers die and the
-decode pool grows and shrinks; every request must still complete, nothing may leak.
+decode pool grows and shrinks; every request must still complete, nothing may leak
+(docs/operations.md describes its phases and checks).
 
     python -m bench.soak --out soak.json          # `make soak`
 
-1. Starts `pdserve serve` (2 prefill + 2 decode workers, admin on) on the embedded model.
-2. Measures its capacity with a short closed-loop run of the same workload, then sends
-   Poisson arrivals at `--load` (default 70 %) of it for `--duration-s` (600).
-3. Every `--kill-every-s` (120) SIGKILLs a live worker, prefill and decode in turn; at a
-   quarter of the run adds a decode worker (`pdserve scale`), at three quarters removes it.
-4. Once traffic stops, shrinks the decode pool to one worker and SIGKILLs it while
-   streams run on it (`bench.soak_sole_decode`): each stream must complete with its
-   undisturbed tokens and text, resuming within `--resume-within-s` (2) of the
-   replacement going live; the pool then grows back (`--no-sole-decode-kill`: skip).
-5. Stops the service with SIGTERM to its process group while streams run
-   (`bench.soak_group_stop`): each stream gets exactly one final message, the process
-   exits 0 within `--drain-grace-s` plus 5 s, nothing of it is left
-   (`--no-group-stop`: a plain SIGTERM to the router once everything has ended).
-6. Reports requests sent, completed, failed (by gRPC status or finish reason), texts that
-   differ from other runs of the same request (every request is one of a few prompts,
-   greedy or seeded, so all its runs must agree), migrations and restarts (from the
-   service's metrics), blocks in use once traffic stops, and the RSS of the router and of
-   each worker at the start and the end (the router's also from minute 2 on).
-Prints one summary and writes it, with provenance, as JSON; exits 1 when any check
-failed, naming each failure. `--quick`: two minutes of traffic, a kill every 30 s, a 15 s
-capacity run (each still set by its own flag).
+Then, on the quiet service, the only decode worker is SIGKILLed with streams on it (each
+must complete with its undisturbed text, resuming within `--resume-within-s` of the
+replacement going live), and the service is stopped by SIGTERM to its process group with
+streams in flight (one final message each, exit 0 within the grace plus 5 s, nothing
+left). Prints one summary, writes it as JSON; exits 1 naming each failed check.
+`--quick`: two minutes of traffic, a kill every 30 s, a 15 s capacity run.
 """
 
 from __future__ import annotations
@@ -34,21 +20,24 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench.harness.metrics import scrape
+from bench.harness.polling import wait_until_async
 from bench.harness.pools import live_workers, wait_pool_sizes
 from bench.harness.service import ServiceExitError, ServiceProcess, service_process
+from bench.harness.stopping import StopResult, start_streams, stop_and_wait
 from bench.harness.streams import StreamResult, generate
 from bench.report import distribution, provenance
-from bench.soak_group_stop import run_phase as group_stop
-from bench.soak_sole_decode import run_phase as sole_decode_kill
+from pdserve.v1 import admin_pb2 as admin_pb
 from router.cli.admin_client import scale_pool
 from router.cli.client import get_pool_stats
 
@@ -64,6 +53,13 @@ SOLE_DECODE_TOKENS = 64  # each stream's, when the only decode worker is killed
 GROUP_STOP_LONG_TOKENS = 2000  # more than a stream gets in any drain grace on CPU
 GROUP_STOP_SHORT_TOKENS = 16  # a few seconds: these finish within the grace
 QUICK = {"duration_s": 120.0, "kill_every_s": 30.0, "calibrate_s": 15.0}
+MIN_TOKENS_BEFORE_KILL = 8  # each stream's, so that every one is mid-way when it dies
+COMPLETED = "final:FINISH_REASON_LENGTH"  # every request sets ignore_eos
+# After the replacement is live, the streams get this long to end: a stream that waits
+# for traffic that never comes is reported, and cancelled, not waited for.
+END_WITHIN_S = 120.0
+FINAL_MARGIN_S = 1.0  # the group stop: a stream's final message by the grace plus this
+EXIT_MARGIN_S = 5.0  # the process's exit by the grace plus this
 
 
 @dataclass(frozen=True)
@@ -124,6 +120,186 @@ def migrations(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> 
 
 def restarts(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> float:
     return sum(v for (name, _), v in samples.items() if name == "pdserve_worker_restarts_total")
+
+
+# ---------------------------------------------------------------- the end phases
+
+
+@dataclass
+class TimedStream:
+    """One stream's result and when each of its batches of tokens arrived."""
+
+    arrivals: list[tuple[float, int]]  # (time.monotonic(), tokens so far)
+    result: StreamResult | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.arrivals[-1][1] if self.arrivals else 0
+
+
+def resumed_at(arrivals: list[tuple[float, int]], killed_at: float) -> float | None:
+    """When tokens came again after the kill: the arrival that ends the longest gap from
+    the last arrival before `killed_at` on. Tokens sent just before the kill may still
+    arrive after it; the stall is the gap until the replacement's first tokens. None
+    when no token came after the kill."""
+    before = [t for t, _ in arrivals if t < killed_at]
+    after = [t for t, _ in arrivals if t >= killed_at]
+    if not after:
+        return None
+    times = before[-1:] + after
+    if len(times) == 1:
+        return times[0]
+    gaps = [(later - earlier, later) for earlier, later in zip(times, times[1:], strict=False)]
+    return max(gaps)[1]
+
+
+def check_sole_decode(
+    reference: list[StreamResult],
+    streams: list[TimedStream],
+    resumed_after_live_s: list[float | None],
+    resume_within_s: float,
+) -> list[str]:
+    """What the phase got wrong; empty when it passed."""
+    wrong = []
+    for i, (ref, stream, resumed) in enumerate(
+        zip(reference, streams, resumed_after_live_s, strict=True)
+    ):
+        result = stream.result
+        if result is None or result.outcome != COMPLETED:
+            outcome = (
+                f"no final message within {END_WITHIN_S:g} s of the replacement going live"
+                if result is None
+                else f"{result.outcome} {result.details}"
+            )
+            wrong.append(f"stream {i} did not complete: {outcome}")
+            continue
+        if len(result.tokens) != len(ref.tokens):
+            wrong.append(f"stream {i}: {len(result.tokens)} tokens, undisturbed {len(ref.tokens)}")
+        elif result.text != ref.text:
+            wrong.append(f"stream {i}: text differs from its undisturbed run")
+        if resumed is None:
+            wrong.append(f"stream {i}: no token after the kill")
+        elif resumed >= resume_within_s:
+            wrong.append(
+                f"stream {i} resumed {resumed:.2f} s after the replacement went live "
+                f"(bound {resume_within_s:g} s)"
+            )
+    return wrong
+
+
+async def sole_decode_kill(
+    address: str,
+    requests: list[dict[str, Any]],
+    *,
+    num_prefill: int,
+    num_decode: int,
+    resume_within_s: float,
+    log: Callable[..., None],
+) -> dict[str, Any]:
+    """The phase with the only decode worker killed, on a quiet service at
+    `num_prefill`P`num_decode`D: a few streams run undisturbed on the one decode worker
+    left (the reference), then again until each has some tokens, when its process is
+    SIGKILLed; nothing but the replacement going live may wake them. Its numbers and
+    `wrong` (empty when it passed); the pools are back at their sizes after it."""
+    log("scaling decode to 1")
+    await scale_pool(address, "decode", 1)
+    await wait_pool_sizes(address, num_prefill, 1)
+    reference = list(await asyncio.gather(*(generate(address, **r) for r in requests)))
+    streams = [TimedStream([]) for _ in requests]
+
+    async def timed(stream: TimedStream, request: dict[str, Any]) -> None:
+        def arrived(n: int) -> None:
+            stream.arrivals.append((time.monotonic(), n))
+
+        stream.result = await generate(address, on_tokens=arrived, **request)
+
+    calls = [asyncio.ensure_future(timed(s, r)) for s, r in zip(streams, requests, strict=True)]
+    await wait_until_async(
+        lambda: min(s.num_tokens for s in streams) >= MIN_TOKENS_BEFORE_KILL,
+        120,
+        what="every stream under way",
+    )
+    (victim,) = await live_workers(address, "decode")
+    killed_at = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    tokens_at_kill = [s.num_tokens for s in streams]
+    log("SIGKILL the only decode worker", worker=victim.worker_id, pid=victim.pid)
+
+    async def replaced() -> admin_pb.WorkerDescription | None:
+        """`victim`'s replacement once it is live."""
+        live = await live_workers(address, "decode")
+        return next(
+            (w for w in live if w.worker_id == victim.worker_id and w.epoch != victim.epoch), None
+        )
+
+    replacement: admin_pb.WorkerDescription = await wait_until_async(
+        replaced, 300, interval=0.1, what=f"{victim.worker_id}'s replacement live"
+    )
+    live_at = time.monotonic()
+    log(
+        f"{victim.worker_id} replaced",
+        pid=replacement.pid,
+        live_after_s=round(live_at - killed_at, 2),
+    )
+    _, late = await asyncio.wait(calls, timeout=END_WITHIN_S)
+    for call in late:
+        call.cancel()
+    resumed_after_live_s = [
+        None if (t := resumed_at(s.arrivals, killed_at)) is None else t - live_at for s in streams
+    ]
+    wrong = check_sole_decode(reference, streams, resumed_after_live_s, resume_within_s)
+    log(f"scaling decode to {num_decode}")
+    await scale_pool(address, "decode", num_decode)
+    await wait_pool_sizes(address, num_prefill, num_decode)
+    resumed = [r for r in resumed_after_live_s if r is not None]
+    return {
+        "streams": len(streams),
+        "tokens_at_kill": tokens_at_kill,
+        "tokens": [len(s.result.tokens) if s.result else s.num_tokens for s in streams],
+        "undisturbed_tokens": [len(r.tokens) for r in reference],
+        "outcomes": [s.result.outcome if s.result else None for s in streams],
+        "replacement_live_after_kill_s": round(live_at - killed_at, 3),
+        "resumed_after_live_s": [None if r is None else round(r, 3) for r in resumed_after_live_s],
+        "worst_resumed_after_live_s": round(max(resumed), 3) if resumed else None,
+        "resume_within_s": resume_within_s,
+        "passed": not wrong,
+        "wrong": wrong,
+    }
+
+
+def check_group_stop(result: StopResult, grace_s: float) -> list[str]:
+    """What the group stop got wrong; empty when it passed."""
+    return result.problems(grace_s + FINAL_MARGIN_S, grace_s + EXIT_MARGIN_S)
+
+
+async def group_stop(
+    proc: subprocess.Popen[bytes],
+    address: str,
+    long_requests: list[dict[str, Any]],
+    short_requests: list[dict[str, Any]],
+    *,
+    grace_s: float,
+    log: Callable[..., None],
+) -> dict[str, Any]:
+    """SIGTERM to the service's process group (`proc` leads it; drained with `grace_s`)
+    once long streams, then short ones, all have tokens: the short ones can finish within
+    the grace, the long ones cannot and must keep getting tokens through it (the signal
+    must not reach the workers). Its numbers and `wrong` (empty when it passed)."""
+    calls, seen = await start_streams(address, [long_requests, short_requests])
+    log("SIGTERM to the process group", streams=len(calls), tokens=list(seen))
+    result = await stop_and_wait(proc, "group", calls, seen)
+    log("service exited", code=result.exit_code, after_s=round(result.exit_after_s, 2))
+    return {
+        "drain_grace_s": grace_s,
+        "streams": len(result.streams),
+        "tokens_at_signal": result.tokens_at_signal,
+        "tokens": [len(s.tokens) for s in result.streams],
+        "worst_final_after_s": round(result.worst_final_s, 3),
+        **result.record(check_group_stop(result, grace_s)),
+    }
+
+
+# ---------------------------------------------------------------- the soak
 
 
 class Soak:

@@ -2,23 +2,18 @@
 
     python -m bench.stop_soak --tries 20 --out stop_soak.json      # `make soak-stop`
 
-Each try starts `pdserve serve` (1 prefill + 1 decode worker, embedded model) in a
-session of its own, starts two long streams, and once both have tokens sends SIGTERM in
-one of the ways `bench.harness.stopping` names (in turn: the process group; every
-process of the service, Ray's first; the router first; shuffled). A try passes when
-every stream gets exactly one final message within `--final-within-s` (1) of the
-signal, the process exits 0 within `--exit-within-s` (5), and none of its processes is
-left. The process group is drained with `--drain-grace-s` (0.5: the streams end by the
-grace); the other ways take Ray down with the router, and the default grace (30 s)
-applies, so only the router noticing Ray going down ends the streams in time.
-Prints one line per try and a summary; writes them, with provenance, as JSON.
+Each try starts a 1P1D service on the embedded model in a session of its own, starts two
+long streams and sends SIGTERM in one of the ways `bench.harness.stopping` names, in
+turn. A try passes when every stream gets one final message within `--final-within-s`,
+the process exits 0 within `--exit-within-s`, and none of its processes is left. Only
+the group is drained with `--drain-grace-s`; the others keep the default grace (30 s),
+so only the router noticing Ray going down ends the streams in time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
@@ -31,7 +26,7 @@ from typing import Any
 from bench.harness import wait_until
 from bench.harness.service import health_status
 from bench.harness.stopping import STOP_MODES, StopResult, serve_in_own_session, stop_with_streams
-from bench.report import provenance
+from bench.report import write_result
 
 
 def one_try(mode: str, drain_grace_s: float, log: Path, rng: random.Random) -> StopResult:
@@ -71,18 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         result = one_try(mode, grace, log, rng)
         wrong = result.problems(args.final_within_s, args.exit_within_s)
         tries.append(
-            {
-                "mode": mode,
-                "drain_grace_s": grace,
-                "final_after_s": [round(s, 3) for s in result.final_after_s],
-                "outcomes": [s.outcome for s in result.streams],
-                "exit_code": result.exit_code,
-                "exit_after_s": round(result.exit_after_s, 3),
-                "survivors": result.survivors,
-                "passed": not wrong,
-                "wrong": wrong,
-                "log": str(log),
-            }
+            {"mode": mode, "drain_grace_s": grace, **result.record(wrong), "log": str(log)}
         )
         print(
             f"try {n + 1:2d}/{args.tries} {mode:18s} final ≤ {result.worst_final_s:.2f} s  "
@@ -102,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         f"worst exit {summary['worst_exit_s']:.2f} s (logs in {logs})"
     )
     if args.out:
-        record = {"provenance": provenance("bench.stop_soak", argv or sys.argv[1:])}
-        args.out.write_text(json.dumps({**record, "summary": summary, "tries": tries}, indent=1))
+        write_result(args.out, "bench.stop_soak", argv, summary=summary, tries=tries)
     return 0 if passed == len(tries) else 1
 
 

@@ -1,40 +1,33 @@
-"""What the GPU suite's parts share: model shapes, workloads, per-request timings, stats."""
+"""What the GPU suite's parts share: model shapes, workloads and the closed-loop runs every
+system makes (so that the engine in-process and the services do exactly the same work),
+per-request timings and their stats."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness.ports import free_port as free_port  # where the suite's parts import it
-from bench.report import distribution
+from bench.report import REPO, distribution, int_list
 from engine.model.model_spec import kv_bytes_per_token
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPES = {
     "1b": REPO / "deploy" / "model_configs" / "llama-3.2-1b",
     "8b": REPO / "deploy" / "model_configs" / "llama-3.1-8b",
 }
 # A CPU-sized Llama for smoke runs of the suite itself (`--shapes tiny --device cpu`).
 TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 4096,
-    "max_position_embeddings": 4096,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 4096,
+    "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False, "torch_dtype": "float32",
+}  # fmt: skip
 
 
 def model_path(name: str, workdir: Path) -> Path:
@@ -65,21 +58,12 @@ class KVGeometry:
     def of(cls, path: Path, itemsize: int = 2) -> KVGeometry:
         cfg = json.loads((path / "config.json").read_text())
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        return cls(
-            cfg["num_hidden_layers"],
-            cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-            head_dim,
-            cfg["vocab_size"],
-            itemsize,
-        )
+        num_kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        return cls(cfg["num_hidden_layers"], num_kv_heads, head_dim, cfg["vocab_size"], itemsize)
 
     @property
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.itemsize)
-
-    def handoff_bytes(self, prompt_len: int, block_size: int = 16) -> int:
-        """Bytes of one request's hand-off message: its whole blocks, all layers, K and V."""
-        return -(-prompt_len // block_size) * block_size * self.bytes_per_token
 
 
 def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -94,14 +78,138 @@ def workload_seed(shape: str, concurrency: int, prompt_len: int) -> int:
     return sum(map(ord, shape)) * 1_000_003 + concurrency * 7919 + prompt_len
 
 
+# ---------------------------------------------------------------- the runs
+
+# A closed loop at concurrency C over `rounds` × C prompts: C requests start at once and
+# each one that finishes is replaced by the next prompt. One round is a burst (all
+# prefills, then the decode steps); several let the loop reach the steady state in which
+# a prompt's prefill overlaps other requests' decode steps. Below STEADY_FROM_CONCURRENCY
+# the two hardly differ, so the default is one round there; from it on, four.
+STEADY_FROM_CONCURRENCY = 32
+DEFAULT_STEADY_ROUNDS = 4
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One closed-loop run: `concurrency` in flight, `rounds` × `concurrency` prompts."""
+
+    concurrency: int
+    rounds: int
+    prompt_len: int
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.rounds < 1 or self.prompt_len < 1:
+            raise ValueError(f"concurrency, rounds and prompt_len must be >= 1: {self}")
+
+    @property
+    def num_prompts(self) -> int:
+        return self.concurrency * self.rounds
+
+
+def rounds_for(concurrency: int, rounds: int | None, rounds_at_c1: int) -> int:
+    """Rounds at one concurrency: `rounds_at_c1` at 1; else `rounds` when given, else
+    the steady-state default."""
+    if concurrency == 1:
+        return rounds_at_c1
+    if rounds is not None:
+        return rounds
+    return DEFAULT_STEADY_ROUNDS if concurrency >= STEADY_FROM_CONCURRENCY else 1
+
+
+def plan_runs(
+    concurrency: list[int],
+    prompt_len: int,
+    *,
+    rounds: int | None,
+    rounds_at_c1: int,
+    burst: bool,
+    ttft_lens: Sequence[int] = (),
+) -> list[RunSpec]:
+    """Every run, in order: per concurrency the burst (when `burst` and the steady run has
+    more than one round) then the steady run; then one run at concurrency 1 per
+    `ttft_lens` length not already covered."""
+    specs: list[RunSpec] = []
+    for c in concurrency:
+        n = rounds_for(c, rounds, rounds_at_c1)
+        if c > 1 and n > 1 and burst:
+            specs.append(RunSpec(c, 1, prompt_len))
+        specs.append(RunSpec(c, n, prompt_len))
+    for length in ttft_lens:
+        spec = RunSpec(1, rounds_at_c1, length)
+        if spec not in specs:
+            specs.append(spec)
+    return specs
+
+
+def plan_from_args(ns: Any) -> list[RunSpec]:
+    """`plan_runs` from the flags of `add_run_args` (gpu_suite and suite_offline)."""
+    return plan_runs(
+        ns.concurrency, ns.prompt_len, rounds=ns.rounds, rounds_at_c1=ns.rounds_at_c1,
+        burst=ns.burst, ttft_lens=ns.ttft_lens,
+    )  # fmt: skip
+
+
+def prompts_for(shape: str, spec: RunSpec, vocab_size: int) -> list[list[int]]:
+    """The run's prompts, the same for every system. A burst's prompts are those of the
+    suite's earlier one-round runs; a run of several rounds draws a different set, so a
+    burst that ran first on the same engine leaves nothing in its prefix cache for it."""
+    length = spec.prompt_len
+    seed = workload_seed(shape, spec.concurrency, length)
+    if spec.concurrency == 1:
+        return [make_prompts(1, length, vocab_size, seed + r)[0] for r in range(spec.rounds)]
+    if spec.rounds == 1:
+        return make_prompts(spec.concurrency, length, vocab_size, seed)
+    return make_prompts(spec.num_prompts, length, vocab_size, seed ^ (0x5EED << spec.rounds))
+
+
+parse_ints = int_list
+
+
+def add_run_args(p: argparse.ArgumentParser, systems: str, ttft_lens: str) -> None:
+    """The flags that shape the runs and the engine under them (`systems`: the parts they
+    apply to)."""
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help=f"{systems}: closed loop over ROUNDS x C prompts at each concurrency C > 1 "
+        f"(default: {DEFAULT_STEADY_ROUNDS} from C = {STEADY_FROM_CONCURRENCY} on, 1 below; "
+        "1 = a burst only)",
+    )
+    p.add_argument(
+        "--burst",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"{systems}: also one round (a burst) where the closed loop has several",
+    )
+    p.add_argument(
+        "--ttft-lens",
+        default=ttft_lens,
+        help=f"{systems}: prompt lengths also run alone (concurrency 1), for the TTFT table",
+    )
+    p.add_argument(
+        "--prompt-graph-max-tokens",
+        type=int,
+        help=f"{systems}: the longest lone prompt chunk replayed from a CUDA graph "
+        "(0 = every prompt eagerly; default: the engine's own)",
+    )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help=f"{systems} without torch.compile (8B shapes then start in about a minute "
+        "instead of several on a fresh machine; compare runs of one setting only)",
+    )
+
+
+# ---------------------------------------------------------------- timings and stats
+
+
 @dataclass
 class ReqTiming:
     """One request, times in seconds on one clock."""
 
     sent_s: float
     # The response's headers arrived: the server started the call's handler (pdserve's
-    # router sends them first). Sent → accepted is the wait to be taken in, before any
-    # work on the request; accepted → first token is the service's own.
+    # router sends them first). Sent → accepted is the wait to be taken in.
     accepted_s: float | None = None
     first_s: float | None = None
     last_s: float | None = None
@@ -114,9 +222,8 @@ class ReqTiming:
     # message's timings: client TTFT minus this is the edge (gRPC, the handler's entry).
     router_ttft_s: float | None = None
     error: str = ""
-    # Seconds between consecutive arrivals of output (inter-token latency): TPOT is their
-    # mean per request, so one long gap (a prefill step between two decodes) lifts a
-    # request's TPOT while most of its tokens still come at the decode step's pace.
+    # Seconds between consecutive arrivals of output: one long gap (a prefill step
+    # between two decodes) lifts a request's TPOT while most tokens come at step pace.
     gaps_s: list[float] = field(default_factory=list)
 
     def add_tokens(self, now: float, count: int) -> None:

@@ -1,19 +1,10 @@
 """GPU suite, one-GPU parts, for one model shape in its own process (so that each shape's
-memory is returned to the driver when it exits):
-
-* floor: device-to-device copy bandwidth (the memory floor's denominator);
-* b:  pdserve's colocated engine (engine.llm.LLM), with per-step timings: closed loops at
-  each concurrency (bench.suite_plan: a burst and/or several rounds), and single requests
-  of each `--ttft-lens` length;
-* b0: the same engine with the decoder as transformers runs it (not compiled);
-* bs: the same engine scheduling each step only after the one before has finished (no
-  async scheduling);
-* bt: the same engine with `--step-tokens` tokens a step (max_num_batched_tokens);
-* a, a2: transformers `generate()` with static batches and its continuous batching
-  (bench.suite_hf).
-
-All use the same random weights (`load_format="dummy"`, seeded) and the same prompts.
-Writes one JSON (`--out`); `bench.gpu_suite` starts this and reads it.
+memory is returned to the driver when it exits): floor (device-to-device copy bandwidth,
+the memory floor's denominator), b (pdserve's engine in-process, `engine.llm.LLM`, with
+per-step timings, over the runs of bench.suite_common) and a (transformers `generate()`
+with static batches of b's burst prompts). All use the same random weights
+(`load_format="dummy"`, seeded). Writes one JSON (`--out`); `bench.gpu_suite` starts
+this and reads it.
 """
 
 from __future__ import annotations
@@ -33,8 +24,18 @@ import torch
 
 from bench.device import free, sync
 from bench.report import provenance
-from bench.suite_common import KVGeometry, ReqTiming, error_record, make_prompts, summarize
-from bench.suite_plan import add_run_args, parse_ints, plan_from_args, prompts_for
+from bench.suite_common import (
+    KVGeometry,
+    ReqTiming,
+    RunSpec,
+    add_run_args,
+    error_record,
+    make_prompts,
+    parse_ints,
+    plan_from_args,
+    prompts_for,
+    summarize,
+)  # fmt: skip
 
 if TYPE_CHECKING:
     from engine.core.batch import Batch
@@ -78,14 +79,6 @@ def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
 # ---------------------------------------------------------------- b: pdserve engine
 
 
-ENGINE_PARTS = {
-    "b": "b_pdserve_engine",
-    "b0": "b0_pdserve_engine_uncompiled",
-    "bs": "bs_pdserve_engine_no_async_scheduling",
-    "bt": "bt_pdserve_engine_step_tokens",  # b with --step-tokens per step
-}
-
-
 @dataclass
 class StepRecord:
     """One engine step: its time, the runner's share of it, and the batch's shape."""
@@ -93,7 +86,6 @@ class StepRecord:
     step_s: float
     execute_s: float = 0.0
     num_seqs: int = 0
-    num_tokens: int = 0
     num_prefill_seqs: int = 0  # sequences with more than one query token this step
     max_context: int = 0  # longest sequence (tokens in the cache after this step)
 
@@ -130,7 +122,6 @@ class StepProfile:
             if self._pending_execute is not None:
                 rec.execute_s, batch = self._pending_execute
                 rec.num_seqs = len(batch.seqs)
-                rec.num_tokens = batch.num_tokens
                 rec.num_prefill_seqs = sum(1 for s in batch.seqs if s.num_tokens > 1)
                 rec.max_context = max(s.end_position for s in batch.seqs)
             self.records.append(rec)
@@ -149,11 +140,7 @@ class StepProfile:
 
 
 def run_engine(
-    ns: argparse.Namespace,
-    device: torch.device,
-    dtype: str,
-    bandwidth: dict | None,
-    part: str = "b",
+    ns: argparse.Namespace, device: torch.device, dtype: str, bandwidth: dict | None
 ) -> dict[str, Any]:
     from engine.core.config import SchedulerConfig
     from engine.factory import EngineArgs
@@ -169,17 +156,14 @@ def run_engine(
             device=str(device),
             dtype=dtype,
             kv_cache_gib=ns.kv_cache_gib,
-            compile_model=part != "b0" and not ns.no_compile,
-            async_scheduling=part != "bs",
+            compile_model=not ns.no_compile,
+            async_scheduling=True,
             **(
                 {}
                 if ns.prompt_graph_max_tokens is None
                 else {"prompt_graph_max_tokens": ns.prompt_graph_max_tokens}
             ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max(128, *ns.concurrency),
-                **({"max_num_batched_tokens": ns.step_tokens} if part == "bt" else {}),
-            ),
+            scheduler=SchedulerConfig(max_num_seqs=max(128, *ns.concurrency)),
         )
     )
     startup_s = time.perf_counter() - t0
@@ -209,7 +193,7 @@ def run_engine(
             uninstall()
         runs.append(
             summarize(
-                ENGINE_PARTS[part],
+                "b_pdserve_engine",
                 spec.concurrency,
                 timings,
                 wall,
@@ -316,6 +300,54 @@ def decode_step_stats(
     return out
 
 
+# ---------------------------------------------------------------- a: transformers
+
+
+class _StepStamps:
+    """A generate() streamer that only notes when each step's tokens reach the host."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() first hands over the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def run_hf_static(model: Any, ns: argparse.Namespace, device: torch.device) -> list[dict]:
+    """One batch of `concurrency` prompts (b's and c's burst) per concurrency."""
+    vocab = model.config.vocab_size
+    runs = []
+    for c in ns.concurrency:
+        prompts = prompts_for(ns.shape, RunSpec(c, 1, ns.prompt_len), vocab)
+        ids = torch.tensor(prompts, device=device)
+        mask = torch.ones_like(ids)
+        kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0)
+        model.generate(**kw, max_new_tokens=2, min_new_tokens=2)  # warm-up, same shapes
+        stamps = _StepStamps()
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(
+            **kw, max_new_tokens=ns.output_len, min_new_tokens=ns.output_len, streamer=stamps
+        )
+        sync(device)
+        wall = time.perf_counter() - start
+        n = out.shape[1] - ids.shape[1]
+        first, last = stamps.times[0], stamps.times[-1]
+        timings = [ReqTiming(start, first_s=first, last_s=last, num_tokens=n) for _ in prompts]
+        runs.append(summarize("a_hf_generate_static", c, timings, wall, steps=len(stamps.times)))
+        del ids, mask, out
+        free(device)
+    return runs
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -324,7 +356,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", required=True, help="name used in the report and the seeds")
     p.add_argument("--model", required=True, help="folder with config.json")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--parts", default="floor,b,a,a2")
+    p.add_argument("--parts", default="floor,b,a")
     p.add_argument("--concurrency", default="1,32,128")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
@@ -332,12 +364,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds-at-c1", type=int, default=3)
     add_run_args(p, "b", ttft_lens="")
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
-    p.add_argument(
-        "--step-tokens",
-        type=int,
-        default=8192,
-        help="part bt: the engine's max_num_batched_tokens (b keeps the default)",
-    )
     p.add_argument("--out", required=True)
     ns = p.parse_args(argv)
     ns.parts = set(ns.parts.split(","))
@@ -369,29 +395,23 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - recorded, the other parts still run
             result["copy_bandwidth"] = error_record(exc)
         save()
-    for part in ENGINE_PARTS:
-        if part not in ns.parts:
-            continue
+    if "b" in ns.parts:
         try:
-            result[part] = run_engine(ns, device, dtype, bandwidth, part)
+            result["b"] = run_engine(ns, device, dtype, bandwidth)
         except Exception as exc:  # noqa: BLE001
-            result[part] = error_record(exc)
+            result["b"] = error_record(exc)
         free(device)
         save()
-    if ns.parts & {"a", "a2"}:
+    if "a" in ns.parts:
         from engine.model.model_loader import load_model
 
         model, _ = load_model(ns.model, dtype, device, "dummy")  # the engine's weights
-        from bench.suite_hf import run_hf_continuous, run_hf_static
-
-        for part, fn in (("a", run_hf_static), ("a2", run_hf_continuous)):
-            if part in ns.parts:
-                try:
-                    result[part] = fn(model, ns, device)
-                except Exception as exc:  # noqa: BLE001
-                    result[part] = error_record(exc)
-                free(device)
-                save()
+        try:
+            result["a"] = run_hf_static(model, ns, device)
+        except Exception as exc:  # noqa: BLE001
+            result["a"] = error_record(exc)
+        free(device)
+        save()
     save()
     return 0
 

@@ -1,7 +1,7 @@
 """The GPU suite's tables, from its JSON: throughput and latency of every system, the
-decode step against the memory floor, the KV hand-off against raw sends and under load
-against alone, TTFT at concurrency 1 (engine, colocated service, 1P1D), worker phases,
-burst against steady-state throughput.
+decode step against the memory floor, the KV hand-off under load against alone, TTFT at
+concurrency 1 (engine, colocated service, 1P1D), worker phases, burst against steady-state
+throughput.
 
     python -m bench.suite_report RESULTS.json [MORE.json...]
 
@@ -57,7 +57,6 @@ def format_tables(result: dict) -> str:
     tables = [
         _throughput(shapes, main_len),
         _floor(shapes, main_len),
-        _handoff(result),
         _handoff_under_load(shapes, main_len),
         _tpot_over_step(shapes, main_len),
         _ttft_c1(shapes, main_len),
@@ -115,29 +114,6 @@ def _floor(shapes: dict, main_len: int) -> list[str]:
         bw = rec.get("offline", {}).get("copy_bandwidth", {})
         if bw.get("read_write_gb_s"):
             lines.append(f"{shape:<6} copy bandwidth {bw['read_write_gb_s']} GB/s (read+write)")
-    return lines
-
-
-def _handoff(result: dict) -> list[str]:
-    raw = {row["bytes"]: row for row in result.get("nccl_raw", {}).get("sizes", [])}
-    lines = ["", "== KV hand-off vs raw dist.send (same bytes) =="]
-    lines.append(
-        f"{'shape':<6}{'prompt':>7}{'MiB':>8}{'ms p50':>9}{'GiB/s':>8}{'wire GiB/s':>11}"
-        f"{'raw GiB/s':>11}{'ratio':>7}{'wire ratio':>11}"
-    )
-    for shape, rec in result.get("shapes", {}).items():
-        svc = rec.get("service") or {}
-        for h in svc.get("handoff", []) if isinstance(svc, dict) else []:
-            r = raw.get(h["bytes"], {})
-            ratio = h.get("gib_s_p50") / r["gib_s"] if r and h.get("gib_s_p50") else None
-            wire = h.get("wire_gib_s_p50")
-            wire_ratio = wire / r["gib_s"] if r and wire else None
-            lines.append(
-                f"{shape:<6}{h['prompt_len']:>7}{h['bytes'] / 2**20:>8.1f}"
-                f"{_fmt((h.get('seconds_p50') or 0) * 1000, 2):>9}{_fmt(h.get('gib_s_p50')):>8}"
-                f"{_fmt(wire):>11}{_fmt(r.get('gib_s')):>11}{_fmt(ratio, 2):>7}"
-                f"{_fmt(wire_ratio, 2):>11}"
-            )
     return lines
 
 

@@ -1,11 +1,8 @@
 """GPU suite, service parts: `pdserve serve` as a subprocess, driven over gRPC.
 
-* c:  1 prefill + 1 decode worker (one GPU each), the closed-loop runs of bench.suite_plan;
+* c:  1 prefill + 1 decode worker (one GPU each), the closed-loop runs of bench.suite_common;
 * cc: 1 colocated worker (one GPU) behind the same router, the same runs: what the router
-  and gRPC cost without a hand-off, so c against cc is the price of disaggregation;
-* handoff (on c's service): KV hand-off time (the final message's
-  timings.kv_transfer_seconds) and the bytes it moved (from the KV layout) for prompts of
-  512 and 2048 tokens.
+  and gRPC cost without a hand-off, so c against cc is the price of disaggregation.
 
 bench.tp_goodput's probes (Poisson arrivals) use `Service` and `drive` too.
 """
@@ -25,8 +22,7 @@ import grpc
 
 from bench.harness import ServiceProcess as Service
 from bench.harness.metrics import Samples, phase_means_ms, prefill_paths, scrape
-from bench.suite_common import KVGeometry, ReqTiming, make_prompts, summarize
-from bench.suite_plan import RunSpec, prompts_for
+from bench.suite_common import KVGeometry, ReqTiming, RunSpec, make_prompts, prompts_for, summarize
 
 # ---------------------------------------------------------------- gRPC driver
 
@@ -157,29 +153,12 @@ async def drive(
 
 
 def _drive_slice(
-    address: str,
-    prompts: list[list[int]],
-    max_tokens: int,
-    concurrency: int,
-    barrier: Any,
-    results: Any,
-    slot: int,
-    channels: int = 4,
-    connections: bool = False,
-) -> None:
+    address: str, prompts: list[list[int]], max_tokens: int, kw: dict[str, Any],
+    barrier: Any, results: Any, slot: int,
+) -> None:  # fmt: skip
     """One client process of `drive_processes`: its share of the prompts and of the
-    concurrency, started with the others."""
-    timings, _ = asyncio.run(
-        drive(
-            address,
-            prompts,
-            max_tokens,
-            concurrency=concurrency,
-            ready=barrier.wait,
-            channels=channels,
-            connections=connections,
-        )
-    )
+    concurrency (`kw`: `drive`'s keywords), started with the others."""
+    timings, _ = asyncio.run(drive(address, prompts, max_tokens, ready=barrier.wait, **kw))
     results.put((slot, timings))
 
 
@@ -194,25 +173,15 @@ def drive_processes(
     connections: bool = False,
 ) -> tuple[list[ReqTiming], float]:
     """`drive`'s closed loop spread over several client processes, for loads one Python
-    client cannot read fast enough (at 128 streams of a small model it would spend as
-    long per message as the router does, and time its own backlog as the service's).
+    client cannot read fast enough (it would time its own backlog as the service's).
     Prompts are dealt round robin, the concurrency split as evenly as it goes; every
     process sends its first request after all are connected. The timings come back in
     the prompts' order; the wall time runs from the first send to the last token, on the
-    host's monotonic clock that every process shares. `channels` and `connections`:
-    each process's, as `drive` takes them."""
+    host's monotonic clock that every process shares."""
     processes = max(1, min(processes, concurrency, len(prompts)))
+    kw: dict[str, Any] = {"channels": channels, "connections": connections}
     if processes == 1:
-        return asyncio.run(
-            drive(
-                address,
-                prompts,
-                max_tokens,
-                concurrency=concurrency,
-                channels=channels,
-                connections=connections,
-            )
-        )
+        return asyncio.run(drive(address, prompts, max_tokens, concurrency=concurrency, **kw))
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # this process has used grpc: no fork
@@ -225,15 +194,13 @@ def drive_processes(
                 address,
                 prompts[i::processes],
                 max_tokens,
-                shares[i],
+                {**kw, "concurrency": shares[i]},
                 barrier,
                 results,
                 i,
-                channels,
-                connections,
             ),
             daemon=True,
-        )
+        )  # fmt: skip
         for i in range(processes)
     ]
     for proc in procs:
@@ -257,7 +224,7 @@ def drive_processes(
     return timings, wall
 
 
-# ---------------------------------------------------------------- c + handoff
+# ---------------------------------------------------------------- c, cc
 
 
 def check_warm_up(timings: list[ReqTiming]) -> None:
@@ -267,19 +234,12 @@ def check_warm_up(timings: list[ReqTiming]) -> None:
         raise RuntimeError(f"every warm-up request failed: {sorted({t.error for t in timings})}")
 
 
-SYSTEMS = {
-    # part: (system name in the report, description, pool flags)
-    "c": (
-        "c_pdserve_1p1d_grpc",
-        "1 prefill + 1 decode worker",
-        ["--prefill-workers", "1", "--decode-workers", "1"],
-    ),
-    "cc": (
-        "cc_pdserve_colocated_grpc",
-        "1 colocated worker behind the router",
-        ["--colocated-workers", "1"],
-    ),
-}
+SYSTEMS = {  # part: (system name in the report, description, pool flags)
+    "c": ("c_pdserve_1p1d_grpc", "1 prefill + 1 decode worker",
+          ["--prefill-workers", "1", "--decode-workers", "1"]),
+    "cc": ("cc_pdserve_colocated_grpc", "1 colocated worker behind the router",
+           ["--colocated-workers", "1"]),
+}  # fmt: skip
 
 
 def service_args(
@@ -306,21 +266,13 @@ def service_args(
 
 
 def run_service_part(
-    part: str,
-    shape: str,
-    model: Path,
-    workdir: Path,
-    ns: Any,
-    *,
-    plan: list[RunSpec],
-    handoff_lens: Sequence[int] = (),
-    kv_itemsize: int = 2,
+    part: str, shape: str, model: Path, workdir: Path, ns: Any, *, plan: list[RunSpec]
 ) -> dict[str, Any]:
-    """Part c (1P1D, and the hand-off measurement when `handoff_lens`) or cc (one
-    colocated worker) on its own service, with bench.gpu_suite's settings `ns`: every
-    run of `plan`, each closed loop from `ns.client_processes` client processes."""
+    """Part c (1P1D) or cc (one colocated worker) on its own service, with bench.gpu_suite's
+    settings `ns`: every run of `plan`, each closed loop from `ns.client_processes` client
+    processes."""
     system, config, pool_args = SYSTEMS[part]
-    geo = KVGeometry.of(model, kv_itemsize)
+    geo = KVGeometry.of(model)
     max_seqs = max(128, *(spec.concurrency for spec in plan)) if plan else 128
     args = service_args(model, pool_args, part == "c", ns.kv_cache_gib.get(shape, 8.0), max_seqs)
     svc = Service([*args, *ns.serve_extra], workdir / f"service-{part}-{shape}.log")
@@ -350,21 +302,12 @@ def run_service_part(
             )  # fmt: skip
             after = _samples(svc.metrics_port)
             transfers = [t.kv_transfer_s for t in timings if t.kv_transfer_s]
-            extra = {
-                "prompt_len": spec.prompt_len,
-                "rounds": spec.rounds,
-                "kv_transfer_ms_p50": round(1000 * statistics.median(transfers), 3)
-                if transfers
-                else None,
-                "phases_ms": phase_means_ms(before, after),
-                "prefill_paths": prefill_paths(before, after),
-            }
+            p50 = round(1000 * statistics.median(transfers), 3) if transfers else None
+            extra = {"prompt_len": spec.prompt_len, "rounds": spec.rounds,
+                     "kv_transfer_ms_p50": p50, "phases_ms": phase_means_ms(before, after),
+                     "prefill_paths": prefill_paths(before, after)}  # fmt: skip
             runs.append(summarize(system, spec.concurrency, timings, wall, **extra))
         out["runs"] = runs
-        if handoff_lens:
-            out["handoff"] = [
-                handoff_stats(svc.address, geo, n, ns.handoff_samples) for n in handoff_lens
-            ]
     finally:
         out["exit_code"] = svc.stop()
         if out["exit_code"] != 0 or "startup_s" not in out:
@@ -378,29 +321,3 @@ def _samples(metrics_port: int) -> Samples:
         return scrape(metrics_port)[1]
     except OSError:
         return {}
-
-
-def handoff_stats(address: str, geo: KVGeometry, prompt_len: int, samples: int) -> dict:
-    """Single requests in turn (max_tokens 2): hand-off seconds and the bytes moved."""
-    prompts = make_prompts(samples, prompt_len, geo.vocab_size, seed=5000 + prompt_len)
-    timings, _ = asyncio.run(drive(address, prompts, 2, concurrency=1))
-    secs = [t.kv_transfer_s for t in timings if t.ok and t.kv_transfer_s]
-    nbytes = geo.handoff_bytes(prompt_len)
-    if not secs:
-        return {"prompt_len": prompt_len, "bytes": nbytes, "error": timings[0].error}
-    med = statistics.median(secs)
-    wires = [t.kv_wire_s for t in timings if t.ok and t.kv_wire_s]
-    wire = statistics.median(wires) if wires else None
-    return {
-        # The data movement alone (receive posted → complete on the decode side).
-        "wire_seconds_p50": wire,
-        "wire_gib_s_p50": round(nbytes / wire / 2**30, 2) if wire else None,
-        "prompt_len": prompt_len,
-        "bytes": nbytes,
-        "samples": len(secs),
-        "seconds_p50": med,
-        "seconds_min": min(secs),
-        "gib_s_p50": round(nbytes / med / 2**30, 2),
-        "ttft_ms_p50": round(1000 * statistics.median(t.ttft_s or 0 for t in timings), 3),
-        "prefill_ms_p50": round(1000 * statistics.median(t.prefill_s or 0 for t in timings), 3),
-    }

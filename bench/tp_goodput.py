@@ -1,32 +1,15 @@
 """Goodput of serving layouts side by side, one service at a time on the same GPUs, in
-one run: per layout and TPOT objective the highest Poisson rate sustained (>=
-`--attainment` of the requests meet TTFT <= --slo-ttft-ms and TPOT <= the objective),
-then every disaggregated layout ÷ the colocated layouts of as many GPUs (pairs, best of
-each kind, and whether disaggregation is never worse: bench.goodput).
+one run: per layout and TPOT objective the highest Poisson rate sustained, then every
+disaggregated layout ÷ the colocated layouts of as many GPUs (bench.goodput).
 
-Layouts (bench.goodput_layouts): `colocated:NxtpT`, `disagg:PxtpA+DxtpB` (prefill pool
-first); single-GPU workers are `xtp1` (1P1D on 2 GPUs: `disagg:1xtp1+1xtp1` against
-`colocated:2xtp1`). Each layout's service starts once; its process tree is gone and the
-GPUs' memory released before the next one starts. Requests are `--prompt-len` random
-tokens asking for `--output-len`, the same prompts and arrival gaps at a given rate for
-every layout; a probe is cut short once its misses at the objective it is aimed at are
-past saving (nothing more is sent, the calls in flight are cancelled).
-
-Probes (bench.goodput): a coarse search from `--start-rate` (×2 per step; from a seed,
-the goodput an earlier layout reached, ×1.5) to the first miss, then bisection until
-the bracket is within `--resolution` or `--max-probes` is spent (`--rates`: only those
-rates). A colocated layout runs one sweep, scored at every objective. A disaggregated
-layout's router aims its local-prefill rule at a TPOT target, so by default (`--aim
-per-slo`) it runs one sweep per objective with the router aimed at it through the admin
-API (the service is not restarted); `--aim tightest` runs one sweep aimed at the
-tightest objective and scores it at all of them (the looser ones then are lower bounds).
-
-Time: `--budget-s` bounds the whole run; each layout gets `--layout-budget-s` (default:
-what is left ÷ the layouts left) from its start to its stop, and no probe starts that
-would end past it. The JSON (bench.report.write_result) is rewritten after each layout;
-`--report A.json B.json` prints the tables of several runs merged. GPU commands are in
-docs/benchmarks.md; a CPU smoke run (the tiny Llama of bench.suite_common, three
-layouts of two "GPUs", one of them TP 2 over gloo; about 2 minutes on 2 cores):
+Layouts as bench.goodput writes them (`colocated:2xtp1`, `disagg:1xtp1+1xtp1`). Each
+layout's service starts once, its processes are gone and its GPUs' memory free before
+the next starts; every layout gets the same prompts and arrival gaps at a given rate. A
+colocated layout runs one sweep, scored at every objective; a disaggregated one, by
+default (`--aim per-slo`), one sweep per objective with its router's local-prefill rule
+aimed at it through the admin API. `--budget-s` bounds the run, `--layout-budget-s` each
+layout. The JSON is rewritten after each layout; `--report A.json B.json` prints the
+tables of several runs merged. A CPU smoke run (about 2 minutes on 2 cores):
 
     python -m bench.tp_goodput --quick --out /tmp/tp_goodput_quick.json
 """
@@ -48,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.goodput import (
+    Layout,
     RateProbeSearch,
     attainment,
     comparisons,
@@ -55,9 +39,9 @@ from bench.goodput import (
     give_up_when_missed,
     layout_bracket,
     looser_than,
+    parse_layouts,
     slo_key,
 )
-from bench.goodput_layouts import Layout, parse_layouts
 from bench.report import write_result
 from bench.suite_common import KVGeometry, error_record, make_prompts, summarize
 

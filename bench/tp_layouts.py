@@ -7,8 +7,9 @@ for (the exposed transfer), and the router's timings give the hand-off itself.
     python -m bench.tp_layouts --model deploy/model_configs/llama-70b --load-format dummy \\
         --layouts colocated_tp2,1p1d_tp2_tp2 --out tp_layouts.json
 
-Layout names: `colocated_tpN` (one worker of N GPUs) and `1p1d_tpP_tpD` (a prefill
-worker of P GPUs handing off to a decode worker of D GPUs; every prompt is handed off).
+Layouts as bench.goodput writes them, or `colocated_tpN` (one worker of N GPUs) and
+`1p1d_tpP_tpD` (a prefill worker of P GPUs handing off to a decode worker of D GPUs);
+every prompt of a disaggregated layout is handed off.
 """
 
 from __future__ import annotations
@@ -24,23 +25,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.goodput import Layout, Pool, parse_layout
 from bench.harness import service_process
 from bench.harness.streams import generate
-from bench.report import write_result
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.report import REPO, int_list, write_result
 
 
 def layout_flags(name: str) -> list[str]:
     """`pdserve serve` flags of a layout name (ValueError for a name it cannot read)."""
     if m := re.fullmatch(r"colocated_tp(\d+)", name):
-        return ["--colocated-workers", "1", "--tensor-parallel-size", m[1]]
-    if m := re.fullmatch(r"1p1d_tp(\d+)_tp(\d+)", name):
-        return [
-            "--prefill-tensor-parallel-size", m[1], "--decode-tensor-parallel-size", m[2],
-            "--local-prefill-max-tokens", "0",
-        ]  # fmt: skip
-    raise ValueError(f"unknown layout {name!r}: colocated_tpN or 1p1d_tpP_tpD")
+        layout = Layout(Pool(1, int(m[1])))
+    elif m := re.fullmatch(r"1p1d_tp(\d+)_tp(\d+)", name):
+        layout = Layout(Pool(1, int(m[1])), Pool(1, int(m[2])))
+    else:
+        layout = parse_layout(name)
+    local = ["--local-prefill-max-tokens", "0"] if layout.disaggregated else []
+    return [*layout.serve_flags(), *local]
 
 
 async def _ttfts(
@@ -101,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=str(REPO / "deploy" / "model_configs" / "llama-70b"))
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     p.add_argument("--layouts", default="colocated_tp2,1p1d_tp2_tp2")
-    p.add_argument(
-        "--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048]
-    )
+    p.add_argument("--prompt-lens", type=int_list, default=[512, 2048])
     p.add_argument("--rounds", type=int, default=5, help="requests per prompt length")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--vocab", type=int, default=128000, help="prompt token ids are below this")

@@ -9,11 +9,9 @@ import dataclasses
 
 import pytest
 
-from bench import soak_group_stop, soak_sole_decode
 from bench.harness.stopping import StopResult
 from bench.harness.streams import StreamResult
-from bench.soak import parse_args
-from bench.soak_sole_decode import TimedStream, resumed_at
+from bench.soak import TimedStream, check_group_stop, check_sole_decode, parse_args, resumed_at
 from pdserve.v1 import generation_pb2 as pb
 
 GRACE_S = 10.0
@@ -43,7 +41,7 @@ def _stop(*streams: StreamResult, **changes: object) -> StopResult:
 
 def test_a_clean_group_stop_with_finished_and_aborted_streams_passes() -> None:
     result = _stop(_stream(16, pb.FINISH_REASON_LENGTH), _stream(90, pb.FINISH_REASON_ABORT))
-    assert soak_group_stop.check(result, GRACE_S) == []
+    assert check_group_stop(result, GRACE_S) == []
 
 
 @pytest.mark.parametrize(
@@ -60,7 +58,7 @@ def test_a_clean_group_stop_with_finished_and_aborted_streams_passes() -> None:
 def test_a_stream_without_exactly_one_final_message_fails_the_group_stop(
     stream: StreamResult, expected: str
 ) -> None:
-    wrong = soak_group_stop.check(_stop(_stream(16, pb.FINISH_REASON_LENGTH), stream), GRACE_S)
+    wrong = check_group_stop(_stop(_stream(16, pb.FINISH_REASON_LENGTH), stream), GRACE_S)
     assert len(wrong) == 1 and wrong[0].startswith("stream 1") and expected in wrong[0], wrong
 
 
@@ -78,7 +76,7 @@ def test_a_late_or_unclean_exit_fails_the_group_stop(
     changes: dict[str, object], expected: str
 ) -> None:
     result = _stop(_stream(90, pb.FINISH_REASON_ABORT), **changes)
-    wrong = soak_group_stop.check(result, GRACE_S)
+    wrong = check_group_stop(result, GRACE_S)
     assert len(wrong) == 1 and expected in wrong[0], wrong
 
 
@@ -97,16 +95,16 @@ def _timed(text: str, num_tokens: int = 64) -> TimedStream:
 def test_the_only_decode_worker_phase_wants_the_undisturbed_stream_resumed_in_time() -> None:
     reference = [_stream(64, pb.FINISH_REASON_LENGTH, text=t) for t in ("a", "b", "c", "d")]
     streams = [_timed("a"), _timed("b", 60), _timed("x"), _timed("d")]
-    wrong = soak_sole_decode.check(reference, streams, [0.4, 0.5, 0.3, 2.6], 2.0)
+    wrong = check_sole_decode(reference, streams, [0.4, 0.5, 0.3, 2.6], 2.0)
     assert wrong == [
         "stream 1: 60 tokens, undisturbed 64",
         "stream 2: text differs from its undisturbed run",
         "stream 3 resumed 2.60 s after the replacement went live (bound 2 s)",
     ]
     aborted = TimedStream([], _stream(20, pb.FINISH_REASON_ABORT))
-    wrong = soak_sole_decode.check(reference[:2], [_timed("a"), aborted], [0.4, None], 2.0)
+    wrong = check_sole_decode(reference[:2], [_timed("a"), aborted], [0.4, None], 2.0)
     assert len(wrong) == 1 and "stream 1 did not complete: final:FINISH_REASON_ABORT" in wrong[0]
-    assert soak_sole_decode.check(reference, [_timed(t) for t in "abcd"], [0.1] * 4, 2.0) == []
+    assert check_sole_decode(reference, [_timed(t) for t in "abcd"], [0.1] * 4, 2.0) == []
 
 
 def test_quick_shortens_the_soak_and_explicit_flags_still_win() -> None:

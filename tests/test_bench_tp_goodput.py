@@ -17,6 +17,8 @@ import pytest
 from bench import tp_goodput
 from bench.goodput import (
     Bracket,
+    Layout,
+    Pool,
     RateProbeSearch,
     attainment,
     bracket,
@@ -27,9 +29,10 @@ from bench.goodput import (
     give_up_when_missed,
     layout_bracket,
     looser_than,
+    parse_layout,
+    parse_layouts,
     verdict,
 )
-from bench.goodput_layouts import Layout, Pool, parse_layout, parse_layouts
 from bench.report import write_result
 from bench.suite_common import ReqTiming
 from router.cli.engine_flags import tensor_parallel_size

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.harness.polling import wait_until_async
 from bench.harness.ports import free_port
@@ -67,6 +69,18 @@ class StopResult:
     @property
     def worst_final_s(self) -> float:
         return max(self.final_after_s, default=0.0)
+
+    def record(self, wrong: list[str]) -> dict[str, Any]:
+        """The stop as a JSON record, with what it got wrong (`problems`)."""
+        return {
+            "outcomes": [s.outcome for s in self.streams],
+            "final_after_s": [round(s, 3) for s in self.final_after_s],
+            "exit_code": self.exit_code,
+            "exit_after_s": round(self.exit_after_s, 3),
+            "survivors": self.survivors,
+            "passed": not wrong,
+            "wrong": wrong,
+        }
 
     def problems(self, final_within_s: float, exit_within_s: float) -> list[str]:
         """What the stop got wrong; empty when it passed. Every stream ends with exactly
@@ -120,6 +134,23 @@ def send_stop(mode: str, router_pid: int, rng: random.Random | None = None) -> N
             os.kill(pid, signal.SIGTERM)
 
 
+async def start_streams(
+    address: str, waves: Sequence[Sequence[dict[str, Any]]]
+) -> tuple[list[asyncio.Future[StreamResult]], list[int]]:
+    """Start each wave of Generate calls (`generate` keywords) once every stream before it
+    has tokens; once all have, the calls and the tokens each has had so far (kept up to
+    date)."""
+    seen: list[int] = []
+    calls: list[asyncio.Future[StreamResult]] = []
+    for wave in waves:
+        for request in wave:
+            seen.append(0)
+            on_tokens = functools.partial(seen.__setitem__, len(calls))
+            calls.append(asyncio.ensure_future(generate(address, on_tokens=on_tokens, **request)))
+        await wait_until_async(lambda: min(seen) >= 2, 120, what="every stream under way")
+    return calls, seen
+
+
 async def stop_with_streams(
     proc: subprocess.Popen[bytes],
     address: str,
@@ -131,24 +162,11 @@ async def stop_with_streams(
 ) -> StopResult:
     """Start `num_streams` long streams, send the stop once each has tokens, and wait for
     the streams and the process: what each saw and when."""
-    seen = [0] * num_streams
-
-    def counter(i: int) -> Callable[[int], None]:
-        return lambda n: seen.__setitem__(i, n)
-
-    calls = [
-        asyncio.ensure_future(
-            generate(
-                address,
-                prompt=f"Count slowly, number {i}:",
-                max_tokens=4000,
-                ignore_eos=True,
-                on_tokens=counter(i),
-            )
-        )
+    requests = [
+        {"prompt": f"Count slowly, number {i}:", "max_tokens": 4000, "ignore_eos": True}
         for i in range(num_streams)
     ]
-    await wait_until_async(lambda: min(seen) >= 2, 120, what="every stream under way")
+    calls, seen = await start_streams(address, [requests])
     return await stop_and_wait(proc, mode, calls, seen, exit_timeout_s=exit_timeout_s, rng=rng)
 
 
