@@ -8,7 +8,7 @@ bench/, so it runs against any checkout whose runner takes these arguments. Alte
 the trees in one call on one machine and compare medians:
 
     for i in 1 2; do for t in OLD_CHECKOUT .; do
-        python bench/decode_step_ab.py --tree $t --out $OUT/decode_step_ab.jsonl
+        python -m bench.decode_step_ab --tree $t --out $OUT/decode_step_ab.jsonl
     done; done
 
 Not a test: numbers depend on the card; compare only numbers of one run.
@@ -57,9 +57,13 @@ def main() -> None:
         cuda_graph_batch_sizes=sizes,
     )
     runner._kv_storage.normal_()  # random K/V: never time on zeros
-    commit = subprocess.run(
-        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    top = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    # A folder inside another checkout (an exported tree) has no commit of its own.
+    commit = top[1] if len(top) == 2 and Path(top[0]).resolve() == tree else None
     rng = random.Random(0)
     for n in sizes:
         blocks = list(range(runner.num_blocks))
@@ -99,7 +103,7 @@ def main() -> None:
             gpu.append(start.elapsed_time(end))
         row: dict[str, Any] = {
             "tree": str(args.tree),
-            "commit": commit or None,
+            "commit": commit,
             "model": args.model,
             "batch": n,
             "context": args.context,
