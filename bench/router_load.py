@@ -29,7 +29,7 @@ from typing import Any
 
 from bench.fake_workers import FakePools
 from bench.harness.ports import free_port
-from bench.report import percentile, write_result
+from bench.report import percentile, text_table, write_result
 from router.edge.streams import StreamInterval
 
 # Connections each client process opens per router process: enough that the kernel's
@@ -174,20 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         f"router over fake workers, {args.concurrency} streams "
         f"(workers offer {result['offered_tok_s']} tok/s)"
     )
-    print(
-        f"{'routers':>7} {'interval':>8} {'tok/s':>9} {'ratio':>6} {'msgs/req':>8} "
-        f"{'TTFT p50 ms':>11} {'accept p50 ms':>13} {'TPOT p50':>9} {'gap p50':>8} "
-        f"{'gap p99':>8} {'ok':>9}"
-    )
-    for r in runs:
-        assert r is not None
-        print(
-            f"{r['router_processes']:>7} {r['stream_interval']:>8} {r['tok_s']:>9} "
-            f"{r['ratio']:>6.2f} "
-            f"{r['messages_per_request']:>8} {r['ttft_ms_p50']!s:>11} {r['accept_ms_p50']!s:>13} "
-            f"{r['tpot_ms_p50']!s:>9} {r['message_gap_ms_p50']!s:>8} "
-            f"{r['message_gap_ms_p99']!s:>8} {r['ok']:>4}/{args.requests}"
-        )
+    keys = "router_processes stream_interval tok_s ratio messages_per_request ttft_ms_p50"
+    keys += " accept_ms_p50 tpot_ms_p50 message_gap_ms_p50 message_gap_ms_p99"
+    rows = [[*(str(r[k]) for k in keys.split()), f"{r['ok']}/{args.requests}"] for r in runs if r]
+    head = ["routers", "interval", "tok/s", "ratio", "msgs/req", "TTFT p50 ms", "accept p50 ms"]
+    head += ["TPOT p50", "gap p50", "gap p99", "ok"]
+    print("\n".join(text_table(head, rows, left=0)))
     if args.out:
         write_result(args.out, "bench.router_load", argv, **result)
     return 0 if all(r is not None and r["ok"] == args.requests for r in runs) else 1
