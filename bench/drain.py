@@ -1,17 +1,16 @@
 """Drain a decode worker under load: how long it takes, and what its requests notice.
 
+A 1P2D service gets `--num-requests` long generations at once; once all decode, the
+decode pool shrinks to one and decode-1's requests move to decode-0 with their KV. It
+reports the scale-down's time, the requests moved, each stream's largest gap between
+token messages during the drain against before it, and each move's pause from the log.
+Every request must complete, each moved one with its KV; a drain that moved nothing
+fails (raise `--max-tokens`).
+
     python -m bench.drain --out drain.json                       # CPU, small
     python -m bench.drain --num-requests 64 --prompt-tokens 600 --max-tokens 4096 \\
         --vocab-size 128256 \\
         --serve-args "--model deploy/model_configs/llama-3.2-1b --load-format dummy"   # GPUs
-
-A 1P2D service gets `--num-requests` long generations at once; once all decode, the
-decode pool shrinks to one and decode-1's requests move to decode-0 with their KV.
-Reports the scale-down's time, requests moved with their KV or by recompute, every
-stream's largest gap between token messages during the drain (plus one second) against
-before it, and from the service's log each move's pause, the moves' time and the
-worker's stop. Every request must complete, each moved one with its KV; a drain that
-moved nothing fails, naming how fast the streams went (raise `--max-tokens`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The GPU benchmark suite: every system side by side, in one run, on one machine.
 
-For each model shape (random weights of the real shape, bf16; random prompts, greedy,
-EOS ignored) at each concurrency: a (transformers generate(), static batches, one GPU),
-b (pdserve's engine in-process, one GPU), cc (1 colocated worker behind the router, over
-gRPC, one GPU), c (1 prefill + 1 decode worker behind the router, two GPUs), and floor
-(b's full-batch decode step against the memory floor). b, cc and c run the closed loops
-of bench.suite_common; a runs one batch. One-GPU parts run in a subprocess per shape
-(bench.suite_offline); this process never touches CUDA. Prints tables (bench.suite_report);
-writes one JSON to --out and to $OUT/gpu_suite.json when $OUT is set.
+Per model shape (random weights, bf16) and concurrency: a (transformers generate(),
+static batches), b (the engine in-process), cc (one colocated worker behind the router),
+c (1 prefill + 1 decode worker) and floor (b's decode step against the memory floor);
+b, cc and c run bench.suite_common's closed loops, one-GPU parts run in bench.suite_offline
+(a process per shape). Prints bench.suite_report's tables; writes one JSON to --out and
+to $OUT/gpu_suite.json when $OUT is set.
 
     python -m bench.gpu_suite --quick                  # smoke: 1b, small runs
     python -m bench.gpu_suite --shapes 8b --parts b,c,floor

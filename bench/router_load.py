@@ -1,12 +1,8 @@
-"""How many tokens a second the router itself can stream, with workers that cost nothing.
-
-The router runs in a process of its own over fake workers (bench.fake_workers) whose
-decode step takes `--step-ms` and gives every running request a token, stepping by the
-clock as a real engine does between polls; a client process drives it with the suite's
-closed loop. With `--router-processes 1,2,4`, N router processes on one port
-(SO_REUSEPORT, as `pdserve serve --router-processes N` runs them), each over fakes of its
-own and the tier's shared admission, driven by `--client-processes` per router process;
-the table gives tokens a second at each N and the ratio to N = 1.
+"""How many tokens a second the router itself can stream, with workers that cost nothing:
+N router processes on one port (`--router-processes 1,2,4`, as `pdserve serve
+--router-processes N` runs them), each over fake workers of its own (bench.fake_workers)
+whose decode step takes `--step-ms`, driven by the suite's closed loop from
+`--client-processes` per router process; tokens a second at each N and the ratio to N = 1.
 
     python -m bench.router_load --concurrency 128 --requests 512 --profile out.prof
     python -m bench.router_load --stream-intervals 1,4,auto   # each in turn, one table

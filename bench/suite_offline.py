@@ -1,10 +1,8 @@
-"""GPU suite, one-GPU parts, for one model shape in its own process (so that each shape's
-memory is returned to the driver when it exits): floor (device-to-device copy bandwidth,
-the memory floor's denominator), b (pdserve's engine in-process, `engine.llm.LLM`, with
-per-step timings, over the runs of bench.suite_common) and a (transformers `generate()`
-with static batches of b's burst prompts). All use the same random weights
-(`load_format="dummy"`, seeded). Writes one JSON (`--out`); `bench.gpu_suite` starts
-this and reads it.
+"""GPU suite, one-GPU parts, for one model shape in its own process (its memory goes back
+to the driver when it exits): floor (the device's copy bandwidth), b (the engine
+in-process, `engine.llm.LLM`, with per-step timings) and a (transformers `generate()`,
+static batches of b's burst prompts), on the same random weights. Writes one JSON
+(`--out`); `bench.gpu_suite` starts it and reads it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The decode step of a model split over tensor-parallel sizes, side by side in one run.
 
-For each model (random bf16 weights from deploy/model_configs/<name>/config.json, or any
-model folder), TP size and batch size, `tp` processes (rank r on cuda:r, NCCL; on CPU,
-gloo) each build the engine's `ModelRunner` for their rank (compiled decoder, CUDA
-graphs) and time `runner.execute` of the same pure-decode batch, every sequence holding
-`--context` tokens of random KV. Rank 0 reports the median step, its graph's GPU time,
-the memory floor of one rank (its weights plus the KV its heads read, over the copy
-bandwidth measured in the run), step ÷ floor, step ÷ TP 1, and one all-reduce of
-[batch, hidden] alone (eager and from a graph) with its share of the step (2 per layer).
-Each (model, TP size) runs in processes of its own; the JSON is rewritten after each
-batch, so a timeout keeps what finished. Sizes needing more GPUs or memory than present
-are skipped with a note.
+Per model (random weights of deploy/model_configs/<name>, or any model folder), TP size
+and batch size, one process per rank times the engine's `ModelRunner` on the same
+pure-decode batch; rank 0 reports the median step, its graph's GPU time, step ÷ the
+memory floor and ÷ TP 1, and one all-reduce of [batch, hidden] alone (docs/benchmarks.md,
+"Tensor parallelism"). The JSON is rewritten after each batch; sizes needing more GPUs
+or memory than present are skipped with a note.
 
     python -m bench.tp_decode --out $OUT/tp_decode.json
     python -m bench.tp_decode --models llama-3.1-8b --tp-sizes 1,2 --eager
