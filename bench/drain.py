@@ -32,7 +32,7 @@ from bench.harness.metrics import value as metric_value
 from bench.harness.polling import wait_until_async
 from bench.harness.service import service_process
 from bench.harness.streams import StreamResult, generate
-from bench.report import distribution, provenance
+from bench.report import distribution, write_result
 from pdserve.v1 import generation_pb2 as pb
 from router.cli.admin_client import scale_pool
 from router.cli.client import get_pool_stats
@@ -203,10 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = asyncio.run(measure(svc.address, svc.metrics_port, args))
     summary.update(drain_phases(log.read_text(errors="replace")))
     summary["serve_args"] = serve_args
-    summary["provenance"] = provenance("bench.drain", sys.argv[1:] if argv is None else argv)
-    print(json.dumps({k: v for k, v in summary.items() if k != "provenance"}, indent=1))
+    print(json.dumps(summary, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+        write_result(args.out, "bench.drain", argv, **summary)
     failed = problems(summary, args.num_requests, args.max_tokens)
     for problem in failed:
         print(f"bench.drain: FAILED: {problem}", file=sys.stderr)

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import provenance
-from bench.suite_common import add_run_args, error_record, model_path, parse_ints, plan_from_args
+from bench.report import int_list, provenance
+from bench.suite_common import add_run_args, error_record, model_path, plan_from_args
 from bench.suite_report import format_tables
 
 ALL_PARTS = ("a", "b", "cc", "c", "floor")
@@ -73,10 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(ALL_PARTS)}")
     ns.shapes = pick(ns.shapes, "1b,8b", "1b").split(",")
-    ns.concurrency = parse_ints(pick(ns.concurrency, "1,32,128", "1,8"))
+    ns.concurrency = int_list(pick(ns.concurrency, "1,32,128", "1,8"))
     ns.output_len = pick(ns.output_len, 128, 32)
     ns.rounds_at_c1 = pick(ns.rounds_at_c1, 12, 2)
-    ns.ttft_lens = parse_ints(ns.ttft_lens)
+    ns.ttft_lens = int_list(ns.ttft_lens)
     if ns.rounds is not None and ns.rounds < 1:
         p.error("--rounds must be >= 1")
     ns.serve_extra = shlex.split(ns.serve_extra) + (["--no-compile"] if ns.no_compile else [])

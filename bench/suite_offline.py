@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bench.device import free, sync
-from bench.report import provenance
+from bench.report import int_list, provenance
 from bench.suite_common import (
     KVGeometry,
     ReqTiming,
@@ -29,7 +29,6 @@ from bench.suite_common import (
     add_run_args,
     error_record,
     make_prompts,
-    parse_ints,
     plan_from_args,
     prompts_for,
     summarize,
@@ -365,8 +364,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     ns = p.parse_args(argv)
     ns.parts = set(ns.parts.split(","))
-    ns.concurrency = parse_ints(ns.concurrency)
-    ns.ttft_lens = parse_ints(ns.ttft_lens)
+    ns.concurrency = int_list(ns.concurrency)
+    ns.ttft_lens = int_list(ns.ttft_lens)
     return ns
 
 
