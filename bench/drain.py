@@ -1,17 +1,16 @@
 """Drain a decode worker under load: how long it takes, and what its requests notice.
 
+A 1P2D service gets `--num-requests` long generations at once; once all decode, the
+decode pool shrinks to one and decode-1's requests move to decode-0 with their KV. It
+reports the scale-down's time, the requests moved, each stream's largest gap between
+token messages during the drain against before it, and each move's pause from the log.
+Every request must complete, each moved one with its KV; a drain that moved nothing
+fails (raise `--max-tokens`).
+
     python -m bench.drain --out drain.json                       # CPU, small
     python -m bench.drain --num-requests 64 --prompt-tokens 600 --max-tokens 4096 \\
         --vocab-size 128256 \\
         --serve-args "--model deploy/model_configs/llama-3.2-1b --load-format dummy"   # GPUs
-
-A 1P2D service gets `--num-requests` long generations at once; once all decode, the
-decode pool shrinks to one and decode-1's requests move to decode-0 with their KV.
-Reports the scale-down's time, requests moved with their KV or by recompute, every
-stream's largest gap between token messages during the drain (plus one second) against
-before it, and from the service's log each move's pause, the moves' time and the
-worker's stop. Every request must complete, each moved one with its KV; a drain that
-moved nothing fails, naming how fast the streams went (raise `--max-tokens`).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from bench.harness.metrics import value as metric_value
 from bench.harness.polling import wait_until_async
 from bench.harness.service import service_process
 from bench.harness.streams import StreamResult, generate
-from bench.report import distribution, provenance
+from bench.report import distribution, write_result
 from pdserve.v1 import generation_pb2 as pb
 from router.cli.admin_client import scale_pool
 from router.cli.client import get_pool_stats
@@ -204,10 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = asyncio.run(measure(svc.address, svc.metrics_port, args))
     summary.update(drain_phases(log.read_text(errors="replace")))
     summary["serve_args"] = serve_args
-    summary["provenance"] = provenance("bench.drain", sys.argv[1:] if argv is None else argv)
-    print(json.dumps({k: v for k, v in summary.items() if k != "provenance"}, indent=1))
+    print(json.dumps(summary, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+        write_result(args.out, "bench.drain", argv, **summary)
     failed = problems(summary, args.num_requests, args.max_tokens)
     for problem in failed:
         print(f"bench.drain: FAILED: {problem}", file=sys.stderr)

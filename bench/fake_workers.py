@@ -77,20 +77,6 @@ def tokens_after(context: Sequence[int], seed: int, num_tokens: int) -> list[int
     return tokens
 
 
-def expected_tokens(inp: GenerationInput) -> list[int]:
-    return tokens_after(inp.prompt_token_ids, inp.sampling.seed or 0, inp.sampling.max_tokens)
-
-
-class WordTokenizer:
-    """Token t is the text '<t>'."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(f"<{i}>" for i in ids)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [int(x) for x in text.replace(">", " ").replace("<", " ").split()]
-
-
 @dataclass
 class _Running:
     inp: GenerationInput

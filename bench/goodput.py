@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bench.report import text_table
 from bench.suite_common import ReqTiming
 
 # ---------------------------------------------------------------- layouts
@@ -403,34 +404,28 @@ def format_tables(
 ) -> str:
     """The layouts' goodput, then the three views of `comparisons`."""
     heads = [f"TPOT<={k}ms" for k in keys]
-    width = max([len(r["layout"]) for r in records] + [24])
+    rows: list[Any] = []
+    for r in records:
+        if r.get("goodput"):
+            cells = [_cell(_bracket(r, k)) for k in keys]
+            rows.append([r["layout"], r["gpus"], r.get("startup_s"), len(r["points"]), *cells])
+        else:
+            why = r.get("skipped") or r.get("error") or "no goodput"
+            rows.append(f"{r['layout']}  {r.get('gpus', '-')} GPUs  {why[:90]}")
     lines = [
         "goodput, req/s: highest Poisson rate sustained (<R: rate R missed; +: none missed)",
-        f"{'layout':<{width}} {'GPUs':>4} {'start s':>7} {'probes':>6}  "
-        + "  ".join(f"{h:>16}" for h in heads),
+        *text_table(["layout", "GPUs", "start s", "probes", *heads], rows),
     ]
-    for r in records:
-        if not r.get("goodput"):
-            why = r.get("skipped") or r.get("error") or "no goodput"
-            lines.append(f"{r['layout']:<{width}} {r.get('gpus', '-'):>4}  {why[:90]}")
-            continue
-        start = r.get("startup_s")
-        cells = "  ".join(f"{_cell(_bracket(r, k)):>16}" for k in keys)
-        lines.append(
-            f"{r['layout']:<{width}} {r['gpus']:>4} {start if start is not None else '-':>7} "
-            f"{len(r['points']):>6}  {cells}"
-        )
     for r in records:
         if r.get("goodput") and r.get("error"):  # measured, then failed: say so
             lines.append(f"  {r['layout']}: stopped by {r['error'][:100]}")
-    pair_width = 2 * width + 3
     if comp["pairs"]:
         lines += ["", "disaggregated ÷ colocated, same GPUs (ratio, verdict from the brackets)"]
-        lines.append(f"{'':<{pair_width}} {'GPUs':>4}  " + "  ".join(f"{h:>16}" for h in heads))
-        for row in comp["pairs"]:
-            name = f"{row['disagg']} ÷ {row['colocated']}"
-            cells = "  ".join(f"{_ratio_cell(row[k]):>16}" for k in keys)
-            lines.append(f"{name:<{pair_width}} {row['gpus']:>4}  {cells}")
+        pairs = [
+            [f"{r['disagg']} ÷ {r['colocated']}", r["gpus"], *(_ratio_cell(r[k]) for k in keys)]
+            for r in comp["pairs"]
+        ]
+        lines += text_table(["", "GPUs", *heads], pairs)
     if comp["best"]:
         lines += ["", "best disaggregated ÷ best colocated, per GPU count and objective"]
         for row in comp["best"]:
@@ -443,8 +438,8 @@ def format_tables(
         lines += ["", "never worse than the best colocated layout of the same GPUs?"]
         for row in comp["never_worse"]:
             holds = {True: "yes", False: "NO", None: "-"}[row["holds"]]
-            cells = ", ".join(
+            says = ", ".join(
                 f"{k} ms: {_ratio_cell(row[k])} vs {row[k]['vs']}" for k in keys if row[k]
             )
-            lines.append(f"{row['disagg']:<{width}} {holds:>3}  {cells}")
+            lines.append(f"{row['disagg']}  {holds}  {says}")
     return "\n".join(lines)

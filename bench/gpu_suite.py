@@ -1,13 +1,11 @@
 """The GPU benchmark suite: every system side by side, in one run, on one machine.
 
-For each model shape (random weights of the real shape, bf16; random prompts, greedy,
-EOS ignored) at each concurrency: a (transformers generate(), static batches, one GPU),
-b (pdserve's engine in-process, one GPU), cc (1 colocated worker behind the router, over
-gRPC, one GPU), c (1 prefill + 1 decode worker behind the router, two GPUs), and floor
-(b's full-batch decode step against the memory floor). b, cc and c run the closed loops
-of bench.suite_common; a runs one batch. One-GPU parts run in a subprocess per shape
-(bench.suite_offline); this process never touches CUDA. Prints tables (bench.suite_report);
-writes one JSON to --out and to $OUT/gpu_suite.json when $OUT is set.
+Per model shape (random weights, bf16) and concurrency: a (transformers generate(),
+static batches), b (the engine in-process), cc (one colocated worker behind the router),
+c (1 prefill + 1 decode worker) and floor (b's decode step against the memory floor);
+b, cc and c run bench.suite_common's closed loops, one-GPU parts run in bench.suite_offline
+(a process per shape). Prints bench.suite_report's tables; writes one JSON to --out and
+to $OUT/gpu_suite.json when $OUT is set.
 
     python -m bench.gpu_suite --quick                  # smoke: 1b, small runs
     python -m bench.gpu_suite --shapes 8b --parts b,c,floor
@@ -26,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import provenance
-from bench.suite_common import add_run_args, error_record, model_path, parse_ints, plan_from_args
+from bench.report import int_list, provenance
+from bench.suite_common import add_run_args, error_record, model_path, plan_from_args
 from bench.suite_report import format_tables
 
 ALL_PARTS = ("a", "b", "cc", "c", "floor")
@@ -75,10 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(ALL_PARTS)}")
     ns.shapes = pick(ns.shapes, "1b,8b", "1b").split(",")
-    ns.concurrency = parse_ints(pick(ns.concurrency, "1,32,128", "1,8"))
+    ns.concurrency = int_list(pick(ns.concurrency, "1,32,128", "1,8"))
     ns.output_len = pick(ns.output_len, 128, 32)
     ns.rounds_at_c1 = pick(ns.rounds_at_c1, 12, 2)
-    ns.ttft_lens = parse_ints(ns.ttft_lens)
+    ns.ttft_lens = int_list(ns.ttft_lens)
     if ns.rounds is not None and ns.rounds < 1:
         p.error("--rounds must be >= 1")
     ns.serve_extra = shlex.split(ns.serve_extra) + (["--no-compile"] if ns.no_compile else [])

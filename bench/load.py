@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from bench.report import distribution, write_result
+from bench.report import distribution, fmt, text_table, write_result
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.cli.client import ClientSecurity, add_security_arguments
@@ -303,18 +303,18 @@ def format_table(summary: dict[str, Any]) -> str:
         f"output tok tput   {summary['output_token_throughput']:.1f} tok/s",
         f"goodput           {summary['goodput']:.2f} req/s {_goodput_note(summary)}",
         "",
-        f"{'metric (ms)':<16}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
-    for key, label in (
+    metrics = (
         ("ttft_ms", "TTFT"),
         ("tpot_ms", "TPOT"),
         ("itl_ms", "ITL"),
         ("e2e_latency_ms", "E2E latency"),
-    ):
-        d = summary[key]
-        lines.append(
-            f"{label:<16}{d['mean']:>10.2f}{d['p50']:>10.2f}{d['p90']:>10.2f}{d['p99']:>10.2f}"
-        )
+    )
+    rows = [
+        [label, *(fmt(summary[key][q], 2) for q in ("mean", "p50", "p90", "p99"))]
+        for key, label in metrics
+    ]
+    lines += text_table(["metric (ms)", "mean", "p50", "p90", "p99"], rows)
     return "\n".join(lines)
 
 

@@ -1,12 +1,9 @@
-"""The planner against static splits, over one trace: a rate that doubles, then a prompt
-and output mix that switches from long prompts with short answers to short prompts with
-long answers. Every system serves the same arrivals (Poisson, seeded) in its own service:
-`planner` starts at one prefill and one decode worker with `--planner --max-gpus N`;
-each static split `P:D` keeps P prefill and D decode workers throughout. Per phase it
-reports SLO attainment and goodput (`bench.planner_report`), and plots the planner's pool
-sizes and every system's attainment over time.
+"""The planner against static splits over one trace: a rate that doubles, then a mix that
+switches from long prompts with short answers to short prompts with long answers. Every
+system (`planner`: from 1P1D with `--planner --max-gpus N`; `P:D`: a static split) serves
+the same seeded Poisson arrivals in its own service; per phase, SLO attainment and
+goodput (bench.planner_report), and a plot of pool sizes and attainment over time.
 
-    # CPU, the embedded model (a smoke run of the behaviour, not of speed)
     python -m bench.planner --profile cpu --out planner-cpu.json --plot planner-cpu.png
     # 4 GPUs, the 8B shape with random weights; one system per call (about 8 minutes):
     python -m bench.planner --profile gpu --systems planner --out p.json

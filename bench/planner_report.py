@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import goodput
-from bench.report import percentile
+from bench.report import percentile, text_table
 
 # One request as recorded: (sent_s, ttft_s or None, tpot_s or None, ok, phase).
 Request = list[Any]
@@ -74,25 +74,23 @@ def table(result: dict) -> str:
     the best static split's."""
     trace = result["trace"]
     stats = {name: phase_stats(s, trace) for name, s in result["systems"].items()}
-    lines = [
-        f"SLO: TTFT <= {trace['slo_ttft_ms']:g} ms, TPOT <= {trace['slo_tpot_ms']:g} ms",
-        f"{'phase':<24} {'system':<10} {'reqs':>5} {'failed':>6} {'attain':>7} "
-        f"{'goodput':>8} {'TTFT p90':>9} {'TPOT p90':>9} {'workers':>7}",
-    ]
+    rows = []
     for number, phase in enumerate(trace["phases"]):
         statics = [s[number]["goodput"] for name, s in stats.items() if name != "planner"]
         best = max(statics, default=math.nan)
         for name, per_phase in stats.items():
             p = per_phase[number]
-            ratio = ""
-            if name == "planner" and best > 0:
-                ratio = f"  {p['goodput'] / best:.2f}x best static"
-            lines.append(
-                f"{phase['name']:<24} {name:<10} {p['num_requests']:>5} {p['num_failed']:>6} "
-                f"{p['attainment']:>7.1%} {p['goodput']:>7.2f}/s {p['ttft_p90_ms']:>7.0f}ms "
-                f"{p['tpot_p90_ms']:>7.0f}ms {p['mean_workers']:>7.2f}{ratio}"
+            ratio = (
+                f"{p['goodput'] / best:.2f}x best static" if name == "planner" and best > 0 else ""
             )
-    return "\n".join(lines)
+            rows.append(
+                [phase["name"], name, p["num_requests"], p["num_failed"], f"{p['attainment']:.1%}",
+                 f"{p['goodput']:.2f}/s", f"{p['ttft_p90_ms']:.0f}ms", f"{p['tpot_p90_ms']:.0f}ms",
+                 f"{p['mean_workers']:.2f}", ratio]
+            )  # fmt: skip
+    head = ["phase", "system", "reqs", "failed", "attain", "goodput", "TTFT p90", "TPOT p90"]
+    slo = f"SLO: TTFT <= {trace['slo_ttft_ms']:g} ms, TPOT <= {trace['slo_tpot_ms']:g} ms"
+    return "\n".join([slo, *text_table([*head, "workers", ""], rows, left=2)])
 
 
 def plot(result: dict, path: Path, bucket_s: float | None = None) -> Path | None:

@@ -1,16 +1,10 @@
-"""PNG plots of benchmark results, drawn after the run:
-
-* `latency_<shape>.png` (bench.gpu_suite JSON): TTFT p50, TPOT p50 and output tok/s
-  against concurrency, one line per system (b, cc, c at the steady state, i.e. their
-  runs of most rounds; a, a2 as their one batch), at the suite's main prompt length;
-* `goodput_<model>_<N>gpu.png` (bench.tp_goodput JSON): for each TPOT objective a panel
-  of the fraction of requests meeting it (TTFT and TPOT) against the request rate, one
-  line per layout of N GPUs (colocated dashed), the attainment target dotted.
+"""PNG plots of benchmark results, drawn after the run: `latency_<shape>.png` from
+bench.gpu_suite JSON (TTFT p50, TPOT p50 and output tok/s against concurrency, a line per
+system at its steady state) and `goodput_<model>_<N>gpu.png` from bench.tp_goodput JSON
+(per TPOT objective, the share of requests meeting it against the rate, a line per layout
+of N GPUs; the layouts of several files merge, a later file's winning). Needs matplotlib.
 
     python -m bench.plots RESULTS.json [MORE.json...] --out docs/img/
-
-The layouts of several bench.tp_goodput files (one command per layout) merge into one
-figure (a later file's layout wins). Needs matplotlib (the benchmarks never import it).
 """
 
 from __future__ import annotations

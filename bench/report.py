@@ -7,6 +7,7 @@
   date (UTC), the machine (CPU model, GPU names) and the command line that reproduces
   the run. Benchmarks put it under the key "provenance" of their JSON
   (`write_result` writes such a JSON).
+* `text_table(header, rows)`: the fixed-width tables the scripts print.
 """
 
 from __future__ import annotations
@@ -56,6 +57,36 @@ def distribution(
 def int_list(text: str) -> list[int]:
     """A comma-separated flag as integers: "1,32,128" → [1, 32, 128]."""
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def fmt(x: Any, nd: int = 1) -> str:
+    """A table cell: "-" for None and NaN, a float to `nd` decimals, else str()."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def text_table(
+    header: Sequence[str], rows: Iterable[Sequence[Any] | str], *, title: str = "", left: int = 1
+) -> list[str]:
+    """Lines of a table: each column as wide as its widest cell, the first `left` columns
+    aligned left and the others right; cells that are not strings go through `fmt`, and
+    a row given as one string (a note) is printed as it is. With a `title`, a blank line
+    and "== title ==" come first."""
+    body = [
+        r if isinstance(r, str) else [c if isinstance(c, str) else fmt(c) for c in r] for r in rows
+    ]
+    grid = [list(header), *(r for r in body if not isinstance(r, str))]
+    widths = [max(len(r[i]) for r in grid) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    lines = ["", f"== {title} =="] if title else []
+    return [*lines, line(header), *(r if isinstance(r, str) else line(r) for r in body)]
 
 
 def git_commit() -> str | None:

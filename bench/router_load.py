@@ -1,12 +1,8 @@
-"""How many tokens a second the router itself can stream, with workers that cost nothing.
-
-The router runs in a process of its own over fake workers (bench.fake_workers) whose
-decode step takes `--step-ms` and gives every running request a token, stepping by the
-clock as a real engine does between polls; a client process drives it with the suite's
-closed loop. With `--router-processes 1,2,4`, N router processes on one port
-(SO_REUSEPORT, as `pdserve serve --router-processes N` runs them), each over fakes of its
-own and the tier's shared admission, driven by `--client-processes` per router process;
-the table gives tokens a second at each N and the ratio to N = 1.
+"""How many tokens a second the router itself can stream, with workers that cost nothing:
+N router processes on one port (`--router-processes 1,2,4`, as `pdserve serve
+--router-processes N` runs them), each over fake workers of its own (bench.fake_workers)
+whose decode step takes `--step-ms`, driven by the suite's closed loop from
+`--client-processes` per router process; tokens a second at each N and the ratio to N = 1.
 
     python -m bench.router_load --concurrency 128 --requests 512 --profile out.prof
     python -m bench.router_load --stream-intervals 1,4,auto   # each in turn, one table
@@ -29,7 +25,7 @@ from typing import Any
 
 from bench.fake_workers import FakePools
 from bench.harness.ports import free_port
-from bench.report import percentile, write_result
+from bench.report import percentile, text_table, write_result
 from router.edge.streams import StreamInterval
 
 # Connections each client process opens per router process: enough that the kernel's
@@ -174,20 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         f"router over fake workers, {args.concurrency} streams "
         f"(workers offer {result['offered_tok_s']} tok/s)"
     )
-    print(
-        f"{'routers':>7} {'interval':>8} {'tok/s':>9} {'ratio':>6} {'msgs/req':>8} "
-        f"{'TTFT p50 ms':>11} {'accept p50 ms':>13} {'TPOT p50':>9} {'gap p50':>8} "
-        f"{'gap p99':>8} {'ok':>9}"
-    )
-    for r in runs:
-        assert r is not None
-        print(
-            f"{r['router_processes']:>7} {r['stream_interval']:>8} {r['tok_s']:>9} "
-            f"{r['ratio']:>6.2f} "
-            f"{r['messages_per_request']:>8} {r['ttft_ms_p50']!s:>11} {r['accept_ms_p50']!s:>13} "
-            f"{r['tpot_ms_p50']!s:>9} {r['message_gap_ms_p50']!s:>8} "
-            f"{r['message_gap_ms_p99']!s:>8} {r['ok']:>4}/{args.requests}"
-        )
+    keys = "router_processes stream_interval tok_s ratio messages_per_request ttft_ms_p50"
+    keys += " accept_ms_p50 tpot_ms_p50 message_gap_ms_p50 message_gap_ms_p99"
+    rows = [[*(str(r[k]) for k in keys.split()), f"{r['ok']}/{args.requests}"] for r in runs if r]
+    head = ["routers", "interval", "tok/s", "ratio", "msgs/req", "TTFT p50 ms", "accept p50 ms"]
+    head += ["TPOT p50", "gap p50", "gap p99", "ok"]
+    print("\n".join(text_table(head, rows, left=0)))
     if args.out:
         write_result(args.out, "bench.router_load", argv, **result)
     return 0 if all(r is not None and r["ok"] == args.requests for r in runs) else 1

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
@@ -36,7 +35,7 @@ from bench.harness.pools import live_workers, wait_pool_sizes
 from bench.harness.service import ServiceExitError, ServiceProcess, service_process
 from bench.harness.stopping import StopResult, start_streams, stop_and_wait
 from bench.harness.streams import StreamResult, generate
-from bench.report import distribution, provenance
+from bench.report import distribution, write_result
 from pdserve.v1 import admin_pb2 as admin_pb
 from router.cli.admin_client import scale_pool
 from router.cli.client import get_pool_stats
@@ -614,11 +613,10 @@ def main(argv: list[str] | None = None) -> int:
         if summary is None or "group_stop" not in summary:
             raise  # the group stop's check names a bad exit status itself
     assert summary is not None
-    summary["provenance"] = provenance("bench.soak", sys.argv[1:] if argv is None else argv)
     summary["service_args"] = service_args
     print(format_summary(summary))
     if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+        write_result(args.out, "bench.soak", argv, **summary)
     return 1 if failures(summary) else 0
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.report import REPO, distribution, int_list
+from bench.report import REPO, distribution
 from engine.model.model_spec import kv_bytes_per_token
 
 SHAPES = {
@@ -160,9 +160,6 @@ def prompts_for(shape: str, spec: RunSpec, vocab_size: int) -> list[list[int]]:
     if spec.rounds == 1:
         return make_prompts(spec.concurrency, length, vocab_size, seed)
     return make_prompts(spec.num_prompts, length, vocab_size, seed ^ (0x5EED << spec.rounds))
-
-
-parse_ints = int_list
 
 
 def add_run_args(p: argparse.ArgumentParser, systems: str, ttft_lens: str) -> None:

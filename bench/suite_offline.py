@@ -1,10 +1,8 @@
-"""GPU suite, one-GPU parts, for one model shape in its own process (so that each shape's
-memory is returned to the driver when it exits): floor (device-to-device copy bandwidth,
-the memory floor's denominator), b (pdserve's engine in-process, `engine.llm.LLM`, with
-per-step timings, over the runs of bench.suite_common) and a (transformers `generate()`
-with static batches of b's burst prompts). All use the same random weights
-(`load_format="dummy"`, seeded). Writes one JSON (`--out`); `bench.gpu_suite` starts
-this and reads it.
+"""GPU suite, one-GPU parts, for one model shape in its own process (its memory goes back
+to the driver when it exits): floor (the device's copy bandwidth), b (the engine
+in-process, `engine.llm.LLM`, with per-step timings) and a (transformers `generate()`,
+static batches of b's burst prompts), on the same random weights. Writes one JSON
+(`--out`); `bench.gpu_suite` starts it and reads it.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bench.device import free, sync
-from bench.report import provenance
+from bench.report import int_list, provenance
 from bench.suite_common import (
     KVGeometry,
     ReqTiming,
@@ -31,7 +29,6 @@ from bench.suite_common import (
     add_run_args,
     error_record,
     make_prompts,
-    parse_ints,
     plan_from_args,
     prompts_for,
     summarize,
@@ -367,8 +364,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     ns = p.parse_args(argv)
     ns.parts = set(ns.parts.split(","))
-    ns.concurrency = parse_ints(ns.concurrency)
-    ns.ttft_lens = parse_ints(ns.ttft_lens)
+    ns.concurrency = int_list(ns.concurrency)
+    ns.ttft_lens = int_list(ns.ttft_lens)
     return ns
 
 

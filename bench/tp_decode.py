@@ -1,16 +1,11 @@
 """The decode step of a model split over tensor-parallel sizes, side by side in one run.
 
-For each model (random bf16 weights from deploy/model_configs/<name>/config.json, or any
-model folder), TP size and batch size, `tp` processes (rank r on cuda:r, NCCL; on CPU,
-gloo) each build the engine's `ModelRunner` for their rank (compiled decoder, CUDA
-graphs) and time `runner.execute` of the same pure-decode batch, every sequence holding
-`--context` tokens of random KV. Rank 0 reports the median step, its graph's GPU time,
-the memory floor of one rank (its weights plus the KV its heads read, over the copy
-bandwidth measured in the run), step ÷ floor, step ÷ TP 1, and one all-reduce of
-[batch, hidden] alone (eager and from a graph) with its share of the step (2 per layer).
-Each (model, TP size) runs in processes of its own; the JSON is rewritten after each
-batch, so a timeout keeps what finished. Sizes needing more GPUs or memory than present
-are skipped with a note.
+Per model (random weights of deploy/model_configs/<name>, or any model folder), TP size
+and batch size, one process per rank times the engine's `ModelRunner` on the same
+pure-decode batch; rank 0 reports the median step, its graph's GPU time, step ÷ the
+memory floor and ÷ TP 1, and one all-reduce of [batch, hidden] alone (docs/benchmarks.md,
+"Tensor parallelism"). The JSON is rewritten after each batch; sizes needing more GPUs
+or memory than present are skipped with a note.
 
     python -m bench.tp_decode --out $OUT/tp_decode.json
     python -m bench.tp_decode --models llama-3.1-8b --tp-sizes 1,2 --eager
@@ -36,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.device import free
-from bench.report import REPO, int_list, percentile, provenance
+from bench.report import REPO, int_list, percentile, provenance, text_table
 from bench.suite_common import model_path
 from engine.core.batch import Batch, ScheduledSeq
 from engine.model.compiled import is_compiled
@@ -545,25 +540,20 @@ def print_table(result: dict[str, Any]) -> None:
         + (f", copy {copy:.0f} GB/s (read + write)" if copy else "")
         + "; ms per decode step (median; gpu: its graph alone); all-reduce of [batch, hidden], µs"
     )
-    print(
-        f"{'model':14} {'tp':>3} {'batch':>5} {'step':>8} {'gpu':>8} {'floor':>8} {'×floor':>7} "
-        f"{'÷TP1':>6} {'AR':>7} {'AR graph':>8} {'AR share':>8}"
-    )
 
-    def num(row: dict[str, Any], key: str, width: int, fmt: str) -> str:
+    def num(row: dict[str, Any], key: str, spec: str) -> str:
         value = row.get(key)
-        if isinstance(value, dict):
-            value = value["median"]
-        return f"{value:{width}{fmt}}" if value is not None else " " * width
+        value = value["median"] if isinstance(value, dict) else value
+        return "" if value is None else f"{value:{spec}}"
 
-    for r in result["rows"]:
-        print(
-            f"{r['model']:14} {r['tp']:3d} {r['batch']:5d} {num(r, 'step_ms', 8, '.3f')} "
-            f"{num(r, 'graph_gpu_ms', 8, '.3f')} "
-            f"{num(r, 'floor_ms', 8, '.3f')} {num(r, 'step_over_floor', 7, '.2f')} "
-            f"{num(r, 'vs_tp1', 6, '.2f')} {num(r, 'all_reduce_us', 7, '.1f')} "
-            f"{num(r, 'all_reduce_graph_us', 8, '.1f')} {num(r, 'all_reduce_share', 8, '.1%')}"
-        )
+    cells = (("step_ms", ".3f"), ("graph_gpu_ms", ".3f"), ("floor_ms", ".3f"),
+             ("step_over_floor", ".2f"), ("vs_tp1", ".2f"), ("all_reduce_us", ".1f"),
+             ("all_reduce_graph_us", ".1f"), ("all_reduce_share", ".1%"))  # fmt: skip
+    rows = [
+        [r["model"], r["tp"], r["batch"], *(num(r, k, s) for k, s in cells)] for r in result["rows"]
+    ]
+    head = ["model", "tp", "batch", "step", "gpu", "floor", "×floor", "÷TP1", "AR", "AR graph"]
+    print("\n".join(text_table([*head, "AR share"], rows)))
     for text in result["notes"] + result["errors"]:
         print(f"  {text}")
 

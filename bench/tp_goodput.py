@@ -2,13 +2,10 @@
 one run: per layout and TPOT objective the highest Poisson rate sustained, then every
 disaggregated layout ÷ the colocated layouts of as many GPUs (bench.goodput).
 
-Layouts as bench.goodput writes them (`colocated:2xtp1`, `disagg:1xtp1+1xtp1`). Each
-layout's service starts once, its processes are gone and its GPUs' memory free before
-the next starts; every layout gets the same prompts and arrival gaps at a given rate. A
-colocated layout runs one sweep, scored at every objective; a disaggregated one, by
-default (`--aim per-slo`), one sweep per objective with its router's local-prefill rule
-aimed at it through the admin API. `--budget-s` bounds the run, `--layout-budget-s` each
-layout. The JSON is rewritten after each layout; `--report A.json B.json` prints the
+Each layout's service starts once and is gone, its GPUs free, before the next starts;
+every layout gets the same prompts and arrival gaps at a rate. A disaggregated layout
+runs one sweep per objective (`--aim per-slo`) with its router's local-prefill rule
+aimed at it. The JSON is rewritten after each layout; `--report A.json B.json` prints the
 tables of several runs merged. A CPU smoke run (about 2 minutes on 2 cores):
 
     python -m bench.tp_goodput --quick --out /tmp/tp_goodput_quick.json

@@ -28,7 +28,7 @@ from typing import Any
 from bench.goodput import Layout, Pool, parse_layout
 from bench.harness import service_process
 from bench.harness.streams import generate
-from bench.report import REPO, int_list, write_result
+from bench.report import REPO, fmt, int_list, text_table, write_result
 
 
 def layout_flags(name: str) -> list[str]:
@@ -122,23 +122,22 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"layout": name, "error": str(exc)[-2000:]})
             write_result(args.out, "bench.tp_layouts", argv, layouts=results)
     base = next((r for r in results if "error" not in r), None)
-    print(f"\n{'layout':<16} {'start s':>8} " + " ".join(
-        f"{'TTFT@' + str(n):>10} {'÷base':>6} {'exposed':>8} {'KV ms':>7}" for n in args.prompt_lens
-    ))  # fmt: skip
+    rows: list[Any] = []
     for r in results:
         if "error" in r:
-            print(f"{r['layout']:<16} error")
+            rows.append(f"{r['layout']} error")
             continue
-        cells = []
+        cells: list[Any] = [r["layout"], r["start_s"]]
         for n in args.prompt_lens:
             row, ref = r["by_prompt_len"][str(n)], base["by_prompt_len"][str(n)]  # type: ignore[index]
             row["ttft_vs_base"] = row["ttft_ms"] / ref["ttft_ms"]
             row["exposed_ms"] = row["ttft_ms"] - ref["ttft_ms"]
-            cells.append(
-                f"{row['ttft_ms']:>10.2f} {row['ttft_vs_base']:>6.2f} {row['exposed_ms']:>8.2f} "
-                f"{row['kv_transfer_ms']:>7.2f}"
-            )
-        print(f"{r['layout']:<16} {r['start_s']:>8.1f} " + " ".join(cells))
+            cells += [
+                fmt(row[k], 2) for k in ("ttft_ms", "ttft_vs_base", "exposed_ms", "kv_transfer_ms")
+            ]
+        rows.append(cells)
+    head = [h for n in args.prompt_lens for h in (f"TTFT@{n}", "÷base", "exposed", "KV ms")]
+    print("\n".join(["", *text_table(["layout", "start s", *head], rows)]))
     write_result(args.out, "bench.tp_layouts", argv, layouts=results)
     print(f"wrote {args.out}")
     return 0 if all("error" not in r for r in results) else 1

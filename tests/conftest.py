@@ -19,8 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from bench.harness import ServiceProcess, StartService, running_service  # noqa: E402
+from bench.harness import ServiceProcess  # noqa: E402
 from engine.model.embedded import default_cache_dir, ensure_embedded_model  # noqa: E402
+from tests.services import StartService, running_service  # noqa: E402
 from tests.tiny_models import TINY_ARCHS, tiny_config  # noqa: E402
 
 if TYPE_CHECKING:

@@ -1,5 +1,6 @@
 """A tiny deterministic stand-in for the model runner, and engine cores built on it, for
-millisecond scheduler tests (with the engine's leak check, `assert_engine_empty`)."""
+millisecond scheduler tests (with the engine's leak check, `assert_engine_empty`); and a
+tokenizer for the router's serving core over bench.fake_workers (`WordTokenizer`)."""
 
 from __future__ import annotations
 
@@ -160,3 +161,13 @@ def assert_engine_empty(core: EngineCore) -> None:
     assert not core.has_unfinished, "requests left unfinished"
     assert (stats.num_running, stats.num_waiting) == (0, 0), stats
     assert stats.num_blocks_in_use == 0, stats
+
+
+class WordTokenizer:
+    """Token t is the text '<t>'."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(x) for x in text.replace(">", " ").replace("<", " ").split()]

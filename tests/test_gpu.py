@@ -24,14 +24,14 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from bench.harness import ServiceProcess, running_service
-from bench.harness.pools import assert_pools_empty
+from bench.harness import ServiceProcess
 from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
 from engine.transfer.channel import SENDER_RANK, KVChannel
 from engine.wire import ChannelSpec, HandoffEntry, HandoffHeader, HeaderKind
+from tests.services import assert_pools_empty, running_service
 
 pytestmark = pytest.mark.gpu
 

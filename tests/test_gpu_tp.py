@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.harness import running_service
-from bench.harness.pools import assert_pools_empty
 from engine.factory import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from tests.services import assert_pools_empty, running_service
 from tests.test_gpu import CONFIG_1B, _served, needs_gpus
 from tests.test_tensor_parallel import _run_group
 

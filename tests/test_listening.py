@@ -13,12 +13,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.harness import REPO, free_port, running_service, service_env
+from bench.harness import REPO, free_port, service_env
 from bench.harness.processes import process_alive, process_tree
 from bench.harness.service import health_status
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.listening_sockets import listening_sockets
+from tests.services import running_service
 
 ANSWERS_WITHIN_S = 1.0
 

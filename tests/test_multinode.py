@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from bench.harness import REPO, service_env, service_process
-from bench.harness.pools import assert_pools_empty
 from bench.harness.streams import generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
+from tests.services import assert_pools_empty
 
 # A Ray cluster of several nodes and a service on it, about 30 s: `make test-slow`.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from bench.fake_workers import FakePools, WordTokenizer, expected_tokens, tokens_after
+from bench.fake_workers import FakePools, tokens_after
 from bench.harness import wait_until_async
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.wire import GenerationInput
 from router.serving.config import RouterConfig
 from router.serving.orchestrator import DisaggregatedGenerator
 from router.serving.protocol import GenerateCall
+from tests.fakes import WordTokenizer
 
 PROMPT = tuple(range(100, 164))  # 64 tokens: above the short-prompt threshold
 
@@ -326,7 +326,7 @@ def test_the_same_request_gives_the_same_tokens_whatever_the_path() -> None:
             results.append((await _collect(gen.generate(call)))[0])
             await gen.stop()
         assert results[0] == results[1] == results[2]
-        assert results[0] == expected_tokens(GenerationInput("x", PROMPT, call.sampling))
+        assert results[0] == tokens_after(PROMPT, call.sampling.seed or 0, call.sampling.max_tokens)
 
     _run(body())
 

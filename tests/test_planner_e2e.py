@@ -12,12 +12,13 @@ import random
 
 import pytest
 
-from bench.harness import ServiceProcess, StartService, wait_until_async
+from bench.harness import ServiceProcess, wait_until_async
 from bench.harness.metrics import scrape, value
-from bench.harness.pools import assert_pools_empty, wait_pool_sizes
+from bench.harness.pools import wait_pool_sizes
 from bench.harness.streams import StreamResult, generate
 from pdserve.v1 import generation_pb2 as pb
 from router.cli.admin_client import list_workers
+from tests.services import StartService, assert_pools_empty
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

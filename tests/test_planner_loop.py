@@ -11,7 +11,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bench.fake_workers import FakePools, WordTokenizer
+from bench.fake_workers import FakePools
 from bench.harness import wait_until_async
 from engine.core.outputs import FinalResult
 from engine.sampling_params import SamplingParams
@@ -26,6 +26,7 @@ from router.routing.prefill_policy import PrefillPolicyConfig
 from router.serving.config import RouterConfig
 from router.serving.orchestrator import DisaggregatedGenerator
 from router.serving.protocol import GenerateCall
+from tests.fakes import WordTokenizer
 from tests.test_pools import FakeCluster
 
 

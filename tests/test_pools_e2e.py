@@ -24,11 +24,11 @@ import grpc
 import pytest
 
 from bench.drain import drain_phases
-from bench.harness import ServiceProcess, StartService
+from bench.harness import ServiceProcess
 from bench.harness.metrics import scrape
 from bench.harness.metrics import value as metric_value
 from bench.harness.polling import wait_until_async
-from bench.harness.pools import assert_pools_empty, wait_pool_sizes
+from bench.harness.pools import wait_pool_sizes
 from bench.harness.streams import StreamResult, generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -36,6 +36,7 @@ from pdserve.v1 import admin_pb2 as admin_pb
 from pdserve.v1 import generation_pb2 as pb
 from router.cli.admin_client import list_workers, migrate_requests, scale_pool
 from router.cli.client import get_pool_stats
+from tests.services import StartService, assert_pools_empty
 
 pytestmark = pytest.mark.e2e
 

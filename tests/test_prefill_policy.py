@@ -8,7 +8,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from bench.fake_workers import FakePools, WordTokenizer
+from bench.fake_workers import FakePools
 from engine.core.outputs import FinalResult
 from engine.core.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -26,6 +26,7 @@ from router.routing.worker_load import WorkerLoad
 from router.serving.config import RouterConfig
 from router.serving.orchestrator import DisaggregatedGenerator
 from router.serving.protocol import GenerateCall
+from tests.fakes import WordTokenizer
 
 IDLE = PathInputs(
     has_prefill=True,

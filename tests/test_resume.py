@@ -10,7 +10,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from bench.fake_workers import FakePools, WordTokenizer, tokens_after
+from bench.fake_workers import FakePools, tokens_after
 from engine.core.outputs import FinalResult, TextChunk
 from engine.sampling_params import SamplingParams
 from router.edge.servicer import _failure_status
@@ -19,6 +19,7 @@ from router.serving.errors import ResumeNotFoundError
 from router.serving.orchestrator import DisaggregatedGenerator
 from router.serving.protocol import GenerateCall
 from router.serving.run import resume
+from tests.fakes import WordTokenizer
 
 PROMPT = tuple(range(100, 164))
 

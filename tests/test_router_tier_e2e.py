@@ -16,11 +16,10 @@ from typing import Any
 import grpc
 import pytest
 
-from bench.harness import ServiceProcess, StartService
+from bench.harness import ServiceProcess
 from bench.harness.metrics import scrape
 from bench.harness.metrics import value as metric_value
 from bench.harness.polling import wait_until_async
-from bench.harness.pools import assert_pools_empty
 from bench.harness.ports import free_port
 from bench.harness.streams import StreamResult, generate
 from engine.llm import LLM
@@ -30,6 +29,7 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.cli.admin_client import list_workers
 from router.cli.client import build_request, resumable_generate, stream_generate
+from tests.services import StartService, assert_pools_empty
 
 pytestmark = pytest.mark.e2e
 

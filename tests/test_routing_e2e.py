@@ -9,11 +9,12 @@ import asyncio
 import grpc
 import pytest
 
-from bench.harness import ServiceProcess, StartService
+from bench.harness import ServiceProcess
 from bench.harness.streams import StreamResult, generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
+from tests.services import StartService
 
 pytestmark = pytest.mark.e2e
 

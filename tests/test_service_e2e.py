@@ -17,10 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.harness import REPO, ServiceProcess, StartService, wait_until
+from bench.harness import REPO, ServiceProcess, wait_until
 from bench.harness.metrics import scrape
 from bench.harness.metrics import value as metric_value
-from bench.harness.pools import assert_pools_empty
 from bench.harness.streams import StreamResult, generate
 from engine.frontend.prompt import encode_prompt
 from engine.llm import LLM, CompletionOutput
@@ -31,6 +30,7 @@ from router.cli.client import build_request, stream_generate
 from router.observability.tracing import GENERATE_SPAN
 from tests.otlp_sink import OTLPSink, ReceivedSpan
 from tests.prometheus_server import PrometheusServer, find_binary
+from tests.services import StartService, assert_pools_empty
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from bench.fake_workers import FakePools, WordTokenizer, tokens_after
+from bench.fake_workers import FakePools, tokens_after
 from bench.harness import wait_until_async
 from engine.core.outputs import TextChunk, Usage
 from engine.core.request import FinishReason
@@ -27,6 +27,7 @@ from router.edge.streams import (
 from router.serving.config import RouterConfig
 from router.serving.orchestrator import DisaggregatedGenerator
 from router.serving.protocol import GenerateCall, ServerAbort
+from tests.fakes import WordTokenizer
 
 PROMPT = list(range(100, 164))  # above the short-prompt threshold: prefilled remotely
 

@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from bench.harness import ServiceProcess, StartService
-from bench.harness.pools import assert_pools_empty
+from bench.harness import ServiceProcess
 from bench.harness.streams import generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
+from tests.services import StartService, assert_pools_empty
 
 pytestmark = pytest.mark.e2e
 

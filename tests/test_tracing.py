@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
 )
 
-from bench.fake_workers import FakePools, WordTokenizer
+from bench.fake_workers import FakePools
 from engine import tracing
 from engine.core.outputs import FinalResult, TextChunk
 from engine.core.request import FinishReason
@@ -34,6 +34,7 @@ from router.observability.tracing import GENERATE_SPAN, trace_parent
 from router.serving.config import RouterConfig
 from router.serving.orchestrator import DisaggregatedGenerator
 from router.serving.protocol import GenerateCall
+from tests.fakes import WordTokenizer
 
 CLIENT_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN_ID = "b7ad6b7169203331"

@@ -8,9 +8,10 @@ import asyncio
 import grpc
 import pytest
 
-from bench.harness import ServiceProcess, StartService
+from bench.harness import ServiceProcess
 from bench.harness.metrics import prefill_paths, scrape, value
 from bench.harness.streams import generate
+from tests.services import StartService
 
 pytestmark = pytest.mark.e2e
 

@@ -9,12 +9,11 @@ import asyncio
 import grpc
 import pytest
 
-from bench.harness import StartService
-from bench.harness.pools import assert_pools_empty
 from bench.harness.streams import generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
+from tests.services import StartService, assert_pools_empty
 
 PROMPTS = ["The capital of France is", "Water boils at", "A haiku about the sea:"]
 MAX_TOKENS = 12

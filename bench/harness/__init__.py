@@ -1,14 +1,15 @@
 """What tests and benchmarks share to drive a real service from outside.
 
 * `service`: `pdserve serve` as a subprocess on a free loopback port (`ServiceProcess`,
-  `service_process`, `running_service`);
+  `service_process`);
 * `ports`: `free_port`;
 * `polling`: deadline-bounded waits (`wait_until`, `wait_until_async`);
 * `streams`: one Generate call read to its end (`generate` → `StreamResult`);
-* `pools`: the leak check (`assert_pools_empty`) and `wait_pool_sizes`;
+* `pools`: `live_workers`, `wait_pool_sizes`;
 * `metrics`: the Prometheus endpoint (`scrape`, `value`).
 
-Nothing here imports from `tests/`; tests import from here.
+Nothing here imports from `tests/`; tests import from here (and tests/services.py adds
+what only tests use).
 """
 
 from bench.harness.polling import wait_until, wait_until_async
@@ -17,8 +18,6 @@ from bench.harness.service import (
     REPO,
     ServiceExitError,
     ServiceProcess,
-    StartService,
-    running_service,
     service_env,
     service_process,
 )
@@ -27,9 +26,7 @@ __all__ = [
     "REPO",
     "ServiceExitError",
     "ServiceProcess",
-    "StartService",
     "free_port",
-    "running_service",
     "service_env",
     "service_process",
     "wait_until",

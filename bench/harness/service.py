@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -122,10 +122,6 @@ class ServiceProcess:
         return self.proc.returncode
 
 
-# What tests get to start services with: `start(args, name=..., env=..., timeout=...)`.
-StartService = Callable[..., ServiceProcess]
-
-
 class ServiceExitError(AssertionError):
     """A service did not exit with 0 on SIGTERM (the drain or the shutdown failed)."""
 
@@ -146,13 +142,3 @@ def service_process(
     code = svc.stop()
     if code != 0:
         raise ServiceExitError(f"service exited with {code} on SIGTERM:\n{svc.log_tail()}")
-
-
-@contextmanager
-def running_service(
-    args: list[str], log_path: Path, *, env: dict[str, str] | None = None, timeout: float = 300.0
-) -> Iterator[ServiceProcess]:
-    """`service_process`, SERVING when the block starts."""
-    with service_process(args, log_path, env=env) as svc:
-        svc.wait_serving(timeout)
-        yield svc
