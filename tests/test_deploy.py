@@ -197,8 +197,12 @@ def test_service_and_podmonitor_select_the_head_pod_and_its_ports() -> None:
     service = yaml.safe_load((DEPLOY / "kuberay" / "service.yaml").read_text())
     # KubeRay labels every pod with its cluster's name and node type.
     assert service["spec"]["selector"] == {"ray.io/cluster": name, "ray.io/node-type": "head"}
+    # Router process i serves its own /metrics on --metrics-port + i: each is exposed and
+    # scraped, or that process's requests and tokens are missing from every dashboard.
+    metrics_ports = {ns.metrics_port + i for i in range(ns.router_processes)}
     ports = {p["name"]: p["targetPort"] for p in service["spec"]["ports"]}
-    assert ports == {"grpc": ns.port, "metrics": ns.metrics_port}
+    assert ports.pop("grpc") == ns.port
+    assert set(ports.values()) == metrics_ports
     monitor = yaml.safe_load((DEPLOY / "kuberay" / "podmonitor.yaml").read_text())
     assert monitor["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
     head = cluster["spec"]["headGroupSpec"]["template"]
@@ -207,8 +211,12 @@ def test_service_and_podmonitor_select_the_head_pod_and_its_ports() -> None:
         for c in head["spec"]["containers"]
         for p in c.get("ports", [])
     }
-    assert named_ports[monitor["spec"]["podMetricsEndpoints"][0]["port"]] == ns.metrics_port
+    scraped = {named_ports[e["port"]] for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert scraped == metrics_ports
     assert head["metadata"]["annotations"]["prometheus.io/port"] == str(ns.metrics_port)
+    chart = yaml.safe_load((DEPLOY / "kuberay" / "values.yaml").read_text())
+    chart_ports = {p["containerPort"] for c in chart["head"]["sidecarContainers"] for p in c["ports"]}
+    assert chart_ports == {ns.port} | metrics_ports
 
 
 # Chart values that are maps or lists of the user's own content (Kubernetes objects,
