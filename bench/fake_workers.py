@@ -11,6 +11,7 @@ tokens. They report each request's phases as real workers do
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -448,8 +449,13 @@ class FakePools:
     def reference(self) -> WorkerInfo | None:
         return self.all()[0].info
 
-    def channel_spec(self, sender: workers.WorkerRef, receiver: workers.WorkerRef) -> ChannelSpec:
-        return ChannelSpec("127.0.0.1", 0, sender.worker_id, EPOCH, receiver.worker_id, EPOCH)
+    async def link_peers(self, sender: workers.WorkerRef, receiver: workers.WorkerRef) -> None:
+        spec = ChannelSpec("127.0.0.1", 0, sender.worker_id, EPOCH, receiver.worker_id, EPOCH)
+        await asyncio.gather(sender.client.connect(spec), receiver.client.connect(spec))
+
+    async def unlink_peers(self, peer: workers.WorkerRef, gone_id: str) -> None:
+        with contextlib.suppress(WorkerDied):
+            await peer.client.disconnect(gone_id, False)
 
     def announce_live(self, worker_id: str) -> None:
         """As router.fleet.pools.Pools does once a worker is live and paired: the hooks."""

@@ -215,7 +215,9 @@ def test_service_and_podmonitor_select_the_head_pod_and_its_ports() -> None:
     assert scraped == metrics_ports
     assert head["metadata"]["annotations"]["prometheus.io/port"] == str(ns.metrics_port)
     chart = yaml.safe_load((DEPLOY / "kuberay" / "values.yaml").read_text())
-    chart_ports = {p["containerPort"] for c in chart["head"]["sidecarContainers"] for p in c["ports"]}
+    chart_ports = {
+        p["containerPort"] for c in chart["head"]["sidecarContainers"] for p in c["ports"]
+    }
     assert chart_ports == {ns.port} | metrics_ports
 
 

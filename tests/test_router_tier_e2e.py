@@ -27,7 +27,7 @@ from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2 as admin_pb
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.cli.admin_client import list_workers
+from router.cli.admin_client import drain_worker, list_workers, scale_pool
 from router.cli.client import build_request, resumable_generate, stream_generate
 from tests.services import StartService, assert_pools_empty
 
@@ -362,6 +362,67 @@ def test_streams_on_both_processes_move_on_when_their_decode_worker_dies(
     # Both processes had streams to move.
     log = tier.log_tail(10**7)
     assert "[router 1]" in log and "migrates off decode-0" in log
+    asyncio.run(
+        assert_pools_empty(tier.address, timeout=30, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
+    )
+
+
+def test_a_drained_decode_worker_moves_every_processs_requests_with_their_kv(
+    tier: ServiceProcess, reference_llm: LLM
+) -> None:
+    """Two decode workers, streams through both router processes, then one decode worker
+    drained: each process moves its own requests off it with their KV (its migrations
+    metric counts them as `drained_kv`, none by recompute), and every stream ends with
+    the tokens of an undisturbed run."""
+    num, max_tokens = 16, 40
+    prompts = [f"Tell me about the number {i}." for i in range(num)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reference = reference_llm.generate(prompts, params)
+    progress = [0] * num
+
+    def moves(reason: str) -> list[float]:
+        return [
+            metric_value(
+                scrape(tier.metrics_port + i)[1],
+                "pdserve_request_migrations_total",
+                pool="decode",
+                reason=reason,
+            )
+            for i in range(2)
+        ]
+
+    async def one(stub: pb_grpc.GenerationServiceStub, i: int) -> list[int]:
+        tokens: list[int] = []
+        request = build_request(
+            prompt=prompts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        )
+        async for response in stub.Generate(request):
+            tokens.extend(response.token_ids)
+            progress[i] = len(tokens)
+        return tokens
+
+    async def run() -> list[list[int]]:
+        await scale_pool(tier.address, "decode", 2)
+        await asyncio.sleep(1.0)  # the other process's view has the new worker
+        chans = channels(tier.address, NUM_CONNECTIONS)
+        try:
+            stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
+            streams = [asyncio.ensure_future(one(stubs[i % len(stubs)], i)) for i in range(num)]
+            await wait_until_async(lambda: min(progress) >= 3, timeout=120)
+            await drain_worker(tier.address, "decode-0")
+            return await asyncio.wait_for(asyncio.gather(*streams), 240)
+        finally:
+            for c in chans:
+                await c.close()
+
+    kv_before, recomputed_before = moves("drained_kv"), moves("drained")
+    served = asyncio.run(run())
+    for i, tokens in enumerate(served):
+        assert tokens == list(reference[i].token_ids), f"stream {i} differs after moving"
+    kv_after, recomputed_after = moves("drained_kv"), moves("drained")
+    for process in range(2):
+        assert kv_after[process] > kv_before[process], f"process {process} moved nothing"
+    assert recomputed_after == recomputed_before
     asyncio.run(
         assert_pools_empty(tier.address, timeout=30, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
     )

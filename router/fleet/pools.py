@@ -208,6 +208,19 @@ class Pools:
             num_kv_heads=sender.info.layout.num_kv_heads,
         )
 
+    async def link_peers(self, sender: workers.WorkerRef, receiver: workers.WorkerRef) -> None:
+        """The KV channel `sender` → `receiver` between two decode workers: both ends
+        join its rendezvous at once (router/serving/peer_links.py makes each once)."""
+        spec = self.channel_spec(sender, receiver)
+        await asyncio.gather(sender.client.connect(spec), receiver.client.connect(spec))
+
+    async def unlink_peers(self, peer: workers.WorkerRef, gone_id: str) -> None:
+        """`peer` drops its end of its channels with `gone_id` now (a dead worker's peer
+        would otherwise find out only from a broken receive, which NCCL reports after a
+        minute)."""
+        with contextlib.suppress(WorkerDied):
+            await peer.client.disconnect(gone_id, False)
+
     async def _pair_with_peers(self, ref: WorkerRef) -> None:
         if ref.pool == "colocated":
             return

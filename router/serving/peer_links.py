@@ -7,7 +7,6 @@ draining worker as the sending end."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -15,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.wire import PoolName
-from router.fleet.clients import WorkerDied
 from router.serving.workers import Pools, WorkerRef
 
 log = logging.getLogger(__name__)
@@ -44,12 +42,8 @@ class PeerLinks:
         key = (sender.worker_id, sender.info.epoch, receiver.worker_id, receiver.info.epoch)
         link = self._links.get(key)
         if link is None or (link[2].done() and link[2].exception() is not None):
-            spec = self.pools.channel_spec(sender, receiver)
             made = asyncio.ensure_future(
-                asyncio.wait_for(
-                    _both(sender.client.connect(spec), receiver.client.connect(spec)),
-                    LINK_TIMEOUT_S,
-                )
+                asyncio.wait_for(self.pools.link_peers(sender, receiver), LINK_TIMEOUT_S)
             )
             link = (sender, receiver, made)
             self._links[key] = link
@@ -91,12 +85,4 @@ class PeerLinks:
             del self._links[key]
             peer = receiver if ref is sender else sender
             if peer.state.serving:
-                self.spawn(self._disconnect(peer, ref.worker_id))
-
-    async def _disconnect(self, peer: WorkerRef, gone_id: str) -> None:
-        with contextlib.suppress(WorkerDied):
-            await peer.client.disconnect(gone_id, False)
-
-
-async def _both(a: Any, b: Any) -> None:
-    await asyncio.gather(a, b)
+                self.spawn(self.pools.unlink_peers(peer, ref.worker_id))

@@ -14,7 +14,6 @@ from engine.wire import PoolName
 from router.fleet.worker_state import WorkerState
 
 if TYPE_CHECKING:  # torch behind the first two: none of it is needed at run time here
-    from engine.transfer.channel import ChannelSpec
     from engine.worker.actor import WorkerInfo
     from router.fleet.clients import WorkerClient
     from router.routing.cache_aware import WorkerLoadView
@@ -75,7 +74,15 @@ class Pools(Protocol):
         """A call found it dead: forget it, tell the hooks, replace it."""
         ...
 
-    def channel_spec(self, sender: WorkerRef, receiver: WorkerRef) -> ChannelSpec: ...
+    async def link_peers(self, sender: WorkerRef, receiver: WorkerRef) -> None:
+        """Make the KV channel `sender` → `receiver` between two decode workers (live
+        migration); the fleet's owner makes every channel, once per pair of incarnations."""
+        ...
+
+    async def unlink_peers(self, peer: WorkerRef, gone_id: str) -> None:
+        """`peer` drops its channels with `gone_id`, which left (a no-op where another
+        process owns the fleet: it does so itself)."""
+        ...
 
     @property
     def on_death(self) -> Hooks[Callable[[WorkerRef, str], None]]: ...

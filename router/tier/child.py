@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -27,12 +28,23 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Client, Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine import tracing
 from engine.log_setup import LOG_FORMAT, LOG_LEVEL_ENV
 from router.tier.membership import Membership
-from router.tier.messages import Bootstrap, Drain, Hello, Listening
+from router.tier.messages import (
+    Bootstrap,
+    Drain,
+    Hello,
+    LinkPeers,
+    Listening,
+    MoveOff,
+    PeersLinked,
+)
+
+if TYPE_CHECKING:  # serving's imports take seconds: after the line to the owner is up
+    from router.tier.pools_view import LinkAsker
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +85,37 @@ class OwnerLink:
     def send(self, message: Any) -> None:
         with self._lock, contextlib.suppress(OSError, ValueError):
             self._conn.send(message)
+
+
+class _LinkRequests:
+    """Channels between decode workers asked of the owner, each awaiting its answer."""
+
+    def __init__(self, send: Callable[[Any], None]) -> None:
+        self._send = send
+        self._seq = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[str | None]] = {}
+
+    async def ask(self, sender: tuple[str, int], receiver: tuple[str, int]) -> None:
+        seq = next(self._seq)
+        answer: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._waiting[seq] = answer
+        try:
+            self._send(LinkPeers(seq, sender, receiver))
+            error = await answer
+        finally:
+            self._waiting.pop(seq, None)
+        if error is not None:
+            raise RuntimeError(f"channel {sender[0]} → {receiver[0]} not made: {error}")
+
+    def answered(self, message: PeersLinked) -> None:
+        answer = self._waiting.get(message.seq)
+        if answer is not None and not answer.done():
+            answer.set_result(message.error)
+
+    def owner_lost(self) -> None:
+        for answer in self._waiting.values():
+            if not answer.done():
+                answer.set_result("the fleet owner went away")
 
 
 class _OwnerNews:
@@ -117,9 +160,16 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
     set_router_process(index)
     tracing.configure(config.cluster.tracing, "pdserve-router")
     news = _OwnerNews(loop)
-    link.listen(loop, news.on_message, news.on_lost)
+    links = _LinkRequests(link.send)
+    news.handlers[PeersLinked] = links.answered
+
+    def on_lost() -> None:
+        news.on_lost()
+        links.owner_lost()
+
+    link.listen(loop, news.on_message, on_lost)
     membership = await news.first
-    core, table = await _serving_core(boot, index, membership, news)
+    core, table = await _serving_core(boot, index, membership, news, links.ask)
     try:
         await _serve(link, boot, index, core, news)
     finally:
@@ -130,7 +180,11 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
 
 
 async def _serving_core(
-    boot: Bootstrap, index: int, membership: Membership, news: _OwnerNews
+    boot: Bootstrap,
+    index: int,
+    membership: Membership,
+    news: _OwnerNews,
+    ask_link: LinkAsker,
 ) -> tuple[Any, Any]:
     """This process's serving core over a view of the owner's pools, and the shared
     admission table it counts in (what serving needs takes seconds to import: after
@@ -141,7 +195,7 @@ async def _serving_core(
     from router.tier.shared_admission import AdmissionTable, SharedAdmission
 
     config = boot.config
-    view = PoolsView(boot.call_token, boot.consumer, config.resume_grace_s)
+    view = PoolsView(boot.call_token, boot.consumer, config.resume_grace_s, ask_link=ask_link)
     view.apply(membership)
     model_path = config.cluster.decode_args.resolve_model_path()
     tokenizer = None
@@ -158,14 +212,20 @@ async def _serving_core(
         policy=rc.admission_policy,
         aging_s=rc.priority_aging_s,
     )
-    # Channels between decode workers are the owner's to make (live migration).
+    # Channels between decode workers are the owner's to make, as a move needs them.
     core = DisaggregatedGenerator(
-        view,  # type: ignore[arg-type]
-        tokenizer,
-        replace(rc, decode_peer_channels="lazy"),
-        admission,
+        view, tokenizer, replace(rc, decode_peer_channels="lazy"), admission
     )
     core.start()
+
+    def on_move_off(m: MoveOff) -> None:
+        # The owner drains a decode worker: this process's requests on it move with
+        # their KV, as the owner's own do.
+        ref = view.incarnation(m.worker_id, m.epoch)
+        if ref is not None and core.live_migration is not None:
+            core.calls.spawn(core.live_migration.drain(ref))
+
+    news.handlers[MoveOff] = on_move_off
 
     def on_membership(m: Membership) -> None:
         view.apply(m)

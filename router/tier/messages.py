@@ -54,3 +54,30 @@ class SignalsReport:
     (router/tier/signals_relay.py): the `ServingSignals.take` of an interval."""
 
     taken: tuple[object, ...]
+
+
+@dataclass(frozen=True)
+class MoveOff:
+    """A decode worker drains: move this process's requests on it to its peers, with
+    their KV (router/serving/live_migration.py), as the owner does its own."""
+
+    worker_id: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class LinkPeers:
+    """Make the KV channel sender → receiver between two decode workers, each named by
+    (worker id, epoch): the owner makes every channel, once per pair of incarnations."""
+
+    seq: int
+    sender: tuple[str, int]
+    receiver: tuple[str, int]
+
+
+@dataclass(frozen=True)
+class PeersLinked:
+    """The answer to `LinkPeers` number `seq`: None, or why the channel is not there."""
+
+    seq: int
+    error: str | None

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from engine.log_setup import LOG_LEVEL_ENV, current_level
 from router.fleet import port_holds
 from router.tier.membership import Membership
-from router.tier.messages import Bootstrap, Drain, Hello, Listening, SignalsReport
+from router.tier.messages import Bootstrap, Drain, Hello, LinkPeers, Listening, SignalsReport
 from router.tier.shared_admission import AdmissionTable
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ class TierOwner:
         self.num_restarts = 0
         # Each process's latest traffic report, for the planner (router/tier/signals_relay.py).
         self.on_report: list[Any] = []
+        # A process asks for a channel between decode workers: (its index, the request).
+        self.on_link_request: Callable[[int, LinkPeers], None] | None = None
 
     # ---------------------------------------------------------------- start
     async def start(self) -> None:
@@ -197,6 +200,8 @@ class TierOwner:
             elif isinstance(message, SignalsReport) and self._loop is not None:
                 for report in self.on_report:
                     self._loop.call_soon_threadsafe(report, hello.index, message)
+            elif isinstance(message, LinkPeers) and self._loop and self.on_link_request:
+                self._loop.call_soon_threadsafe(self.on_link_request, hello.index, message)
 
     # ---------------------------------------------------------------- running
     def publish(self, membership: Membership) -> None:
@@ -206,6 +211,12 @@ class TierOwner:
         self._membership = membership
         for child in list(self._children.values()):
             child.send(membership)
+
+    def tell(self, message: Any, index: int | None = None) -> None:
+        """Send `message` to process `index`, or to every process."""
+        for child in list(self._children.values()):
+            if index is None or child.index == index:
+                child.send(message)
 
     async def _supervise(self) -> None:
         while not self._stopping:

@@ -15,9 +15,11 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from engine.wire import PoolName
 from router.fleet.clients import WorkerDied
 from router.tier.admin_proxy import serve_owner_admin
 from router.tier.membership import PUBLISH_EVERY_S, membership_of
+from router.tier.messages import LinkPeers, MoveOff, PeersLinked
 from router.tier.owner import TierOwner, consumer_name
 from router.tier.shared_admission import SharedAdmission
 from router.tier.signals_relay import TierPlannerView, TierSignals
@@ -32,8 +34,8 @@ log = logging.getLogger(__name__)
 
 # How long the service waits for the other processes to listen before it turns SERVING.
 LISTEN_WAIT_S = 120.0
-# How long a drain waits for the other router processes' requests on the worker (they
-# finish there: live migration moves the owner's own).
+# How long a drain waits for the other router processes' requests on the worker to be
+# gone (each process moves its own; one that cannot move finishes there).
 DRAIN_WAIT_S = 600.0
 DRAIN_POLL_S = 0.1
 
@@ -62,6 +64,7 @@ class OwnerSide:
             self._name_client(ref)
         pools.on_live.insert(0, self._name_client)
         self._publisher: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._admin_server: grpc.aio.Server | None = None
         self.signals: TierSignals | None = None
 
@@ -77,7 +80,13 @@ class OwnerSide:
         return TierPlannerView(core, self.signals)
 
     async def start(self, core: Any, admin: AdminServicer) -> None:
+        # First of the drain hooks: the other processes move their requests off the
+        # worker while this one moves its own; the last waits for theirs to be gone.
+        self.pools.drain_hooks.insert(0, self._others_move_theirs)
         self.pools.drain_hooks.append(self._wait_for_other_processes)
+        self.tier.on_link_request = lambda index, asked: self._spawn(
+            self._link_for(core, index, asked)
+        )
         self._admin_server = await serve_owner_admin(admin, self.tier.admin_address)
         self.tier.publish(membership_of(self.pools, core.prefill_policy))
         self._publisher = asyncio.ensure_future(self._publish(core))
@@ -88,9 +97,36 @@ class OwnerSide:
             await asyncio.sleep(PUBLISH_EVERY_S)
             self.tier.publish(membership_of(self.pools, core.prefill_policy))
 
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _others_move_theirs(self, ref: WorkerRef) -> None:
+        if ref.pool is PoolName.DECODE:
+            self.tier.tell(MoveOff(ref.worker_id, ref.info.epoch))
+
+    async def _link_for(self, core: Any, index: int, asked: LinkPeers) -> None:
+        """Make the channel another process needs to move its requests (once per pair
+        of incarnations, shared with this process's own moves), and answer it."""
+        by_key = {(w.worker_id, w.info.epoch): w for w in self.pools.all()}
+        sender, receiver = by_key.get(asked.sender), by_key.get(asked.receiver)
+        error = None
+        if sender is None or receiver is None:
+            error = "a worker of that incarnation is not in the fleet"
+        elif core.live_migration is None:
+            error = "the service has no decode workers to move requests between"
+        else:
+            try:
+                await core.live_migration.links.link(sender, receiver)
+            except Exception as exc:  # noqa: BLE001 - the asker moves by recompute
+                error = str(exc) or repr(exc)
+        self.tier.tell(PeersLinked(asked.seq, error), index)
+
     async def _wait_for_other_processes(self, ref: WorkerRef) -> None:
-        """A draining worker leaves once the other processes' requests on it are done
-        (the owner's own moved with their KV, or are counted by `Pools.drain`)."""
+        """A draining worker leaves once the other processes' requests on it are gone:
+        moved with their KV (`MoveOff`), or finished there where they could not move
+        (the owner's own are counted by `Pools.drain`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + DRAIN_WAIT_S
         while ref.state == "draining" and loop.time() < deadline:

@@ -2,7 +2,9 @@
 
 It has what the serving core reads of `router.fleet.pools.Pools` (the workers by pool,
 their states and peers, the targets, the hooks for a worker going live, dying or
-leaving) and nothing that changes the fleet: no spawning, scaling or draining. Each
+leaving) and nothing that changes the fleet: no spawning, scaling or draining (a KV
+channel between decode workers, for moving this process's requests off a draining one,
+is asked of the owner, which makes them all). Each
 `Membership` snapshot from the owner updates it: a worker new to it gets a client of
 this process's own (its own connection to the worker, calls named as this process's),
 one that went live is announced (the token delivery follows it), and one no longer
@@ -21,18 +23,28 @@ from engine.wire import POOLS, PoolName, WorkerInfo
 from router.fleet.clients import DirectWorkerClient
 from router.fleet.worker_ref import WorkerRef
 from router.fleet.worker_state import WorkerState
+from router.serving import workers
 from router.tier.membership import Membership
 
 log = logging.getLogger(__name__)
+
+# Asks the owner for the channel sender → receiver, each named by (worker id, epoch).
+LinkAsker = Callable[[tuple[str, int], tuple[str, int]], Awaitable[None]]
 
 
 class PoolsView:
     """`Pools`' reading side, fed by the owner's membership snapshots."""
 
     def __init__(
-        self, call_token: bytes, consumer: str, grace_s: float, cluster: Any = None
+        self,
+        call_token: bytes,
+        consumer: str,
+        grace_s: float,
+        cluster: Any = None,
+        ask_link: LinkAsker | None = None,
     ) -> None:
         self._token = call_token
+        self._ask_link = ask_link
         self._consumer = consumer
         self._grace_s = grace_s
         self.cluster = cluster  # what the serving core may read of it (use_gpus)
@@ -69,9 +81,23 @@ class PoolsView:
         refs = self.all()
         return refs[0].info if refs else None
 
-    def mark_dead(self, ref: WorkerRef, reason: str) -> None:
+    def incarnation(self, worker_id: str, epoch: int) -> WorkerRef | None:
+        """The worker of that id and epoch, if this view has it."""
+        return self._by_key.get((worker_id, epoch))
+
+    async def link_peers(self, sender: workers.WorkerRef, receiver: workers.WorkerRef) -> None:
+        if self._ask_link is None:
+            raise RuntimeError("no fleet owner to make a channel between decode workers")
+        await self._ask_link(_key(sender.info), _key(receiver.info))
+
+    async def unlink_peers(self, peer: workers.WorkerRef, gone_id: str) -> None:
+        """The owner's own peer links drop the channels of a worker that left."""
+
+    def mark_dead(self, ref: workers.WorkerRef, reason: str) -> None:
         """A call found the worker gone: its requests here move on; the owner, which
-        watches it through Ray, starts its replacement."""
+        watches it through Ray, starts its replacement. (`ref` is one of this view's
+        own, handed back by the serving core.)"""
+        assert isinstance(ref, WorkerRef)
         if ref.state in ("dead", "gone"):
             return
         self._dead.add(_key(ref.info))
