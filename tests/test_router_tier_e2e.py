@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -84,6 +85,37 @@ def channels(address: str, n: int) -> list[grpc.aio.Channel]:
         grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(n)
     ]
+
+
+async def _streams_disturbed(
+    address: str, prompts: list[str], max_tokens: int, disturb: Callable[[], Awaitable[None]]
+) -> list[list[int]]:
+    """Greedy streams of `prompts` over several connections (so that both processes
+    carry some); once each has 3 tokens, `disturb()`; then each stream's tokens."""
+    progress = [0] * len(prompts)
+
+    async def one(stub: pb_grpc.GenerationServiceStub, i: int) -> list[int]:
+        tokens: list[int] = []
+        request = build_request(
+            prompt=prompts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        )
+        async for response in stub.Generate(request):
+            tokens.extend(response.token_ids)
+            progress[i] = len(tokens)
+        return tokens
+
+    chans = channels(address, NUM_CONNECTIONS)
+    try:
+        stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
+        streams = [
+            asyncio.ensure_future(one(stubs[i % len(stubs)], i)) for i in range(len(prompts))
+        ]
+        await wait_until_async(lambda: min(progress) >= 3, timeout=120)
+        await disturb()
+        return await asyncio.wait_for(asyncio.gather(*streams), 240)
+    finally:
+        for c in chans:
+            await c.close()
 
 
 async def _stream(stub: pb_grpc.GenerationServiceStub, prompt: str, n: int) -> list[int]:
@@ -330,33 +362,13 @@ def test_streams_on_both_processes_move_on_when_their_decode_worker_dies(
     prompts = [f"Describe the colour number {i}." for i in range(num)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     reference = reference_llm.generate(prompts, params)
-    progress = [0] * num
 
-    async def one(stub: pb_grpc.GenerationServiceStub, i: int) -> list[int]:
-        tokens: list[int] = []
-        request = build_request(
-            prompt=prompts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-        )
-        async for response in stub.Generate(request):
-            tokens.extend(response.token_ids)
-            progress[i] = len(tokens)
-        return tokens
-
-    async def run() -> list[list[int]]:
+    async def kill_decode() -> None:
         workers = await list_workers(tier.address)
         (decode,) = [w for w in workers.workers if w.pool == "decode"]
-        chans = channels(tier.address, NUM_CONNECTIONS)
-        try:
-            stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
-            streams = [asyncio.ensure_future(one(stubs[i % len(stubs)], i)) for i in range(num)]
-            await wait_until_async(lambda: min(progress) >= 3, timeout=120)
-            os.kill(decode.pid, signal.SIGKILL)
-            return await asyncio.wait_for(asyncio.gather(*streams), 240)
-        finally:
-            for c in chans:
-                await c.close()
+        os.kill(decode.pid, signal.SIGKILL)
 
-    served = asyncio.run(run())
+    served = asyncio.run(_streams_disturbed(tier.address, prompts, max_tokens, kill_decode))
     for i, tokens in enumerate(served):
         assert tokens == list(reference[i].token_ids), f"stream {i} differs after migrating"
     # Both processes had streams to move.
@@ -378,7 +390,6 @@ def test_a_drained_decode_worker_moves_every_processs_requests_with_their_kv(
     prompts = [f"Tell me about the number {i}." for i in range(num)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     reference = reference_llm.generate(prompts, params)
-    progress = [0] * num
 
     def moves(reason: str) -> list[float]:
         return [
@@ -391,29 +402,14 @@ def test_a_drained_decode_worker_moves_every_processs_requests_with_their_kv(
             for i in range(2)
         ]
 
-    async def one(stub: pb_grpc.GenerationServiceStub, i: int) -> list[int]:
-        tokens: list[int] = []
-        request = build_request(
-            prompt=prompts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-        )
-        async for response in stub.Generate(request):
-            tokens.extend(response.token_ids)
-            progress[i] = len(tokens)
-        return tokens
-
     async def run() -> list[list[int]]:
         await scale_pool(tier.address, "decode", 2)
         await asyncio.sleep(1.0)  # the other process's view has the new worker
-        chans = channels(tier.address, NUM_CONNECTIONS)
-        try:
-            stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
-            streams = [asyncio.ensure_future(one(stubs[i % len(stubs)], i)) for i in range(num)]
-            await wait_until_async(lambda: min(progress) >= 3, timeout=120)
+
+        async def drain() -> None:
             await drain_worker(tier.address, "decode-0")
-            return await asyncio.wait_for(asyncio.gather(*streams), 240)
-        finally:
-            for c in chans:
-                await c.close()
+
+        return await _streams_disturbed(tier.address, prompts, max_tokens, drain)
 
     kv_before, recomputed_before = moves("drained_kv"), moves("drained")
     served = asyncio.run(run())
