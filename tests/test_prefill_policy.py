@@ -182,7 +182,7 @@ def test_the_policy_changes_while_serving_and_applies_to_the_next_request() -> N
         pools = FakePools(1, 1)
         core = DisaggregatedGenerator(pools, WordTokenizer(), RouterConfig())
         core.start()
-        admin = AdminServicer(lambda: pools, True, lambda: core)  # type: ignore[arg-type,return-value]
+        admin = AdminServicer(lambda: pools, True, lambda: core)
         call = GenerateCall(
             "", None, tuple(range(100, 164)), None, SamplingParams(max_tokens=3, seed=1)
         )
