@@ -166,6 +166,15 @@ def add(
     core.add_request(GenerationInput(req_id, prompt, params, priority))
 
 
+def one_token_each(step: StepTokens) -> dict[str, int]:
+    """A step's tokens where no sequence had proposals: one token each."""
+    tokens = {}
+    for req_id, sampled in step.items():
+        assert isinstance(sampled, int), (req_id, sampled)
+        tokens[req_id] = sampled
+    return tokens
+
+
 def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[int]]:
     """Step until nothing is left; every request's tokens."""
     outputs: dict[str, list[int]] = {}
