@@ -393,6 +393,7 @@ class FakePools:
         self.step_s, self.steps_by_clock = step_s, steps_by_clock
         self.speed = speed  # what each worker reports its warm-up measured (None: nothing)
         self.workers: dict[str, list[WorkerRef]] = {pool: [] for pool in sizes}
+        self.num_restarts = 0  # replace() calls, as Pools counts its replacements
         for pool, size in sizes.items():
             for index in range(size):
                 self.workers[pool].append(self._new_worker(pool, index, EPOCH))
@@ -421,6 +422,7 @@ class FakePools:
         for callback in self.on_removed:
             callback(old)
         ref = self._new_worker(old.pool, old.index, old.info.epoch + 1)
+        self.num_restarts += 1
         self.workers[old.pool].append(ref)
         if ref.pool is PoolName.DECODE:
             fake = self.fakes[worker_id]
@@ -474,6 +476,11 @@ class FakePools:
         ref.state = WorkerState.GONE
         for callback in self.on_removed:
             callback(ref)
+
+    async def scale(self, pool: str, size: int) -> None:
+        """Not faked: these pools keep the sizes they were made with. Scaling is tested on
+        router.fleet.pools.Pools over a fake cluster (tests/test_pools.py)."""
+        raise NotImplementedError("FakePools has fixed pool sizes")
 
     def mark_dead(self, ref: workers.WorkerRef, reason: str) -> None:
         assert isinstance(ref, WorkerRef)  # one of these pools' own

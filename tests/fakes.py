@@ -5,12 +5,14 @@ tokenizer for the router's serving core over bench.fake_workers (`WordTokenizer`
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypedDict, Unpack
 
 from engine.core.batch import Batch, ScheduledSeq
 from engine.core.config import CacheConfig, SchedulerConfig
-from engine.core.engine_core import EngineCore, StepTokens
+from engine.core.engine_core import AsyncRunner, EngineCore, StepTokens
 from engine.core.request import PLACEHOLDER_TOKEN
 from engine.core.role import EngineRole
+from engine.core.waiting_queue import QueuePolicy
 from engine.sampling_params import SamplingParams
 from engine.spec.spec_config import SpeculativeConfig
 from engine.spec.speculation import PROPOSAL_TOKEN, accepted_prefix
@@ -94,6 +96,29 @@ class Done:
         return self.tokens
 
 
+# The engine core takes it for its model runner (engine_core.AsyncRunner): checked by mypy.
+_A_RUNNER: type[AsyncRunner] = FakeRunner
+
+
+class RunnerFields(TypedDict, total=False):
+    """FakeRunner's arguments, for tests that pass them along."""
+
+    model: Callable[[int, int], int]
+    draft_misses: Callable[[int], bool]
+
+
+class SchedulerFields(TypedDict, total=False):
+    """SchedulerConfig's fields, as make_engine takes them."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    long_prefill_token_threshold: int
+    enable_prefix_caching: bool
+    policy: QueuePolicy
+    prioritize_prefill: bool
+    priority_aging_s: float
+
+
 def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
     """What FakeRunner produces for a request run alone."""
     out: list[int] = []
@@ -115,13 +140,13 @@ def make_engine(
     speculative: SpeculativeConfig | None = None,
     runner: FakeRunner | None = None,
     max_model_len: int = 100_000,
-    **sched: object,
+    **sched: Unpack[SchedulerFields],
 ) -> tuple[EngineCore, FakeRunner]:
     """An engine core on the fake runner: `sched` are SchedulerConfig fields."""
     runner = runner or FakeRunner()
     core = EngineCore(
         runner,
-        SchedulerConfig(**sched),  # type: ignore[arg-type]
+        SchedulerConfig(**sched),
         CacheConfig(num_blocks=num_blocks, block_size=block_size),
         max_model_len=max_model_len,
         vocab_size=1000,
@@ -133,14 +158,22 @@ def make_engine(
     return core, runner
 
 
-def add(core: EngineCore, req_id: str, prompt_len: int, max_tokens: int, **kw: object) -> None:
+def add(
+    core: EngineCore, req_id: str, prompt_len: int, max_tokens: int, *, priority: int = 0
+) -> None:
     """Add a request of `prompt_len` tokens (a function of its id) asking `max_tokens`."""
     prompt = tuple((hash((req_id, i)) % 900) + 10 for i in range(prompt_len))
-    core.add_request(
-        GenerationInput(
-            req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw
-        )  # type: ignore[arg-type]
-    )
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    core.add_request(GenerationInput(req_id, prompt, params, priority))
+
+
+def one_token_each(step: StepTokens) -> dict[str, int]:
+    """A step's tokens where no sequence had proposals: one token each."""
+    tokens = {}
+    for req_id, sampled in step.items():
+        assert isinstance(sampled, int), (req_id, sampled)
+        tokens[req_id] = sampled
+    return tokens
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[int]]:

@@ -4,24 +4,39 @@ N+1 before it applies step N, and callers must not be able to tell, except by sp
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Unpack
 
 import pytest
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.core.request import PLACEHOLDER_TOKEN, FinishReason
+from engine.core.waiting_queue import QueuePolicy
 from engine.sampling_params import SamplingParams
 from engine.wire import GenerationInput, TokenUpdate
-from tests.fakes import FakeRunner, assert_engine_empty, expected_output, make_engine
+from tests.fakes import (
+    FakeRunner,
+    SchedulerFields,
+    assert_engine_empty,
+    expected_output,
+    make_engine,
+)
 
 PROMPT = (5, 6, 7)
 EXPECTED = expected_output(list(PROMPT), 8)
 
 
 def make_core(
-    async_scheduling: bool, *, num_blocks: int = 64, **kwargs: object
+    async_scheduling: bool,
+    *,
+    num_blocks: int = 64,
+    eos: frozenset[int] = frozenset(),
+    handoff: bool = False,
+    **sched: Unpack[SchedulerFields],
 ) -> tuple[EngineCore, FakeRunner]:
-    return make_engine(num_blocks, 4, async_scheduling=async_scheduling, **kwargs)  # type: ignore[arg-type]
+    return make_engine(
+        num_blocks, 4, eos=eos, handoff=handoff, async_scheduling=async_scheduling, **sched
+    )
 
 
 def run(core: EngineCore) -> list[TokenUpdate]:
@@ -130,7 +145,7 @@ def test_an_id_reused_after_an_abort_is_not_given_the_old_steps_tokens() -> None
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_preemption_with_a_token_in_flight_recomputes_the_same_output(policy: str) -> None:
+def test_preemption_with_a_token_in_flight_recomputes_the_same_output(policy: QueuePolicy) -> None:
     # 8 blocks of 4 tokens for three requests of 20 tokens: someone is preempted while
     # its next token is still being sampled; the recompute samples it again.
     core, _ = make_core(True, num_blocks=8, policy=policy)

@@ -6,6 +6,7 @@ exit, nothing left running)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,7 @@ def _stream(num_tokens: int, *finals: int, text: str = "", extra: int = 0) -> St
     return result
 
 
-def _stop(*streams: StreamResult, **changes: object) -> StopResult:
+def _stop(*streams: StreamResult, **changes: Any) -> StopResult:
     clean = StopResult(
         mode="group",
         streams=list(streams),
@@ -36,7 +37,7 @@ def _stop(*streams: StreamResult, **changes: object) -> StopResult:
         survivors=[],
         tokens_at_signal=[3] * len(streams),
     )
-    return dataclasses.replace(clean, **changes)  # type: ignore[arg-type]
+    return dataclasses.replace(clean, **changes)
 
 
 def test_a_clean_group_stop_with_finished_and_aborted_streams_passes() -> None:

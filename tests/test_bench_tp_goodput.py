@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 
@@ -107,7 +107,7 @@ def test_serve_flags_start_the_pools_the_layout_names(
 
 
 def test_attainment_at_each_tpot_slo_comes_from_the_same_requests() -> None:
-    requests = {
+    requests: dict[str, list[Any]] = {
         "ok": [True, True, True, True, False],
         "ttft_ms": [200.0, 300.0, 1500.0, 100.0, 100.0],  # the third misses TTFT <= 1 s
         "tpot_ms": [10.0, 20.0, 10.0, 40.0, 10.0],  # the last one failed
@@ -121,8 +121,14 @@ def test_a_one_token_answer_has_no_tpot_to_miss() -> None:
     assert attainment({"ok": [True], "ttft_ms": [10.0], "tpot_ms": [None]}, 1000, 15) == 1.0
 
 
+class _Slo(TypedDict):
+    ttft_slo_s: float
+    tpot_slo_s: float
+    output_len: int
+
+
 def test_a_request_is_given_up_only_once_it_cannot_meet_the_slo() -> None:
-    slo = {"ttft_slo_s": 1.0, "tpot_slo_s": 0.05, "output_len": 11}
+    slo: _Slo = {"ttft_slo_s": 1.0, "tpot_slo_s": 0.05, "output_len": 11}
     waiting = ReqTiming(sent_s=10.0)
     assert not definitely_missed(waiting, 10.9, **slo)
     assert definitely_missed(waiting, 11.1, **slo)
@@ -394,6 +400,7 @@ def test_a_run_written_can_be_reported_again_merged(
 
 def test_quick_defaults_and_bad_flags() -> None:
     ns = tp_goodput.parse_args(["--quick"])
+    assert isinstance(tp_goodput.QUICK_LAYOUTS, str)
     assert [x.name for x in ns.layouts] == tp_goodput.QUICK_LAYOUTS.split(",")
     assert (ns.model_config, ns.prompt_len, ns.slos) == ("tiny", 64, [50.0, 200.0])
     ns = tp_goodput.parse_args(["--slo-tpot-ms", "50,25", "--rates", "4,1,2"])

@@ -134,7 +134,7 @@ def test_running_requests_move_with_their_kv_and_go_on_unchanged(
         for (req_id, _, _), moved, detached, reservation in zip(
             cases, inputs, detached_all, reservations, strict=True
         ):
-            assert reservation is not None
+            assert reservation is not None and detached is not None
             assert reservation.num_precopied == sent.get(moved.req_id, 0)
             moves.append(DetachedMove(req_id, moved.req_id, detached, reservation.num_precopied))
         # All in one transfer (one message: one gather, one header with an entry each),

@@ -6,32 +6,27 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from bench.fake_workers import FakePools
+from bench.fake_workers import FakePools, FakeWorker
 from engine.wire import PoolName, TokenBatch, TokenUpdate
+from router.fleet.worker_ref import WorkerRef
 from router.fleet.worker_state import WorkerState
-from router.routing.worker_load import WorkerLoad
 from router.serving.delivery import LOADED_FROM_STREAMS, TokenDelivery
 from router.serving.inbox import UpdateInbox
 
 
-class _Client:
-    def __init__(self, ref: _Ref, batch: TokenBatch) -> None:
+class _OneBatch(FakeWorker):
+    """A decode worker whose first poll answers `batch`; by the second it has left (its
+    ref gone), which ends the poller."""
+
+    def __init__(self, ref: WorkerRef, batch: TokenBatch) -> None:
+        super().__init__(ref.worker_id)
         self._ref, self._batch = ref, batch
 
     async def next_tokens(self) -> TokenBatch:
         batch, self._batch = self._batch, TokenBatch(())
         if not batch.updates:
-            self._ref.state = WorkerState.GONE  # the second poll: the worker left, the poller ends
+            self._ref.state = WorkerState.GONE
         return batch
-
-
-class _Ref:
-    pool, index = PoolName.DECODE, 0
-
-    def __init__(self, batch: TokenBatch) -> None:
-        self.state = WorkerState.LIVE
-        self.load = WorkerLoad()
-        self.client = _Client(self, batch)
 
 
 def _order_of_events(num_streams: int) -> list[str]:
@@ -53,9 +48,12 @@ def _order_of_events(num_streams: int) -> list[str]:
 
         readers = [asyncio.ensure_future(stream(inbox)) for inbox in inboxes.values()]
         await asyncio.sleep(0)  # every stream waits on its inbox
-        ref = _Ref(TokenBatch(tuple(TokenUpdate(req_id, (7,)) for req_id in inboxes)))
-        delivery = TokenDelivery(FakePools(0, 0), {}, inboxes.get, streams=inboxes)
-        await delivery._poll(ref)  # type: ignore[arg-type]
+        pools = FakePools(0, 1)
+        ref = pools.workers[PoolName.DECODE][0]
+        batch = TokenBatch(tuple(TokenUpdate(req_id, (7,)) for req_id in inboxes))
+        ref.client_impl = _OneBatch(ref, batch)
+        delivery = TokenDelivery(pools, {}, inboxes.get, streams=inboxes)
+        await delivery._poll(ref)
         await asyncio.gather(*readers)
 
     asyncio.run(main())

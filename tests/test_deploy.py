@@ -305,7 +305,9 @@ def ghz_config(name: str) -> tuple[dict[str, Any], pb.GenerateRequest]:
 
 def ghz_seconds(value: str) -> float:
     """A ghz duration ("60s", "5m") in seconds."""
-    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", value).groups()  # type: ignore[union-attr]
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", value)
+    assert match is not None, value
+    number, unit = match.groups()
     return float(number) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
 
 

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from engine.frontend.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_path):  # type: ignore[no-untyped-def]
+def tokenizer(smollm2_path: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True)
 
 
 def stream(
-    tokenizer, text: str, stop: tuple[str, ...] = ()
-) -> tuple[list[str], IncrementalDetokenizer]:  # type: ignore[no-untyped-def]
+    tokenizer: Any, text: str, stop: tuple[str, ...] = ()
+) -> tuple[list[str], IncrementalDetokenizer]:
     prompt = tokenizer.encode("Say:", add_special_tokens=False)
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, prompt, stop)
@@ -26,33 +29,33 @@ def stream(
     return deltas, detok
 
 
-def test_stream_reassembles_exact_text_with_multibyte_characters(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_stream_reassembles_exact_text_with_multibyte_characters(tokenizer: Any) -> None:
     text = " naïve café — 日本語 🙂 emoji, ok"
     deltas, _ = stream(tokenizer, text)
     assert "".join(deltas) == tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
     assert all("\ufffd" not in d for d in deltas)
 
 
-def test_stop_string_is_cut_and_never_emitted(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_stop_string_is_cut_and_never_emitted(tokenizer: Any) -> None:
     deltas, detok = stream(tokenizer, " one two STOP three four", stop=("STOP",))
     assert detok.stopped
     assert "".join(deltas) == " one two "
     assert not any("S" in d and "T" in d for d in deltas)
 
 
-def test_stop_string_spanning_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_stop_string_spanning_tokens(tokenizer: Any) -> None:
     deltas, detok = stream(tokenizer, " alpha beta gamma", stop=("a gam",))
     assert detok.stopped
     assert "".join(deltas) == " alpha bet"
 
 
-def test_no_stop_match_flushes_everything(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_no_stop_match_flushes_everything(tokenizer: Any) -> None:
     deltas, detok = stream(tokenizer, " hello world", stop=("zzz",))
     assert not detok.stopped
     assert "".join(deltas) == " hello world"
 
 
-def test_tokens_given_together_past_a_stop_string_are_not_reported(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_tokens_given_together_past_a_stop_string_are_not_reported(tokenizer: Any) -> None:
     # A router behind on delivery hands the output processor several steps' tokens at
     # once; the chunk must end at the token that completed the stop string, as it does
     # when the tokens come one at a time.
@@ -62,7 +65,7 @@ def test_tokens_given_together_past_a_stop_string_are_not_reported(tokenizer) ->
     prompt = tokenizer.encode("Say:", add_special_tokens=False)
     ids = tokenizer.encode(" one two STOP three four", add_special_tokens=False)
     one_at_a_time = OutputProcessor(tokenizer, prompt, ("STOP",))
-    read = []
+    read: list[int] = []
     for token in ids:
         chunk, finish = one_at_a_time.process([token], None)
         read += chunk.token_ids if chunk else []
@@ -76,7 +79,7 @@ def test_tokens_given_together_past_a_stop_string_are_not_reported(tokenizer) ->
     assert len(read) < len(ids)
 
 
-def _sentencepiece_style_tokenizer():  # type: ignore[no-untyped-def]
+def _sentencepiece_style_tokenizer() -> Any:
     """A tiny Llama-2-style tokenizer (metaspace, byte fallback, the first space stripped
     on decode), trained here: the decoder whose output depends most on the prompt before."""
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
@@ -103,7 +106,7 @@ def _sentencepiece_style_tokenizer():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("which", ["smollm2", "sentencepiece-style"])
-def test_streaming_decoder_gives_the_windowed_decodes_text(tokenizer, which: str) -> None:  # type: ignore[no-untyped-def]
+def test_streaming_decoder_gives_the_windowed_decodes_text(tokenizer: Any, which: str) -> None:
     """The tokenizers library's streaming decoder against re-decoding a window with
     tokenizer.decode: the same text for the same tokens, from any prompt, special tokens,
     multi-byte characters split over tokens and random ids included."""

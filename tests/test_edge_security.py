@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -61,7 +62,7 @@ def with_server(security: EdgeSecurity, body: Callable[[str], Awaitable[None]]) 
     asyncio.run(main())
 
 
-async def generate(address: str, security: ClientSecurity, **kwargs: object) -> str:
+async def generate(address: str, security: ClientSecurity, **kwargs: Any) -> str:
     texts = [
         r.text
         async for r in stream_generate(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 
 import pytest
 
@@ -33,7 +35,7 @@ def test_second_call_is_instant_and_folder_loads_offline(smollm2_path: Path) -> 
     )
 
 
-def _fake_convert(calls: list[int]):  # type: ignore[no-untyped-def]
+def _fake_convert(calls: list[int]) -> Callable[[Path, Path], None]:
     def convert(source: Path, out_dir: Path) -> None:
         calls.append(1)
         (out_dir / "model.safetensors").write_text("weights")
@@ -59,8 +61,13 @@ def test_concurrent_callers_convert_once(tmp_path: Path, monkeypatch: pytest.Mon
                 at_lock.notify_all()
             return self._lock.__enter__()
 
-        def __exit__(self, *exc: object) -> None:
-            self._lock.__exit__(*exc)
+        def __exit__(
+            self,
+            kind: type[BaseException] | None,
+            exc: BaseException | None,
+            tb: TracebackType | None,
+        ) -> None:
+            self._lock.__exit__(kind, exc, tb)
 
     calls: list[int] = []
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ ARRIVAL_STEP = [0, 0, 1, 2, 3, 5, 6, 8, 9, 11]  # staggered: requests join runni
 
 @dataclass
 class Reference:
-    model: object
+    model: Any  # a transformers causal LM
     prompts: list[list[int]]
     tokens: list[list[int]]  # generate()'s greedy tokens (stops early at EOS)
 
@@ -68,6 +69,7 @@ def run_engine(
 ) -> tuple[list[list[int]], int]:
     llm = LLM(EngineArgs(model=str(path), num_blocks=num_blocks, block_size=8, scheduler=scheduler))
     tok = llm.tokenizer
+    assert tok is not None
     core = llm.core
     outputs: list[list[int]] = [[] for _ in TEXTS]
     step = 0
@@ -97,7 +99,7 @@ def check(ref: Reference, outputs: list[list[int]]) -> list[int]:
                 continue
             with torch.no_grad():
                 ids = torch.tensor([ref.prompts[i] + got[:k]])
-                logprobs = torch.log_softmax(ref.model(ids).logits[0, -1], dim=-1)  # type: ignore[attr-defined]
+                logprobs = torch.log_softmax(ref.model(ids).logits[0, -1], dim=-1)
             top2 = set(torch.topk(logprobs, 2).indices.tolist())
             gap = abs(float(logprobs[w] - logprobs[got[k]]))
             assert {w, got[k]} <= top2 and gap < 1e-3, (

@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ from torch.distributed import TCPStore
 from bench.harness import ServiceProcess
 from engine.factory import EngineArgs
 from engine.llm import LLM
+from engine.model.model_loader import LoadFormat
 from engine.sampling_params import SamplingParams
 from engine.transfer.base import KVPoll
 from engine.transfer.channel import SENDER_RANK, KVChannel
@@ -178,15 +179,23 @@ def fixed_prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1000, 120_000) for _ in range(n)] for n in (1, 7, 16, 17, 40, 100)]
 
 
+class _SameModel(TypedDict):
+    """The EngineArgs two engines of one model share."""
+
+    model: str
+    load_format: LoadFormat
+    num_blocks: int
+
+
 @needs_gpus(1)
 def test_cuda_bf16_engine_matches_cpu_fp32_reference(tmp_path: Path) -> None:
     path = small_1b_shape(tmp_path)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = fixed_prompts()
-    common = dict(model=str(path), load_format="dummy", num_blocks=96)
-    cpu = LLM(EngineArgs(device="cpu", dtype="float32", **common))  # type: ignore[arg-type]
+    common = _SameModel(model=str(path), load_format="dummy", num_blocks=96)
+    cpu = LLM(EngineArgs(device="cpu", dtype="float32", **common))
     ref = traced_generate(cpu, prompts, params)
-    gpu = LLM(EngineArgs(device="cuda", dtype="bfloat16", **common))  # type: ignore[arg-type]
+    gpu = LLM(EngineArgs(device="cuda", dtype="bfloat16", **common))
     # CPU and CUDA generators differ: give the GPU engine the CPU engine's weights.
     gpu.runner.model.load_state_dict(cpu.runner.model.state_dict())
     gpu.runner.kv_cache.fill_(float("nan"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from engine.model.kernels.triton_gemv import (
     use_gemv,
     uses_gemv,
 )
+from engine.model.model_loader import LoadFormat
 from engine.model.model_runner import ModelRunner
 from engine.sampling_params import GREEDY
 
@@ -82,7 +84,7 @@ def test_packed_product_gives_each_projection_its_own_bits(bias: bool) -> None:
     packed = gemv(
         x,
         torch.cat(weights),
-        torch.cat(biases) if bias else None,  # type: ignore[arg-type]
+        torch.cat([b for b in biases if b is not None]) if bias else None,
     )
     own = torch.cat([gemv(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=1)
     assert torch.equal(packed, own)
@@ -160,8 +162,17 @@ def test_one_sequence_decode_runs_every_projection_on_the_gemv() -> None:
         assert graph.argmax(-1).item() == reference.argmax(-1).item()
 
 
+class _Placement(TypedDict):
+    """The ModelRunner arguments the runners a test compares share."""
+
+    device: str
+    load_format: LoadFormat
+    num_blocks: int
+    block_size: int
+
+
 def test_gemv_is_off_when_asked_and_for_float32() -> None:
-    common = dict(device="cuda", load_format="dummy", num_blocks=64, block_size=16)
+    common = _Placement(device="cuda", load_format="dummy", num_blocks=64, block_size=16)
     off = ModelRunner(CONFIG_1B, small_batch_gemv=False, enforce_eager=True, **common)
     assert not uses_gemv(off.model)
     del off

@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, TypedDict
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ from engine.model.kernels.triton_attention import paged_decode_attention, triton
 from engine.model.model_runner import ModelRunner
 from engine.model.prompt_graphs import prompt_graph_sizes
 from engine.sampling_params import GREEDY
-from tests.fakes import assert_engine_empty
+from tests.fakes import assert_engine_empty, one_token_each
 from tests.tiny_models import tiny_config
 
 pytestmark = [
@@ -55,7 +57,23 @@ def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _reference(q, cache, layer, table, ctx, scale):  # type: ignore[no-untyped-def]
+class _Placement(TypedDict):
+    """The ModelRunner arguments the runners a test compares share."""
+
+    device: str
+    dtype: str
+    num_blocks: int
+    block_size: int
+
+
+def _reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    layer: int,
+    table: torch.Tensor,
+    ctx: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """float64 attention of one query per sequence over its paged context."""
     n, num_heads, _ = q.shape
     block_size, num_kv_heads = cache.shape[3], cache.shape[4]
@@ -180,7 +198,7 @@ def test_paged_group_matches_sdpa_group_on_a_mixed_step() -> None:
 
 
 def _decode_run(
-    runner: ModelRunner, prompts: list[list[int]], tables: list[tuple[int, ...]], steps: int
+    runner: ModelRunner, prompts: list[list[int]], tables: Sequence[tuple[int, ...]], steps: int
 ) -> list[list[int]]:
     """Prefill every prompt in one step, then `steps` pure-decode steps; the new tokens."""
     bs = runner.block_size
@@ -188,7 +206,7 @@ def _decode_run(
         ScheduledSeq(f"r{i}", tuple(p), 0, tables[i], True, GREEDY, 0)
         for i, p in enumerate(prompts)
     )
-    first = runner.execute(Batch(seqs, bs))
+    first = one_token_each(runner.execute(Batch(seqs, bs)))
     tokens = [list(p) + [first[f"r{i}"]] for i, p in enumerate(prompts)]
     for _ in range(steps):
         batch = Batch(
@@ -198,7 +216,7 @@ def _decode_run(
             ),
             bs,
         )
-        out = runner.execute(batch)
+        out = one_token_each(runner.execute(batch))
         for i, t in enumerate(tokens):
             t.append(out[f"r{i}"])
     return [t[len(p) :] for t, p in zip(tokens, prompts, strict=True)]
@@ -207,7 +225,7 @@ def _decode_run(
 def test_cuda_graphs_give_eager_tokens_on_tiny_llama(tiny_llama_path: Path) -> None:
     path = tiny_llama_path
     num_blocks, bs = 64, 8
-    common = dict(device="cuda", dtype="float32", num_blocks=num_blocks, block_size=bs)
+    common = _Placement(device="cuda", dtype="float32", num_blocks=num_blocks, block_size=bs)
     graphed = ModelRunner(path, cuda_graph_batch_sizes=[1, 2, 4, 8], **common)
     compiled = ModelRunner(path, enforce_eager=True, **common)  # as a prefill engine runs
     eager = ModelRunner(path, enforce_eager=True, compile_model=False, **common)
@@ -245,7 +263,7 @@ def test_decoder_layers_share_one_compiled_graph(tiny_llama_path: Path) -> None:
     single token, one for any count), and give the whole stack's compiled tokens."""
     from torch._dynamo.utils import counters
 
-    common = dict(device="cuda", dtype="float32", num_blocks=32, block_size=8)
+    common = _Placement(device="cuda", dtype="float32", num_blocks=32, block_size=8)
     torch._dynamo.reset()  # no graph of an earlier test reused
     before = counters["stats"]["unique_graphs"]
     by_layer = ModelRunner(tiny_llama_path, cuda_graph_batch_sizes=[1, 2], **common)
@@ -272,7 +290,8 @@ def test_cuda_graphs_match_eager_logits_on_llama_1b_shape() -> None:
     )
     assert runner.cuda_graphs is not None and is_compiled(runner.model)
     graphs = runner.cuda_graphs
-    decoder = runner.model.get_decoder()
+    model: Any = runner.model  # a transformers model, its get_decoder() included
+    decoder = model.get_decoder()
     compiled_forwards = [layer.forward for layer in decoder.layers]
     rng = random.Random(9)
     n = 5  # pads to 8
@@ -283,7 +302,7 @@ def test_cuda_graphs_match_eager_logits_on_llama_1b_shape() -> None:
         ScheduledSeq(f"r{i}", tuple(p), 0, tables[i], True, GREEDY, 0)
         for i, p in enumerate(prompts)
     )
-    first = runner.execute(Batch(seqs, 16))
+    first = one_token_each(runner.execute(Batch(seqs, 16)))
     tokens = [list(p) + [first[f"r{i}"]] for i, p in enumerate(prompts)]
     for _ in range(4):
         batch = Batch(
@@ -308,7 +327,7 @@ def test_cuda_graphs_match_eager_logits_on_llama_1b_shape() -> None:
         top2 = eager.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
         assert torch.equal(eager.argmax(-1)[clear], graph.argmax(-1)[clear])
-        out = runner.execute(batch)  # the graph path end to end
+        out = one_token_each(runner.execute(batch))  # the graph path end to end
         for i, t in enumerate(tokens):
             t.append(out[f"r{i}"])
     assert graphs.num_replays == 4 * 2
@@ -323,19 +342,19 @@ def _chunked_run(
         chunk = tuple(prompt[start : start + n])
         sample = i == len(chunks) - 1
         seq = ScheduledSeq("r", chunk, start, table, sample, GREEDY, 0)
-        out = runner.execute(Batch((seq,), bs))
+        out = one_token_each(runner.execute(Batch((seq,), bs)))
         start += n
     assert out is not None
     tokens = [*prompt, out["r"]]
     for _ in range(steps):
         seq = ScheduledSeq("r", (tokens[-1],), len(tokens) - 1, table, True, GREEDY, 0)
-        tokens.append(runner.execute(Batch((seq,), bs))["r"])
+        tokens.append(one_token_each(runner.execute(Batch((seq,), bs)))["r"])
     return tokens[len(prompt) :]
 
 
 def test_prompt_graphs_give_eager_tokens_on_tiny_llama(tiny_llama_path: Path) -> None:
     num_blocks, bs = 64, 8
-    common = dict(device="cuda", dtype="float32", num_blocks=num_blocks, block_size=bs)
+    common = _Placement(device="cuda", dtype="float32", num_blocks=num_blocks, block_size=bs)
     graphed = ModelRunner(
         tiny_llama_path,
         cuda_graph_batch_sizes=[1, 2],
@@ -415,7 +434,8 @@ def test_prompt_graphs_match_eager_logits_on_llama_1b_shape() -> None:
     batch = Batch((seq,), 16)
     assert graphs.can_run(batch)
     with torch.inference_mode():
-        decoder = runner.model.get_decoder()
+        model: Any = runner.model  # a transformers model, its get_decoder() included
+        decoder = model.get_decoder()
         compiled_forwards = [layer.forward for layer in decoder.layers]
         uncompile_decoder(runner.model)  # the reference: transformers' own forward
         eager = runner._forward_eager(batch, None).float()
@@ -539,11 +559,11 @@ def test_launching_a_step_never_waits_for_the_device(tiny_llama_path: Path) -> N
     # And the same tokens as one step at a time with the inputs given on the host.
     tokens = [p.result() for p in pending]
     runner.kv_cache.zero_()
-    known = [dict(runner.execute(prefill))]
+    known = [one_token_each(runner.execute(prefill))]
     for step in range(3):
         batch = decode(step)
         batch = Batch(tuple(s._replace(token_ids=(known[-1][s.req_id],)) for s in batch.seqs), bs)
-        known.append(runner.execute(batch))
+        known.append(one_token_each(runner.execute(batch)))
     assert tokens == known
 
 

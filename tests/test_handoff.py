@@ -10,6 +10,7 @@ the prefill pass, and streamed layer by layer during it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Coroutine, Iterator
 from dataclasses import replace
@@ -26,12 +27,16 @@ from engine.core.config import SchedulerConfig
 from engine.core.request import FinishReason
 from engine.factory import EngineArgs
 from engine.sampling_params import SamplingParams
+from engine.transfer.base import PairChannel
 from engine.transfer.channel import KVChannel
+from engine.transfer.sender import Message
 from engine.wire import (
     NO_TOKEN,
     ChannelSpec,
     GenerationInput,
     HandoffEntry,
+    HandoffHeader,
+    HeaderKind,
     Reservation,
     TokenUpdate,
 )
@@ -156,6 +161,11 @@ class SentBlocks:
         return out.to(self._runner.kv_cache.dtype)
 
 
+def _cached_block_ids(worker: PrefillWorker, prompt: list[int]) -> list[int]:
+    """The blocks of `prompt` in the worker's prefix cache (run on its engine thread)."""
+    return [b.block_id for b in worker.core.scheduler.kv.find_cached_prefix(prompt)]
+
+
 def test_decode_blocks_are_bit_identical_to_prefill_blocks(
     loop: asyncio.AbstractEventLoop, pair: Pair
 ) -> None:
@@ -184,12 +194,7 @@ def test_decode_blocks_are_bit_identical_to_prefill_blocks(
             # hand-off; the decode worker's copies must hold the same bits.
             full = n // 16
             src_ids = await pair.prefill.on_engine(
-                lambda inp=inp: [
-                    b.block_id
-                    for b in pair.prefill.core.scheduler.kv.find_cached_prefix(
-                        list(inp.prompt_token_ids)
-                    )
-                ]
+                functools.partial(_cached_block_ids, pair.prefill, list(inp.prompt_token_ids))
             )
             # (a lookup always leaves one token to compute, so a prompt of exactly k full
             # blocks finds k - 1 of them)
@@ -375,10 +380,12 @@ def test_the_first_token_does_not_wait_for_its_hand_off_to_be_posted(
         held: list[bool] = []
         post = prefill.post_message
 
-        def held_post(*args: Any, **kwargs: Any) -> Any:
+        def held_post(
+            channel: PairChannel, message: Message, kind: HeaderKind = HeaderKind.HANDOFF
+        ) -> tuple[HandoffHeader, Any]:
             entered.set()
             held.append(release.wait(timeout=10))  # engine thread, until the reply is in
-            return post(*args, **kwargs)
+            return post(channel, message, kind)
 
         inp = _input("not-held", 40)
         res = await pair.decode.reserve(inp)

@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import pytest
 
 from engine.core.request import FinishReason
 from engine.wire import TokenUpdate
-from router.serving.inbox import UpdateInbox
+from router.serving.inbox import Item, UpdateInbox
+
+T = TypeVar("T")
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
+
+
+async def take_update(inbox: UpdateInbox, timeout_s: float, min_tokens: int = 1) -> TokenUpdate:
+    """The inbox's next item, which must be an update (not a failure or a move)."""
+    item = await inbox.take(timeout_s, min_tokens)
+    assert isinstance(item, TokenUpdate), item
+    return item
 
 
 def test_updates_that_arrived_together_come_out_as_one() -> None:
@@ -21,9 +32,9 @@ def test_updates_that_arrived_together_come_out_as_one() -> None:
         inbox.put(TokenUpdate("r", kv_wire_s=0.002))
         for token in (5, 6, 7):
             inbox.put(TokenUpdate("r", (token,), num_cached_tokens=16))
-        first = await inbox.take(1.0)
+        first = await take_update(inbox, 1.0)
         inbox.put(TokenUpdate("r", (8,), FinishReason.LENGTH))
-        return [first, await inbox.take(1.0)]
+        return [first, await take_update(inbox, 1.0)]
 
     first, last = run(main())
     assert first.new_token_ids == (5, 6, 7)
@@ -33,7 +44,7 @@ def test_updates_that_arrived_together_come_out_as_one() -> None:
 
 
 def test_tokens_before_a_failure_come_first_then_the_failure() -> None:
-    async def main() -> list[object]:
+    async def main() -> list[Item]:
         inbox = UpdateInbox()
         inbox.put(TokenUpdate("r", (1,)))
         inbox.put(TokenUpdate("r", (2,)))
@@ -42,9 +53,9 @@ def test_tokens_before_a_failure_come_first_then_the_failure() -> None:
         return [await inbox.take(1.0) for _ in range(3)]
 
     tokens, failure, after = run(main())
-    assert tokens.new_token_ids == (1, 2)
+    assert isinstance(tokens, TokenUpdate) and tokens.new_token_ids == (1, 2)
     assert isinstance(failure, RuntimeError)
-    assert after.new_token_ids == (3,)
+    assert isinstance(after, TokenUpdate) and after.new_token_ids == (3,)
 
 
 def test_an_error_update_is_not_merged_into_tokens() -> None:
@@ -52,7 +63,7 @@ def test_an_error_update_is_not_merged_into_tokens() -> None:
         inbox = UpdateInbox()
         inbox.put(TokenUpdate("r", (1,)))
         inbox.put(TokenUpdate("r", finish_reason=FinishReason.ERROR, error="import failed"))
-        return [await inbox.take(1.0), await inbox.take(1.0)]
+        return [await take_update(inbox, 1.0), await take_update(inbox, 1.0)]
 
     tokens, error = run(main())
     assert tokens.new_token_ids == (1,) and tokens.finish_reason is None
@@ -64,7 +75,7 @@ def test_nothing_is_merged_past_the_finish() -> None:
         inbox = UpdateInbox()
         inbox.put(TokenUpdate("r", (1,), FinishReason.STOP))
         inbox.put(TokenUpdate("r", (2,)))
-        return [await inbox.take(1.0), await inbox.take(1.0)]
+        return [await take_update(inbox, 1.0), await take_update(inbox, 1.0)]
 
     done, late = run(main())
     assert done.new_token_ids == (1,) and done.finish_reason is FinishReason.STOP
@@ -83,7 +94,7 @@ def test_a_take_for_several_tokens_sleeps_through_smaller_puts() -> None:
         woken_at: list[int] = []
 
         async def reader() -> TokenUpdate:
-            update = await inbox.take(1.0, min_tokens=4)
+            update = await take_update(inbox, 1.0, min_tokens=4)
             woken_at.append(num_put[0])
             return update
 
@@ -103,9 +114,9 @@ def test_a_take_for_several_tokens_sleeps_through_smaller_puts() -> None:
 
 
 def test_a_finish_or_failure_wakes_a_take_for_several_tokens_at_once() -> None:
-    async def main() -> list[object]:
+    async def main() -> list[Item]:
         inbox = UpdateInbox()
-        got: list[object] = []
+        got: list[Item] = []
 
         async def reader() -> None:
             got.append(await inbox.take(1.0, min_tokens=8))
@@ -121,6 +132,7 @@ def test_a_finish_or_failure_wakes_a_take_for_several_tokens_at_once() -> None:
         return got
 
     done, failure = run(main())
+    assert isinstance(done, TokenUpdate)
     assert done.new_token_ids == (1, 2) and done.finish_reason is FinishReason.STOP
     assert isinstance(failure, RuntimeError)
 
@@ -129,6 +141,6 @@ def test_a_take_for_several_tokens_returns_what_came_when_the_wait_runs_out() ->
     async def main() -> TokenUpdate:
         inbox = UpdateInbox()
         inbox.put(TokenUpdate("r", (1,)))
-        return await inbox.take(0.02, min_tokens=8)
+        return await take_update(inbox, 0.02, min_tokens=8)
 
     assert run(main()).new_token_ids == (1,)

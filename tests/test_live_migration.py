@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -15,12 +16,14 @@ import pytest
 
 from bench.fake_workers import FakePools
 from bench.harness.polling import wait_until_async
+from engine.core.outputs import FinalResult
 from engine.core.request import FinishReason
 from pdserve.v1 import admin_pb2 as pb
 from router.edge.admin import AdminServicer
 from router.fleet.worker_state import WorkerState
 from router.observability import metrics
 from router.observability.serving_metrics import migrations_counter
+from router.serving.orchestrator import DisaggregatedGenerator
 from tests.test_migration import _stream, _text, _token
 from tests.test_orchestrator import PROMPT, _call, _generator, _run
 
@@ -33,7 +36,10 @@ def _moves(reason: str) -> float:
     return value or 0.0
 
 
-async def _all_complete_unchanged(tasks: list[asyncio.Future[Any]], num_tokens: int) -> None:
+Streamed = tuple[list[int], str, FinalResult]
+
+
+async def _all_complete_unchanged(tasks: Sequence[Awaitable[Streamed]], num_tokens: int) -> None:
     """Every stream ends at its length with the tokens and text of an undisturbed run."""
     for tokens, text, final in await asyncio.gather(*tasks):
         assert final.finish_reason is FinishReason.LENGTH, final.error
@@ -41,14 +47,17 @@ async def _all_complete_unchanged(tasks: list[asyncio.Future[Any]], num_tokens: 
         assert text == _text(tokens)
 
 
-async def _under_way(pools: FakePools, n: int, worker: str, max_tokens: int, **kw: object):  # type: ignore[no-untyped-def]
+async def _under_way(
+    pools: FakePools, n: int, worker: str, max_tokens: int, **sampling: Any
+) -> tuple[DisaggregatedGenerator, list[asyncio.Task[Streamed]]]:
     """n streams running on `worker` (the other decode worker opens once they are)."""
     gen = _generator(pools)
     for ref in pools.workers["decode"]:
         if ref.worker_id != worker:
             ref.state = WorkerState.STARTING
     tasks = [
-        asyncio.ensure_future(_stream(gen, _call(max_tokens=max_tokens, **kw))) for _ in range(n)
+        asyncio.ensure_future(_stream(gen, _call(max_tokens=max_tokens, **sampling)))
+        for _ in range(n)
     ]
     while len(pools.fakes[worker].running) < n:
         await asyncio.sleep(0.001)
@@ -228,7 +237,7 @@ def test_migrate_requests_moves_some_with_their_kv_and_the_worker_stays_in_servi
     async def body() -> None:
         pools = FakePools(1, 2, step_s=0.005)
         gen, tasks = await _under_way(pools, 4, "decode-0", max_tokens=200)
-        admin = AdminServicer(lambda: pools, True, lambda: gen)  # type: ignore[arg-type,return-value]
+        admin = AdminServicer(lambda: pools, True, lambda: gen)
         before = _moves("rebalanced_kv")
         reply = await admin.MigrateRequests(
             pb.MigrateRequestsRequest(worker_id="decode-0", max_requests=2), _Context()
@@ -248,7 +257,7 @@ def test_migrate_requests_refuses_what_it_cannot_do_with_a_reason() -> None:
     async def body() -> None:
         pools = FakePools(1, 2, step_s=0.005)
         gen = _generator(pools)
-        admin = AdminServicer(lambda: pools, True, lambda: gen)  # type: ignore[arg-type,return-value]
+        admin = AdminServicer(lambda: pools, True, lambda: gen)
 
         async def refused(worker_id: str) -> str:
             with pytest.raises(RuntimeError) as info:

@@ -11,6 +11,7 @@ import json
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -89,7 +90,7 @@ PHASE_AND_FLEET_SERIES = {
 }
 
 
-def worker(pool: str, index: int, **kw: int) -> WorkerStats:
+def worker(pool: str, index: int, **kw: Any) -> WorkerStats:
     base = WorkerStats(PoolName(pool), index, 100, 25, 2, 1, 32, 64, 0)
     return replace(base, **kw)
 
@@ -120,7 +121,11 @@ def test_metrics_count_what_clients_sent(tmp_path: Path) -> None:
             for _ in range(4):
                 async for _ in stream_generate(server.address, prompt="p", security=good):
                     pass
-            for security, kwargs in ((good, {}), (ClientSecurity(), {"prompt": "p"})):
+            bad_calls: list[tuple[ClientSecurity, dict[str, Any]]] = [
+                (good, {}),  # no prompt
+                (ClientSecurity(), {"prompt": "p"}),  # no token
+            ]
+            for security, kwargs in bad_calls:
                 with pytest.raises(grpc.aio.AioRpcError):
                     async for _ in stream_generate(server.address, security=security, **kwargs):
                         pass

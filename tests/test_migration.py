@@ -238,7 +238,9 @@ def test_a_continuation_gives_the_undisturbed_text_and_stop(
     from engine.factory import EngineArgs
 
     reference_llm = LLM(EngineArgs(model=str(tiny_model_paths["llama"]), num_blocks=64))
-    prompt_ids = reference_llm.tokenizer.encode("Once upon a time, in a small village,")
+    tokenizer = reference_llm.tokenizer
+    assert tokenizer is not None
+    prompt_ids = tokenizer.encode("Once upon a time, in a small village,")
     greedy = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
     seeded = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_k=50, seed=7)
     k = 5  # the client saw 5 tokens when the worker died
@@ -254,10 +256,10 @@ def test_a_continuation_gives_the_undisturbed_text_and_stop(
     # The router's matcher, fed what each worker streamed, stops at a stop string that
     # spans the point where the second worker took over.
     tokens = list(undisturbed[1].token_ids)
-    before = reference_llm.tokenizer.decode(tokens[:k])
-    full = reference_llm.tokenizer.decode(tokens)
+    before = tokenizer.decode(tokens[:k])
+    full = tokenizer.decode(tokens)
     stop = full[len(before) - 2 : len(before) + 2]
-    outputs = OutputProcessor(reference_llm.tokenizer, tuple(prompt_ids), (stop,))
+    outputs = OutputProcessor(tokenizer, tuple(prompt_ids), (stop,))
     text = ""
     reason = None
     for token in tokens:

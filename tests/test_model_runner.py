@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from engine.model.attention import ATTN_IMPLEMENTATION, _current_step
 from engine.model.model_runner import ModelRunner
 from engine.model.model_spec import ModelSpec
 from engine.sampling_params import GREEDY, SamplingParams
+from tests.fakes import one_token_each
 
 MODELS = ("llama", "mistral", "qwen2", "qwen3", "smollm2")  # conftest.TINY_ARCHS + embedded
 NUM_NEW = 8
@@ -110,7 +112,7 @@ def drive(runner: ModelRunner, reqs: list[Req], block_size: int, num_new: int = 
             seqs.append(
                 ScheduledSeq(r.req_id, chunk, r.num_computed, r.block_table, sample, GREEDY, 0)
             )
-        out = runner.execute(Batch(tuple(seqs), block_size))
+        out = one_token_each(runner.execute(Batch(tuple(seqs), block_size)))
         assert set(out) == {s.req_id for s in seqs if s.sample}
         by_id = {r.req_id: r for r in reqs}
         for s in seqs:
@@ -202,7 +204,14 @@ def test_attention_gets_no_mask_and_sees_the_step(tiny_model_paths: dict[str, Pa
     seen: list[tuple[object, int]] = []
     original = AttentionInterface._global_mapping[ATTN_IMPLEMENTATION]
 
-    def spy(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
+    def spy(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> Any:
         seen.append((attention_mask, _current_step().metadata.num_tokens))
         return original(module, query, key, value, attention_mask, **kwargs)
 
@@ -258,7 +267,8 @@ def test_handed_off_blocks_continue_decoding_identically(tiny_model_paths: dict[
     dst = ModelRunner(path, kv_cache_bytes=12 * per_block + 100, block_size=8)
     assert dst.num_blocks == 12
     prompt = tuple(range(100, 119))  # 19 tokens: 3 blocks
-    first = src.execute(Batch((ScheduledSeq("a", prompt, 0, (5, 1, 6), True, GREEDY, 0),), 8))["a"]
+    seq = ScheduledSeq("a", prompt, 0, (5, 1, 6), True, GREEDY, 0)
+    first = one_token_each(src.execute(Batch((seq,), 8)))["a"]
 
     dst.kv_cache.fill_(float("nan"))
     dst.scatter_blocks([9, 2, 4], src.gather_blocks([5, 1, 6]))
@@ -267,7 +277,7 @@ def test_handed_off_blocks_continue_decoding_identically(tiny_model_paths: dict[
         for _ in range(4):
             pos = len(prompt) + len(tokens) - 1
             seq = ScheduledSeq("a", (tokens[-1],), pos, table, True, GREEDY, 0)
-            tokens.append(runner.execute(Batch((seq,), 8))["a"])
+            tokens.append(one_token_each(runner.execute(Batch((seq,), 8)))["a"])
     assert tokens_dst == tokens_src
     with pytest.raises(ValueError, match="shape"):
         dst.scatter_blocks([0], src.gather_blocks([0, 1]))

@@ -104,7 +104,7 @@ def test_deploy_configs_describe_the_real_models() -> None:
 def test_dummy_load_builds_random_weights_from_config_alone(tmp_path: Path) -> None:
     model, spec = load_model(_write_config(tmp_path / "m"), dtype="bfloat16", load_format="dummy")
     assert spec.dtype == "bfloat16"
-    weight = model.model.layers[0].self_attn.q_proj.weight
+    weight = model.get_parameter("model.layers.0.self_attn.q_proj.weight")
     assert weight.dtype == torch.bfloat16 and 0.005 < float(weight.float().std()) < 0.1
     assert not any(p.requires_grad for p in model.parameters())
 

@@ -4,7 +4,8 @@ worker, stop strings, cancellation and lease renewal, in milliseconds."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections import defaultdict
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import pytest
@@ -242,6 +243,7 @@ def test_a_cancelled_request_is_aborted_on_every_worker_it_reached() -> None:
         pools.fakes["prefill-0"].hold_prefill = hold
         gen = _generator(pools)
         stream = gen.generate(_call())
+        assert isinstance(stream, AsyncGenerator)  # closable, as the servicer closes it
         task = asyncio.ensure_future(stream.__anext__())
         await wait_until_async(
             lambda: pools.fakes["prefill-0"].calls, 2.0, what="the prefill call arrived"
@@ -372,7 +374,7 @@ def test_an_expired_reservation_is_retried_on_decode_not_failed() -> None:
         pools = FakePools(1, 1)
         pools.fakes["prefill-0"].kv_delay_s = 0.3
         gen = _generator(pools, lease_s=0.1)
-        gen.leases.renewing.default_factory = _Forgetful  # type: ignore[attr-defined]
+        gen.leases.renewing = defaultdict(_Forgetful)
         tokens, final = await _collect(gen.generate(_call()))
         assert final.finish_reason is FinishReason.LENGTH, final.error
         assert tokens == _expected(_call())  # the first token once, then the rest

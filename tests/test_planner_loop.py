@@ -136,7 +136,7 @@ def test_the_loop_grows_a_short_pool_then_drains_it_when_the_load_stops() -> Non
         load = registry.get_sample_value("pdserve_planner_load_workers", {"pool": "prefill"})
         assert load == pytest.approx(1.0, rel=0.2)  # two prompts a second of half a second
 
-        admin = AdminServicer(lambda: pools, True, planner=lambda: loop)  # type: ignore[arg-type,return-value]
+        admin = AdminServicer(lambda: pools, True, planner=lambda: loop)
         listing = await admin.ListWorkers(pb.ListWorkersRequest(), _Context())
         status = listing.planner
         assert status.max_workers == 3 and status.traffic.startswith("2.00 req/s")

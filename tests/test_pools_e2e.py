@@ -15,10 +15,12 @@ and seeded outputs equal the in-process engine's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -177,7 +179,7 @@ def test_seeded_streams_on_a_killed_decode_worker_end_with_the_undisturbed_text(
     ]
     prompts = PROMPTS[:4]
 
-    def sampling(params: SamplingParams) -> dict[str, object]:
+    def sampling(params: SamplingParams) -> dict[str, Any]:
         return {
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -204,7 +206,7 @@ def test_seeded_streams_on_a_killed_decode_worker_end_with_the_undisturbed_text(
                     service.address,
                     prompt=p,
                     stop=[stop],
-                    on_tokens=lambda n, i=i: seen.__setitem__(i, n),
+                    on_tokens=functools.partial(seen.__setitem__, i),
                     **sampling(params),
                 )
             )
@@ -381,15 +383,15 @@ def test_chaos_kills_cancels_and_deadlines(
 
 async def _greedy_streams_under_way_on_decode_1(
     address: str, prompts: list[str], max_tokens: int
-) -> tuple[list[asyncio.Future[StreamResult]], list[StreamResult]]:
+) -> tuple[list[asyncio.Task[StreamResult]], list[StreamResult]]:
     """Each prompt run once undisturbed (the reference), then all streamed again at once
     until some run on decode-1 and every stream has its first tokens."""
-    params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     reference = await asyncio.gather(*(generate(address, prompt=p, **params) for p in prompts))
     seen = [0] * len(prompts)
     streams = [
         asyncio.ensure_future(
-            generate(address, prompt=p, on_tokens=lambda n, i=i: seen.__setitem__(i, n), **params)
+            generate(address, prompt=p, on_tokens=functools.partial(seen.__setitem__, i), **params)
         )
         for i, p in enumerate(prompts)
     ]

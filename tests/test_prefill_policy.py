@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Any
 
 import grpc
 import pytest
@@ -42,7 +43,7 @@ IDLE = PathInputs(
     num_prompt_blocks=32,
     num_output_tokens=10,
 )
-SATURATED = {"prefill_queued_tokens": 20_000, "num_uncached_decode": 400}
+SATURATED: dict[str, Any] = {"prefill_queued_tokens": 20_000, "num_uncached_decode": 400}
 POLICY = PrefillPolicyConfig(local_prefill_max_tokens=32, slo_ttft_ms=1000, slo_tpot_ms=50)
 
 
@@ -93,16 +94,16 @@ POLICY = PrefillPolicyConfig(local_prefill_max_tokens=32, slo_ttft_ms=1000, slo_
     ],
 )
 def test_each_rule_gives_its_path_and_reason(
-    changes: dict[str, object], path: str, reason: str
+    changes: dict[str, Any], path: str, reason: str
 ) -> None:
-    decision = decide(replace(IDLE, **changes), POLICY)  # type: ignore[arg-type]
+    decision = decide(replace(IDLE, **changes), POLICY)
     assert (decision.path, decision.reason) == (path, reason)
 
 
 def test_a_decode_worker_slow_at_its_own_prompts_is_priced_at_its_own_rate() -> None:
     # Saturated: 2 s remotely. At the prefill worker's 10 000 tok/s the 400 tokens take
     # the decode worker 40 ms, 4 ms over each of 10 output tokens on a 2 ms step.
-    saturated = replace(IDLE, **SATURATED, decode_step_s=0.002)  # type: ignore[arg-type]
+    saturated = replace(IDLE, **SATURATED, decode_step_s=0.002)
     assert decide(saturated, POLICY).reason == "prefill_saturated"
     # Its own prompts took 0.2 ms a token lately: 80 ms, still within the TPOT target.
     twice = replace(saturated, decode_local_s_per_token=0.0002)
@@ -183,7 +184,7 @@ def test_the_policy_changes_while_serving_and_applies_to_the_next_request() -> N
         pools = FakePools(1, 1)
         core = DisaggregatedGenerator(pools, WordTokenizer(), RouterConfig())
         core.start()
-        admin = AdminServicer(lambda: pools, True, lambda: core)  # type: ignore[arg-type,return-value]
+        admin = AdminServicer(lambda: pools, True, lambda: core)
         call = GenerateCall(
             "", None, tuple(range(100, 164)), None, SamplingParams(max_tokens=3, seed=1)
         )

@@ -8,6 +8,7 @@ import pytest
 from engine.core.config import SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.core.request import RequestStatus
+from engine.core.waiting_queue import QueuePolicy
 from tests.fakes import add, expected_output, make_engine, run_to_completion
 
 
@@ -67,7 +68,8 @@ def test_an_urgent_request_preempts_when_blocks_run_out() -> None:
 
 
 def test_equal_priority_and_fcfs_never_preempt_for_a_newcomer() -> None:
-    for policy, prio in (("priority", 5), ("fcfs", 0)):
+    cases: tuple[tuple[QueuePolicy, int], ...] = (("priority", 5), ("fcfs", 0))
+    for policy, prio in cases:
         core, _ = make_engine(max_num_seqs=2, policy=policy)
         add(core, "a", 8, 30, priority=5)
         add(core, "b", 8, 30, priority=5)

@@ -14,7 +14,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.wire import PhaseReport, WorkerStats
+from engine.wire import PhaseReport, PoolName, WorkerStats
 from router.observability.fleet_metrics import FleetCollector, FleetState
 from router.observability.metrics import RouterMetrics
 from router.observability.phase_metrics import PhaseMetrics
@@ -71,10 +71,23 @@ def _exported_series() -> set[str]:
     migrations_counter(metrics.registry)  # the serving core registers it at start
     fleet = FleetCollector()
     metrics.registry.register(fleet)
-    stats = WorkerStats("decode", 0, 100, 25, 2, 1, 32, 64, 0)
+    stats = WorkerStats(PoolName.DECODE, 0, 100, 25, 2, 1, 32, 64, 0)
     metrics.pools.set_source(lambda: PoolStats((stats,), 1, 0))
     fleet.set_source(lambda: FleetState(True, {"decode": 1}, {"decode": 1}))
-    phases.observe("decode", 0, PhaseReport(0.1, 0.2, 0.3, 4096, 0.001, 0.4, 0.5))
+    phases.observe(
+        "decode",
+        0,
+        PhaseReport(
+            queue_s=0.1,
+            compute_s=0.2,
+            transfer_s=0.3,
+            kv_signal_s=0.05,
+            wire_bytes=4096,
+            wire_s=0.001,
+            admission_s=0.4,
+            first_step_s=0.5,
+        ),
+    )
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     names = set()
     for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -34,16 +35,17 @@ def _book_with(req_id: str = "r", num_tokens: int = 40, lease_s: float = 30.0) -
     return book
 
 
-def _entry(req_id: str = "r", **changes: object) -> HandoffEntry:
-    fields: dict[str, object] = dict(req_id=req_id, num_tokens=40, num_blocks=3, first_token=11)
-    fields.update(changes)
-    return HandoffEntry(**fields)  # type: ignore[arg-type]
+def _entry(
+    req_id: str = "r", num_tokens: int = 40, num_blocks: int = 3, first_token: int = 11
+) -> HandoffEntry:
+    return HandoffEntry(req_id, num_tokens, num_blocks, first_token)
 
 
 def test_a_matching_entry_is_claimed_then_admitted_once() -> None:
     book = _book_with()
     held, problem = book.claim(_entry(), EPOCH)
-    assert problem is None and held is not None and held.inp.req_id == "r"
+    assert problem is None and held is not None and held.inp is not None
+    assert held.inp.req_id == "r"
     assert book.claim(_entry(), EPOCH)[1] == "already importing"
     admitted: list[str] = []
     assert book.complete("r", lambda: admitted.append("r"))
@@ -61,7 +63,7 @@ def test_a_matching_entry_is_claimed_then_admitted_once() -> None:
     ],
 )
 def test_a_stale_or_mismatched_entry_is_refused_and_the_reservation_kept(
-    epoch: int, changes: dict[str, object], reason: str
+    epoch: int, changes: dict[str, Any], reason: str
 ) -> None:
     book = _book_with()
     held, problem = book.claim(_entry(**changes), epoch)

@@ -153,8 +153,10 @@ def test_prefill_work_counts_cached_tokens_as_free_and_queued_ones_against() -> 
     assert choose_by_work(workers, [50, 0], idx, hashes, len(p), config) == RouteChoice(1, 0)
     # A queued token costs half an uncached one by default: worker 0 keeps the session.
     default = RoutingConfig(cache_balance_tokens=0, load_penalty_tokens=0)
-    assert choose_by_work(workers, [50, 0], idx, hashes, len(p), default).index == 0
+    kept = choose_by_work(workers, [50, 0], idx, hashes, len(p), default)
+    assert kept is not None and kept.index == 0
     # Dead workers are never chosen, and none alive means no choice.
     dead0 = [FakeWorker(0, alive=False), FakeWorker(1)]
-    assert choose_by_work(dead0, [0, 0], idx, hashes, len(p), config).index == 1
+    live = choose_by_work(dead0, [0, 0], idx, hashes, len(p), config)
+    assert live is not None and live.index == 1
     assert choose_by_work([FakeWorker(0, alive=False)], [0], idx, hashes, 8, config) is None

@@ -5,6 +5,7 @@ overtake a full batch."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 import pytest
@@ -48,9 +49,7 @@ def service(start_service: StartService, ray_session: str) -> ServiceProcess:
     )
 
 
-async def _run(
-    address: str, decoding: asyncio.Event | None = None, **kwargs: object
-) -> StreamResult:
+async def _run(address: str, decoding: asyncio.Event | None = None, **kwargs: Any) -> StreamResult:
     """Greedy, full length; `decoding` is set at the second token (the first may come from
     a prefill worker, the second comes from the decode worker)."""
 

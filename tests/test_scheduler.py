@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from engine.core.config import CacheConfig, SchedulerConfig
@@ -185,7 +187,7 @@ def test_a_request_past_the_validation_stops_where_the_models_context_ends() -> 
     ],
 )
 def test_bad_input_is_refused_before_scheduling(
-    prompt: tuple[int, ...], params: dict[str, object], field: str
+    prompt: tuple[int, ...], params: dict[str, Any], field: str
 ) -> None:
     core = EngineCore(
         FakeRunner(),
@@ -196,6 +198,6 @@ def test_bad_input_is_refused_before_scheduling(
     )
     add(core, "good", 4, 3)
     with pytest.raises(ValueError, match=field):
-        core.add_request(GenerationInput("bad", prompt, SamplingParams(**params)))  # type: ignore[arg-type]
+        core.add_request(GenerationInput("bad", prompt, SamplingParams(**params)))
     assert set(core.scheduler.requests) == {"good"}
     assert run_to_completion(core)["good"]

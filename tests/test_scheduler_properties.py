@@ -53,9 +53,9 @@ def check_invariants(core: EngineCore, batch_tokens: int, batch_ids: set[str]) -
         assert len(set(kv.block_ids(req_id))) == len(kv.block_ids(req_id)), "block twice in a table"
     assert pool.num_free_blocks + sum(1 for b in pool.blocks if b.ref_cnt) == pool.num_blocks
     cfg = core.scheduler.config
-    assert batch_tokens <= cfg.max_num_batched_tokens
+    assert batch_tokens <= cfg.step_tokens
     assert len(core.scheduler.running) <= cfg.max_num_seqs
-    if batch_tokens < cfg.max_num_batched_tokens:
+    if batch_tokens < cfg.step_tokens:
         # Budget left over: no running request was starved this step, except one whose
         # token still being sampled ends it (scheduling one step ahead skips those).
         ending = {

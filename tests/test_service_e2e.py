@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -109,7 +111,7 @@ def service(trace_sink: OTLPSink, start_service: StartService, ray_session: str)
     )
 
 
-async def _collect(address: str, **kwargs: object) -> StreamResult:
+async def _collect(address: str, **kwargs: Any) -> StreamResult:
     """One call that must end with exactly one final message and status OK."""
     result = await generate(address, **kwargs)
     assert result.code == grpc.StatusCode.OK, (result.code, result.details)
@@ -227,7 +229,7 @@ def test_stop_string_and_chat_messages(service: ServiceProcess, reference_llm: L
     ],
 )
 def test_invalid_requests_are_refused_and_server_keeps_serving(
-    service: ServiceProcess, kwargs: dict[str, object], field: str
+    service: ServiceProcess, kwargs: dict[str, Any], field: str
 ) -> None:
     refused = asyncio.run(generate(service.address, **kwargs))
     assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -250,7 +252,7 @@ def test_cancellations_and_deadlines_free_every_block(service: ServiceProcess) -
                 break  # leaving the iterator cancels the RPC
         return n
 
-    async def cancel_once(started: asyncio.Event, **kwargs: object) -> bool:
+    async def cancel_once(started: asyncio.Event, **kwargs: Any) -> bool:
         """Cancel the call once `started` is set; True if it was still running then."""
         call = asyncio.ensure_future(generate(address, **kwargs))
         await started.wait()
@@ -260,11 +262,11 @@ def test_cancellations_and_deadlines_free_every_block(service: ServiceProcess) -
             await call
         return cancelled
 
-    async def cancel_once_sent(**kwargs: object) -> grpc.StatusCode:
+    async def cancel_once_sent(**kwargs: Any) -> grpc.StatusCode:
         """Cancel a call as soon as the router has it (queued, reserving or prefilling)."""
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.GenerationServiceStub(channel)
-            call = stub.Generate(build_request(**kwargs))  # type: ignore[arg-type]
+            call = stub.Generate(build_request(**kwargs))
             await call.wait_for_connection()
             call.cancel()
             return await call.code()
@@ -401,7 +403,7 @@ PREFILL_SPANS = {"prefill.queue", "prefill.compute", "kv.send"}
 DECODE_SPANS = {"kv.transfer", "kv.receive", "decode.admission", "decode.first_step"}
 
 
-def _generate(address: str, **kwargs: object) -> StreamResult:
+def _generate(address: str, **kwargs: Any) -> StreamResult:
     return asyncio.run(
         generate(address, prompt=TRACED_PROMPT, max_tokens=4, temperature=0, **kwargs)
     )
@@ -410,9 +412,9 @@ def _generate(address: str, **kwargs: object) -> StreamResult:
 def _spans_of(sink: OTLPSink, trace_id: str, names: set[str]) -> dict[str, ReceivedSpan]:
     """The trace's spans by name once every name has arrived (one span each)."""
 
-    def complete() -> dict[str, ReceivedSpan] | None:
+    def complete() -> dict[str, ReceivedSpan]:
         spans = {s.name: s for s in sink.trace(trace_id)}
-        return spans if names <= set(spans) else None
+        return spans if names <= set(spans) else {}
 
     try:
         return wait_until(complete, 30, what=f"spans of trace {trace_id}")
@@ -525,7 +527,7 @@ def test_prometheus_scrapes_the_service_and_every_dashboard_query_has_data(
         for query in queries:
             for attempt in range(3):
                 try:
-                    wait_until(lambda q=query: prom.numbers(q), 15, what=f"data for {query}")
+                    wait_until(functools.partial(prom.numbers, query), 15, what=f"data for {query}")
                     break
                 except TimeoutError as exc:
                     # Now and then a rate() over the traffic stays empty on a loaded

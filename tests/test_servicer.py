@@ -394,13 +394,17 @@ def test_serve_warms_up_then_drains_on_sigterm() -> None:
     async def main() -> None:
         warm = asyncio.Event()
         core.release = asyncio.Event()
+
+        async def warm_up() -> None:
+            await warm.wait()
+
         task = asyncio.create_task(
             serve(
                 core,
                 "127.0.0.1",
                 0,
                 drain_grace_s=5.0,
-                warm_up=warm.wait(),
+                warm_up=warm_up(),
                 on_started=started.append,
             )
         )

@@ -9,19 +9,20 @@ from pathlib import Path
 
 import pytest
 
+from engine.core.waiting_queue import QueuePolicy
 from router.serving.errors import QueueFullError
 from router.tier.shared_admission import AdmissionTable, SharedAdmission
 
 
 def two_processes(
-    tmp_path: Path, max_in_flight: int, max_queue: int, policy: str = "fcfs"
+    tmp_path: Path, max_in_flight: int, max_queue: int, policy: QueuePolicy = "fcfs"
 ) -> tuple[SharedAdmission, SharedAdmission]:
     path = str(tmp_path / "admission")
     owner = AdmissionTable(path, 2, create=True)
     other = AdmissionTable(path, 2)  # as another process maps it
     return (
-        SharedAdmission(owner, 0, max_in_flight, max_queue, policy=policy),  # type: ignore[arg-type]
-        SharedAdmission(other, 1, max_in_flight, max_queue, policy=policy),  # type: ignore[arg-type]
+        SharedAdmission(owner, 0, max_in_flight, max_queue, policy=policy),
+        SharedAdmission(other, 1, max_in_flight, max_queue, policy=policy),
     )
 
 

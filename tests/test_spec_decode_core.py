@@ -15,6 +15,7 @@ from engine.spec.speculation import PROPOSAL_TOKEN, accepted_prefix
 from engine.wire import GenerationInput
 from tests.fakes import (
     FakeRunner,
+    RunnerFields,
     add,
     assert_engine_empty,
     make_engine,
@@ -32,16 +33,25 @@ def cycling_model(last_token: int, position: int) -> int:
 
 def plain_and_speculative(
     spec: SpeculativeConfig,
-    runner_kw: dict[str, object],
+    runner_kw: RunnerFields,
     requests: list[tuple[str, int, int]],
-    **engine_kw: object,
+    *,
+    num_blocks: int = 512,
+    block_size: int = 16,
+    async_scheduling: bool = False,
 ) -> tuple[dict[str, list[int]], dict[str, list[int]], EngineCore, EngineCore]:
     """Outputs of the same requests without and with speculation."""
     outputs = []
     cores = []
     for config in (None, spec):
-        runner = FakeRunner(**runner_kw)  # type: ignore[arg-type]
-        core, _ = make_engine(speculative=config, runner=runner, **engine_kw)  # type: ignore[arg-type]
+        runner = FakeRunner(**runner_kw)
+        core, _ = make_engine(
+            num_blocks,
+            block_size,
+            async_scheduling=async_scheduling,
+            speculative=config,
+            runner=runner,
+        )
         for req_id, prompt_len, max_tokens in requests:
             add(core, req_id, prompt_len, max_tokens)
         outputs.append(run_to_completion(core))
@@ -76,13 +86,14 @@ def test_ngram_output_equals_plain_decoding_with_fewer_steps(async_scheduling: b
     assert stats.spec_draft_tokens > 0
     # A repeating model: almost every proposal after the first cycle is accepted.
     assert stats.spec_accepted_tokens > 0.8 * stats.spec_draft_tokens
-    assert len(core.runner.batches) < 0.5 * 40  # type: ignore[attr-defined]
+    assert isinstance(core.runner, FakeRunner)
+    assert len(core.runner.batches) < 0.5 * 40
     assert_engine_empty(core)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_draft_proposals_rejected_in_part_still_give_plain_output(async_scheduling: bool) -> None:
-    runner_kw = {"draft_misses": lambda position: position % 3 == 0}
+    runner_kw: RunnerFields = {"draft_misses": lambda position: position % 3 == 0}
     requests = [(f"r{i}", 3 + 7 * i, 25 + i) for i in range(8)]
     plain, spec, _, core = plain_and_speculative(
         DRAFT, runner_kw, requests, async_scheduling=async_scheduling, block_size=4
@@ -163,7 +174,7 @@ def test_speculation_never_preempts_and_survives_preemption() -> None:
     # 6 blocks of 4 tokens for two requests that each grow to 18 tokens: the cache runs
     # out, so requests are preempted and recomputed; proposals must never cause it.
     requests = [("a", 4, 14), ("b", 5, 13)]
-    runner_kw = {"draft_misses": lambda position: position % 4 == 1}
+    runner_kw: RunnerFields = {"draft_misses": lambda position: position % 4 == 1}
     plain, spec, plain_core, core = plain_and_speculative(
         DRAFT, runner_kw, requests, num_blocks=6, block_size=4
     )

@@ -7,6 +7,7 @@ block comes back."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 import pytest
@@ -55,7 +56,7 @@ def service(start_service: StartService, ray_session: str) -> ServiceProcess:
     )
 
 
-async def _collect(address: str, **kwargs: object) -> StreamResult:
+async def _collect(address: str, **kwargs: Any) -> StreamResult:
     result = await generate(address, **kwargs)
     assert result.code == grpc.StatusCode.OK, (result.code, result.details)
     assert result.num_finals == 1 and result.num_after_final == 0, result
@@ -116,7 +117,7 @@ def test_stop_string_inside_an_accepted_run_ends_the_stream_there(
     service: ServiceProcess, reference_llm: LLM
 ) -> None:
     prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog.\nRepeated: the"
-    params = SamplingParams(max_tokens=24, temperature=0.0, stop=["lazy"])
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop=("lazy",))
     want = reference_llm.generate([prompt], params)[0]
     got = asyncio.run(
         _collect(service.address, prompt=prompt, max_tokens=24, temperature=0.0, stop=["lazy"])

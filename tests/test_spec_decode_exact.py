@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.batch import Batch
 from engine.factory import EngineArgs
 from engine.llm import LLM
+from engine.model.step_tokens import PendingTokens
 from engine.sampling_params import SamplingParams
 from engine.spec.spec_config import SpeculativeConfig
 from tests.fakes import assert_engine_empty
@@ -155,13 +157,15 @@ def test_ngram_proposes_while_the_step_before_still_runs(reference_llm: LLM) -> 
     ahead = [0]
     launch = llm.runner.launch
 
-    def spy(batch, **kwargs):  # type: ignore[no-untyped-def]
+    def spy(
+        batch: Batch, *, use_cuda_graphs: bool = True, paged_decode: bool | None = None
+    ) -> PendingTokens:
         ahead[0] += sum(
             1 for s in batch.seqs if s.num_draft_tokens and s.token_ids[0] == PLACEHOLDER_TOKEN
         )
-        return launch(batch, **kwargs)
+        return launch(batch, use_cuda_graphs=use_cuda_graphs, paged_decode=paged_decode)
 
-    llm.runner.launch = spy  # type: ignore[method-assign]
+    llm.runner.launch = spy
     prompts = COPY_PROMPTS[:4]
     params = _mixed_params(4, 24)
     assert _outputs(llm, prompts, params) == _outputs(reference_llm, prompts, params)

@@ -125,7 +125,12 @@ def _verify(runner: ModelRunner, proposals: tuple[int, ...]) -> list[tuple[int, 
         for seed in range(NUM_SEEDS)
     )
     out = runner.execute(Batch(seqs, BLOCK_SIZE, num_draft_tokens=len(proposals) * NUM_SEEDS))
-    return [out[s.req_id] for s in seqs]  # type: ignore[misc]
+    kept = []
+    for s in seqs:
+        tokens = out[s.req_id]
+        assert isinstance(tokens, tuple), tokens  # with proposals: the tokens it kept
+        kept.append(tokens)
+    return kept
 
 
 def _likely_proposals(runner: ModelRunner) -> tuple[int, int]:

@@ -12,9 +12,11 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.core.batch import Batch, ScheduledSeq
+from engine.model.model_loader import LoadFormat
 from engine.model.model_runner import ModelRunner
 from engine.parallel.tensor_parallel import SINGLE, TPRank, join_tp_group
 from engine.sampling_params import GREEDY
+from tests.fakes import one_token_each
 
 BLOCK_SIZE = 8
 PROMPTS = ((5, 17, 300, 4000, 9, 12, 77, 1024, 31, 8, 45), (2000, 3, 49000))
@@ -22,7 +24,7 @@ NUM_STEPS = 4
 
 
 def _generate(
-    path: str, tp: TPRank, load_format: str, device: str = "cpu"
+    path: str, tp: TPRank, load_format: LoadFormat, device: str = "cpu"
 ) -> tuple[torch.Tensor, list[list[int]]]:
     """The first step's logits and NUM_STEPS greedy tokens per prompt, on this rank (on
     CUDA: the compiled decoder, decode steps from CUDA graphs)."""
@@ -31,7 +33,7 @@ def _generate(
         num_blocks=16,
         block_size=BLOCK_SIZE,
         tp=tp,
-        load_format=load_format,  # type: ignore[arg-type]
+        load_format=load_format,
         device=device,
         dtype="float32",
         max_num_seqs=len(PROMPTS),
@@ -43,9 +45,9 @@ def _generate(
     tokens: list[list[int]] = [[] for _ in PROMPTS]
     lengths = [len(p) for p in PROMPTS]
     for step in range(NUM_STEPS):
-        out = runner.execute(batch)
+        out = one_token_each(runner.execute(batch))
         for i in range(len(PROMPTS)):
-            tokens[i].append(int(out[f"r{i}"]))  # type: ignore[arg-type]
+            tokens[i].append(out[f"r{i}"])
         if step + 1 < NUM_STEPS:
             batch = Batch(
                 tuple(
@@ -60,7 +62,7 @@ def _generate(
 
 
 def _rank_main(
-    rank: int, size: int, rendezvous: str, path: str, load_format: str, out: str, device: str
+    rank: int, size: int, rendezvous: str, path: str, load_format: LoadFormat, out: str, device: str
 ) -> None:
     torch.set_num_threads(1)
     if device == "cuda":
@@ -76,7 +78,7 @@ def _rank_main(
 
 
 def _run_group(
-    size: int, path: Path, load_format: str, tmp_path: Path, device: str = "cpu"
+    size: int, path: Path, load_format: LoadFormat, tmp_path: Path, device: str = "cpu"
 ) -> dict[str, object]:
     """Rank 0's logits and tokens of a group of `size` processes (one per GPU on CUDA)."""
     out = tmp_path / f"tp{size}.pt"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -17,12 +16,18 @@ from engine.transfer.base import KVPoll
 from engine.transfer.fake import FakeChannel
 from engine.transfer.import_target import KVArrival
 from engine.transfer.receiver import ChannelReceiver
-from engine.transfer.reservations import PRECOPY_LEASE_S, AbortOutcome, ReservationBook
+from engine.transfer.reservations import (
+    PRECOPY_LEASE_S,
+    AbortOutcome,
+    HeldReservation,
+    ReservationBook,
+)
 from engine.transfer.sender import Message, ReadyKV, plan_messages
 from engine.transfer.streaming import StepStream, layers_per_part, open_stream
 from engine.wire import (
     NO_TOKEN,
     GenerationInput,
+    HandoffEntry,
     HandoffHeader,
     HandoffTarget,
     HeaderKind,
@@ -33,6 +38,7 @@ EPOCH = 0x77
 BLOCK = 4  # tokens a block
 LAYERS = 3
 ROW = (LAYERS, 2, BLOCK, 3)  # one block of the fake cache: layers, K/V, tokens, width
+Claim = tuple[HeldReservation | None, str | None]  # ReservationBook.claim's answer
 
 
 class Worker:
@@ -291,8 +297,8 @@ def test_abort_while_the_bytes_are_on_the_wire_frees_the_blocks() -> None:
     claimed = threading.Event()
     original_claim = worker.book.claim
 
-    def claim_then_abort(entry, epoch):  # type: ignore[no-untyped-def]
-        out = original_claim(entry, epoch)
+    def claim_then_abort(entry: HandoffEntry, dst_epoch: int) -> Claim:
+        out = original_claim(entry, dst_epoch)
         claimed.set()
         assert worker.book.abort(entry.req_id) is AbortOutcome.IMPORTING  # only marked
         return out
@@ -312,8 +318,8 @@ def test_a_peer_that_dies_mid_message_fails_its_claimed_requests() -> None:
     worker.reserve("r", 4)
     original_claim = worker.book.claim
 
-    def claim_then_break(entry, epoch):  # type: ignore[no-untyped-def]
-        out = original_claim(entry, epoch)
+    def claim_then_break(entry: HandoffEntry, dst_epoch: int) -> Claim:
+        out = original_claim(entry, dst_epoch)
         send.break_()  # the sender dies after its header, before the payload
         return out
 
@@ -595,9 +601,15 @@ def test_a_message_that_breaks_off_frees_its_blocks_only_once_its_posted_parts_l
     order: list[str] = []
     scatter, release = worker.scatter, worker.release
 
-    def scatter_logged(*args: Any) -> None:
+    def scatter_logged(
+        block_ids: list[int],
+        rows: torch.Tensor,
+        row_ids: list[int] | None,
+        layers: tuple[int, int],
+        after: list[object],
+    ) -> None:
         order.append("scatter")
-        scatter(*args)
+        scatter(block_ids, rows, row_ids, layers, after)
 
     def release_logged(req_id: str) -> None:
         order.append("release")

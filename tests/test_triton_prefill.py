@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -35,11 +36,9 @@ if _INTERPRET and triton_available():
 
     _patch_tensor = _interpreter._patch_lang_tensor
 
-    def _patch_lang_tensor(tensor: object, scope: object) -> None:
+    def _patch_lang_tensor(tensor: object, scope: Any) -> None:  # an interpreter's scope
         _patch_tensor(tensor, scope)
-        scope.set_attr(  # type: ignore[attr-defined]
-            tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0])
-        )
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     _interpreter._patch_lang_tensor = _patch_lang_tensor
 

@@ -5,6 +5,7 @@ as columns and comes back whole."""
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 
 import pytest
 import ray.cloudpickle
@@ -15,6 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.wire import (
     KVEvents,
     PhaseReport,
+    PoolName,
     TokenBatch,
     TokenUpdate,
     WorkerStats,
@@ -84,7 +86,7 @@ def test_merged_plain_steps_keep_every_token_the_last_finish_and_the_cached_coun
 
 
 @pytest.mark.parametrize("dumps", [pickle.dumps, ray.cloudpickle.dumps], ids=["pickle", "ray"])
-def test_a_token_batch_arrives_as_it_was_sent(dumps) -> None:  # type: ignore[no-untyped-def]
+def test_a_token_batch_arrives_as_it_was_sent(dumps: Callable[[object], bytes]) -> None:
     updates = (
         TokenUpdate("plain", (1, 2, 3), num_cached_tokens=32),
         TokenUpdate("arrived", (4,), kv_wire_s=0.001, kv_handoff_s=0.003),
@@ -96,7 +98,7 @@ def test_a_token_batch_arrives_as_it_was_sent(dumps) -> None:  # type: ignore[no
         TokenUpdate("handed", (7,), hand_off=True),
         TokenUpdate("aborted", finish_reason=FinishReason.ABORT),
     )
-    stats = WorkerStats("decode", 1, 100, 7, 3, 0, 16, 64)
+    stats = WorkerStats(PoolName.DECODE, 1, 100, 7, 3, 0, 16, 64)
     batch = TokenBatch(updates, (KVEvents(stored=(11, 12)),), stats)
     back = pickle.loads(dumps(batch))
     # Every field arrives but the worker's own `scheduled_at`, which stays behind.
@@ -107,7 +109,9 @@ def test_a_token_batch_arrives_as_it_was_sent(dumps) -> None:  # type: ignore[no
 
 
 @pytest.mark.parametrize("dumps", [pickle.dumps, ray.cloudpickle.dumps], ids=["pickle", "ray"])
-def test_a_steps_updates_travel_as_columns_not_an_object_each(dumps) -> None:  # type: ignore[no-untyped-def]
+def test_a_steps_updates_travel_as_columns_not_an_object_each(
+    dumps: Callable[[object], bytes],
+) -> None:
     """The engine stamps every update with when its request was first scheduled; that
     must not make a step's plain news travel as one pickled object per request."""
     updates = tuple(

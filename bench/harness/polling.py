@@ -11,7 +11,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TypeVar, overload
 
 T = TypeVar("T")
 
@@ -31,6 +31,16 @@ def wait_until(
         time.sleep(interval)
 
 
+# Two signatures: with one `Callable[[], T | Awaitable[T]]`, mypy cannot tell T of an
+# async predicate (bool, or the coroutine itself) and infers Never.
+@overload
+async def wait_until_async(
+    predicate: Callable[[], Awaitable[T]], timeout: float, *, interval: float = ..., what: str = ...
+) -> T: ...
+@overload
+async def wait_until_async(
+    predicate: Callable[[], T], timeout: float, *, interval: float = ..., what: str = ...
+) -> T: ...
 async def wait_until_async(
     predicate: Callable[[], T | Awaitable[T]],
     timeout: float,

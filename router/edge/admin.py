@@ -9,20 +9,20 @@ every other RPC.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from engine.wire import POOLS, epoch_hex
+from engine.wire import POOLS, PoolName, epoch_hex
 from pdserve.v1 import admin_pb2 as pb
 from pdserve.v1 import admin_pb2_grpc as pb_grpc
 from router.fleet.pool_sizes import pool_size_problem
 from router.routing.prefill_policy import PrefillPolicyConfig
 
 if TYPE_CHECKING:  # the server answers (NOT_SERVING) before Ray and torch are imported
-    from router.fleet.pools import Pools, WorkerRef
+    from router.fleet.worker_ref import WorkerRef
     from router.planner.loop import PlannerLoop
     from router.serving.live_migration import LiveMigrator
 
@@ -77,6 +77,22 @@ def planner_status(planner: PlannerLoop) -> pb.PlannerStatus:
     return status
 
 
+class AdminPools(Protocol):
+    """What the admin API reads and changes on the pools (router.fleet.pools.Pools)."""
+
+    @property
+    def targets(self) -> Mapping[str, int]: ...
+    @property
+    def workers(self) -> Mapping[str, Sequence[WorkerRef]]: ...
+    @property
+    def num_restarts(self) -> int: ...
+    def all(self) -> Sequence[WorkerRef]: ...
+    def routable(self, pool: PoolName) -> Sequence[WorkerRef]: ...
+    def find(self, worker_id: str) -> WorkerRef | None: ...
+    async def scale(self, pool: str, size: int) -> None: ...
+    async def drain(self, worker_id: str) -> None: ...
+
+
 class PolicyHolder(Protocol):
     """The serving core's side of SetPrefillPolicy and MigrateRequests."""
 
@@ -86,7 +102,7 @@ class PolicyHolder(Protocol):
     def set_prefill_policy(self, config: PrefillPolicyConfig) -> None: ...
 
 
-async def _find(pools: Pools, worker_id: str, context: grpc.aio.ServicerContext) -> WorkerRef:
+async def _find(pools: AdminPools, worker_id: str, context: grpc.aio.ServicerContext) -> WorkerRef:
     """The worker named, or the call ends with NOT_FOUND."""
     ref = pools.find(worker_id)
     if ref is None:
@@ -98,7 +114,7 @@ async def _find(pools: Pools, worker_id: str, context: grpc.aio.ServicerContext)
 class AdminServicer(pb_grpc.AdminServiceServicer):
     def __init__(
         self,
-        pools: Callable[[], Pools | None],
+        pools: Callable[[], AdminPools | None],
         enabled: bool,
         core: Callable[[], PolicyHolder | None] = lambda: None,
         planner: Callable[[], PlannerLoop | None] = lambda: None,
@@ -108,7 +124,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         self._planner = planner
         self.enabled = enabled
 
-    async def _check(self, context: grpc.aio.ServicerContext) -> Pools:
+    async def _check(self, context: grpc.aio.ServicerContext) -> AdminPools:
         if not self.enabled:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -188,7 +204,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
                 f"requests move with their KV between decode workers; {ref.worker_id} is a "
                 f"{ref.pool} worker",
             )
-        if not ref.alive or not [w for w in pools.routable("decode") if w is not ref]:
+        if not ref.alive or not [w for w in pools.routable(PoolName.DECODE) if w is not ref]:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{ref.worker_id} is {ref.state}"
