@@ -12,23 +12,20 @@ import asyncio
 import importlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine import tracing
 from engine.core.outputs import FinalResult, TextChunk
+from router.config import ServeConfig
 from router.edge.admin import AdminServicer
 from router.edge.grpc_server import GrpcServer, serve
-from router.edge.security import EdgeSecurity
 from router.fleet import port_holds
-from router.fleet.cluster_config import ClusterConfig
 from router.fleet.daemon_calls import call_in_daemon_thread
 from router.fleet.local_watch import ray_daemons, watch_processes
 from router.observability.fleet_metrics import FleetState, get_fleet_metrics
-from router.observability.metrics import DEFAULT_METRICS_PORT, get_metrics
+from router.observability.metrics import get_metrics
 from router.observability.phase_metrics import get_phase_metrics
-from router.planner.config import PlannerConfig
-from router.serving.config import RouterConfig
 from router.serving.errors import NotReadyError
 from router.serving.protocol import GenerateCall, PoolStats, ServerInfo
 
@@ -68,26 +65,6 @@ class WarmingGenerator:
 
     def is_ready(self) -> bool:
         return self.inner is not None and self.inner.is_ready()
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)
-    host: str = "127.0.0.1"
-    port: int = 50051
-    drain_grace_s: float = 30.0
-    security: EdgeSecurity = field(default_factory=EdgeSecurity)
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = DEFAULT_METRICS_PORT  # 0 = no metrics endpoint
-    enable_admin: bool = False  # AdminService (scale, drain); refused when off
-    planner: PlannerConfig | None = None  # None: the pools keep the sizes they are given
-    # Router processes serving the port (router/tier/): this one owns the fleet, the
-    # others route over it. 1: no tier.
-    router_processes: int = 1
-    # With a tier: how long a decode worker keeps the requests of a router process that
-    # went away, for a resumed stream to take over, before it aborts them.
-    resume_grace_s: float = 30.0
 
 
 # What the service needs once it listens: Ray, torch, the serving core (seconds to import).

@@ -27,8 +27,8 @@ from router.serving.config import keep_ray_on_loopback
 if TYPE_CHECKING:
     from pdserve.v1 import generation_pb2
     from router.cli.client import ClientSecurity
+    from router.config import ServeConfig
     from router.fleet.cluster import Cluster
-    from router.service import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ def serve_config(ns: argparse.Namespace) -> ServeConfig:
         prepare_local_ray()  # before Ray is imported below
     quiet_worker_output()
     from engine.tracing import TracingConfig
+    from router.config import ServeConfig
     from router.fleet.cluster_config import ClusterConfig
-    from router.service import ServeConfig
 
     return ServeConfig(
         cluster=ClusterConfig(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from router.service import ServeConfig
+    from router.config import ServeConfig
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from router.tier.messages import Bootstrap, Drain, Hello, LinkPeers, Listening, 
 from router.tier.shared_admission import AdmissionTable
 
 if TYPE_CHECKING:
-    from router.service import ServeConfig
+    from router.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
