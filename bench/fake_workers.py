@@ -26,6 +26,7 @@ from engine.wire import (
     GenerationInput,
     HandoffTarget,
     Handover,
+    KVEvents,
     KVLayout,
     PhaseReport,
     PoolName,
@@ -38,7 +39,7 @@ from engine.wire import (
     WorkerStats,
 )
 from engine.worker.contract import WorkerCalls
-from router.fleet.clients import WorkerDied
+from router.fleet.clients import KV_POLL_S, WorkerDied
 from router.fleet.worker_ref import WorkerRef
 from router.fleet.worker_state import WorkerState
 from router.serving import workers
@@ -280,6 +281,12 @@ class FakeWorker:
             return
         self.first_token_pending[inp.req_id] = True
         self.running[inp.req_id] = _Running.start(inp)
+
+    async def next_kv_events(self) -> tuple[KVEvents, ...]:
+        """A fake holds no prefix cache: every poll ends empty, after its wait."""
+        await asyncio.sleep(KV_POLL_S)
+        self._check()
+        return ()
 
     async def next_tokens(self) -> TokenBatch:
         await asyncio.sleep(self.step_s)

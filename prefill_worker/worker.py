@@ -362,6 +362,11 @@ class PrefillWorker(WorkerBase):
         if waiter is not None and not waiter.done():
             waiter.set_exception(PrefillAborted(req_id))
 
+    async def next_kv_events(self, wait_s: float = 1.0, consumer: str = "") -> tuple[KVEvents, ...]:
+        """Long-poll: the prefix-cache changes `consumer` has not read (empty after
+        wait_s), for a router process whose own prompts do not come here often enough."""
+        return await self.kv_fanout.wait(consumer, wait_s)
+
 
 def _log_failure(state: KVPoll, message: _Posting, req_id: str, peer: str) -> None:
     # The receiver ends the request (a broken channel, or an unfilled reservation's

@@ -38,7 +38,7 @@ def test_each_worker_kind_answers_its_own_verbs(
 
 
 def test_the_kinds_verbs() -> None:
-    assert {"prefill", "abort", "load", "connect", "disconnect"} == PREFILL_VERBS
+    assert {"prefill", "next_kv_events", "abort", "load", "connect", "disconnect"} == PREFILL_VERBS
     assert {
         "submit",
         "next_tokens",

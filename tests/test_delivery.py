@@ -7,9 +7,10 @@ import asyncio
 from typing import Any
 
 from bench.fake_workers import FakePools, FakeWorker
-from engine.wire import PoolName, TokenBatch, TokenUpdate
+from engine.wire import POOLS, KVEvents, PoolName, TokenBatch, TokenUpdate
 from router.fleet.worker_ref import WorkerRef
 from router.fleet.worker_state import WorkerState
+from router.routing.kv_index import PrefixIndex
 from router.serving.delivery import LOADED_FROM_STREAMS, TokenDelivery
 from router.serving.inbox import UpdateInbox
 
@@ -70,3 +71,37 @@ def test_under_many_streams_each_woken_stream_runs_before_the_next_put() -> None
 def test_under_few_streams_a_batch_is_delivered_in_one_go() -> None:
     log = _order_of_events(8)
     assert log == ["put"] * 8 + ["took"] * 8
+
+
+class _CachingPrefill(FakeWorker):
+    """A prefill worker of a router tier (its client names a consumer) that cached one
+    block since this process last heard from it; by the next poll it has left."""
+
+    consumer = "router-1"
+
+    def __init__(self, ref: WorkerRef) -> None:
+        super().__init__(ref.worker_id)
+        self._ref = ref
+        self._events: tuple[KVEvents, ...] = (KVEvents(stored=(42,)),)
+
+    async def next_kv_events(self) -> tuple[KVEvents, ...]:
+        events, self._events = self._events, ()
+        if not events:
+            self._ref.state = WorkerState.GONE
+        return events
+
+
+def test_a_tier_process_learns_a_prefill_workers_cache_without_sending_it_a_prompt() -> None:
+    # A session's next turn may land on another router process than its previous one:
+    # that process must know which prefill worker holds the previous turn's blocks.
+    async def main() -> PrefixIndex:
+        pools = FakePools(1, 0)
+        ref = pools.workers[PoolName.PREFILL][0]
+        ref.client_impl = _CachingPrefill(ref)
+        indexes = {pool: PrefixIndex(16) for pool in POOLS}
+        delivery = TokenDelivery(pools, indexes, lambda _: None)
+        delivery.ensure_pollers()
+        await asyncio.wait_for(asyncio.gather(*delivery._pollers.values()), 1.0)
+        return indexes[PoolName.PREFILL]
+
+    assert asyncio.run(main()).num_cached_tokens(0, [42]) == 16

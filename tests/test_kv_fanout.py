@@ -3,6 +3,8 @@ starts from a snapshot, and a list nobody reads stays bounded."""
 
 from __future__ import annotations
 
+import asyncio
+
 from engine.core.kv_events import KVEvents
 from engine.worker.kv_fanout import MAX_PENDING_BATCHES, KVEventFanout, fold
 
@@ -43,3 +45,16 @@ def test_a_consumer_that_never_reads_holds_one_folded_batch() -> None:
     taken = fanout.take("")
     assert len(taken) <= MAX_PENDING_BATCHES
     assert set(fold(list(taken)).stored) == set(range(3 * MAX_PENDING_BATCHES))
+
+
+def test_a_waiting_consumer_gets_its_events_as_they_come_and_nothing_after_its_wait() -> None:
+    async def main() -> None:
+        fanout = KVEventFanout()
+        assert await fanout.wait("r1", 0.01) == ()  # new: nothing yet, none after the wait
+        waiting = asyncio.ensure_future(fanout.wait("r1", 5.0))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        fanout.add(KVEvents(stored=(1,)))
+        assert await asyncio.wait_for(waiting, 1.0) == (KVEvents(stored=(1,)),)
+
+    asyncio.run(main())

@@ -20,6 +20,7 @@ from engine.wire import (
     GenerationInput,
     HandoffTarget,
     Handover,
+    KVEvents,
     Precopy,
     PrefillResult,
     Reservation,
@@ -43,9 +44,11 @@ class ChannelCalls(Protocol):
 
 
 class PrefillCalls(EveryWorkerCalls, ChannelCalls, Protocol):
-    """A prefill worker: run a prompt and send its KV to a reserved decode worker."""
+    """A prefill worker: run a prompt and send its KV to a reserved decode worker; its
+    prefix-cache changes by long poll, for a router tier's processes."""
 
     async def prefill(self, inp: GenerationInput, target: HandoffTarget) -> PrefillResult: ...
+    async def next_kv_events(self) -> tuple[KVEvents, ...]: ...
 
 
 class ColocatedCalls(EveryWorkerCalls, Protocol):

@@ -13,10 +13,17 @@ cache's, not by the time since it was last read.
 
 The unnamed consumer "" is the one router process of a service without a tier: it is
 never forgotten, and its first events are the engine's own first batch (a snapshot).
+
+A consumer may also wait for its events (`wait`): a router process of a tier long-polls
+every prefill worker so, since a prefill worker's events otherwise come only with the
+replies to that process's own prompts, and a session's next turn that lands on another
+process must still find the worker that holds its previous turn.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -61,6 +68,7 @@ class KVEventFanout:
         self._clock = clock
         self._pending: dict[str, list[KVEvents]] = {"": []}
         self._seen: dict[str, float] = {}
+        self._changed = asyncio.Event()  # set on every change; each waiter re-checks its own
 
     @property
     def consumers(self) -> frozenset[str]:
@@ -74,6 +82,7 @@ class KVEventFanout:
             batches.append(events)
             if len(batches) > MAX_PENDING_BATCHES:
                 self._pending[consumer] = [fold(batches)]
+        self._wake()
 
     def take(self, consumer: str = "") -> tuple[KVEvents, ...]:
         """The consumer's events since its last take, oldest first."""
@@ -88,6 +97,19 @@ class KVEventFanout:
             return ()
         self._pending[consumer] = []
         return tuple(batches)
+
+    async def wait(self, consumer: str, wait_s: float) -> tuple[KVEvents, ...]:
+        """`take(consumer)` once it has events, or empty after `wait_s`."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                while not (events := self.take(consumer)):
+                    await self._changed.wait()
+                return events
+        return ()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()  # the waiters woken hold the old one
 
     def touch(self, consumer: str) -> None:
         """The consumer is about (a call of its arrived): a new one gets a snapshot."""
@@ -106,6 +128,7 @@ class KVEventFanout:
         called in order with the steps' events (right after those the snapshot covers)."""
         if consumer in self._pending:
             self._pending[consumer] = [snapshot]
+            self._wake()
 
     def forget(self, consumer: str) -> None:
         if consumer:

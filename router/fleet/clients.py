@@ -23,6 +23,7 @@ from engine.wire import (
     GenerationInput,
     HandoffTarget,
     Handover,
+    KVEvents,
     PrefillResult,
     Reservation,
     TokenBatch,
@@ -32,6 +33,8 @@ from engine.worker.contract import WORKER_VERBS, WorkerCalls
 
 # What the router may call on a worker of any pool: the contract's every verb.
 WorkerClient = WorkerCalls
+# How long a poll of a prefill worker's prefix-cache changes waits for some.
+KV_POLL_S = 1.0
 
 
 class WorkerDied(RuntimeError):
@@ -85,6 +88,10 @@ class _VerbClient:
         if not self.consumer:
             return cast(TokenBatch, await self._invoke("next_tokens"))
         return cast(TokenBatch, await self._invoke("next_tokens", 1.0, self.consumer, self.grace_s))
+
+    async def next_kv_events(self) -> tuple[KVEvents, ...]:
+        events = await self._invoke("next_kv_events", KV_POLL_S, self.consumer)
+        return cast("tuple[KVEvents, ...]", events)
 
     async def abort(self, req_id: str) -> None:
         if not self.consumer:

@@ -17,6 +17,11 @@ update carries more steps and a stream's messages come further apart, while the 
 streams more tokens a second and new calls wait far less to be accepted. Under that many
 streams, `--stream-interval auto` already trades per-token messages for the loop's
 capacity; below it nothing changes.
+
+In a router tier it also long-polls each prefill worker for its prefix-cache changes
+(`next_kv_events`): the reply to a prompt carries them too, but only to the process that
+sent the prompt, and a session's next turn that lands on another process must still find
+the prefill worker that holds its previous turn.
 """
 
 from __future__ import annotations
@@ -64,18 +69,23 @@ class TokenDelivery:
 
     def ensure_pollers(self) -> None:
         for ref in self.pools.all():
-            if ref.pool in TOKEN_POOLS:
-                self.follow(ref)
+            self.follow(ref)
 
     def follow(self, ref: WorkerRef) -> None:
-        """Poll this worker's tokens, unless that is done already. The pools call it as a
-        worker goes live (`Pools.on_live`): a request that waited for a replacement is
-        submitted to it at once, and its tokens must not wait for other traffic to start
-        the poll."""
-        if self._stopped or ref.pool not in TOKEN_POOLS or ref in self._pollers:
+        """Poll this worker's tokens (a prefill worker's cache changes, in a tier), unless
+        that is done already. The pools call it as a worker goes live (`Pools.on_live`):
+        a request that waited for a replacement is submitted to it at once, and its tokens
+        must not wait for other traffic to start the poll."""
+        if self._stopped or ref in self._pollers or not ref.state.serving:
             return
-        if ref.state.serving:
+        if ref.pool in TOKEN_POOLS:
             self._pollers[ref] = asyncio.ensure_future(self._poll(ref))
+            return
+        # Only a tier's clients name a consumer: alone, the router sends every prompt
+        # itself and the replies carry every change.
+        consumer: str = getattr(ref.client, "consumer", "")
+        if ref.pool is PoolName.PREFILL and consumer:
+            self._pollers[ref] = asyncio.ensure_future(self._poll_kv_events(ref))
 
     async def stop(self) -> None:
         self._stopped = True
@@ -107,6 +117,17 @@ class TokenDelivery:
                     inbox = self.inbox_of(update.req_id)
                     if inbox is not None and inbox.put(update) and loaded:
                         await asyncio.sleep(0)  # the loop runs that stream, or takes a call
+        finally:
+            self._pollers.pop(ref, None)
+
+    async def _poll_kv_events(self, ref: WorkerRef) -> None:
+        try:
+            while ref.state.serving:
+                try:
+                    batches = await ref.client.next_kv_events()
+                except WorkerDied:
+                    return  # the prefill call that meets it marks it dead
+                self.apply_kv_events(ref, batches)
         finally:
             self._pollers.pop(ref, None)
 
