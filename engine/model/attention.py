@@ -17,7 +17,9 @@ shared by every layer; the forward pass has no per-request Python loop and no ho
   through the varlen kernel of `engine.model.kernels.triton_prefill` in one launch.
 * Elsewhere (CPU) sequences are split into decode groups (one query token each) and a
   prefill group, each run as one padded, masked, batched SDPA over gathered K/V (on
-  CPU whole blocks: a block's K, or V, of one layer is `block_size` contiguous rows).
+  CPU whole blocks: a block's K, or V, of one layer is `block_size` contiguous rows,
+  gathered into one scratch buffer per step; a decode group whose sequences all attend
+  the same context needs no mask).
   Decodes of very different context lengths form two groups, so a short sequence does
   not pay for the longest one's padding.
 """
