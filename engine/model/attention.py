@@ -17,7 +17,9 @@ shared by every layer; the forward pass has no per-request Python loop and no ho
   through the varlen kernel of `engine.model.kernels.triton_prefill` in one launch.
 * Elsewhere (CPU) sequences are split into decode groups (one query token each) and a
   prefill group, each run as one padded, masked, batched SDPA over gathered K/V (on
-  CPU whole blocks: a block's K, or V, of one layer is `block_size` contiguous rows).
+  CPU whole blocks: a block's K, or V, of one layer is `block_size` contiguous rows,
+  gathered into one scratch buffer per step; a decode group whose sequences all attend
+  the same context needs no mask).
   Decodes of very different context lengths form two groups, so a short sequence does
   not pay for the longest one's padding.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,10 @@ def write_kv(
         offset = layer_idx * meta.rows_per_layer
         write_kv_rows(rows, key, value, meta.slot_rows, offset, meta.block_size)
         return
+    if meta.kv_slot_rows is not None:
+        kv = torch.cat((key, value)).view(-1, rows.shape[1])
+        rows.index_copy_(0, meta.kv_slot_rows + layer_idx * meta.rows_per_layer, kv)
+        return
     k_rows = meta.slot_rows + layer_idx * meta.rows_per_layer
     rows.index_copy_(0, k_rows, key.reshape(key.shape[0], -1))
     rows.index_copy_(0, k_rows + meta.block_size, value.reshape(value.shape[0], -1))
@@ -74,13 +80,14 @@ def _attend(
     group: AttentionGroup,
     scale: float,
     out: torch.Tensor,
+    scratch: GatherScratch,
 ) -> None:
     """One padded SDPA for a group; writes the real rows of its result into `out` [T, H, D]."""
     if group.paged:
         o = _attend_paged(query, kv_cache, layer_idx, group, scale)
         out.index_copy_(0, group.out_tokens, o.index_select(0, group.out_rows))
         return
-    o = _attend_sdpa(query, kv_cache, layer_idx, meta, group, scale)
+    o = _attend_sdpa(query, kv_cache, layer_idx, meta, group, scale, scratch)
     out_rows = o.transpose(1, 2).reshape(-1, query.shape[1], query.shape[2])
     out.index_copy_(0, group.out_tokens, out_rows.index_select(0, group.out_rows))
 
@@ -92,12 +99,12 @@ def _attend_sdpa(
     meta: PagedAttentionMetadata,
     group: AttentionGroup,
     scale: float,
+    scratch: GatherScratch,
 ) -> torch.Tensor:
     """The group's padded SDPA over gathered K/V: [n, H, max_q, D]."""
-    assert group.mask is not None
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[4]
-    k, v = _gather_kv(kv_cache, layer_idx, meta, group)
+    k, v = _gather_kv(kv_cache, layer_idx, meta, group, scratch)
     n, max_q = group.q_index.shape
     if max_q == 1 and group.kv_blocks is not None and num_kv_heads != num_heads:
         # One query token a sequence (CPU): the query heads that share a KV head become
@@ -115,19 +122,25 @@ def _attend_sdpa(
 
 
 def _gather_kv(
-    kv_cache: torch.Tensor, layer_idx: int, meta: PagedAttentionMetadata, group: AttentionGroup
+    kv_cache: torch.Tensor,
+    layer_idx: int,
+    meta: PagedAttentionMetadata,
+    group: AttentionGroup,
+    scratch: GatherScratch,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's K and V of layer `layer_idx`, each [n, KVH, max_kv, D]: gathered by
-    whole blocks (`kv_blocks`, CPU) or by rows, K and V side by side: one gather per
-    layer for both."""
+    whole blocks (`kv_blocks`, CPU, into the step's scratch) or by rows, K and V side by
+    side: one gather per layer for both."""
     _, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     if group.kv_blocks is not None:
         n, _, num_blocks = group.kv_blocks.shape
         blocks = kv_cache.view(-1, block_size * num_kv_heads * head_dim)
-        kv = blocks.index_select(0, (group.kv_blocks + 2 * layer_idx).view(-1))
+        index = (group.kv_blocks + 2 * layer_idx).view(-1)
+        kv = torch.index_select(blocks, 0, index, out=scratch.take(index.shape[0], blocks))
         if group.kv_tail is not None and group.kv_tail.numel():
             kv.view(-1, num_kv_heads * head_dim).index_fill_(0, group.kv_tail, 0)
         kv = kv.view(n, 2, num_blocks * block_size, num_kv_heads, head_dim)
+        kv = kv[:, :, : group.max_context]
         return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
     assert group.kv_rows is not None
     n, max_kv, _ = group.kv_rows.shape
@@ -175,6 +188,26 @@ def _attend_paged(
     )
 
 
+class GatherScratch:
+    """Where a step's SDPA groups gather their blocks (CPU): one buffer that every layer
+    and group of the step fills in turn, each gather read by its SDPA before the next
+    one. Written again and again, it stays in the CPU's caches, where a new tensor
+    for every gather costs an allocation and a write to memory nothing has touched
+    lately."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, like.shape[1]] tensor of `like`'s dtype and device, contents undefined
+        (another gather's)."""
+        numel = rows * like.shape[1]
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype:
+            buffer = self._buffer = like.new_empty(numel)
+        return buffer[:numel].view(rows, like.shape[1])
+
+
 @dataclass(frozen=True)
 class PagedStep:
     """What every layer's attention of one forward pass reads: the step's metadata and
@@ -185,6 +218,7 @@ class PagedStep:
     # Called with each layer's index once its K/V are written (queued on the device):
     # layer-wise KV streaming posts that layer's part from here.
     on_layer_written: Callable[[int], None] | None = None
+    scratch: GatherScratch = field(default_factory=GatherScratch)
 
 
 # The step being run by this thread. A thread-local, not a model keyword, so that a
@@ -264,11 +298,11 @@ def _write_and_attend(
         )
         return out
     if decode is not None:
-        return _attend_sdpa(query, kv_cache, layer_idx, meta, decode, scale)[:, :, 0]
+        return _attend_sdpa(query, kv_cache, layer_idx, meta, decode, scale, step.scratch)[:, :, 0]
     out = torch.empty_like(query)
     for group in groups:  # decode group(s), then prefill
         assert isinstance(group, AttentionGroup)
-        _attend(query, kv_cache, layer_idx, meta, group, scale, out)
+        _attend(query, kv_cache, layer_idx, meta, group, scale, out, step.scratch)
     return out
 
 

@@ -44,12 +44,14 @@ class AttentionGroup:
     kv_rows: torch.Tensor | None  # [n, max_kv, 2] cache rows of layer 0's K, V per kv position
     block_table: torch.Tensor  # [n, max_blocks] for kernels that walk blocks themselves
     context_lens: torch.Tensor  # [n] tokens in the cache after this step's writes
-    # [n, 1, max_q, max_kv], True = attend; with `kv_blocks` float, 0 = attend, -inf not,
-    # over every slot of the gathered blocks (max_kv = max_blocks * block_size).
+    # [n, 1, max_q, max_kv], True = attend; with `kv_blocks` float, 0 = attend, -inf not
+    # (None: a decode group whose sequences all attend max_kv positions).
     mask: torch.Tensor | None
     out_rows: torch.Tensor  # [m] rows of the flattened [n * max_q] output that are real
     out_tokens: torch.Tensor  # [m] packed-token index each real row belongs to
-    max_context: int = 0  # a bound on context_lens (sizes the paged kernel's split count)
+    # A bound on context_lens (sizes the paged kernel's split count); with `kv_blocks`,
+    # the positions of the gathered blocks attention reads (max_kv).
+    max_context: int = 0
     identity: bool = False  # token i is sequence i, all real: no gather/scatter needed
     # [n, 2, max_blocks] block rows (`kv_cache.view(-1, block_size * KVH * D)`) of layer
     # 0's K and V of each sequence's blocks (CPU, instead of `kv_rows`): layer l's are
@@ -89,6 +91,9 @@ class PagedAttentionMetadata:
     # Decode groups first, then prefill; empty ones left out (one VarlenGroup alone when
     # the Triton kernels run a step with prompt chunks).
     groups: tuple[AttentionGroup | VarlenGroup, ...]
+    # CPU: `slot_rows`, then `slot_rows + block_size`: the K rows, then the V rows, of
+    # layer 0, so that a layer writes its K and V in one copy.
+    kv_slot_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +179,36 @@ def build_metadata(
     """Metadata from plain lists: per-sequence query counts, start positions and block
     tables. `block_gather`: SDPA groups gather whole blocks."""
     n = len(num_q)
+    if block_gather is not None and 0 < n == sum(num_q) and not bucket_shapes and not paged_decode:
+        return _host_decode_metadata(
+            start_positions, block_tables, block_size, num_layers, block_gather
+        )
+    return _tensor_metadata(
+        num_q,
+        start_positions,
+        block_tables,
+        block_size,
+        num_layers,
+        device,
+        bucket_shapes,
+        paged_decode,
+        block_gather,
+    )
+
+
+def _tensor_metadata(
+    num_q: Sequence[int],
+    start_positions: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    num_layers: int,
+    device: torch.device,
+    bucket_shapes: bool,
+    paged_decode: bool,
+    block_gather: BlockGather | None,
+) -> PagedAttentionMetadata:
+    """`build_metadata` with tensor ops on the device: any step."""
+    n = len(num_q)
     num_tokens = sum(num_q)
     seqs = _seq_tensors(num_q, start_positions, block_tables, device)
     seq_of_token = torch.repeat_interleave(
@@ -217,6 +252,62 @@ def build_metadata(
         rows_per_layer=2 * block_size,
         block_size=block_size,
         groups=groups,
+        kv_slot_rows=(
+            None if block_gather is None else torch.cat((slot_rows, slot_rows + block_size))
+        ),
+    )
+
+
+def _host_decode_metadata(
+    start_positions: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    num_layers: int,
+    block_gather: BlockGather,
+) -> PagedAttentionMetadata:
+    """`build_metadata` of a step of decodes alone (one token a sequence) on CPU, the
+    same tensors computed on the host: a handful of small lists where the general path
+    runs dozens of tensor ops, each costing more than the list it stands for."""
+    n = len(start_positions)
+    rows_per_block = num_layers * 2 * block_size
+    slot_rows = [
+        table[p // block_size] * rows_per_block + p % block_size
+        for p, table in zip(start_positions, block_tables, strict=True)
+    ]
+    max_blocks = max((len(t) for t in block_tables), default=1)
+    groups = []
+    for ids in _split_by_context(list(range(n)), start_positions):
+        contexts = [start_positions[i] + 1 for i in ids]
+        tables = [block_tables[i] for i in ids]
+        kv_blocks, kv_tail, mask = block_gather_of(
+            tables, contexts, None, max(contexts), block_size, rows_per_block, block_gather
+        )
+        seq = torch.tensor(ids, dtype=torch.long)
+        padded = [[*t, *[0] * (max_blocks - len(t))] for t in tables]
+        groups.append(
+            AttentionGroup(
+                q_index=seq[:, None],
+                kv_rows=None,
+                block_table=torch.tensor(padded, dtype=torch.long).view(len(ids), max_blocks),
+                context_lens=torch.tensor(contexts, dtype=torch.long),
+                mask=mask,
+                out_rows=torch.arange(len(ids)),
+                out_tokens=seq,
+                max_context=max(contexts),
+                identity=len(ids) == n,
+                kv_blocks=kv_blocks,
+                kv_tail=kv_tail,
+            )
+        )
+    slots = torch.tensor(slot_rows, dtype=torch.long)
+    kv_slot_rows = torch.cat((slots, slots + block_size))
+    return PagedAttentionMetadata(
+        positions=torch.tensor(start_positions, dtype=torch.long),
+        slot_rows=slots,
+        rows_per_layer=2 * block_size,
+        block_size=block_size,
+        groups=tuple(groups),
+        kv_slot_rows=kv_slot_rows,
     )
 
 
@@ -365,7 +456,13 @@ def _build_group(
     kv_rows = kv_blocks = kv_tail = mask = None
     if block_gather is not None:
         kv_blocks, kv_tail, mask = block_gather_of(
-            tables, context_len, q_pos, max_kv, block_size, rows_per_block, block_gather
+            tables,
+            context_len.tolist(),
+            q_pos if max_q > 1 else None,
+            max_kv,
+            block_size,
+            rows_per_block,
+            block_gather,
         )
     elif not paged:
         kv_rows, mask = row_gather(g_table, context_len, q_pos, max_kv, block_size, rows_per_block)

@@ -43,21 +43,24 @@ def row_gather(
 
 def block_gather_of(
     tables: Sequence[Sequence[int]],
-    context_len: torch.Tensor,
-    q_pos: torch.Tensor,
+    contexts: Sequence[int],
+    q_pos: torch.Tensor | None,
     max_kv: int,
     block_size: int,
     rows_per_block: int,
     gather: BlockGather,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`kv_blocks` [n, 2, max_blocks], `kv_tail` and the additive mask
-    [n, 1, max_q, max_blocks * block_size] of a group (CPU: the block rows are listed
-    on the host, a few hundred at most, in less time than tensor ops take).
+    [n, 1, max_q, max_kv] of a group (CPU: the block rows are listed on the host, a few
+    hundred at most, in less time than tensor ops take). `q_pos` [n, max_q]: each query
+    row's position; None for a decode group (one query a sequence, at its last position).
 
-    No slot a sequence has not written reaches SDPA: a stale or uninitialised one could
+    Attention reads the first `max_kv` positions of the gathered blocks. No slot a
+    sequence has not written among them reaches SDPA: a stale or uninitialised one could
     hold NaN or inf, which a mask does not cancel (its weight 0 times NaN is NaN). So
     padding blocks read the zero block, and each gather zeroes its rows of `kv_tail`,
-    the slots of a sequence's last block past its context.
+    the slots of a sequence's last block past its context. A decode group whose
+    sequences all attend `max_kv` positions has neither tail nor mask (None).
     """
     num_blocks = -(-max_kv // block_size)
     width = num_blocks * block_size
@@ -65,19 +68,22 @@ def block_gather_of(
     per_block = rows_per_block // block_size
     block_rows: list[list[int]] = []
     tail: list[int] = []
-    for i, (table, context) in enumerate(zip(tables, context_len.tolist(), strict=True)):
+    for i, (table, context) in enumerate(zip(tables, contexts, strict=True)):
         own = -(-context // block_size)
         padding = [gather.zero_block * per_block] * (num_blocks - own)
         block_rows.append([b * per_block for b in table[:own]] + padding)
-        tail.extend(range(i * 2 * width + context, i * 2 * width + own * block_size))
+        # Only the slots attention reads: past `max_kv` nothing is looked at.
+        tail.extend(range(i * 2 * width + context, i * 2 * width + min(own * block_size, max_kv)))
     first = torch.tensor(block_rows, dtype=torch.long)
     k_tail = torch.tensor(tail, dtype=torch.long)
-    kv_pos = torch.arange(width)
+    kv_blocks = torch.stack((first, first + 1), dim=1)
+    kv_tail = torch.cat((k_tail, k_tail + width))
+    if q_pos is None:
+        if all(c == max_kv for c in contexts):
+            return kv_blocks, kv_tail, None
+        q_pos = torch.tensor(contexts, dtype=torch.long)[:, None] - 1
+    kv_pos = torch.arange(max_kv)
     # A query row sees the positions up to its own (a padded row's is 0: one slot).
     allowed = kv_pos <= q_pos[:, :, None]
     mask = torch.full((len(tables), 1, *allowed.shape[1:]), float("-inf"), dtype=gather.mask_dtype)
-    return (
-        torch.stack((first, first + 1), dim=1),
-        torch.cat((k_tail, k_tail + width)),
-        mask.masked_fill_(allowed[:, None], 0.0),
-    )
+    return kv_blocks, kv_tail, mask.masked_fill_(allowed[:, None], 0.0)

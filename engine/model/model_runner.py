@@ -24,6 +24,7 @@ from engine.core.request import PLACEHOLDER_TOKEN
 from engine.model.attention import paged_step
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.cuda_graphs import DecodeGraphs
+from engine.model.huge_pages import empty_on_huge_pages
 from engine.model.kv_blocks import KVBlocks, LayerStream
 from engine.model.kv_gather import BlockGather
 from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
@@ -147,7 +148,12 @@ class ModelRunner(KVBlocks):
         stored = num_blocks + graphs.scratch + int(self._block_gather is not None)
         with startup_phase("kv_cache", f"{num_blocks} blocks of {block_size} tokens"):
             shape = self.kv_cache_shape(self.spec, stored, block_size)
-            self._kv_storage = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.device.type == "cpu":
+                # Attention reads every attended block each step, a few KiB from each:
+                # on huge pages, far fewer TLB misses.
+                self._kv_storage = empty_on_huge_pages(shape, self.dtype).zero_()
+            else:
+                self._kv_storage = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_cache = self._kv_storage[:num_blocks]
         # The tokens the step launched last sampled, by row, and the request of each row:
         # a later step whose input is still a placeholder reads its token here, on the
