@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from engine.model.huge_pages import HUGE_PAGE, empty_on_huge_pages
+from engine.model.startup.huge_pages import HUGE_PAGE, empty_on_huge_pages
 
 
 def test_a_large_tensor_starts_on_a_huge_page_and_holds_its_values() -> None:

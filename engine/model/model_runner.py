@@ -24,13 +24,13 @@ from engine.core.request import PLACEHOLDER_TOKEN
 from engine.model.attention import paged_step
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.cuda_graphs import DecodeGraphs
-from engine.model.huge_pages import empty_on_huge_pages
 from engine.model.kv_blocks import KVBlocks, LayerStream
 from engine.model.kv_gather import BlockGather
 from engine.model.model_loader import LoadFormat, load_model, resolve_dtype
 from engine.model.model_spec import ModelSpec
 from engine.model.prompt_graphs import PromptGraphs
 from engine.model.staging import to_device
+from engine.model.startup.huge_pages import empty_on_huge_pages
 from engine.model.startup.runner_setup import (
     cache_blocks,
     plan_graphs,
