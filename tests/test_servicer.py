@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import socket
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -14,13 +15,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bench.harness import wait_until_async
+from engine.core.outputs import FinalResult, TextChunk, Usage
 from engine.core.request import FinishReason
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.cli.client import get_pool_stats, stream_generate
 from router.edge.grpc_server import GENERATION_SERVICE, GrpcServer, serve
+from router.edge.servicer import CORE_FINAL_WAIT_S
 from router.fleet import port_holds
 from router.serving.errors import NotReadyError, QueueFullError
+from router.serving.protocol import GenerateCall
 from tests.fake_core import (
     MAX_MODEL_LEN,
     FakeCore,
@@ -427,3 +431,40 @@ def test_serve_warms_up_then_drains_on_sigterm() -> None:
 
     asyncio.run(main())
     assert core.num_completed == 1
+
+
+def test_a_core_stuck_on_an_abort_still_gives_the_call_its_final_abort() -> None:
+    """A drain past its grace while the core, told of the abort, hangs on its way out (a
+    call to a worker that went down with the service): the edge sends the call's final
+    ABORT itself, well before the server stops and cuts the connection."""
+
+    class StuckOnAbort(FakeCore):
+        def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
+            self.calls.append(call)
+            return self._stuck()
+
+        async def _stuck(self) -> AsyncGenerator[TextChunk | FinalResult, None]:
+            yield TextChunk(text="t0 ", token_ids=(0,))
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                await asyncio.sleep(60)  # the abort's clean-up never ends
+            yield FinalResult(FinishReason.LENGTH, Usage(2, 1))
+
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        call = pb_grpc.GenerationServiceStub(channel).Generate(pb.GenerateRequest(prompt="hi"))
+        await call.read()
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.ensure_future(server.stop(grace=0.1))
+        started = loop.time()
+        final = await call.read()
+        assert final.finish_reason == pb.FINISH_REASON_ABORT, final
+        assert "drain grace" in final.error and final.usage.completion_tokens == 1
+        assert loop.time() - started < 0.1 + 2 * CORE_FINAL_WAIT_S
+        # The core never lets go of the call: the server's stop cuts it after its flush,
+        # with nothing more sent to the client.
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call.read()
+        await stopping
+
+    run_with_server(StuckOnAbort(), body)

@@ -4,8 +4,10 @@ maps results and errors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -34,6 +36,31 @@ from router.serving.protocol import (
 logger = logging.getLogger(__name__)
 
 _Status = tuple[grpc.StatusCode, str]
+# How long a call the server aborts waits for the core's own final message (its usage and
+# timings) before the edge sends one: well within the flush the server stops after, so
+# that every aborted call has its final message out before its connection goes, even
+# when the core is stuck on its way out (a call to a worker that went down with it).
+CORE_FINAL_WAIT_S = 0.5
+
+
+class _OpenCall:
+    """A Generate call in flight: where its one final message goes, written once by
+    whichever comes first, the handler or the edge's fallback after an abort."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, call: GenerateCall) -> None:
+        self.context = context
+        self.call = call
+        self.num_sent = [0]  # completion tokens the client already has, for an ABORT's usage
+        self.final_sent = False
+
+    async def write_final(self, final: FinalResult) -> bool:
+        """Send the call's final message unless one went already; True if this one did."""
+        if self.final_sent:
+            return False
+        self.final_sent = True
+        call = self.call
+        await self.context.write(final_response(call.request_id, final, call.include_trace_id))
+        return True
 
 
 def _failure_status(exc: Exception, what: str) -> _Status:
@@ -86,6 +113,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self._idle.set()
         # Handler tasks of in-flight Generate calls, so a drain past its grace can end them.
         self._handlers: set[asyncio.Task[None]] = set()
+        self._open: dict[asyncio.Task[Any], _OpenCall] = {}
+        self._fallbacks: set[asyncio.Task[None]] = set()
         self._abort_reason: str | None = None
 
     @property
@@ -110,6 +139,25 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self._abort_reason = reason
         for task in self._handlers:
             task.cancel(ServerAbort(reason))
+            open_call = self._open.get(task)
+            if open_call is not None:
+                fallback = asyncio.ensure_future(self._fallback_final(open_call, reason))
+                self._fallbacks.add(fallback)
+                fallback.add_done_callback(self._fallbacks.discard)
+
+    async def _fallback_final(self, open_call: _OpenCall, reason: str) -> None:
+        """The edge's final ABORT for a call whose core has not answered its abort in
+        time; the handler, should it come back, sends nothing more."""
+        await asyncio.sleep(CORE_FINAL_WAIT_S)
+        final = FinalResult(FinishReason.ABORT, Usage(0, open_call.num_sent[0]), error=reason)
+        with contextlib.suppress(Exception):  # the call may have ended meanwhile
+            if await open_call.write_final(final):
+                logger.warning(
+                    "request %s aborted: %s (its core did not answer in %.1f s)",
+                    open_call.call.request_id,
+                    reason,
+                    CORE_FINAL_WAIT_S,
+                )
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -159,10 +207,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         # None = no deadline; grpc also cancels the handler at the deadline, but
         # timing out here first lets us close the core's stream and say why.
         timeout = asyncio.timeout(context.time_remaining())
-        num_sent = [0]  # completion tokens the client already has, for an ABORT's usage
+        open_call = _OpenCall(context, call)
+        task = asyncio.current_task()
+        if task is not None:
+            self._open[task] = open_call
         try:
             async with timeout:
-                status = await self._forward(stream, call, context, num_sent)
+                status = await self._forward(stream, open_call)
             if self._abort_reason is not None and _cancelling():
                 # Our own cancel reached the core, which answered it with its final message.
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
@@ -178,9 +229,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             final = await _final_from_core(stream, abort)
             if final is None:
-                final = FinalResult(FinishReason.ABORT, Usage(0, num_sent[0]), error=abort.reason)
+                usage = Usage(0, open_call.num_sent[0])
+                final = FinalResult(FinishReason.ABORT, usage, error=abort.reason)
                 logger.info("request %s aborted: %s", call.request_id, abort.reason)
-            await context.write(final_response(call.request_id, final, call.include_trace_id))
+            await open_call.write_final(final)
             return None
         except TimeoutError:
             if not timeout.expired():
@@ -191,17 +243,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             return _failure_status(exc, call.request_id)
         finally:
             # Also runs when grpc cancels this task (client cancelled or went away).
+            self._open.pop(task, None)  # type: ignore[arg-type]
             await close_stream(stream, call.request_id)
 
     async def _forward(
-        self,
-        stream: AsyncIterator[TextChunk | FinalResult],
-        call: GenerateCall,
-        context: grpc.aio.ServicerContext,
-        num_sent: list[int],
+        self, stream: AsyncIterator[TextChunk | FinalResult], open_call: _OpenCall
     ) -> _Status | None:
-        request_id = call.request_id
+        request_id, context = open_call.call.request_id, open_call.context
         async for out in stream:
+            if open_call.final_sent:
+                return None  # the edge ended the call after an abort the core was slow to take
             if isinstance(out, TextChunk):
                 if out.text or out.token_ids:
                     await context.write(
@@ -209,11 +260,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                             request_id=request_id, text=out.text, token_ids=out.token_ids
                         )
                     )
-                    num_sent[0] += len(out.token_ids)
+                    open_call.num_sent[0] += len(out.token_ids)
                 continue
             if out.finish_reason not in FINISH_TO_PROTO:
                 return grpc.StatusCode.INTERNAL, f"unexpected finish reason {out.finish_reason}"
-            await context.write(final_response(request_id, out, call.include_trace_id))
+            if not await open_call.write_final(out):
+                return None
             if out.finish_reason is FinishReason.ERROR:
                 return grpc.StatusCode.INTERNAL, out.error or "generation failed"
             return None
