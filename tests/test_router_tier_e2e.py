@@ -379,6 +379,7 @@ def test_streams_on_both_processes_move_on_when_their_decode_worker_dies(
     )
 
 
+@pytest.mark.slow  # grows the decode pool and drains it: about a minute
 def test_a_drained_decode_worker_moves_every_processs_requests_with_their_kv(
     tier: ServiceProcess, reference_llm: LLM
 ) -> None:
