@@ -95,13 +95,20 @@ def test_a_gone_router_processes_requests_are_recorded_and_handed_over() -> None
     asyncio.run(main())
 
 
+def _polled_once_then_silent(clock: Clock) -> Outboxes:
+    """Router process r1, with request a, polled once and then went quiet for longer
+    than a consumer is given."""
+    boxes = Outboxes(clock)
+    boxes.assign(inp("a", "r1"))
+    boxes.poll_ended(boxes.poll_started("r1", 10.0))
+    clock.now += LOST_AFTER_S + 1
+    return boxes
+
+
 def test_a_gone_router_processes_requests_are_given_up_after_its_grace() -> None:
     async def main() -> None:
         clock = Clock()
-        boxes = Outboxes(clock)
-        boxes.assign(inp("a", "r1"))
-        boxes.poll_ended(boxes.poll_started("r1", 10.0))
-        clock.now += LOST_AFTER_S + 1
+        boxes = _polled_once_then_silent(clock)
         assert boxes.sweep() == (["r1"], [])
         clock.now += 10.0
         assert boxes.sweep() == ([], ["a"])
@@ -114,10 +121,7 @@ def test_a_gone_router_processes_requests_are_given_up_after_its_grace() -> None
 def test_a_router_process_that_polls_again_takes_its_outbox_back() -> None:
     async def main() -> None:
         clock = Clock()
-        boxes = Outboxes(clock)
-        boxes.assign(inp("a", "r1"))
-        boxes.poll_ended(boxes.poll_started("r1", 10.0))
-        clock.now += LOST_AFTER_S + 1
+        boxes = _polled_once_then_silent(clock)
         boxes.sweep()
         boxes.start_orphans({"a": (4,)})
         boxes.route([TokenUpdate("a", (5,))])
