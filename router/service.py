@@ -168,8 +168,20 @@ async def run_service(
         if stop_metrics is not None:
             stop_metrics()
         await _stop(config, rt, front)
-    if rt.ray_lost is not None and not any(server.stopped_by_signal for server in servers):
+    if rt.ray_lost is not None and not await _stop_was_asked(servers):
         raise RayLostError(f"the local Ray instance went down: {rt.ray_lost}")
+
+
+# A stop signal sent to every process of the service (a control-group stop) may reach Ray
+# first: the service notices Ray going down and stops before its own signal arrives.
+_LATE_SIGNAL_S = 1.0
+
+
+async def _stop_was_asked(servers: list[GrpcServer]) -> bool:
+    """Whether a stop signal reached the service, waiting briefly for one in flight."""
+    if not servers:
+        return False
+    return any(await asyncio.gather(*(s.wait_for_signal(_LATE_SIGNAL_S) for s in servers)))
 
 
 def _serve_metrics(

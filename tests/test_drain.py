@@ -73,3 +73,22 @@ def test_second_signal_stops_at_once(sig: signal.Signals) -> None:
             await _assert_one_final_abort(call, "second signal")
 
     asyncio.run(main())
+
+
+def test_a_signal_after_the_server_stopped_counts_as_the_stop_asked_for() -> None:
+    """A service stopped by its Ray going down, whose own SIGTERM arrives a moment later
+    (a stop that signals every process), was stopped on purpose: it exits 0."""
+    started: list[GrpcServer] = []
+
+    async def main() -> None:
+        task = asyncio.create_task(serve(FakeCore(), "127.0.0.1", 0, on_started=started.append))
+        await wait_until_async(lambda: started, 5)
+        server = started[0]
+        server.stop_now("the workers went down")
+        await asyncio.wait_for(task, timeout=5.0)
+        assert not await server.wait_for_signal(0.05)  # nobody signalled: Ray was lost
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await server.wait_for_signal(2.0)
+        assert server.stopped_by_signal
+
+    asyncio.run(main())

@@ -82,6 +82,7 @@ class GrpcServer:
         self._serving = False
         self._stop_now_reason: str | None = None
         self._signalled = False
+        self._signal_seen = asyncio.Event()
 
     @property
     def port(self) -> int:
@@ -241,9 +242,23 @@ class GrpcServer:
         """A SIGTERM or SIGINT asked this server to stop."""
         return self._signalled
 
+    def on_late_signal(self, sig: signal.Signals) -> None:
+        """A stop signal once the server has stopped: noted (the stop was asked for), so
+        a service whose Ray went down first under the same signal still exits 0."""
+        self._signalled = True
+        self._signal_seen.set()
+        logger.info("%s: already stopping", sig.name)
+
+    async def wait_for_signal(self, timeout_s: float) -> bool:
+        """Whether a stop signal came, waiting up to `timeout_s` for one."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._signal_seen.wait(), timeout_s)
+        return self._signalled
+
     def _on_signal(self) -> None:
         # The first SIGTERM/SIGINT drains; another one means "stop now", as users expect.
         self._signalled = True
+        self._signal_seen.set()
         if self._stop_task is None:
             self.request_stop()
         else:
@@ -333,8 +348,4 @@ async def serve(
         # closes, so the stop's last steps (the workers, Ray) are not cut short.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, _already_stopping, sig)
-
-
-def _already_stopping(sig: signal.Signals) -> None:
-    logger.info("%s: already stopping", sig.name)
+            loop.add_signal_handler(sig, server.on_late_signal, sig)
