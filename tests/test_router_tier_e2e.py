@@ -28,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from pdserve.v1 import admin_pb2 as admin_pb
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.cli.admin_client import drain_worker, list_workers, scale_pool
+from router.cli.admin_client import drain_worker, list_workers, migrate_requests, scale_pool
 from router.cli.client import build_request, resumable_generate, stream_generate
 from tests.services import StartService, assert_pools_empty
 
@@ -420,6 +420,66 @@ def test_a_drained_decode_worker_moves_every_processs_requests_with_their_kv(
     for process in range(2):
         assert kv_after[process] > kv_before[process], f"process {process} moved nothing"
     assert recomputed_after == recomputed_before
+    asyncio.run(
+        assert_pools_empty(tier.address, timeout=30, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
+    )
+
+
+@pytest.mark.slow  # two decode workers and a move of every request on one: under a minute
+def test_migrate_requests_moves_every_processs_requests_off_the_worker(
+    tier: ServiceProcess, reference_llm: LLM
+) -> None:
+    """MigrateRequests on a decode worker with streams of both router processes on it,
+    wherever the call lands: the owner has each process move its own with their KV, the
+    reply counts them all (none left behind, none by recompute), and every stream ends
+    with the tokens of an undisturbed run."""
+    num, max_tokens = 16, 40
+    prompts = [f"Write about the letter number {i}." for i in range(num)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reference = reference_llm.generate(prompts, params)
+    replies: list[admin_pb.MigrateRequestsResponse] = []
+    on_source: list[int] = []
+
+    def moves() -> list[float]:
+        return [
+            metric_value(
+                scrape(tier.metrics_port + i)[1],
+                "pdserve_request_migrations_total",
+                pool="decode",
+                reason="rebalanced_kv",
+            )
+            for i in range(2)
+        ]
+
+    async def live_decode() -> list[admin_pb.WorkerDescription]:
+        workers = (await list_workers(tier.address)).workers
+        return [w for w in workers if w.pool == "decode" and w.state == admin_pb.WORKER_STATE_LIVE]
+
+    async def run() -> list[list[int]]:
+        await scale_pool(tier.address, "decode", 2)
+        deadline = time.monotonic() + 120
+        while len(await live_decode()) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)  # the other process's view has both
+
+        async def migrate() -> None:
+            busiest = max(await live_decode(), key=lambda w: w.num_in_flight)
+            on_source.append(busiest.num_in_flight)
+            replies.append(await migrate_requests(tier.address, busiest.worker_id))
+
+        return await _streams_disturbed(tier.address, prompts, max_tokens, migrate)
+
+    before = moves()
+    served = asyncio.run(run())
+    for i, tokens in enumerate(served):
+        assert tokens == list(reference[i].token_ids), f"stream {i} differs after moving"
+    (reply,) = replies
+    assert reply.num_candidates > 0 and reply.moved_by_recompute == 0, reply
+    assert reply.moved_with_kv == reply.num_candidates, reply
+    after = moves()
+    assert sum(after) - sum(before) == reply.moved_with_kv
+    for process in range(2):
+        assert after[process] > before[process], f"process {process} moved nothing"
     asyncio.run(
         assert_pools_empty(tier.address, timeout=30, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
     )

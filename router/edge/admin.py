@@ -24,7 +24,7 @@ from router.routing.prefill_policy import PrefillPolicyConfig
 if TYPE_CHECKING:  # the server answers (NOT_SERVING) before Ray and torch are imported
     from router.fleet.worker_ref import WorkerRef
     from router.planner.loop import PlannerLoop
-    from router.serving.live_migration import LiveMigrator
+    from router.serving.live_migration import LiveMigrator, MoveResult
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,12 @@ class AdminPools(Protocol):
     async def drain(self, worker_id: str) -> None: ...
 
 
+class Rebalancer(Protocol):
+    """Moves up to `max_requests` (None: all) requests off a decode worker."""
+
+    async def rebalance(self, source: WorkerRef, max_requests: int | None) -> MoveResult: ...
+
+
 class PolicyHolder(Protocol):
     """The serving core's side of SetPrefillPolicy and MigrateRequests."""
 
@@ -123,6 +129,9 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         self._core = core
         self._planner = planner
         self.enabled = enabled
+        # MigrateRequests across a router tier (router/tier/rebalance.py); None: the
+        # serving core's own requests are all there are.
+        self.rebalancer: Rebalancer | None = None
 
     async def _check(self, context: grpc.aio.ServicerContext) -> AdminPools:
         if not self.enabled:
@@ -216,7 +225,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         if mover is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the serving core is starting")
         assert mover is not None
-        result = await mover.rebalance(ref, request.max_requests or None)
+        result = await (self.rebalancer or mover).rebalance(ref, request.max_requests or None)
         return pb.MigrateRequestsResponse(
             num_candidates=result.num_candidates,
             moved_with_kv=result.with_kv,

@@ -124,9 +124,17 @@ class LiveMigrator:
         the largest token budgets first (those likely to run longest), to the other
         decode workers; `source` stays in service. A request not decoding there yet
         stays (`MigrateRequests`)."""
+        return await self.move_off(source, self._longest_first(source)[:max_requests], "rebalanced")
+
+    def budgets(self, source: WorkerRef) -> list[int]:
+        """The token budgets of the requests on `source`, in the order `rebalance` picks
+        them: what a router tier compares to pick the service's largest (router/tier)."""
+        return [a.inp.sampling.max_tokens for a in self._longest_first(source)]
+
+    def _longest_first(self, source: WorkerRef) -> list[Attempt]:
         on_it = [a for a in list(self.attempts.values()) if a.decode_ref is source]
         on_it.sort(key=lambda a: a.inp.sampling.max_tokens, reverse=True)
-        return await self.move_off(source, on_it[:max_requests], "rebalanced")
+        return on_it
 
     async def move_off(
         self, source: WorkerRef, attempts: list[Attempt], reason: MoveReason

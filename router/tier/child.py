@@ -41,6 +41,7 @@ from router.tier.messages import (
     Listening,
     MoveOff,
     PeersLinked,
+    Rebalance,
 )
 
 if TYPE_CHECKING:  # serving's imports take seconds: after the line to the owner is up
@@ -169,7 +170,7 @@ async def run_child(address: str, authkey: bytes, index: int) -> None:
 
     link.listen(loop, news.on_message, on_lost)
     membership = await news.first
-    core, table = await _serving_core(boot, index, membership, news, links.ask)
+    core, table = await _serving_core(boot, index, membership, news, links.ask, link.send)
     try:
         await _serve(link, boot, index, core, news)
     finally:
@@ -185,6 +186,7 @@ async def _serving_core(
     membership: Membership,
     news: _OwnerNews,
     ask_link: LinkAsker,
+    tell_owner: Callable[[Any], None],
 ) -> tuple[Any, Any]:
     """This process's serving core over a view of the owner's pools, and the shared
     admission table it counts in (what serving needs takes seconds to import: after
@@ -192,6 +194,7 @@ async def _serving_core(
     from engine.model.model_loader import has_tokenizer, load_tokenizer
     from router.serving.orchestrator import DisaggregatedGenerator
     from router.tier.pools_view import PoolsView
+    from router.tier.rebalance import answer_rebalance
     from router.tier.shared_admission import AdmissionTable, SharedAdmission
 
     config = boot.config
@@ -226,6 +229,12 @@ async def _serving_core(
             core.calls.spawn(core.live_migration.drain(ref))
 
     news.handlers[MoveOff] = on_move_off
+
+    def on_rebalance(m: Rebalance) -> None:
+        # MigrateRequests across the tier: this process's requests on the worker.
+        core.calls.spawn(answer_rebalance(m, view.incarnation, core.live_migration, tell_owner))
+
+    news.handlers[Rebalance] = on_rebalance
 
     def on_membership(m: Membership) -> None:
         view.apply(m)

@@ -81,3 +81,27 @@ class PeersLinked:
 
     seq: int
     error: str | None
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """MigrateRequests off a decode worker, across the tier: with `budgets_only`, answer
+    the token budgets of this process's requests on it (largest first); otherwise move
+    the `count` largest of them (None: all) to its peers with their KV."""
+
+    seq: int
+    worker_id: str
+    epoch: int
+    count: int | None
+    budgets_only: bool = False
+
+
+@dataclass(frozen=True)
+class Rebalanced:
+    """The answer to `Rebalance` number `seq`."""
+
+    seq: int
+    budgets: tuple[int, ...] = ()
+    num_candidates: int = 0
+    with_kv: int = 0
+    by_recompute: int = 0

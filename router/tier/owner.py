@@ -37,7 +37,15 @@ from typing import TYPE_CHECKING, Any
 from engine.log_setup import LOG_LEVEL_ENV, current_level
 from router.fleet import port_holds
 from router.tier.membership import Membership
-from router.tier.messages import Bootstrap, Drain, Hello, LinkPeers, Listening, SignalsReport
+from router.tier.messages import (
+    Bootstrap,
+    Drain,
+    Hello,
+    LinkPeers,
+    Listening,
+    Rebalanced,
+    SignalsReport,
+)
 from router.tier.shared_admission import AdmissionTable
 
 if TYPE_CHECKING:
@@ -108,6 +116,8 @@ class TierOwner:
         self.on_report: list[Any] = []
         # A process asks for a channel between decode workers: (its index, the request).
         self.on_link_request: Callable[[int, LinkPeers], None] | None = None
+        # A process answers a move of its requests (router/tier/rebalance.py).
+        self.on_rebalanced: Callable[[int, Rebalanced], None] | None = None
 
     # ---------------------------------------------------------------- start
     async def start(self) -> None:
@@ -202,6 +212,8 @@ class TierOwner:
                     self._loop.call_soon_threadsafe(report, hello.index, message)
             elif isinstance(message, LinkPeers) and self._loop and self.on_link_request:
                 self._loop.call_soon_threadsafe(self.on_link_request, hello.index, message)
+            elif isinstance(message, Rebalanced) and self._loop and self.on_rebalanced:
+                self._loop.call_soon_threadsafe(self.on_rebalanced, hello.index, message)
 
     # ---------------------------------------------------------------- running
     def publish(self, membership: Membership) -> None:
@@ -211,6 +223,15 @@ class TierOwner:
         self._membership = membership
         for child in list(self._children.values()):
             child.send(membership)
+
+    def connected(self) -> list[int]:
+        """The indexes of the processes on the line now."""
+        return sorted(c.index for c in list(self._children.values()) if c.conn is not None)
+
+    def tell_one(self, message: Any, index: int) -> bool:
+        """Send `message` to process `index`: whether it went."""
+        child = self._children.get(index)
+        return child is not None and child.send(message)
 
     def tell(self, message: Any, index: int | None = None) -> None:
         """Send `message` to process `index`, or to every process."""

@@ -21,6 +21,7 @@ from router.tier.admin_proxy import serve_owner_admin
 from router.tier.membership import PUBLISH_EVERY_S, membership_of
 from router.tier.messages import LinkPeers, MoveOff, PeersLinked
 from router.tier.owner import TierOwner, consumer_name
+from router.tier.rebalance import TierRebalancer
 from router.tier.shared_admission import SharedAdmission
 from router.tier.signals_relay import TierPlannerView, TierSignals
 
@@ -87,6 +88,8 @@ class OwnerSide:
         self.tier.on_link_request = lambda index, asked: self._spawn(
             self._link_for(core, index, asked)
         )
+        if core.live_migration is not None:
+            admin.rebalancer = TierRebalancer(core.live_migration, self.tier)
         self._admin_server = await serve_owner_admin(admin, self.tier.admin_address)
         self.tier.publish(membership_of(self.pools, core.prefill_policy))
         self._publisher = asyncio.ensure_future(self._publish(core))
