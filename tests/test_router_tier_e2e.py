@@ -379,105 +379,124 @@ def test_streams_on_both_processes_move_on_when_their_decode_worker_dies(
     )
 
 
+async def _live_decode(address: str) -> list[admin_pb.WorkerDescription]:
+    workers = (await list_workers(address)).workers
+    return [w for w in workers if w.pool == "decode" and w.state == admin_pb.WORKER_STATE_LIVE]
+
+
+async def _streams_moved(
+    address: str, prompts: list[str], move: Callable[[str], Awaitable[None]]
+) -> list[list[int]]:
+    """Long greedy streams over several connections (so that both processes carry some),
+    all on the one decode worker there is; once each has 3 tokens a second decode worker
+    starts, then `move(the first one's id)`; once each stream has 8 tokens more, the
+    calls end (the client cancels): each stream's tokens so far."""
+    await scale_pool(address, "decode", 1)
+    (first,) = await _live_decode(address)
+    served: list[list[int]] = [[] for _ in prompts]
+
+    async def one(stub: pb_grpc.GenerationServiceStub, i: int) -> None:
+        request = build_request(
+            prompt=prompts[i], max_tokens=2000, temperature=0.0, ignore_eos=True
+        )
+        async for response in stub.Generate(request):
+            served[i].extend(response.token_ids)
+
+    def each_has(counts: list[int]) -> bool:
+        return all(len(tokens) >= n for tokens, n in zip(served, counts, strict=True))
+
+    chans = channels(address, NUM_CONNECTIONS)
+    stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
+    streams = [asyncio.ensure_future(one(stubs[i % len(stubs)], i)) for i in range(len(prompts))]
+    try:
+        await wait_until_async(lambda: each_has([3] * len(prompts)), timeout=120)
+        await scale_pool(address, "decode", 2)
+        await asyncio.sleep(1.0)  # the other process's view has the new worker
+        await move(first.worker_id)
+        at_move = [len(tokens) + 8 for tokens in served]
+        await wait_until_async(lambda: each_has(at_move), timeout=240)
+        for stream in streams:
+            assert not stream.done(), stream  # no stream failed or ended early
+    finally:
+        for stream in streams:
+            stream.cancel()
+        for c in chans:
+            await c.close()
+    return [list(tokens) for tokens in served]
+
+
+def _assert_greedy_prefixes(
+    reference_llm: LLM, prompts: list[str], served: list[list[int]]
+) -> None:
+    """Each stream's tokens are the start of an undisturbed greedy run of its prompt."""
+    longest = max(len(tokens) for tokens in served)
+    params = SamplingParams(max_tokens=longest, temperature=0.0, ignore_eos=True)
+    reference = reference_llm.generate(prompts, params)
+    for i, tokens in enumerate(served):
+        assert tokens == list(reference[i].token_ids[: len(tokens)]), f"stream {i} differs"
+
+
+def _migrations(tier: ServiceProcess, reason: str) -> list[float]:
+    """Each router process's count of requests moved off decode workers for `reason`."""
+    return [
+        metric_value(
+            scrape(tier.metrics_port + i)[1],
+            "pdserve_request_migrations_total",
+            pool="decode",
+            reason=reason,
+        )
+        for i in range(2)
+    ]
+
+
 @pytest.mark.slow  # grows the decode pool and drains it: about a minute
 def test_a_drained_decode_worker_moves_every_processs_requests_with_their_kv(
     tier: ServiceProcess, reference_llm: LLM
 ) -> None:
-    """Two decode workers, streams through both router processes, then one decode worker
-    drained: each process moves its own requests off it with their KV (its migrations
-    metric counts them as `drained_kv`, none by recompute), and every stream ends with
-    the tokens of an undisturbed run."""
-    num, max_tokens = 16, 40
-    prompts = [f"Tell me about the number {i}." for i in range(num)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reference = reference_llm.generate(prompts, params)
+    """Streams through both router processes on one decode worker, a second one started,
+    then the first drained: each process moves its own requests off it with their KV
+    (its migrations metric counts them as `drained_kv`, none by recompute), and every
+    stream goes on with the tokens of an undisturbed run."""
+    prompts = [f"Tell me about the number {i}." for i in range(8)]
 
-    def moves(reason: str) -> list[float]:
-        return [
-            metric_value(
-                scrape(tier.metrics_port + i)[1],
-                "pdserve_request_migrations_total",
-                pool="decode",
-                reason=reason,
-            )
-            for i in range(2)
-        ]
+    async def drain(worker_id: str) -> None:
+        await drain_worker(tier.address, worker_id)
 
-    async def run() -> list[list[int]]:
-        await scale_pool(tier.address, "decode", 2)
-        await asyncio.sleep(1.0)  # the other process's view has the new worker
-
-        async def drain() -> None:
-            await drain_worker(tier.address, "decode-0")
-
-        return await _streams_disturbed(tier.address, prompts, max_tokens, drain)
-
-    kv_before, recomputed_before = moves("drained_kv"), moves("drained")
-    served = asyncio.run(run())
-    for i, tokens in enumerate(served):
-        assert tokens == list(reference[i].token_ids), f"stream {i} differs after moving"
-    kv_after, recomputed_after = moves("drained_kv"), moves("drained")
+    kv_before, recomputed_before = _migrations(tier, "drained_kv"), _migrations(tier, "drained")
+    served = asyncio.run(_streams_moved(tier.address, prompts, drain))
+    _assert_greedy_prefixes(reference_llm, prompts, served)
+    kv_after, recomputed_after = _migrations(tier, "drained_kv"), _migrations(tier, "drained")
     for process in range(2):
         assert kv_after[process] > kv_before[process], f"process {process} moved nothing"
+    assert sum(kv_after) - sum(kv_before) == len(prompts)
     assert recomputed_after == recomputed_before
     asyncio.run(
         assert_pools_empty(tier.address, timeout=30, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
     )
 
 
-@pytest.mark.slow  # two decode workers and a move of every request on one: under a minute
+@pytest.mark.slow  # grows the decode pool and moves every request: about a minute
 def test_migrate_requests_moves_every_processs_requests_off_the_worker(
     tier: ServiceProcess, reference_llm: LLM
 ) -> None:
     """MigrateRequests on a decode worker with streams of both router processes on it,
     wherever the call lands: the owner has each process move its own with their KV, the
-    reply counts them all (none left behind, none by recompute), and every stream ends
-    with the tokens of an undisturbed run."""
-    num, max_tokens = 16, 40
-    prompts = [f"Write about the letter number {i}." for i in range(num)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reference = reference_llm.generate(prompts, params)
+    reply counts them all (none left behind, none by recompute), and every stream goes
+    on with the tokens of an undisturbed run."""
+    prompts = [f"Write about the letter number {i}." for i in range(8)]
     replies: list[admin_pb.MigrateRequestsResponse] = []
-    on_source: list[int] = []
 
-    def moves() -> list[float]:
-        return [
-            metric_value(
-                scrape(tier.metrics_port + i)[1],
-                "pdserve_request_migrations_total",
-                pool="decode",
-                reason="rebalanced_kv",
-            )
-            for i in range(2)
-        ]
+    async def migrate(worker_id: str) -> None:
+        replies.append(await migrate_requests(tier.address, worker_id))
 
-    async def live_decode() -> list[admin_pb.WorkerDescription]:
-        workers = (await list_workers(tier.address)).workers
-        return [w for w in workers if w.pool == "decode" and w.state == admin_pb.WORKER_STATE_LIVE]
-
-    async def run() -> list[list[int]]:
-        await scale_pool(tier.address, "decode", 2)
-        deadline = time.monotonic() + 120
-        while len(await live_decode()) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-        await asyncio.sleep(1.0)  # the other process's view has both
-
-        async def migrate() -> None:
-            busiest = max(await live_decode(), key=lambda w: w.num_in_flight)
-            on_source.append(busiest.num_in_flight)
-            replies.append(await migrate_requests(tier.address, busiest.worker_id))
-
-        return await _streams_disturbed(tier.address, prompts, max_tokens, migrate)
-
-    before = moves()
-    served = asyncio.run(run())
-    for i, tokens in enumerate(served):
-        assert tokens == list(reference[i].token_ids), f"stream {i} differs after moving"
+    before = _migrations(tier, "rebalanced_kv")
+    served = asyncio.run(_streams_moved(tier.address, prompts, migrate))
+    _assert_greedy_prefixes(reference_llm, prompts, served)
     (reply,) = replies
-    assert reply.num_candidates > 0 and reply.moved_by_recompute == 0, reply
-    assert reply.moved_with_kv == reply.num_candidates, reply
-    after = moves()
-    assert sum(after) - sum(before) == reply.moved_with_kv
+    assert reply.num_candidates == len(prompts) and reply.moved_by_recompute == 0, reply
+    assert reply.moved_with_kv == len(prompts), reply
+    after = _migrations(tier, "rebalanced_kv")
+    assert sum(after) - sum(before) == len(prompts)
     for process in range(2):
         assert after[process] > before[process], f"process {process} moved nothing"
     asyncio.run(

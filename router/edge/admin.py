@@ -46,7 +46,7 @@ def describe(ref: WorkerRef) -> pb.WorkerDescription:
         device=ref.info.device,
         node_ip=ref.info.node_ip,
         pid=ref.info.pid,
-        num_in_flight=max(ref.num_assigned, 0),
+        num_in_flight=max(ref.load.service_assigned, 0),
         peers=sorted(ref.peers),
         tensor_parallel_size=ref.info.tensor_parallel_size,
         gpu_ids=list(ref.info.gpu_ids),

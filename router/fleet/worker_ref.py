@@ -62,4 +62,4 @@ class WorkerRef:
     def view(self) -> WorkerLoadView:
         stats = self.load.stats
         free = stats.num_blocks_free if stats is not None else 0
-        return WorkerLoadView(self.index, self.alive, self.num_assigned, free)
+        return WorkerLoadView(self.index, self.alive, self.load.service_assigned, free)

@@ -141,7 +141,7 @@ class PlannerLoop:
             live=len(live),
             starting=self.pools.num_starting(pool),
             draining=sum(1 for w in refs if w.state == "draining"),
-            queued_tokens=sum(w.load.queued_tokens for w in live),
+            queued_tokens=sum(w.load.service_queued_tokens for w in live),
             running=sum(s.num_running for s in stats),
             waiting=sum(s.num_waiting for s in stats),
             kv_usage=max(

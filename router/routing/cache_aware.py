@@ -38,7 +38,7 @@ class WorkerLoadView:
 
     index: int
     alive: bool
-    num_assigned: int  # requests this router has in flight on the worker
+    num_assigned: int  # requests in flight on the worker, from every router process
     num_blocks_free: int = 0
 
 

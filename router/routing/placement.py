@@ -34,7 +34,7 @@ def route_by_work(
 
     def pick(live: Sequence[WorkerRef]) -> WorkerRef:
         by_index = {w.index: w for w in live}
-        queued = [w.load.queued_tokens for w in live]
+        queued = [w.load.service_queued_tokens for w in live]
         choice = choose_by_work([w.view() for w in live], queued, index, hashes, num_prompt, config)
         assert choice is not None
         return by_index[choice.index]
@@ -70,14 +70,14 @@ def place_prompt(
         num_uncached_decode=num_prompt
         - indexes[PoolName.DECODE].num_cached_tokens(decode_ref.index, hashes),
         num_uncached_prefill=num_prompt - cached_prefill,
-        prefill_queued_tokens=prefill_ref.load.queued_tokens if prefill_ref else 0,
+        prefill_queued_tokens=prefill_ref.load.service_queued_tokens if prefill_ref else 0,
         prefill_tokens_per_s=prefill_ref.load.prefill_rate.tokens_per_s.value
         if prefill_ref
         else None,
         handoff_s=decode_ref.load.handoff_s.value or 0.0,
         decode_running=stats.num_running if stats is not None else 0,
         decode_step_s=decode_ref.load.decode_step_s(time.monotonic()),
-        decode_queued_tokens=decode_ref.load.queued_tokens,
+        decode_queued_tokens=decode_ref.load.service_queued_tokens,
         decode_free_blocks=stats.num_blocks_free if stats is not None else None,
         decode_local_s_per_token=decode_ref.load.local_prefill_s_per_token.value,
         num_prompt_blocks=-(-num_prompt // block_size),

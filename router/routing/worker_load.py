@@ -13,9 +13,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Protocol
 
 from engine.wire import EngineSpeed, WorkerStats
 from router.routing.prefill_policy import Ewma, PrefillRate, StepWindow
+
+
+class LoadShare(Protocol):
+    """A router tier's cells for one worker (router/tier/shared_load.py): this process's
+    counts, written for the others, and theirs."""
+
+    def publish(self, num_assigned: int, queued_tokens: int) -> None: ...
+    def others(self) -> tuple[int, int]: ...
 
 
 @dataclass
@@ -24,6 +33,8 @@ class WorkerLoad:
 
     num_assigned: int = 0  # requests this router has in flight on it
     queued_tokens: int = 0  # uncached prompt tokens sent to it and not yet answered
+    # In a router tier: what the other processes have there (None: there are none).
+    share: LoadShare | None = None
     busy_since: float = 0.0  # when num_assigned last went from 0 to 1
     stats: WorkerStats | None = None  # the worker's last report (decode: every batch)
     prefill_rate: PrefillRate = field(default_factory=PrefillRate)
@@ -50,6 +61,25 @@ class WorkerLoad:
         if mean is None and self.stats is not None and self.stats.num_running > 0:
             return self.speed.decode_step_s if self.speed is not None else None
         return mean
+
+    @property
+    def service_assigned(self) -> int:
+        """Requests in flight on it from every router process: what routing weighs."""
+        if self.share is None:
+            return self.num_assigned
+        return self.num_assigned + self.share.others()[0]
+
+    @property
+    def service_queued_tokens(self) -> int:
+        """Queued prompt tokens sent to it by every router process."""
+        if self.share is None:
+            return self.queued_tokens
+        return self.queued_tokens + self.share.others()[1]
+
+    def changed(self) -> None:
+        """The counts changed: tell the other router processes, if any."""
+        if self.share is not None:
+            self.share.publish(self.num_assigned, self.queued_tokens)
 
     def lease(self, num_tokens: int = 0, prices_local_prefill: bool = False) -> WorkerLease:
         return WorkerLease(self, num_tokens, prices_local_prefill)
@@ -84,6 +114,7 @@ class WorkerLease:
             load.busy_since = time.monotonic()
         load.num_assigned += 1
         load.queued_tokens += num_tokens
+        load.changed()
         self._held = True
 
     @property
@@ -96,7 +127,9 @@ class WorkerLease:
         prefill updates the load's rate."""
         if compute_s and self.num_tokens > 0 and self._prices_local_prefill:
             self._load.local_prefill_s_per_token.add(compute_s / self.num_tokens)
-        self._load.queued_tokens -= self.num_tokens
+        if self.num_tokens:
+            self._load.queued_tokens -= self.num_tokens
+            self._load.changed()
         self.num_tokens = 0
 
     def release(self) -> None:
@@ -106,6 +139,7 @@ class WorkerLease:
         self._held = False
         self.done_with_tokens()
         self._load.num_assigned -= 1
+        self._load.changed()
 
     async def __aenter__(self) -> WorkerLease:
         return self

@@ -196,9 +196,12 @@ async def _serving_core(
     from router.tier.pools_view import PoolsView
     from router.tier.rebalance import answer_rebalance
     from router.tier.shared_admission import AdmissionTable, SharedAdmission
+    from router.tier.shared_load import LoadSharing, LoadTable
 
     config = boot.config
     view = PoolsView(boot.call_token, boot.consumer, config.resume_grace_s, ask_link=ask_link)
+    load_table = LoadTable(boot.load_table, boot.num_processes)
+    LoadSharing(load_table, index).follow(view)
     view.apply(membership)
     model_path = config.cluster.decode_args.resolve_model_path()
     tokenizer = None

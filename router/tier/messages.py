@@ -33,6 +33,7 @@ class Bootstrap:
     call_token: bytes  # the workers' call connections take it
     consumer: str  # this process's name on the workers (a new one each start)
     admission_table: str  # the shared admission table's file
+    load_table: str  # the shared table of each process's load on each worker
     admin_address: str  # the owner's AdminService, for this process to forward to
 
 

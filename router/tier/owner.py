@@ -47,6 +47,7 @@ from router.tier.messages import (
     SignalsReport,
 )
 from router.tier.shared_admission import AdmissionTable
+from router.tier.shared_load import LoadTable
 
 if TYPE_CHECKING:
     from router.config import ServeConfig
@@ -102,6 +103,7 @@ class TierOwner:
         self.table = AdmissionTable(
             os.path.join(self.dir, "admission"), self.num_processes, create=True
         )
+        self.load_table = LoadTable(os.path.join(self.dir, "load"), self.num_processes, create=True)
         self.admin_address = f"unix:{os.path.join(self.dir, 'admin.sock')}"
         self._authkey = secrets.token_bytes(32)
         self._control_path = os.path.join(self.dir, "control.sock")
@@ -186,6 +188,7 @@ class TierOwner:
             call_token=self._call_token,
             consumer=child.consumer,
             admission_table=self.table.path,
+            load_table=self.load_table.path,
             admin_address=self.admin_address,
         )
         with child.lock:
@@ -247,6 +250,7 @@ class TierOwner:
                 if code is None or self._stopping:
                     continue
                 self.table.clear(child.index)  # its slots went with it
+                self.load_table.clear(child.index)
                 with child.lock:
                     if child.conn is not None:
                         child.conn.close()
@@ -320,4 +324,5 @@ class TierOwner:
             with contextlib.suppress(OSError):
                 self._listener.close()
         self.table.close()
+        self.load_table.close()
         shutil.rmtree(self.dir, ignore_errors=True)

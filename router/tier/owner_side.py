@@ -23,6 +23,7 @@ from router.tier.messages import LinkPeers, MoveOff, PeersLinked
 from router.tier.owner import TierOwner, consumer_name
 from router.tier.rebalance import TierRebalancer
 from router.tier.shared_admission import SharedAdmission
+from router.tier.shared_load import LoadSharing
 from router.tier.signals_relay import TierPlannerView, TierSignals
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class OwnerSide:
         for ref in pools.all():
             self._name_client(ref)
         pools.on_live.insert(0, self._name_client)
+        LoadSharing(tier.load_table, 0).follow(pools)
         self._publisher: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._admin_server: grpc.aio.Server | None = None
