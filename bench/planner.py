@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = make_trace(profile)
     ns.workdir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
-        "provenance": provenance("bench.planner", sys.argv[1:] if argv is None else argv),
+        "provenance": provenance("bench.planner", argv),
         "profile": asdict(profile),
         "trace": {"phases": trace.phases, "slo_ttft_ms": profile.slo_ttft_ms,
                   "slo_tpot_ms": profile.slo_tpot_ms, "num_requests": len(trace.arrivals)},
