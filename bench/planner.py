@@ -76,8 +76,8 @@ PROFILES = {
         model="8b",
         budget=4,
         splits=("1:3", "2:2", "3:1"),
-        # 1P1D carries about 16 req/s of 2048/64 on H100s; twice that needs a second
-        # prefill worker, and the long-output phase three decode workers.
+        # About what 1P1D carries of the long mix, so that twice it needs a second
+        # prefill worker, and the long-output phase more decode workers.
         rate=16.0,
         phase_s=120,
         long=(2048, 64),
