@@ -31,24 +31,15 @@ from bench.harness.metrics import scrape
 from bench.harness.metrics import value as metric_value
 from bench.harness.polling import wait_until_async
 from bench.harness.service import service_process
-from bench.harness.streams import StreamResult, generate
+from bench.harness.streams import TimedStream
 from bench.report import distribution, write_result
 from pdserve.v1 import generation_pb2 as pb
 from router.cli.admin_client import scale_pool
 from router.cli.client import get_pool_stats
 
 
-class Stream:
+class Stream(TimedStream):
     """One request's token messages, timed, and how it ended."""
-
-    def __init__(self) -> None:
-        self.arrivals: list[float] = []
-        self.num_tokens = 0
-        self.result: StreamResult | None = None
-
-    def on_tokens(self, num_tokens: int) -> None:
-        self.arrivals.append(time.monotonic())
-        self.num_tokens = num_tokens
 
     def completed(self) -> bool:
         return self.result is not None and self.result.finish_reason == "FINISH_REASON_LENGTH"
@@ -58,24 +49,13 @@ class Stream:
 
     def tokens_between(self, start: float, end: float) -> int:
         """Token messages that arrived within [start, end] (one token each here)."""
-        return sum(start <= t <= end for t in self.arrivals)
+        return sum(start <= t <= end for t in self.times)
 
     def largest_gap(self, start: float, end: float) -> float:
         """The longest wait for a message, among waits that end within [start, end]."""
-        pairs = zip(self.arrivals, self.arrivals[1:], strict=False)
-        gaps = [b - a for a, b in pairs if start <= b <= end]
+        times = self.times
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False) if start <= b <= end]
         return max(gaps, default=0.0)
-
-
-async def run_one(address: str, prompt_ids: list[int], max_tokens: int, out: Stream) -> None:
-    out.result = await generate(
-        address,
-        prompt_token_ids=prompt_ids,
-        max_tokens=max_tokens,
-        temperature=0.0,
-        ignore_eos=True,
-        on_tokens=out.on_tokens,
-    )
 
 
 _PAUSED = re.compile(r"moved from \S+ to \S+ with its KV \(\d+ tokens, ([\d.]+) ms paused")
@@ -115,8 +95,9 @@ async def measure(address: str, metrics_port: int, args: argparse.Namespace) -> 
         for _ in range(args.num_requests)
     ]
     streams = [Stream() for _ in prompts]
+    greedy = {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
     tasks = [
-        asyncio.ensure_future(run_one(address, p, args.max_tokens, s))
+        asyncio.ensure_future(s.run(address, prompt_token_ids=p, **greedy))
         for p, s in zip(prompts, streams, strict=True)
     ]
     await wait_until_async(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import int_list, provenance
+from bench.report import device_out, int_list, provenance
 from bench.suite_common import add_run_args, error_record, model_path, plan_from_args
 from bench.suite_report import format_tables
 
@@ -142,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(ns.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     outs = [Path(ns.out) if ns.out else DEFAULT_OUT]
-    env_out = Path(os.environ["OUT"]) / "gpu_suite.json" if os.environ.get("OUT") else None
-    if env_out and env_out.resolve() != outs[0].resolve():
-        outs.append(env_out)
+    env_out = device_out()
+    if env_out and (env_out / "gpu_suite.json").resolve() != outs[0].resolve():
+        outs.append(env_out / "gpu_suite.json")
     result: dict[str, Any] = {
-        "provenance": provenance("bench.gpu_suite", sys.argv[1:] if argv is None else argv),
+        "provenance": provenance("bench.gpu_suite", argv),
         "config": {k: v for k, v in vars(ns).items() if k != "out"},
         "notes": [
             "random weights of the real shapes (load_format dummy, seeded); bf16 on CUDA",

@@ -32,7 +32,7 @@ from bench.harness import ServiceProcess
 from bench.load import parse_range
 from bench.planner_report import plot, table
 from bench.report import provenance
-from bench.suite_common import KVGeometry, ReqTiming, model_path
+from bench.suite_common import KVGeometry, model_path
 
 POOL_POLL_S = 1.0
 
@@ -76,8 +76,8 @@ PROFILES = {
         model="8b",
         budget=4,
         splits=("1:3", "2:2", "3:1"),
-        # 1P1D carries about 16 req/s of 2048/64 on H100s; twice that needs a second
-        # prefill worker, and the long-output phase three decode workers.
+        # About what 1P1D carries of the long mix, so that twice it needs a second
+        # prefill worker, and the long-output phase more decode workers.
         rate=16.0,
         phase_s=120,
         long=(2048, 64),
@@ -143,29 +143,26 @@ async def _watch_pools(address: str, t0: float, stop: asyncio.Event, out: list[l
 async def drive(address: str, trace: Trace, vocab: int, seed: int) -> tuple[list, list]:
     """Send the trace's arrivals on time; the pool samples and each request's record:
     (sent_s since the trace started, ttft_s or None, tpot_s or None, ok, phase)."""
-    from bench.suite_service import call_generate
-    from pdserve.v1 import generation_pb2_grpc as pb_grpc
+    from bench.suite_service import drive as send
 
     rng = random.Random(seed + 1)
     prompts = [[rng.randrange(100, vocab - 1) for _ in range(a[1])] for a in trace.arrivals]
-    channels = [grpc.aio.insecure_channel(address) for _ in range(4)]
-    stubs = [pb_grpc.GenerationServiceStub(c) for c in channels]
-    sent = [ReqTiming(0.0) for _ in trace.arrivals]
     pools: list[list[Any]] = []
     stop = asyncio.Event()
+    watchers: list[asyncio.Task[None]] = []
     t0 = time.perf_counter()
-    watcher = asyncio.create_task(_watch_pools(address, t0, stop, pools))
-    tasks = []
-    for i, (at, _, output, _) in enumerate(trace.arrivals):
-        await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-        tasks.append(
-            asyncio.create_task(call_generate(stubs[i % 4], prompts[i], output, sent[i], 600))
-        )
-    await asyncio.gather(*tasks)
+
+    def watch() -> None:  # once connected, as the trace starts
+        nonlocal t0
+        t0 = time.perf_counter()
+        watchers.append(asyncio.create_task(_watch_pools(address, t0, stop, pools)))
+
+    sent, _ = await send(
+        address, prompts, [a[2] for a in trace.arrivals],
+        send_at=[a[0] for a in trace.arrivals], ready=watch,
+    )  # fmt: skip
     stop.set()
-    await watcher
-    for c in channels:
-        await c.close()
+    await asyncio.gather(*watchers)
     records = [
         [round(t.sent_s - t0, 3), t.ttft_s, t.tpot_s, t.ok, a[3]]
         for t, a in zip(sent, trace.arrivals, strict=True)
@@ -238,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = make_trace(profile)
     ns.workdir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
-        "provenance": provenance("bench.planner", sys.argv[1:] if argv is None else argv),
+        "provenance": provenance("bench.planner", argv),
         "profile": asdict(profile),
         "trace": {"phases": trace.phases, "slo_ttft_ms": profile.slo_ttft_ms,
                   "slo_tpot_ms": profile.slo_tpot_ms, "num_requests": len(trace.arrivals)},

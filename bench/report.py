@@ -8,6 +8,7 @@
   the run. Benchmarks put it under the key "provenance" of their JSON
   (`write_result` writes such a JSON).
 * `text_table(header, rows)`: the fixed-width tables the scripts print.
+* `device_out()`: $OUT, the folder whose files come back from a GPU machine, when set.
 """
 
 from __future__ import annotations
@@ -156,8 +157,10 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def provenance(module: str, args: Sequence[str]) -> dict[str, Any]:
-    """Where and how a run was made: `python -m <module> <args>` on this machine, now."""
+def provenance(module: str, args: Sequence[str] | None = None) -> dict[str, Any]:
+    """Where and how a run was made: `python -m <module> <args>` (default: this process's
+    own arguments) on this machine, now."""
+    args = sys.argv[1:] if args is None else args
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "commit": git_commit(),
@@ -169,12 +172,16 @@ def provenance(module: str, args: Sequence[str]) -> dict[str, Any]:
     }
 
 
+def device_out() -> Path | None:
+    """$OUT, the folder whose files come back from a GPU machine, when it is set."""
+    return Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+
+
 def write_result(
     path: str | Path, module: str, argv: Sequence[str] | None, **fields: Any
 ) -> dict[str, Any]:
     """Write a run's JSON: its provenance (`argv`, or the process's own arguments) and
     `fields`; returns the record."""
-    args = sys.argv[1:] if argv is None else argv
-    record = {"provenance": provenance(module, args), **fields}
+    record = {"provenance": provenance(module, argv), **fields}
     Path(path).write_text(json.dumps(record, indent=1))
     return record

@@ -22,7 +22,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -30,24 +29,10 @@ from typing import Any
 import grpc
 
 from bench.harness.polling import wait_until_async
-from bench.harness.ports import free_port
+from bench.harness.ports import free_port_run
 from bench.harness.service import ServiceProcess, service_process
 from bench.report import text_table, write_result
 from router.cli.client import resumable_generate, stream_generate
-
-
-def consecutive_ports(n: int) -> int:
-    """A port p with p + 1 .. p + n - 1 free too (router process i's /metrics: p + i)."""
-    for _ in range(100):
-        base = free_port()
-        try:
-            for i in range(1, n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + i))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def pids_of(svc: ServiceProcess, index: int) -> list[int]:
@@ -144,7 +129,7 @@ def main() -> None:
         p.error("--victim: a router process other than the owner (1 .. N - 1)")
     prompts = [f"Question {i}: tell me about the number {i}." for i in range(args.streams)]
     serve = ["--router-processes", str(args.router_processes)]
-    serve += ["--metrics-port", str(consecutive_ports(args.router_processes))]
+    serve += ["--metrics-port", str(free_port_run(args.router_processes))]
     serve += shlex.split(args.serve_args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with service_process(serve, args.out.with_suffix(".log")) as svc:

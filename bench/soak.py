@@ -34,7 +34,7 @@ from bench.harness.polling import wait_until_async
 from bench.harness.pools import live_workers, wait_pool_sizes
 from bench.harness.service import ServiceExitError, ServiceProcess, service_process
 from bench.harness.stopping import StopResult, start_streams, stop_and_wait
-from bench.harness.streams import StreamResult, generate
+from bench.harness.streams import StreamResult, TimedStream, generate
 from bench.report import distribution, write_result
 from pdserve.v1 import admin_pb2 as admin_pb
 from router.cli.admin_client import scale_pool
@@ -124,18 +124,6 @@ def restarts(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> fl
 # ---------------------------------------------------------------- the end phases
 
 
-@dataclass
-class TimedStream:
-    """One stream's result and when each of its batches of tokens arrived."""
-
-    arrivals: list[tuple[float, int]]  # (time.monotonic(), tokens so far)
-    result: StreamResult | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.arrivals[-1][1] if self.arrivals else 0
-
-
 def resumed_at(arrivals: list[tuple[float, int]], killed_at: float) -> float | None:
     """When tokens came again after the kill: the arrival that ends the longest gap from
     the last arrival before `killed_at` on. Tokens sent just before the kill may still
@@ -204,15 +192,10 @@ async def sole_decode_kill(
     await scale_pool(address, "decode", 1)
     await wait_pool_sizes(address, num_prefill, 1)
     reference = list(await asyncio.gather(*(generate(address, **r) for r in requests)))
-    streams = [TimedStream([]) for _ in requests]
-
-    async def timed(stream: TimedStream, request: dict[str, Any]) -> None:
-        def arrived(n: int) -> None:
-            stream.arrivals.append((time.monotonic(), n))
-
-        stream.result = await generate(address, on_tokens=arrived, **request)
-
-    calls = [asyncio.ensure_future(timed(s, r)) for s, r in zip(streams, requests, strict=True)]
+    streams = [TimedStream() for _ in requests]
+    calls = [
+        asyncio.ensure_future(s.run(address, **r)) for s, r in zip(streams, requests, strict=True)
+    ]
     await wait_until_async(
         lambda: min(s.num_tokens for s in streams) >= MIN_TOKENS_BEFORE_KILL,
         120,

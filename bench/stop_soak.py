@@ -13,34 +13,15 @@ so only the router noticing Ray going down ends the streams in time.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import random
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import wait_until
-from bench.harness.service import health_status
-from bench.harness.stopping import STOP_MODES, StopResult, serve_in_own_session, stop_with_streams
+from bench.harness.stopping import STOP_MODES, stop_fresh_service
 from bench.report import write_result
-
-
-def one_try(mode: str, drain_grace_s: float, log: Path, rng: random.Random) -> StopResult:
-    proc, port = serve_in_own_session(log, drain_grace_s)
-    address = f"127.0.0.1:{port}"
-    try:
-        wait_until(lambda: health_status(address) == "SERVING" or proc.poll() is not None, 300)
-        if proc.poll() is not None:
-            raise RuntimeError(f"service exited with {proc.returncode}: {log}")
-        return asyncio.run(stop_with_streams(proc, address, mode, rng=rng))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         grace = args.drain_grace_s if mode == "group" else 30.0
         log = logs / f"try-{n:02d}.log"
         started = time.monotonic()
-        result = one_try(mode, grace, log, rng)
+        result = stop_fresh_service(log, mode, grace, rng=rng)
         wrong = result.problems(args.final_within_s, args.exit_within_s)
         tries.append(
             {"mode": mode, "drain_grace_s": grace, **result.record(wrong), "log": str(log)}

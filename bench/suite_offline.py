@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(ns.device)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     result: dict[str, Any] = {
-        "provenance": provenance("bench.suite_offline", sys.argv[1:] if argv is None else argv),
+        "provenance": provenance("bench.suite_offline", argv),
         "shape": ns.shape,
         "device": str(device),
         "dtype": dtype,

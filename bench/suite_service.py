@@ -65,10 +65,11 @@ async def call_generate(
 async def drive(
     address: str,
     prompts: list[list[int]],
-    max_tokens: int,
+    max_tokens: int | Sequence[int],
     *,
     concurrency: int | None = None,
     rate: float | None = None,
+    send_at: Sequence[float] | None = None,
     seed: int = 0,
     timeout_s: float = 600.0,
     channels: int = 4,
@@ -76,8 +77,10 @@ async def drive(
     ready: Callable[[], None] | None = None,
     connections: bool = False,
 ) -> tuple[list[ReqTiming], float]:
-    """Closed loop (`concurrency` in flight) or open loop (Poisson `rate`); returns each
-    request's timings and the wall time from the first send to the last answer.
+    """Closed loop (`concurrency` in flight), open loop (Poisson `rate`) or a trace
+    (request i sent `send_at[i]` s after the start); `max_tokens`: every request's, or
+    each one's. Returns each request's timings and the wall time from the start to the
+    last answer.
 
     `give_up(timings, now)`, checked every 0.1 s, ends the run early when it returns
     True: nothing more is sent and the calls in flight are cancelled (the router aborts
@@ -93,6 +96,7 @@ async def drive(
     stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
     limit = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(seed)
+    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     timings = [ReqTiming(0.0) for _ in prompts]
     stop = asyncio.Event()
     try:
@@ -105,7 +109,7 @@ async def drive(
             async with limit or nullcontext():
                 if not stop.is_set():
                     await call_generate(
-                        stubs[i % channels], prompts[i], max_tokens, timings[i], timeout_s
+                        stubs[i % channels], prompts[i], lengths[i], timings[i], timeout_s
                     )
 
         async def watch() -> None:
@@ -121,6 +125,8 @@ async def drive(
         for i in range(len(prompts)):
             if stop.is_set():
                 break
+            if send_at is not None:
+                await asyncio.sleep(max(0.0, send_at[i] - (time.perf_counter() - start)))
             tasks.append(asyncio.create_task(one(i)))
             if rate and i + 1 < len(prompts):
                 gap = rng.expovariate(rate)
@@ -145,8 +151,8 @@ async def drive(
     finally:
         for c in chans:
             await c.close()
-    for t in timings:
-        if t.ok and (t.sent_s == 0.0 or t.num_tokens < max_tokens):
+    for t, length in zip(timings, lengths, strict=True):
+        if t.ok and (t.sent_s == 0.0 or t.num_tokens < length):
             t.ok = False
             t.error = t.error or ("not sent: gave up" if t.sent_s == 0.0 else "cancelled: gave up")
     return timings, wall

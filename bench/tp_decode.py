@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.device import free
-from bench.report import REPO, int_list, percentile, provenance, text_table
+from bench.report import REPO, device_out, int_list, percentile, provenance, text_table
 from bench.suite_common import model_path
 from engine.core.batch import Batch, ScheduledSeq
 from engine.model.compiled import is_compiled
@@ -459,17 +459,13 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = args.out or (
-        Path(os.environ["OUT"]) / "tp_decode.json"
-        if os.environ.get("OUT")
-        else REPO / "bench" / "results" / "tp_decode.json"
-    )
+    out = args.out or (device_out() or REPO / "bench" / "results") / "tp_decode.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     use_cuda = args.device == "cuda"
     os.environ.update(NO_MULTICAST)  # the ranks inherit it
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if use_cuda else None
     result: dict[str, Any] = {
-        "provenance": provenance("bench.tp_decode", sys.argv[1:] if argv is None else argv),
+        "provenance": provenance("bench.tp_decode", argv),
         "device": torch.cuda.get_device_name(0) if use_cuda else "cpu",
         "num_gpus": torch.cuda.device_count() if use_cuda else 0,
         "context": args.context,

@@ -444,17 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.report:
         return report(ns.report)
-    from bench.report import gpus
+    from bench.report import device_out, gpus
     from bench.suite_common import model_path
 
-    env_out = os.environ.get("OUT")
-    out = Path(ns.out or Path(env_out or ".") / "tp_goodput.json")
-    workdir = Path(
-        ns.workdir
-        or (
-            Path(env_out) / "tp_goodput_logs" if env_out else tempfile.mkdtemp(prefix="tp-goodput-")
-        )
-    )
+    env_out = device_out()
+    out = Path(ns.out or (env_out or Path(".")) / "tp_goodput.json")
+    logs = env_out / "tp_goodput_logs" if env_out else None
+    workdir = Path(ns.workdir or logs or tempfile.mkdtemp(prefix="tp-goodput-"))
     workdir.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     model = model_path(ns.model_config, workdir)

@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.goodput import Layout, Pool, parse_layout
 from bench.harness import service_process
-from bench.harness.streams import generate
+from bench.harness.streams import TimedStream
 from bench.report import REPO, fmt, int_list, text_table, write_result
 
 
@@ -50,24 +50,17 @@ async def _ttfts(
     ttfts, transfers = [], []
     for _ in range(rounds):
         prompt = [rng.randrange(1, vocab) for _ in range(prompt_len)]
-        started = time.perf_counter()
-        first: list[float] = []
-
-        def on_tokens(n: int, first: list[float] = first) -> None:
-            if not first:
-                first.append(time.perf_counter())
-
-        result = await generate(
+        started, stream = time.monotonic(), TimedStream()
+        result = await stream.run(
             address,
             prompt_token_ids=prompt,
             max_tokens=max_tokens,
             temperature=0.0,
             ignore_eos=True,
-            on_tokens=on_tokens,
         )
-        if result.outcome != "final:FINISH_REASON_LENGTH" or not first:
+        if result.outcome != "final:FINISH_REASON_LENGTH" or not stream.arrivals:
             raise RuntimeError(f"request of {prompt_len} tokens ended {result.outcome}")
-        ttfts.append((first[0] - started) * 1e3)
+        ttfts.append((stream.times[0] - started) * 1e3)
         if result.final is not None:
             transfers.append(result.final.timings.kv_transfer_seconds * 1e3)
     return {

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from bench.harness.stopping import StopResult
-from bench.harness.streams import StreamResult
-from bench.soak import TimedStream, check_group_stop, check_sole_decode, parse_args, resumed_at
+from bench.harness.streams import StreamResult, TimedStream
+from bench.soak import check_group_stop, check_sole_decode, parse_args, resumed_at
 from pdserve.v1 import generation_pb2 as pb
 
 GRACE_S = 10.0

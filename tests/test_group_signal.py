@@ -9,17 +9,12 @@ exits 0 within seconds, not after Ray's 60 s GCS reconnect timeout."""
 
 from __future__ import annotations
 
-import asyncio
-import os
 import random
-import signal
 from pathlib import Path
 
 import pytest
 
-from bench.harness import wait_until
-from bench.harness.service import health_status
-from bench.harness.stopping import StopResult, serve_in_own_session, stop_with_streams
+from bench.harness.stopping import StopResult, stop_fresh_service
 
 # The targets: each stream has its final message within a second of the signal, the
 # process exits 0 within five, and nothing of the service is left running.
@@ -29,16 +24,7 @@ EXIT_WITHIN_S = 5.0
 
 def _stop(tmp_path: Path, mode: str, drain_grace_s: float) -> tuple[StopResult, str]:
     log = tmp_path / "serve.log"
-    proc, port = serve_in_own_session(log, drain_grace_s)
-    address = f"127.0.0.1:{port}"
-    try:
-        wait_until(lambda: health_status(address) == "SERVING" or proc.poll() is not None, 240)
-        assert proc.poll() is None, log.read_text()[-3000:]
-        result = asyncio.run(stop_with_streams(proc, address, mode, rng=random.Random(0)))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    result = stop_fresh_service(log, mode, drain_grace_s, rng=random.Random(0))
     return result, log.read_text()
 
 

@@ -8,7 +8,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -21,7 +20,7 @@ from bench.harness import ServiceProcess
 from bench.harness.metrics import scrape
 from bench.harness.metrics import value as metric_value
 from bench.harness.polling import wait_until_async
-from bench.harness.ports import free_port
+from bench.harness.ports import free_port_run
 from bench.harness.streams import StreamResult, generate
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -42,19 +41,6 @@ PROMPTS = [f"Question {i}: what comes after {i}?" for i in range(NUM_STREAMS)]
 MAX_TOKENS = [6 + i % 7 for i in range(NUM_STREAMS)]
 
 
-def metrics_port_pair() -> int:
-    """A port p with p + 1 free too: process i of the tier serves /metrics on p + i."""
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 @pytest.fixture(scope="module")
 def tier(start_service: StartService, ray_session: str) -> ServiceProcess:
     return start_service(
@@ -64,7 +50,7 @@ def tier(start_service: StartService, ray_session: str) -> ServiceProcess:
             "--router-processes",
             "2",
             "--metrics-port",
-            str(metrics_port_pair()),
+            str(free_port_run(2)),
             "--prefill-kv-cache-gib",
             "0.25",
             "--decode-kv-cache-gib",

@@ -20,7 +20,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
@@ -28,27 +27,27 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.polling import wait_until_async
-from bench.harness.ports import free_port
 from bench.harness.processes import process_alive, process_tree
-from bench.harness.service import REPO, service_env
+from bench.harness.service import ServiceProcess
 from bench.harness.streams import StreamResult, generate
 
 
-def serve_in_own_session(log: Path, drain_grace_s: float) -> tuple[subprocess.Popen[bytes], int]:
-    """`pdserve serve` on the embedded model in a session (process group) of its own, as a
-    service manager starts it; its output goes to `log`. The process and its port."""
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli.main", "serve", "--port", str(port)]
-            + ["--metrics-port", "0", "--drain-grace-s", str(drain_grace_s)],
-            cwd=REPO,
-            env=service_env(None),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return proc, port
+def stop_fresh_service(
+    log: Path, mode: str, drain_grace_s: float, *, rng: random.Random | None = None
+) -> StopResult:
+    """`pdserve serve` on the embedded model (metrics off), started in a session (process
+    group) of its own as a service manager starts it, its output to `log`; once SERVING,
+    stopped the way `mode` names with two streams in flight (`stop_with_streams`).
+    Whatever happens, nothing of it is left running."""
+    args = ["--metrics-port", "0", "--drain-grace-s", str(drain_grace_s)]
+    svc = ServiceProcess(args, log, new_session=True)
+    try:
+        svc.wait_serving(300)
+        return asyncio.run(stop_with_streams(svc.proc, svc.address, mode, rng=rng))
+    finally:
+        if svc.proc.poll() is None:
+            os.killpg(svc.proc.pid, signal.SIGKILL)
+        svc.stop()
 
 
 STOP_MODES = ("group", "every-ray-first", "every-router-first", "every-shuffled")

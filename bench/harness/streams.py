@@ -1,5 +1,6 @@
 """One Generate call read to its end, whatever the end: every message, the final one, the
-status. Tests assert on the result; benchmarks time it."""
+status. Tests assert on the result; benchmarks time it (`TimedStream`: when each batch
+of tokens arrived)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,28 @@ async def generate(
         result.details = exc.details() or ""
     result.done_at = time.monotonic()
     return result
+
+
+@dataclass
+class TimedStream:
+    """One Generate call's result and when each batch of its tokens arrived."""
+
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (monotonic, tokens so far)
+    result: StreamResult | None = None  # None until the call ended
+
+    @property
+    def num_tokens(self) -> int:
+        return self.arrivals[-1][1] if self.arrivals else 0
+
+    @property
+    def times(self) -> list[float]:
+        """When each batch of tokens arrived (time.monotonic())."""
+        return [t for t, _ in self.arrivals]
+
+    def on_tokens(self, num_tokens: int) -> None:
+        self.arrivals.append((time.monotonic(), num_tokens))
+
+    async def run(self, target: str | grpc.aio.Channel, **kwargs: Any) -> StreamResult:
+        """The call (`generate` keywords), timed; its result, also kept in `result`."""
+        self.result = await generate(target, on_tokens=self.on_tokens, **kwargs)
+        return self.result
