@@ -1,10 +1,10 @@
 """A float32 CPU model's linear layers through oneDNN instead of torch's default sgemm.
 
-On CPU torch computes a float32 `F.linear` with MKL's sgemm, whose code path depends on
-the CPU it finds: on AMD x86-64 it does not use AVX-512, and a decode step's products (a
-few activation rows against each weight matrix) run far below the memory's rate. oneDNN,
-which torch bundles, runs the same product with kernels generated for the CPU's own
-vector units and reads the weights where they are (no repacked copy: the safetensors
+On CPU torch computes a float32 `F.linear` with MKL's sgemm, whose code depends on the
+CPU it finds: on AMD x86-64 a decode step's products (a few activation rows against each
+weight matrix) run far below the memory's rate. oneDNN, which torch bundles, runs the
+same product with kernels generated for the CPU's own vector units (AVX-512 where it has
+it) and reads the weights where they are (no repacked copy: the safetensors
 file's pages stay the only copy). The results differ from sgemm's in the last bits (the
 sums run in another order), as sgemm's own do between row counts.
 
