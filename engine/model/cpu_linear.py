@@ -6,7 +6,9 @@ weight matrix) run far below the memory's rate. oneDNN, which torch bundles, run
 same product with kernels generated for the CPU's own vector units (AVX-512 where it has
 it) and reads the weights where they are (no repacked copy: the safetensors
 file's pages stay the only copy). The results differ from sgemm's in the last bits (the
-sums run in another order), as sgemm's own do between row counts.
+sums run in another order), as sgemm's own do between row counts; unlike sgemm's, they
+were the same on 1, 2 and 4 threads in every shape measured, so engines with different
+thread counts (a worker, the engine it is compared with) compute the same bits.
 
 The model's `nn.Linear` modules change class (`OneDnnLinear`), so parameters, tied
 embeddings and the transformers model code stay as they are.
