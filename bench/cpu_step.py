@@ -7,7 +7,9 @@ transformers runs one decode forward on its `DynamicCache`, each feeding its own
 token; `--context` is the context of the middle round, and the side that goes first
 alternates. The engine's step is also taken apart (schedule / metadata / forward /
 sample / update / the rest), and each side's process CPU time kept (with `--threads 1`,
-the work done, whatever shares the cores). Example:
+the work done, whatever shares the cores). The engine's float32 linear layers run in
+oneDNN (engine.model.cpu_linear), transformers' in torch's sgemm; `--sgemm` runs the
+engine's in sgemm too, leaving the engine's own costs as the difference. Example:
 
     python -m bench.cpu_step --cpus 2,3 --rounds 200 --out bench/results/cpu_step.json \\
         --max-ratio 1.0
@@ -328,6 +330,12 @@ def agreement(engine: EngineSide, hf: TransformersSide) -> float:
     return same / total if total else 0.0
 
 
+def _linears(model: torch.nn.Module) -> str:
+    from engine.model.cpu_linear import uses_onednn_linears
+
+    return "onednn" if uses_onednn_linears(model) else "sgemm"
+
+
 def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
 
@@ -390,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="of the random prompts")
     p.add_argument(
+        "--sgemm",
+        action="store_true",
+        help="the engine's linear layers in torch's sgemm, as transformers' (not oneDNN)",
+    )
+    p.add_argument(
         "--no-breakdown",
         action="store_true",
         help="time the engine's step without the phase clocks (no breakdown)",
@@ -442,6 +455,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             scheduler=SchedulerConfig(max_num_seqs=args.batch_size),
         )
     )
+    if args.sgemm:
+        from engine.model.cpu_linear import remove_onednn_linears
+
+        remove_onednn_linears(llm.runner.model)
     context = args.context
     total = args.warmup + args.rounds
     # The first decode round attends prompt + 1 tokens; the middle timed one `context`.
@@ -490,6 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warmup": args.warmup,
             "seed": args.seed,
             "breakdown": not args.no_breakdown,
+            "engine_linears": "sgemm" if args.sgemm else _linears(llm.runner.model),
             "num_kv_blocks": llm.runner.num_blocks,
         },
         **result,

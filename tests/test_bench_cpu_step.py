@@ -20,6 +20,7 @@ from bench.cpu_step import (
     parse_cpus,
     summarise,
 )
+from engine.model.cpu_linear import onednn_linear_works
 
 
 def test_two_rounds_of_a_tiny_model(
@@ -50,6 +51,7 @@ def test_two_rounds_of_a_tiny_model(
     assert sum(p["mean"] for p in phases.values()) == pytest.approx(
         result["engine_step_ms"]["mean"], rel=1e-6
     )
+    assert params["engine_linears"] == ("onednn" if onednn_linear_works() else "sgemm")
     assert result["passed"] is None
     assert 0 <= result["greedy_agreement"] <= 1
     printed = capsys.readouterr().out
@@ -60,6 +62,7 @@ def test_parsing() -> None:
     args = build_parser().parse_args([])
     assert args.batch_size == 8 and args.context == 163 and args.threads is None
     assert args.cpus is None and args.max_ratio is None and not args.no_breakdown
+    assert not args.sgemm and build_parser().parse_args(["--sgemm"]).sgemm
     args = build_parser().parse_args(["--cpus", "2,3", "--context", "300", "--max-ratio", "1"])
     assert args.cpus == {2, 3} and args.context == 300 and args.max_ratio == 1.0
     assert parse_cpus("0-3") == {0, 1, 2, 3} and parse_cpus("0,4-5") == {0, 4, 5}

@@ -61,6 +61,8 @@ class ModelRunner(KVBlocks):
     `small_batch_gemv` runs one-row products of 16-bit weights (batch-1 decode
     steps, a lone sequence's logits) with the Triton GEMV
     (engine.model.kernels.triton_gemv; None: on CUDA when Triton imports).
+    `onednn_linears` runs a CPU model's float32 linear layers in oneDNN instead of
+    torch's sgemm (engine.model.cpu_linear; None: on CPU unless compiled).
     `preloaded`: the model and its spec, already loaded from `model_path` (a draft
     model whose weights must count before the target sizes its cache).
     `verify_graph_tokens` q >= 2 (speculative decoding: 1 + proposals) also captures
@@ -106,6 +108,7 @@ class ModelRunner(KVBlocks):
         compile_model: bool | None = None,
         compile_scope: str = "layer",
         small_batch_gemv: bool | None = None,
+        onednn_linears: bool | None = None,
         preloaded: tuple[torch.nn.Module, ModelSpec] | None = None,
         verify_graph_tokens: int = 0,
         verify_graph_max_seqs: int = 0,
@@ -130,7 +133,9 @@ class ModelRunner(KVBlocks):
         graphs = plan_graphs(
             self.device, enforce_eager, decode_graphs, prompt_graph_tokens, self.spec.max_model_len
         )
-        prepare_model(self.model, self.device, small_batch_gemv, compile_model, compile_scope)
+        prepare_model(
+            self.model, self.device, small_batch_gemv, compile_model, compile_scope, onednn_linears
+        )
         num_blocks = cache_blocks(
             self.spec, block_size, num_blocks, kv_cache_bytes, graphs.scratch, tp, self.device
         )

@@ -15,6 +15,7 @@ import torch
 from engine.core.batch import Batch, ScheduledSeq
 from engine.model.attention import register_paged_attention
 from engine.model.compiled import compile_decoder, is_compiled, uncompile_decoder
+from engine.model.cpu_linear import use_onednn_linears
 from engine.model.cuda_graphs import DecodeGraphs, captured_or_none, graph_batch_sizes
 from engine.model.kernels.triton_attention import triton_available
 from engine.model.kernels.triton_gemv import use_gemv
@@ -68,15 +69,20 @@ def prepare_model(
     small_batch_gemv: bool | None,
     compile_model: bool | None,
     compile_scope: str,
+    onednn_linears: bool | None = None,
 ) -> None:
     """The model's attention through the paged cache, and (None: on CUDA when Triton
-    imports) one-row products by the Triton GEMV and the decoder compiled."""
+    imports) one-row products by the Triton GEMV and the decoder compiled; on CPU
+    (None: unless compiled) float32 linear layers by oneDNN (engine.model.cpu_linear)."""
     # nn.Module's __getattr__ types every attribute as Tensor | Module.
     model.set_attn_implementation(register_paged_attention())  # type: ignore[operator]
     use_triton = device.type == "cuda" and triton_available()
     if use_triton if small_batch_gemv is None else small_batch_gemv:
         use_gemv(model)
-    if use_triton if compile_model is None else compile_model:
+    compile_it = use_triton if compile_model is None else compile_model
+    if device.type == "cpu" and (not compile_it if onednn_linears is None else onednn_linears):
+        use_onednn_linears(model)
+    if compile_it:
         compile_decoder(model, compile_scope)
 
 
