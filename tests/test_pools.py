@@ -73,6 +73,7 @@ class FakeCluster:
     def __init__(self, prefill: int = 1, decode: int = 1) -> None:
         self.config = ClusterConfig(num_prefill_workers=prefill, num_decode_workers=decode)
         self.store_host, self.store_port, self.use_gpus = "127.0.0.1", 1, False
+        self.abandoned = False
         self.actors: list[FakeActor] = []
         self.removed: list[FakeActor] = []
 
@@ -98,6 +99,27 @@ def _live(pools: Pools, pool: str) -> list[WorkerRef]:
 async def _settle() -> None:
     for _ in range(20):
         await asyncio.sleep(0)
+
+
+def test_no_worker_is_replaced_once_ray_goes_down_with_the_service() -> None:
+    """A worker found dead after the service abandoned Ray (it is going down with the
+    process group) is not replaced: starting one would wait on a dead Ray for a minute."""
+
+    async def scenario() -> None:
+        cluster = FakeCluster(prefill=1, decode=1)
+        pools = Pools(cluster)
+        await pools.start()
+        spawned = len(cluster.actors)
+        cluster.abandoned = True
+        victim = _live(pools, "decode")[0]
+        victim.handle.kill()
+        await _settle()
+        await asyncio.sleep(0.2)
+        assert victim.state == "dead"
+        assert len(cluster.actors) == spawned and pools.num_restarts == 0
+        await pools.stop()
+
+    asyncio.run(scenario())
 
 
 def test_a_dead_worker_is_replaced_with_a_new_epoch_and_paired_again() -> None:

@@ -272,7 +272,9 @@ class Pools:
                 peer.peers.discard(ref.worker_id)
                 # A survivor never waits on a dead peer: it drops the channel now.
                 self._track(self._call_quietly(peer, "disconnect", ref.worker_id, False))
-        if not was_draining and self.cluster.config.restart_workers:
+        # Not once Ray is going down with the service: a replacement's first Ray call
+        # would block the event loop for the GCS reconnect timeout, then end the process.
+        if not was_draining and self.cluster.config.restart_workers and not self.cluster.abandoned:
             metrics.worker_restarted(ref.pool)
             self.num_restarts += 1
             self._track(self._replace(ref.pool, ref.index))
@@ -280,7 +282,7 @@ class Pools:
     async def _replace(self, pool: str, index: int) -> None:
         for delay in (0.0, *RESTART_BACKOFF_S):
             await asyncio.sleep(delay)
-            if self._stopping or self._count(pool) >= self.targets[pool]:
+            if self._stopping or self.cluster.abandoned or self._count(pool) >= self.targets[pool]:
                 return
             try:
                 await self._spawn(pool, index)
