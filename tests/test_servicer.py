@@ -468,3 +468,33 @@ def test_a_core_stuck_on_an_abort_still_gives_the_call_its_final_abort() -> None
         await stopping
 
     run_with_server(StuckOnAbort(), body)
+
+
+def test_an_abort_that_cuts_a_chunks_write_off_still_sends_one_final() -> None:
+    """The stop comes while a chunk's write waits for the client to read (flow control):
+    gRPC takes one write a call at a time, so the final ABORT goes out once that write
+    has, and the client reads every chunk, then that final."""
+    chunk_text = "x" * (256 * 1024)
+
+    class Flood(FakeCore):
+        def generate(self, call: GenerateCall) -> AsyncIterator[TextChunk | FinalResult]:
+            self.calls.append(call)
+            return self._flood()
+
+        async def _flood(self) -> AsyncGenerator[TextChunk | FinalResult, None]:
+            for i in range(10_000):
+                yield TextChunk(text=chunk_text, token_ids=(i,))
+
+    async def body(server: GrpcServer, channel: grpc.aio.Channel, core: FakeCore) -> None:
+        call = pb_grpc.GenerationServiceStub(channel).Generate(pb.GenerateRequest(prompt="hi"))
+        await call.read()
+        await asyncio.sleep(0.3)  # the server's writes stall: the client is not reading
+        server.stop_now("the workers went down")
+        rest = await asyncio.wait_for(read_rest(call), 5)
+        finals = [r for r in rest if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+        assert len(finals) == 1 and rest[-1] is finals[0], [r.finish_reason for r in rest]
+        assert finals[0].finish_reason == pb.FINISH_REASON_ABORT
+        assert "went down" in finals[0].error
+        assert await call.code() == grpc.StatusCode.OK
+
+    run_with_server(Flood(), body)

@@ -41,6 +41,10 @@ _Status = tuple[grpc.StatusCode, str]
 # that every aborted call has its final message out before its connection goes, even
 # when the core is stuck on its way out (a call to a worker that went down with it).
 CORE_FINAL_WAIT_S = 0.5
+# A chunk's write that a server abort cut off may still be in gRPC's core, which takes
+# one write a call at a time: the final message is tried again until it has gone.
+FINAL_RETRY_S = 0.5
+FINAL_RETRY_EVERY_S = 0.005
 
 
 class _OpenCall:
@@ -52,6 +56,12 @@ class _OpenCall:
         self.call = call
         self.num_sent = [0]  # completion tokens the client already has, for an ABORT's usage
         self.final_sent = False
+        self.writing = False  # a chunk's write was started and has not returned
+
+    async def write_chunk(self, message: pb.GenerateResponse) -> None:
+        self.writing = True
+        await self.context.write(message)
+        self.writing = False
 
     async def write_final(self, final: FinalResult) -> bool:
         """Send the call's final message unless one went already; True if this one did."""
@@ -59,8 +69,20 @@ class _OpenCall:
             return False
         self.final_sent = True
         call = self.call
-        await self.context.write(final_response(call.request_id, final, call.include_trace_id))
-        return True
+        message = final_response(call.request_id, final, call.include_trace_id)
+        if not self.writing:
+            await self.context.write(message)
+            return True
+        # A cancel cut a chunk's write off: its operation may still be in gRPC's core.
+        deadline = asyncio.get_running_loop().time() + FINAL_RETRY_S
+        while True:
+            try:
+                await self.context.write(message)
+                return True
+            except Exception:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+            await asyncio.sleep(FINAL_RETRY_EVERY_S)
 
 
 def _failure_status(exc: Exception, what: str) -> _Status:
@@ -249,13 +271,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def _forward(
         self, stream: AsyncIterator[TextChunk | FinalResult], open_call: _OpenCall
     ) -> _Status | None:
-        request_id, context = open_call.call.request_id, open_call.context
+        request_id = open_call.call.request_id
         async for out in stream:
             if open_call.final_sent:
                 return None  # the edge ended the call after an abort the core was slow to take
             if isinstance(out, TextChunk):
                 if out.text or out.token_ids:
-                    await context.write(
+                    await open_call.write_chunk(
                         pb.GenerateResponse(
                             request_id=request_id, text=out.text, token_ids=out.token_ids
                         )
