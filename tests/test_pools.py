@@ -11,6 +11,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import pytest
 from ray.exceptions import RayActorError
@@ -18,7 +19,7 @@ from ray.exceptions import RayActorError
 from bench.harness import wait_until_async
 from engine.wire import KVLayout, WorkerInfo, epoch_hex
 from router.edge.admin import describe
-from router.fleet.cluster import ClusterConfig, SpawnedWorker
+from router.fleet.cluster import Cluster, ClusterConfig, SpawnedWorker
 from router.fleet.pools import Pools
 from router.fleet.worker_ref import WorkerRef
 
@@ -227,3 +228,16 @@ def test_an_epoch_is_sixteen_hex_digits_with_its_leading_zeros() -> None:
     assert epoch_hex(0x6CA6) == "0000000000006ca6"
     assert epoch_hex(0x06CA_0000_0000_0001) == "06ca000000000001"
     assert epoch_hex((1 << 62) - 1) == "3fffffffffffffff"
+
+
+def test_an_abandoned_cluster_makes_no_ray_call_to_remove_a_worker() -> None:
+    """Removing a dead worker once Ray goes down with the service: no `ray.kill` nor
+    placement group removal, each of which would block for Ray's GCS timeout."""
+    cluster = Cluster(ClusterConfig())
+    cluster.abandon_ray()
+    with (
+        mock.patch("router.fleet.cluster.ray.kill") as kill,
+        mock.patch("router.fleet.cluster.remove_placement_group") as remove_pg,
+    ):
+        cluster.remove(object(), mock.Mock())
+    assert not kill.called and not remove_pg.called

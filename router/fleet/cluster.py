@@ -241,7 +241,10 @@ class Cluster:
         return SpawnedWorker(handle, info, pg, client, tuple(followers))
 
     def remove(self, handle: Any, pg: PlacementGroup | None) -> None:
-        """Kill a worker's actor and give back its placement group (idempotent)."""
+        """Kill a worker's actor and give back its placement group (idempotent); nothing
+        once Ray is abandoned (it goes down with the service, and both are Ray calls)."""
+        if self.abandoned:
+            return
         try:
             ray.kill(handle, no_restart=True)
         except Exception as exc:  # noqa: BLE001 - already gone
