@@ -164,6 +164,8 @@ class Cluster:
         """Create one worker in its own placement group and start it: one actor, or for a
         tensor-parallel worker one actor per GPU (rank 0 the worker, the others
         engine.parallel.tp_follower), every bundle packed on one node."""
+        if self.abandoned:  # a scale-up racing the service's going down with Ray
+            raise StartupError(f"{pool}-{index} not started: Ray is going down")
         cfg = self.config
         args = cfg.args_for(pool)
         tp_size = args.tensor_parallel_size
