@@ -18,11 +18,10 @@ streams more tokens a second and new calls wait far less to be accepted. Under t
 streams, `--stream-interval auto` already trades per-token messages for the loop's
 capacity; below it nothing changes.
 
-It also long-polls each prefill worker for its prefix-cache changes (`next_kv_events`):
-the reply to a prompt carries them too, but only those made before it (a prompt's blocks
-are cached once its hand-off is posted, after the reply) and, in a router tier, only to
-the process that sent the prompt; a session's next turn must still find the prefill
-worker that holds its previous turn.
+In a router tier it also long-polls each prefill worker for its prefix-cache changes
+(`next_kv_events`): the reply to a prompt carries them too, but only to the process that
+sent the prompt, and a session's next turn that lands on another process must still find
+the prefill worker that holds its previous turn.
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ class TokenDelivery:
             self.follow(ref)
 
     def follow(self, ref: WorkerRef) -> None:
-        """Poll this worker's tokens (a prefill worker's cache changes), unless
+        """Poll this worker's tokens (a prefill worker's cache changes, in a tier), unless
         that is done already. The pools call it as a worker goes live (`Pools.on_live`):
         a request that waited for a replacement is submitted to it at once, and its tokens
         must not wait for other traffic to start the poll."""
@@ -82,10 +81,10 @@ class TokenDelivery:
         if ref.pool in TOKEN_POOLS:
             self._pollers[ref] = asyncio.ensure_future(self._poll(ref))
             return
-        # A prompt's reply carries the changes made before it, but its blocks are cached
-        # once its hand-off is posted, after the reply: without the poll a session's
-        # next turn could miss the worker that holds its previous one.
-        if ref.pool is PoolName.PREFILL:
+        # Only a tier's clients name a consumer: alone, the router sends every prompt
+        # itself and the replies carry every change.
+        consumer: str = getattr(ref.client, "consumer", "")
+        if ref.pool is PoolName.PREFILL and consumer:
             self._pollers[ref] = asyncio.ensure_future(self._poll_kv_events(ref))
 
     async def stop(self) -> None:
