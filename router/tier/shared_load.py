@@ -52,8 +52,9 @@ class LoadTable:
 
     def clear(self, row: int) -> None:
         """A process (re)starting, or gone: it holds nothing."""
-        size = self._row_cells * _DOUBLE
-        self._map[row * size : (row + 1) * size] = bytes(size)
+        start = row * self._row_cells
+        for cell in range(start, start + self._row_cells):
+            self._cells[cell] = 0.0
 
     def share(self, row: int, pool: str, index: int, epoch: int) -> WorkerShare | None:
         """Process `row`'s cells for one worker incarnation; None past the slots."""
@@ -61,23 +62,6 @@ class LoadTable:
             return None
         slot = (POOLS.index(pool) * SLOTS_PER_POOL + index) * _COLUMNS
         return WorkerShare(self, row, slot, float(epoch & _EPOCH_BITS))
-
-    def write(self, row: int, slot: int, epoch: float, assigned: int, queued: int) -> None:
-        base = row * self._row_cells + slot
-        self._cells[base + _EPOCH] = epoch
-        self._cells[base + _ASSIGNED] = assigned
-        self._cells[base + _QUEUED] = queued
-
-    def others(self, row: int, slot: int, epoch: float) -> tuple[int, int]:
-        """The other rows' requests and queued tokens in `slot`, of that epoch."""
-        cells = self._cells
-        assigned = queued = 0.0
-        for other in range(self.num_processes):
-            base = other * self._row_cells + slot
-            if other != row and cells[base + _EPOCH] == epoch:
-                assigned += cells[base + _ASSIGNED]
-                queued += cells[base + _QUEUED]
-        return max(int(assigned), 0), max(int(queued), 0)
 
     def close(self) -> None:
         self._cells.release()
@@ -95,11 +79,25 @@ class WorkerShare:
         self._epoch = epoch
 
     def publish(self, num_assigned: int, queued_tokens: int) -> None:
-        self._table.write(self._row, self._slot, self._epoch, num_assigned, queued_tokens)
+        cells = self._table._cells
+        base = self._row * self._table._row_cells + self._slot
+        cells[base + _EPOCH] = self._epoch
+        cells[base + _ASSIGNED] = num_assigned
+        cells[base + _QUEUED] = queued_tokens
 
     def others(self) -> tuple[int, int]:
         """The other processes' requests and queued tokens on this incarnation."""
-        return self._table.others(self._row, self._slot, self._epoch)
+        table = self._table
+        cells = table._cells
+        assigned = queued = 0.0
+        for row in range(table.num_processes):
+            if row == self._row:
+                continue
+            base = row * table._row_cells + self._slot
+            if cells[base + _EPOCH] == self._epoch:
+                assigned += cells[base + _ASSIGNED]
+                queued += cells[base + _QUEUED]
+        return max(int(assigned), 0), max(int(queued), 0)
 
 
 class _Refs(Protocol):
