@@ -78,18 +78,18 @@ class TierRebalancer:
 
     async def rebalance(self, source: WorkerRef, max_requests: int | None) -> MoveResult:
         others = self.tier.connected()
+        budgets: dict[int, list[int]] = {0: self.local.budgets(source)}
         if max_requests is None:
-            counts: dict[int, int | None] = dict.fromkeys((0, *others))
+            counts: dict[int, int | None] = {index: None for index in (0, *others)}
         else:
-            asked = dict.fromkeys(others)
-            answers = await self._ask(asked, source, True, self.budgets_wait_s)
-            budgets = {i: list(a.budgets) for i, a in answers.items()}
-            budgets[0] = self.local.budgets(source)
+            answers = await self._ask(others, source, None, True, self.budgets_wait_s)
+            budgets.update({i: list(a.budgets) for i, a in answers.items()})
             counts = {i: n for i, n in shares(budgets, max_requests).items() if n}
-        mine = counts.pop(0, 0)
+        remote = {i: n for i, n in counts.items() if i != 0}
+        mine = counts.get(0, 0)
         local_move = self.local.rebalance(source, mine) if mine != 0 else _nothing_moved()
         moved_here, answers = await asyncio.gather(
-            local_move, self._ask(counts, source, False, self.move_wait_s)
+            local_move, self._ask_counts(remote, source, self.move_wait_s)
         )
         results = [moved_here, *(_as_result(a) for a in answers.values())]
         return MoveResult(
@@ -98,29 +98,35 @@ class TierRebalancer:
             sum(r.by_recompute for r in results),
         )
 
+    async def _ask_counts(
+        self, counts: Mapping[int, int | None], source: WorkerRef, timeout_s: float
+    ) -> dict[int, Rebalanced]:
+        asked = await asyncio.gather(
+            *(self._ask([i], source, n, False, timeout_s) for i, n in counts.items())
+        )
+        return {i: a for answer in asked for i, a in answer.items()}
+
     async def _ask(
         self,
-        counts: Mapping[int, int | None],
+        indexes: list[int],
         source: WorkerRef,
+        count: int | None,
         budgets_only: bool,
         timeout_s: float,
     ) -> dict[int, Rebalanced]:
-        """Each process's (by index) answer to its `Rebalance` with its count; those that
-        did not answer in time left out."""
+        """Each process's answer to one `Rebalance`; those that did not answer left out."""
         loop = asyncio.get_running_loop()
         futures: dict[int, asyncio.Future[Rebalanced]] = {}
-        seqs: list[int] = []
-        for index, count in counts.items():
+        for index in indexes:
             seq = next(self._seq)
             message = Rebalance(seq, source.worker_id, source.info.epoch, count, budgets_only)
             if self.tier.tell_one(message, index):
                 futures[index] = self._waiting[seq] = loop.create_future()
-                seqs.append(seq)
         try:
             if futures:
                 await asyncio.wait(futures.values(), timeout=timeout_s)
         finally:
-            for seq in seqs:
+            for seq in [s for s, f in self._waiting.items() if f in futures.values()]:
                 del self._waiting[seq]
         late = sorted(i for i, f in futures.items() if not f.done())
         if late:
