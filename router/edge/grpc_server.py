@@ -81,7 +81,8 @@ class GrpcServer:
         self._stop_now = asyncio.Event()
         self._serving = False
         self._stop_now_reason: str | None = None
-        self._signalled = asyncio.Event()  # a SIGTERM or SIGINT came
+        self._signalled = False
+        self._signal_seen = asyncio.Event()
 
     @property
     def port(self) -> int:
@@ -239,23 +240,25 @@ class GrpcServer:
     @property
     def stopped_by_signal(self) -> bool:
         """A SIGTERM or SIGINT asked this server to stop."""
-        return self._signalled.is_set()
+        return self._signalled
 
     def on_late_signal(self, sig: signal.Signals) -> None:
         """A stop signal once the server has stopped: noted (the stop was asked for), so
         a service whose Ray went down first under the same signal still exits 0."""
-        self._signalled.set()
+        self._signalled = True
+        self._signal_seen.set()
         logger.info("%s: already stopping", sig.name)
 
     async def wait_for_signal(self, timeout_s: float) -> bool:
         """Whether a stop signal came, waiting up to `timeout_s` for one."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._signalled.wait(), timeout_s)
-        return self._signalled.is_set()
+            await asyncio.wait_for(self._signal_seen.wait(), timeout_s)
+        return self._signalled
 
     def _on_signal(self) -> None:
         # The first SIGTERM/SIGINT drains; another one means "stop now", as users expect.
-        self._signalled.set()
+        self._signalled = True
+        self._signal_seen.set()
         if self._stop_task is None:
             self.request_stop()
         else:
