@@ -64,20 +64,66 @@ def tier(start_service: StartService, ray_session: str) -> ServiceProcess:
     )
 
 
-def channels(address: str, n: int) -> list[grpc.aio.Channel]:
-    """`n` channels with a TCP connection each (channels to one target share one unless
-    told not to): the kernel hands each connection to one of the tier's processes."""
+def channel(address: str) -> grpc.aio.Channel:
+    """A channel with a TCP connection of its own (channels to one target share one
+    unless told not to): the kernel hands each connection to one of the tier's processes."""
+    return grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def _finished_per_process(tier: ServiceProcess) -> list[float]:
+    """Each router process's count of calls that ended at their token budget."""
     return [
-        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-        for _ in range(n)
+        metric_value(
+            scrape(tier.metrics_port + i)[1], "pdserve_requests_total", finish_reason="length"
+        )
+        for i in range(2)
     ]
 
 
+async def _process_of(tier: ServiceProcess, chan: grpc.aio.Channel) -> int:
+    """Which router process `chan`'s connection reached: the one that counts a call on it."""
+    before = _finished_per_process(tier)
+    request = build_request(prompt="Which process?", max_tokens=1, ignore_eos=True)
+    async for _ in pb_grpc.GenerationServiceStub(chan).Generate(request):
+        pass
+
+    def counted_by() -> list[int]:
+        after = _finished_per_process(tier)
+        return [i for i in range(2) if after[i] > before[i]]
+
+    (process,) = await wait_until_async(counted_by, timeout=10, interval=0.05)
+    return process
+
+
+async def channels_on_each_process(
+    tier: ServiceProcess, per_process: int = NUM_CONNECTIONS // 2
+) -> list[grpc.aio.Channel]:
+    """`per_process` connections to each router process, alternating. The kernel deals
+    each new connection to one process or the other, at random: each is asked which
+    until both have enough, so a test of both processes never finds all its streams on
+    one."""
+    on: list[list[grpc.aio.Channel]] = [[], []]
+    for _ in range(per_process * 10):
+        if min(len(chans) for chans in on) >= per_process:
+            break
+        chan = channel(tier.address)
+        process = await _process_of(tier, chan)
+        if len(on[process]) < per_process:
+            on[process].append(chan)
+        else:
+            await chan.close()
+    assert min(len(chans) for chans in on) >= per_process, "the kernel dealt to one process"
+    return [chan for pair in zip(*on, strict=True) for chan in pair]
+
+
 async def _streams_disturbed(
-    address: str, prompts: list[str], max_tokens: int, disturb: Callable[[], Awaitable[None]]
+    tier: ServiceProcess,
+    prompts: list[str],
+    max_tokens: int,
+    disturb: Callable[[], Awaitable[None]],
 ) -> list[list[int]]:
-    """Greedy streams of `prompts` over several connections (so that both processes
-    carry some); once each has 3 tokens, `disturb()`; then each stream's tokens."""
+    """Greedy streams of `prompts` over connections to both processes; once each has 3
+    tokens, `disturb()`; then each stream's tokens."""
     progress = [0] * len(prompts)
 
     async def one(stub: pb_grpc.GenerationServiceStub, i: int) -> list[int]:
@@ -90,7 +136,7 @@ async def _streams_disturbed(
             progress[i] = len(tokens)
         return tokens
 
-    chans = channels(address, NUM_CONNECTIONS)
+    chans = await channels_on_each_process(tier)
     try:
         stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
         streams = [
@@ -122,33 +168,30 @@ def test_both_router_processes_serve_streams_with_the_colocated_engines_tokens(
 ) -> None:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
 
-    async def run() -> list[list[int]]:
-        chans = channels(tier.address, NUM_CONNECTIONS)
+    async def run() -> tuple[list[list[int]], list[float]]:
+        chans = await channels_on_each_process(tier)
+        before = _finished_per_process(tier)
         try:
             stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
-            return await asyncio.gather(
+            served = await asyncio.gather(
                 *(
                     _stream(stubs[i % NUM_CONNECTIONS], PROMPTS[i], MAX_TOKENS[i])
                     for i in range(NUM_STREAMS)
                 )
             )
+            return served, before
         finally:
             for c in chans:
                 await c.close()
 
-    served = asyncio.run(run())
+    served, before = asyncio.run(run())
     reference = reference_llm.generate(PROMPTS, params)
     for i, tokens in enumerate(served):
         assert tokens == list(reference[i].token_ids), f"stream {i} differs from colocated"
-    # Each process counted its own calls on its own /metrics; together, every one.
-    per_process = [
-        metric_value(
-            scrape(tier.metrics_port + i)[1], "pdserve_requests_total", finish_reason="length"
-        )
-        for i in range(2)
-    ]
-    assert all(n > 0 for n in per_process), per_process
-    assert sum(per_process) == NUM_STREAMS
+    # Each process counted its own calls (half of them: the connections alternate) on
+    # its own /metrics.
+    per_process = _since(before, _finished_per_process(tier))
+    assert per_process == [NUM_STREAMS // 2] * 2, per_process
     # Nothing held on either worker, and the tier's shared admission is back to zero.
     asyncio.run(assert_pools_empty(tier.address, pools={pb.POOL_PREFILL, pb.POOL_DECODE}))
 
@@ -354,7 +397,7 @@ def test_streams_on_both_processes_move_on_when_their_decode_worker_dies(
         (decode,) = [w for w in workers.workers if w.pool == "decode"]
         os.kill(decode.pid, signal.SIGKILL)
 
-    served = asyncio.run(_streams_disturbed(tier.address, prompts, max_tokens, kill_decode))
+    served = asyncio.run(_streams_disturbed(tier, prompts, max_tokens, kill_decode))
     for i, tokens in enumerate(served):
         assert tokens == list(reference[i].token_ids), f"stream {i} differs after migrating"
     # Both processes had streams to move.
@@ -371,12 +414,13 @@ async def _live_decode(address: str) -> list[admin_pb.WorkerDescription]:
 
 
 async def _streams_moved(
-    address: str, prompts: list[str], move: Callable[[str], Awaitable[None]]
+    tier: ServiceProcess, prompts: list[str], move: Callable[[str], Awaitable[None]]
 ) -> list[list[int]]:
-    """Long greedy streams over several connections (so that both processes carry some),
-    all on the one decode worker there is; once each has 3 tokens a second decode worker
+    """Long greedy streams over connections to both processes, all on the one decode
+    worker there is; once each has 3 tokens a second decode worker
     starts, then `move(the first one's id)`; once each stream has 8 tokens more, the
     calls end (the client cancels): each stream's tokens so far."""
+    address = tier.address
     await scale_pool(address, "decode", 1)
     (first,) = await _live_decode(address)
     served: list[list[int]] = [[] for _ in prompts]
@@ -391,7 +435,7 @@ async def _streams_moved(
     def each_has(counts: list[int]) -> bool:
         return all(len(tokens) >= n for tokens, n in zip(served, counts, strict=True))
 
-    chans = channels(address, NUM_CONNECTIONS)
+    chans = await channels_on_each_process(tier)
     stubs = [pb_grpc.GenerationServiceStub(c) for c in chans]
     streams = [asyncio.ensure_future(one(stubs[i % len(stubs)], i)) for i in range(len(prompts))]
     try:
@@ -422,6 +466,10 @@ def _assert_greedy_prefixes(
         assert tokens == list(reference[i].token_ids[: len(tokens)]), f"stream {i} differs"
 
 
+def _since(before: list[float], after: list[float]) -> list[float]:
+    return [a - b for a, b in zip(after, before, strict=True)]
+
+
 def _migrations(tier: ServiceProcess, reason: str) -> list[float]:
     """Each router process's count of requests moved off decode workers for `reason`."""
     return [
@@ -449,13 +497,12 @@ def test_a_drained_decode_worker_moves_every_processs_requests_with_their_kv(
         await drain_worker(tier.address, worker_id)
 
     kv_before, recomputed_before = _migrations(tier, "drained_kv"), _migrations(tier, "drained")
-    served = asyncio.run(_streams_moved(tier.address, prompts, drain))
+    served = asyncio.run(_streams_moved(tier, prompts, drain))
     _assert_greedy_prefixes(reference_llm, prompts, served)
-    kv_after, recomputed_after = _migrations(tier, "drained_kv"), _migrations(tier, "drained")
-    for process in range(2):
-        assert kv_after[process] > kv_before[process], f"process {process} moved nothing"
-    assert sum(kv_after) - sum(kv_before) == len(prompts)
-    assert recomputed_after == recomputed_before
+    # Half the streams on each process (the connections alternate), each moved by it.
+    with_kv = _since(kv_before, _migrations(tier, "drained_kv"))
+    recomputed = _since(recomputed_before, _migrations(tier, "drained"))
+    assert (with_kv, recomputed) == ([len(prompts) // 2] * 2, [0, 0]), (with_kv, recomputed)
     asyncio.run(
         assert_pools_empty(tier.address, timeout=30, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
     )
@@ -476,15 +523,13 @@ def test_migrate_requests_moves_every_processs_requests_off_the_worker(
         replies.append(await migrate_requests(tier.address, worker_id))
 
     before = _migrations(tier, "rebalanced_kv")
-    served = asyncio.run(_streams_moved(tier.address, prompts, migrate))
+    served = asyncio.run(_streams_moved(tier, prompts, migrate))
     _assert_greedy_prefixes(reference_llm, prompts, served)
     (reply,) = replies
     assert reply.num_candidates == len(prompts) and reply.moved_by_recompute == 0, reply
     assert reply.moved_with_kv == len(prompts), reply
-    after = _migrations(tier, "rebalanced_kv")
-    assert sum(after) - sum(before) == len(prompts)
-    for process in range(2):
-        assert after[process] > before[process], f"process {process} moved nothing"
+    moved = _since(before, _migrations(tier, "rebalanced_kv"))
+    assert moved == [len(prompts) // 2] * 2, moved  # each process moved its own
     asyncio.run(
         assert_pools_empty(tier.address, timeout=30, pools={pb.POOL_PREFILL, pb.POOL_DECODE})
     )
