@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.device import free
+from bench.harness.tp_ranks import end_rank
 from bench.report import REPO, device_out, int_list, percentile, provenance, text_table
 from bench.suite_common import model_path
 from engine.core.batch import Batch, ScheduledSeq
@@ -172,15 +173,8 @@ def rank_main(rank: int, job: RankJob) -> None:
     else:
         torch.set_num_threads(1)  # the ranks share the host's cores
     tp = join_tp_group(job.rendezvous, rank, job.tp, device)
-    try:
-        _measure(rank, job, tp, device, copy_bytes_per_s)
-        # Every rank done before any tears the group down: gloo aborts a process whose
-        # peer destroys the group while it still has a collective in flight.
-        if dist.is_initialized():
-            dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    _measure(rank, job, tp, device, copy_bytes_per_s)
+    end_rank()
 
 
 def _measure(

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from bench.harness.tp_ranks import end_rank
 from engine.core.batch import Batch, ScheduledSeq
 from engine.model.model_loader import LoadFormat
 from engine.model.model_runner import ModelRunner
@@ -72,9 +73,7 @@ def _rank_main(
     logits, tokens = _generate(path, tp, load_format, device)
     if rank == 0:
         torch.save({"logits": logits.cpu(), "tokens": tokens}, out)
-    if tp.size > 1:  # a group left to the interpreter's exit may abort the process
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_rank()
 
 
 def _run_group(

@@ -6,7 +6,8 @@
 * `polling`: deadline-bounded waits (`wait_until`, `wait_until_async`);
 * `streams`: one Generate call read to its end (`generate` → `StreamResult`);
 * `pools`: `live_workers`, `wait_pool_sizes`;
-* `metrics`: the Prometheus endpoint (`scrape`, `value`).
+* `metrics`: the Prometheus endpoint (`scrape`, `value`);
+* `tp_ranks`: `end_rank`, the end of a tensor-parallel rank spawned by a benchmark or test.
 
 Nothing here imports from `tests/`; tests import from here (and tests/services.py adds
 what only tests use).
