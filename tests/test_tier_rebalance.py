@@ -1,9 +1,11 @@
-"""MigrateRequests across a router tier: the owner sums every process's moves, and a
-limit picks the service's largest budgets, wherever their streams are."""
+"""MigrateRequests and drains across a router tier: the owner sums every process's
+moves, a limit picks the service's largest budgets, wherever their streams are, and a
+drain waits for every process that can still answer."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,9 +52,11 @@ def _ref() -> WorkerRef:
 class _Mover:
     """A process's live migration: its requests' budgets on the worker, moved on ask."""
 
-    def __init__(self, budgets: list[int]) -> None:
+    def __init__(self, budgets: list[int], move_s: float = 0.0) -> None:
         self._budgets = budgets
+        self.move_s = move_s  # how long a drain's moves take
         self.asked: list[int | None] = []
+        self.drained = 0
 
     def budgets(self, source: WorkerRef) -> list[int]:
         return list(self._budgets)
@@ -61,6 +65,12 @@ class _Mover:
         self.asked.append(max_requests)
         n = len(self._budgets[:max_requests])
         return MoveResult(n, n, 0)
+
+    async def drain(self, source: WorkerRef) -> MoveResult:
+        await asyncio.sleep(self.move_s)
+        self.drained += 1
+        n = len(self._budgets)
+        return MoveResult(n, n - 1, 1)  # one request not running: by recompute
 
 
 class _Tier:
@@ -71,9 +81,13 @@ class _Tier:
         self.movers = movers
         self.on_rebalanced: Callable[[int, Rebalanced], None] | None = None
         self.told: list[tuple[int, Rebalance]] = []
+        self.running = {index: 1000 + index for index in (*movers, 3)}  # index → pid
 
     def connected(self) -> list[int]:
         return [*self.movers, 3]
+
+    def pids(self) -> dict[int, int]:
+        return dict(self.running)
 
     def tell_one(self, message: Any, index: int) -> bool:
         assert isinstance(message, Rebalance)
@@ -110,3 +124,24 @@ def test_no_limit_moves_every_processs_requests_and_a_silent_process_counts_noth
     assert local.asked == [None]
     assert tier.movers[1].asked == [None] and tier.movers[2].asked == [None]
     assert {index for index, _ in tier.told} == {1, 2, 3}
+
+
+def test_a_drain_returns_once_every_process_has_moved_its_requests_off() -> None:
+    """The owner keeps a draining worker (and its channels) until each process answers
+    that its moves are over; a process that exits meanwhile is not waited for."""
+    slow = _Mover([10, 20, 30], move_s=0.3)
+    tier = _Tier({1: slow, 2: _Mover([5, 6])})
+    rebalancer = TierRebalancer(_Mover([]), tier, move_wait_s=30)
+
+    async def drain() -> tuple[MoveResult, float]:
+        started = time.monotonic()
+        # Process 3 never answers: it exits while the others move theirs.
+        asyncio.get_running_loop().call_later(0.1, tier.running.pop, 3)
+        result = await rebalancer.drain_others(_ref())
+        return result, time.monotonic() - started
+
+    result, took = asyncio.run(drain())
+    assert result == MoveResult(5, 3, 2)
+    assert slow.drained == 1 and tier.movers[2].drained == 1
+    assert all(m.drain and m.count is None for _, m in tier.told)
+    assert 0.3 <= took < 5.0, took  # after the slowest answer; not the 30 s wait

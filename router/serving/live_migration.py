@@ -108,16 +108,19 @@ class LiveMigrator:
         # Attempts (by id) a move has picked: a drain and a rebalance of one worker at
         # once must not both take a request.
         self._moving: set[int] = set()
-        pools.drain_hooks.append(self.drain)
+        pools.drain_hooks.append(self._on_drain)
         self.links = PeerLinks(pools, spawn, eager=config.decode_peer_channels == "eager")
 
-    async def drain(self, source: WorkerRef) -> None:
-        """Move every request running on `source` to the other decode workers."""
-        if source.pool is not PoolName.DECODE:
-            return
+    async def _on_drain(self, source: WorkerRef) -> None:
+        await self.drain(source)
+
+    async def drain(self, source: WorkerRef) -> MoveResult:
+        """Move every request on `source` to the other decode workers; once it returns,
+        none of them needs `source` or its channels any more."""
         on_it = [a for a in list(self.attempts.values()) if a.decode_ref is source]
-        if on_it:
-            await self.move_off(source, on_it, "drained")
+        if source.pool is not PoolName.DECODE or not on_it:
+            return MoveResult(len(on_it), 0, 0)
+        return await self.move_off(source, on_it, "drained")
 
     async def rebalance(self, source: WorkerRef, max_requests: int | None) -> MoveResult:
         """Move up to `max_requests` (None: all) of the requests decoding on `source`,

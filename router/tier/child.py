@@ -39,7 +39,6 @@ from router.tier.messages import (
     Hello,
     LinkPeers,
     Listening,
-    MoveOff,
     PeersLinked,
     Rebalance,
 )
@@ -224,17 +223,9 @@ async def _serving_core(
     )
     core.start()
 
-    def on_move_off(m: MoveOff) -> None:
-        # The owner drains a decode worker: this process's requests on it move with
-        # their KV, as the owner's own do.
-        ref = view.incarnation(m.worker_id, m.epoch)
-        if ref is not None and core.live_migration is not None:
-            core.calls.spawn(core.live_migration.drain(ref))
-
-    news.handlers[MoveOff] = on_move_off
-
     def on_rebalance(m: Rebalance) -> None:
-        # MigrateRequests across the tier: this process's requests on the worker.
+        # MigrateRequests or a drain across the tier: this process's requests on the
+        # worker move with their KV, as the owner's own do.
         core.calls.spawn(answer_rebalance(m, view.incarnation, core.live_migration, tell_owner))
 
     news.handlers[Rebalance] = on_rebalance

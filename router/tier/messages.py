@@ -58,15 +58,6 @@ class SignalsReport:
 
 
 @dataclass(frozen=True)
-class MoveOff:
-    """A decode worker drains: move this process's requests on it to its peers, with
-    their KV (router/serving/live_migration.py), as the owner does its own."""
-
-    worker_id: str
-    epoch: int
-
-
-@dataclass(frozen=True)
 class LinkPeers:
     """Make the KV channel sender → receiver between two decode workers, each named by
     (worker id, epoch): the owner makes every channel, once per pair of incarnations."""
@@ -88,13 +79,16 @@ class PeersLinked:
 class Rebalance:
     """MigrateRequests off a decode worker, across the tier: with `budgets_only`, answer
     the token budgets of this process's requests on it (largest first); otherwise move
-    the `count` largest of them (None: all) to its peers with their KV."""
+    the `count` largest of them (None: all) to its peers with their KV. With `drain`, the
+    worker drains: every one of them leaves it (by recompute where its KV cannot move),
+    and the answer says the moves are over, so the worker and its channels may go."""
 
     seq: int
     worker_id: str
     epoch: int
     count: int | None
     budgets_only: bool = False
+    drain: bool = False
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from engine.wire import PoolName
 from router.fleet.clients import WorkerDied
 from router.tier.admin_proxy import serve_owner_admin
 from router.tier.membership import PUBLISH_EVERY_S, membership_of
-from router.tier.messages import LinkPeers, MoveOff, PeersLinked
+from router.tier.messages import LinkPeers, PeersLinked
 from router.tier.owner import TierOwner, consumer_name
 from router.tier.rebalance import TierRebalancer
 from router.tier.shared_admission import SharedAdmission
@@ -70,6 +70,9 @@ class OwnerSide:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._admin_server: grpc.aio.Server | None = None
         self.signals: TierSignals | None = None
+        self._rebalancer: TierRebalancer | None = None
+        # The other processes' moves off each draining worker (by id(ref)), under way.
+        self._others_moving: dict[int, asyncio.Future[Any]] = {}
 
     def _name_client(self, ref: WorkerRef) -> None:
         client: Any = ref.client
@@ -91,7 +94,8 @@ class OwnerSide:
             self._link_for(core, index, asked)
         )
         if core.live_migration is not None:
-            admin.rebalancer = TierRebalancer(core.live_migration, self.tier)
+            self._rebalancer = TierRebalancer(core.live_migration, self.tier)
+            admin.rebalancer = self._rebalancer
         self._admin_server = await serve_owner_admin(admin, self.tier.admin_address)
         self.tier.publish(membership_of(self.pools, core.prefill_policy))
         self._publisher = asyncio.ensure_future(self._publish(core))
@@ -108,8 +112,12 @@ class OwnerSide:
         task.add_done_callback(self._tasks.discard)
 
     async def _others_move_theirs(self, ref: WorkerRef) -> None:
-        if ref.pool is PoolName.DECODE:
-            self.tier.tell(MoveOff(ref.worker_id, ref.info.epoch))
+        """Start the other processes' moves; `_wait_for_other_processes` awaits them."""
+        if ref.pool is PoolName.DECODE and self._rebalancer is not None:
+            moving = asyncio.ensure_future(self._rebalancer.drain_others(ref))
+            self._others_moving[id(ref)] = moving
+            # Gone once over, whether or not the wait below ran (a hook between failed).
+            moving.add_done_callback(lambda _: self._others_moving.pop(id(ref), None))
 
     async def _link_for(self, core: Any, index: int, asked: LinkPeers) -> None:
         """Make the channel another process needs to move its requests (once per pair
@@ -130,8 +138,14 @@ class OwnerSide:
 
     async def _wait_for_other_processes(self, ref: WorkerRef) -> None:
         """A draining worker leaves once the other processes' requests on it are gone:
-        moved with their KV (`MoveOff`), or finished there where they could not move
-        (the owner's own are counted by `Pools.drain`)."""
+        each process has answered that its moves are over (a detached request is off the
+        worker's queues before its KV is sent, over a channel the worker's leaving would
+        close), and what could not move has finished there (the owner's own are counted
+        by `Pools.drain`)."""
+        moving = self._others_moving.pop(id(ref), None)
+        if moving is not None:
+            with contextlib.suppress(Exception):
+                await moving
         loop = asyncio.get_running_loop()
         deadline = loop.time() + DRAIN_WAIT_S
         while ref.state == "draining" and loop.time() < deadline:

@@ -1,11 +1,15 @@
-"""MigrateRequests across a router tier: every process's requests on the worker move.
+"""MigrateRequests and drains across a router tier: every process's requests on the
+worker move.
 
 Each router process carries its own requests, so only it can move them (it holds their
 streams). The owner answers MigrateRequests wherever the call landed (admin_proxy.py):
 with a limit it first asks every process for the token budgets of its requests on the
 worker, picks the service's largest (`shares`), then has each process move its share
 with their KV, as it moves its own (router/serving/live_migration.py), and sums what
-they report. A process that does not answer in time counts as having moved nothing.
+they report. A drain has every process move all of its requests off the worker, and the
+owner keeps the worker and its channels until each has answered: a process's requests
+leave the worker's queues at their detach, before their KV is sent. A process that does
+not answer in time, or exits, counts as having moved nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ log = logging.getLogger(__name__)
 
 BUDGETS_WAIT_S = 5.0  # an answer from memory: seconds mean the process is stuck
 MOVE_WAIT_S = 120.0  # as long as a move of its requests may take
+ALIVE_CHECK_S = 0.5  # how often a wait for answers looks for processes that exited
 
 
 def shares(budgets: Mapping[int, list[int]], max_requests: int | None) -> dict[int, int]:
@@ -47,6 +52,7 @@ class Mover(Protocol):
 
     def budgets(self, source: WorkerRef) -> list[int]: ...
     async def rebalance(self, source: WorkerRef, max_requests: int | None) -> MoveResult: ...
+    async def drain(self, source: WorkerRef) -> MoveResult: ...
 
 
 class TierLine(Protocol):
@@ -55,6 +61,7 @@ class TierLine(Protocol):
     on_rebalanced: Callable[[int, Rebalanced], None] | None
 
     def connected(self) -> list[int]: ...
+    def pids(self) -> dict[int, int]: ...
     def tell_one(self, message: Any, index: int) -> bool: ...
 
 
@@ -98,6 +105,19 @@ class TierRebalancer:
             sum(r.by_recompute for r in results),
         )
 
+    async def drain_others(self, source: WorkerRef) -> MoveResult:
+        """Every other process moves all its requests off the draining `source`; returns
+        once each has answered (or exited, or the wait is over): what they moved."""
+        answers = await self._ask(
+            self.tier.connected(), source, None, False, self.move_wait_s, drain=True
+        )
+        results = [_as_result(a) for a in answers.values()]
+        return MoveResult(
+            sum(r.num_candidates for r in results),
+            sum(r.with_kv for r in results),
+            sum(r.by_recompute for r in results),
+        )
+
     async def _ask_counts(
         self, counts: Mapping[int, int | None], source: WorkerRef, timeout_s: float
     ) -> dict[int, Rebalanced]:
@@ -113,25 +133,41 @@ class TierRebalancer:
         count: int | None,
         budgets_only: bool,
         timeout_s: float,
+        drain: bool = False,
     ) -> dict[int, Rebalanced]:
-        """Each process's answer to one `Rebalance`; those that did not answer left out."""
+        """Each process's answer to one `Rebalance`; those that did not answer (in time,
+        or before they exited) left out."""
         loop = asyncio.get_running_loop()
         futures: dict[int, asyncio.Future[Rebalanced]] = {}
+        pids = self.tier.pids()
         for index in indexes:
             seq = next(self._seq)
-            message = Rebalance(seq, source.worker_id, source.info.epoch, count, budgets_only)
+            message = Rebalance(
+                seq, source.worker_id, source.info.epoch, count, budgets_only, drain
+            )
             if self.tier.tell_one(message, index):
                 futures[index] = self._waiting[seq] = loop.create_future()
+        deadline = loop.time() + timeout_s
         try:
-            if futures:
-                await asyncio.wait(futures.values(), timeout=timeout_s)
+            while loop.time() < deadline:
+                # A process that exited (or was started again) will not answer.
+                alive = self.tier.pids()
+                pending = [
+                    f
+                    for i, f in futures.items()
+                    if not f.done() and pids.get(i) is not None and alive.get(i) == pids.get(i)
+                ]
+                if not pending:
+                    break
+                wait_s = min(ALIVE_CHECK_S, deadline - loop.time())
+                await asyncio.wait(pending, timeout=wait_s)
         finally:
             for seq in [s for s, f in self._waiting.items() if f in futures.values()]:
                 del self._waiting[seq]
         late = sorted(i for i, f in futures.items() if not f.done())
         if late:
             log.warning(
-                "router processes %s did not answer a move off %s in %.0f s",
+                "router processes %s did not answer a move off %s (exited, or not in %.0f s)",
                 late,
                 source.worker_id,
                 timeout_s,
@@ -166,7 +202,10 @@ async def answer_rebalance(
         send(Rebalanced(asked.seq, budgets=tuple(mover.budgets(source))))
     else:
         try:
-            result = await mover.rebalance(source, asked.count)
+            if asked.drain:
+                result = await mover.drain(source)
+            else:
+                result = await mover.rebalance(source, asked.count)
         except Exception:
             log.exception("moving requests off %s failed", asked.worker_id)
             result = MoveResult(0, 0, 0)
