@@ -160,3 +160,19 @@ def test_prefill_work_counts_cached_tokens_as_free_and_queued_ones_against() -> 
     live = choose_by_work(dead0, [0, 0], idx, hashes, len(p), config)
     assert live is not None and live.index == 1
     assert choose_by_work([FakeWorker(0, alive=False)], [0], idx, hashes, 8, config) is None
+
+
+def test_a_turn_stays_with_its_history_behind_two_short_queued_prompts() -> None:
+    """Sessions in step: worker 0 holds this session's 96-token history and is already
+    running two other sessions' turns (69 uncached tokens each); worker 1 runs one. Two
+    more prompts together cost worker 0 far less than this whole prompt costs worker 1,
+    so the turn stays (a decode worker's per-request weight sent it away)."""
+    idx = index_with({0: prompt(1, 100), 1: prompt(2, 100)})
+    p = prompt(1, 165)
+    hashes = idx.hash_prompt(p)
+    workers = [FakeWorker(0, num_assigned=2), FakeWorker(1, num_assigned=1)]
+    choice = choose_by_work(workers, [138, 69], idx, hashes, len(p), RoutingConfig())
+    assert choice == RouteChoice(0, 96)
+    heavy = RoutingConfig(prefill_request_tokens=128)
+    moved = choose_by_work(workers, [138, 69], idx, hashes, len(p), heavy)
+    assert moved is not None and moved.index == 1

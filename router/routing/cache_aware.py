@@ -3,7 +3,7 @@
 Prefill workers (`choose_by_work`): the one that would finish the prompt soonest,
 counted in tokens: the uncached prompt tokens already queued there (times
 `queue_weight`) plus this prompt's tokens its cache lacks (cached tokens are free), plus
-`load_penalty_tokens` per request in flight there and a small cache-balance term.
+`prefill_request_tokens` per prompt in flight there and a small cache-balance term.
 Queued work, not a hit score with a load cut-off: a worker holding the prompt's prefix
 wins until its queue costs more than the prefix saves, so a system prompt every session
 shares spreads over the pool instead of pinning it to one worker.
@@ -74,6 +74,12 @@ class RoutingConfig:
     # turns, which the queue does not see: in simulated multi-turn sessions the hit rate
     # came closer to an oracle's at 0.5 than at 1.
     queue_weight: float = 0.5
+    # Prefill workers: the fixed cost of one more prompt in flight there, in tokens.
+    # Small: a worker runs the prompts queued there together, in shared steps, and their
+    # tokens are counted already (`queue_weight`); a decode worker's `load_penalty_tokens`
+    # here sent a session's turn away from its history whenever two short prompts were
+    # queued there, to finish later where it went.
+    prefill_request_tokens: float = 16.0
     # Load bound: a worker above max(min_load * ratio, min_load + slack) is skipped.
     overload_ratio: float = 1.5
     overload_slack: int = 4
@@ -89,6 +95,10 @@ class RoutingConfig:
             raise ValueError(f"cache_balance_tokens must be >= 0, got {self.cache_balance_tokens}")
         if self.overload_ratio < 1.0:
             raise ValueError(f"overload_ratio must be >= 1.0, got {self.overload_ratio}")
+        if self.prefill_request_tokens < 0:
+            raise ValueError(
+                f"prefill_request_tokens must be >= 0, got {self.prefill_request_tokens}"
+            )
         if self.queue_weight < 0:
             raise ValueError(f"queue_weight must be >= 0, got {self.queue_weight}")
         if self.overload_slack < 0:
@@ -137,7 +147,7 @@ def choose_by_work(
             config.queue_weight * queued
             + num_prompt_tokens
             - cached
-            + config.load_penalty_tokens * w.num_assigned
+            + config.prefill_request_tokens * w.num_assigned
             + config.cache_balance_tokens * index.num_blocks(w.index) / most_cached
         )
         key = (work, w.num_assigned, index.num_blocks(w.index), *load_order(w))
