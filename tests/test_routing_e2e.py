@@ -44,6 +44,13 @@ def service(start_service: StartService, ray_session: str) -> ServiceProcess:
             "priority",
             "--local-prefill-max-tokens",
             "24",
+            # A TTFT target no burst here reaches: the prefill pool never counts as
+            # saturated, so a prompt runs on the decode worker only for being short (a
+            # first turn run there would leave its history on the decode worker, and its
+            # next turn, with more new tokens than the short-prompt floor, would go to an
+            # idle prefill worker that holds none of it).
+            "--slo-ttft-ms",
+            "60000",
         ],
         name="svc-routing",
     )
