@@ -98,12 +98,7 @@ class TierRebalancer:
         moved_here, answers = await asyncio.gather(
             local_move, self._ask_counts(remote, source, self.move_wait_s)
         )
-        results = [moved_here, *(_as_result(a) for a in answers.values())]
-        return MoveResult(
-            sum(r.num_candidates for r in results),
-            sum(r.with_kv for r in results),
-            sum(r.by_recompute for r in results),
-        )
+        return _summed([moved_here, *(_as_result(a) for a in answers.values())])
 
     async def drain_others(self, source: WorkerRef) -> MoveResult:
         """Every other process moves all its requests off the draining `source`; returns
@@ -111,12 +106,7 @@ class TierRebalancer:
         answers = await self._ask(
             self.tier.connected(), source, None, False, self.move_wait_s, drain=True
         )
-        results = [_as_result(a) for a in answers.values()]
-        return MoveResult(
-            sum(r.num_candidates for r in results),
-            sum(r.with_kv for r in results),
-            sum(r.by_recompute for r in results),
-        )
+        return _summed([_as_result(a) for a in answers.values()])
 
     async def _ask_counts(
         self, counts: Mapping[int, int | None], source: WorkerRef, timeout_s: float
@@ -182,6 +172,14 @@ class TierRebalancer:
 
 async def _nothing_moved() -> MoveResult:
     return MoveResult(0, 0, 0)
+
+
+def _summed(results: list[MoveResult]) -> MoveResult:
+    return MoveResult(
+        sum(r.num_candidates for r in results),
+        sum(r.with_kv for r in results),
+        sum(r.by_recompute for r in results),
+    )
 
 
 def _as_result(answer: Rebalanced) -> MoveResult:
