@@ -59,6 +59,7 @@ class _OpenCall:
         self.writing = False  # a chunk's write was started and has not returned
 
     async def write_chunk(self, message: pb.GenerateResponse) -> None:
+        # `writing` stays set when the write is cut off (cancelled mid-way).
         self.writing = True
         await self.context.write(message)
         self.writing = False
@@ -70,17 +71,16 @@ class _OpenCall:
         self.final_sent = True
         call = self.call
         message = final_response(call.request_id, final, call.include_trace_id)
-        if not self.writing:
-            await self.context.write(message)
-            return True
-        # A cancel cut a chunk's write off: its operation may still be in gRPC's core.
-        deadline = asyncio.get_running_loop().time() + FINAL_RETRY_S
+        # Tried again only when a cancel cut a chunk's write off: its operation may
+        # still be in gRPC's core.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (FINAL_RETRY_S if self.writing else 0.0)
         while True:
             try:
                 await self.context.write(message)
                 return True
             except Exception:
-                if asyncio.get_running_loop().time() >= deadline:
+                if loop.time() >= deadline:
                     raise
             await asyncio.sleep(FINAL_RETRY_EVERY_S)
 
